@@ -1,0 +1,1 @@
+"""Text sources and the packed token dataset."""

@@ -1,0 +1,25 @@
+"""The interface every tokenizer offers to datasets and the trainer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class Tokenizer(ABC):
+    """Text to token ids and back, with the ids of the document markers."""
+
+    bos_id: int
+    eos_id: int
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included (the model's embedding must be at least this)."""
+
+    @abstractmethod
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        """Token ids of `text`, optionally framed by BOS and EOS."""
+
+    @abstractmethod
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids."""

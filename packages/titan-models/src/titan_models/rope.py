@@ -1,0 +1,30 @@
+"""Rotary position embeddings: the frequency table and its application to queries and keys."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotary_frequencies(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """Complex table `freqs_cis[position, pair] = exp(i * position * theta^(-2 pair / head_dim))`."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    positions = torch.arange(max_seq_len, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate `xq`, `xk` of shape (batch, seq, heads, head_dim) by position.
+
+    Consecutive pairs of the head dimension form one complex number (Meta's layout); Hugging Face
+    checkpoints use the half-split layout, which the weight mapping permutes into this one.
+    """
+    seq_len = xq.shape[1]
+    freqs = freqs_cis[:seq_len].view(1, seq_len, 1, -1)
+    q = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    k = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    q_out = torch.view_as_real(q * freqs).flatten(3)
+    k_out = torch.view_as_real(k * freqs).flatten(3)
+    return q_out.type_as(xq), k_out.type_as(xk)

@@ -1,0 +1,122 @@
+"""Builders that map config sections onto each library's own small, typed arguments."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from titan_data import PackedTokenDataset, Tokenizer, TokenLoader, build_tokenizer, get_source
+from titan_parallel import ParallelDims, apply_fsdp, blocks_of
+from titan_train.config import JobConfig
+from titan_train.errors import ConfigError
+from titan_train.lr_schedule import build_lr_scheduler
+from titan_train.registry import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_TOKENIZER = Path(__import__("titan_data").__file__).parent / "assets" / "tokenizer"
+
+
+def build_parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
+    p = config.parallelism
+    return ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        world_size=world_size,
+    )
+
+
+def build_tokenizer_for(config: JobConfig) -> Tokenizer:
+    return build_tokenizer(config.model.hf_assets_path or BUNDLED_TOKENIZER)
+
+
+def build_model(
+    config: JobConfig, spec: ModelSpec, tokenizer: Tokenizer, dims: ParallelDims, device: torch.device, seed: int
+) -> nn.Module:
+    """The model on the meta device, parallelised, then materialised on `device` and initialised."""
+    args = spec.args_for(config.model.flavor, max_seq_len=config.training.seq_len)
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ConfigError(
+            f"config: the tokenizer has {tokenizer.vocab_size} tokens but {spec.name} {config.model.flavor} has a "
+            f"vocabulary of {args.vocab_size}; use a matching model.flavor or model.hf_assets_path"
+        )
+    with torch.device("meta"):
+        model = spec.build(args)
+    if dims.fsdp_enabled:
+        param_dtype = _dtype(config.training.mixed_precision_param)
+        if device.type == "cpu" and param_dtype != torch.float32:
+            logger.warning("training.mixed_precision_param=%s is kept as float32 on CPU", config.training.mixed_precision_param)
+            param_dtype = torch.float32
+        reshard = config.parallelism.fsdp_reshard_after_forward
+        apply_fsdp(
+            model,
+            blocks_of(model),
+            dims.submesh("dp_shard_cp"),
+            param_dtype=param_dtype,
+            reduce_dtype=_dtype(config.training.mixed_precision_reduce),
+            reshard_after_forward=reshard != "never",
+        )
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=device, seed=seed)
+    model.train()
+    return model
+
+
+def build_optimizer(config: JobConfig, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    o = config.optimizer
+    cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[o.name]
+    impl = o.implementation
+    kwargs = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
+    if impl == "fused" and device.type == "cpu":
+        impl = "foreach"  # fused Adam kernels need an accelerator
+    kwargs["fused"] = impl == "fused"
+    kwargs["foreach"] = impl == "foreach"
+    return cls(model.parameters(), **kwargs)
+
+
+def build_lr_schedule(config: JobConfig, optimizer: torch.optim.Optimizer):
+    s = config.lr_scheduler
+    return build_lr_scheduler(
+        optimizer,
+        total_steps=config.training.steps,
+        warmup_steps=s.warmup_steps,
+        decay_ratio=s.decay_ratio,
+        decay_type=s.decay_type,
+        min_lr_factor=s.min_lr_factor,
+    )
+
+
+def build_loader(config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> TokenLoader:
+    t = config.training
+    dataset = PackedTokenDataset(
+        get_source(t.dataset, t.dataset_path),
+        tokenizer,
+        t.seq_len,
+        dp_rank=dp_rank,
+        dp_world_size=dp_degree,
+        num_streams=t.dataloader.num_streams,
+    )
+    return TokenLoader(dataset, batch_size=t.local_batch_size)
+
+
+def gradient_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
+    t = config.training
+    per_step = t.local_batch_size * dp_degree
+    if t.global_batch_size < 0:
+        return 1
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"config: training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"local_batch_size ({t.local_batch_size}) * data-parallel degree ({dp_degree}) = {per_step}"
+        )
+    return t.global_batch_size // per_step
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -1,0 +1,69 @@
+"""Process-group set-up: torchrun's environment, or a one-process group when run directly."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(init_timeout_seconds: int) -> DistInfo:
+    """Join the job's process group (NCCL on GPU, gloo on CPU) and pick this rank's device.
+
+    Run without torchrun, it forms a group of one so that every code path (device mesh, DCP) is the
+    same as in a multi-process job.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=dt.timedelta(seconds=init_timeout_seconds))
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def set_collective_timeout(seconds: int) -> None:
+    """Shorten the default group's timeout once start-up (which may load slowly) is over."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        dist.distributed_c10d._set_pg_timeout(dt.timedelta(seconds=seconds), None)
+
+
+def shutdown(*, wait_for_peers: bool = True) -> None:
+    """Leave the process group, after the other ranks when `wait_for_peers`.
+
+    A rank that tears the group down while others still talk to it aborts them (gloo); after an
+    error, though, the peers may never arrive, so the failing rank leaves at once.
+    """
+    if dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
+        dist.destroy_process_group()
