@@ -60,7 +60,7 @@ def test_library_installs_alone_and_passes_its_tests(lib, tmp_path):
     subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True, env=env)
     install = subprocess.run(
         [uv, "pip", "install", "-q", "--python", str(python), "-c", str(constraints),
-         str(REPO / "packages" / f"titan-{lib}"), "pytest", "pytest-timeout", "hypothesis"],
+         f"{REPO / 'packages' / f'titan-{lib}'}[test]"],
         capture_output=True, text=True, env=env,
     )  # fmt: skip
     assert install.returncode == 0, install.stderr[-3000:]

@@ -1,5 +1,3 @@
-import os
-
 import pytest
 import torch.distributed as dist
 
@@ -9,6 +7,5 @@ def single_process_group(tmp_path_factory):
     """A real one-rank gloo group, as DCP and the checkpointer use collectives."""
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'store'}", rank=0, world_size=1)
-    os.environ.setdefault("RANK", "0")
     yield
     dist.destroy_process_group()

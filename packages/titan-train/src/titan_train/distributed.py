@@ -34,7 +34,7 @@ def init_distributed(init_timeout_seconds: int) -> DistInfo:
     Run without torchrun, it forms a group of one so that every code path (device mesh, DCP) is the
     same as in a multi-process job.
     """
-    if "RANK" not in os.environ:
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
