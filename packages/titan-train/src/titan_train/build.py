@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titan_data import PackedTokenDataset, Tokenizer, TokenLoader, build_tokenizer, get_source
+from titan_data import Tokenizer, TokenLoader, build_dataset, build_tokenizer
 from titan_parallel import ParallelDims, apply_fsdp, blocks_of
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
@@ -94,8 +94,9 @@ def build_lr_schedule(config: JobConfig, optimizer: torch.optim.Optimizer):
 
 def build_loader(config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> TokenLoader:
     t = config.training
-    dataset = PackedTokenDataset(
-        get_source(t.dataset, t.dataset_path),
+    dataset = build_dataset(
+        t.dataset,
+        t.dataset_path,
         tokenizer,
         t.seq_len,
         dp_rank=dp_rank,
