@@ -11,6 +11,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from titan_train.config.custom_module import is_section, load_custom_schema
+from titan_train.config.migrate import migrate_argv, migrate_converter_names, migrate_toml
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
 
@@ -21,10 +23,6 @@ else:  # pragma: no cover
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
-
-
-def _is_section(tp: Any) -> bool:
-    return dataclasses.is_dataclass(tp) and isinstance(tp, type)
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -40,7 +38,7 @@ def iter_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, Any, 
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if _is_section(tp):
+        if is_section(tp):
             yield from iter_fields(tp, f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}", tp, f
@@ -53,10 +51,14 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if optional:
             return None
         raise ConfigError(f"config: {name} cannot be empty")
-    origin = typing.get_origin(inner)
-    if origin is list:
+    if typing.get_origin(inner) is list:
         (item_type,) = typing.get_args(inner) or (str,)
-        items = [s.strip() for s in value.split(",") if s.strip()] if isinstance(value, str) else value
+        nested = typing.get_origin(item_type) is list
+        if isinstance(value, str):
+            # CLI lists: "a,b,c"; lists of lists: "a,b;c,d".
+            items: Any = [s.strip() for s in value.split(";" if nested else ",") if s.strip()]
+        else:
+            items = value
         if not isinstance(items, list):
             raise ConfigError(f"config: {name} expects a list, got {value!r}")
         return [_coerce(item, item_type, name) for item in items]
@@ -80,8 +82,12 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 raise ValueError
             return str(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"config: {name} expects {getattr(inner, '__name__', inner)}, got {value!r}") from None
+        raise ConfigError(f"config: {name} expects {_type_name(inner)}, got {value!r}") from None
     return value
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp)
 
 
 def _set(config: Any, dotted: str, value: Any) -> None:
@@ -90,6 +96,12 @@ def _set(config: Any, dotted: str, value: Any) -> None:
     for part in path:
         target = getattr(target, part)
     setattr(target, leaf, value)
+
+
+def _get(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
 
 
 def _unknown_key_error(key: str, section: str, known: list[str]) -> ConfigError:
@@ -108,7 +120,7 @@ def apply_toml(config: Any, data: dict[str, Any], cls: type, section: str = "") 
         if key not in names:
             raise _unknown_key_error(key, section, names)
         tp = hints[key]
-        if _is_section(tp):
+        if is_section(tp):
             if not isinstance(value, dict):
                 raise ConfigError(f"config: [{dotted}] must be a table, got {value!r}")
             apply_toml(getattr(config, key), value, tp, dotted)
@@ -129,10 +141,17 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def build_parser(cls: type = JobConfig) -> argparse.ArgumentParser:
-    """An argparse parser with one `--section.field` flag per config field (booleans as flags)."""
+    """An argparse parser with one `--section.field` flag per config field.
+
+    Booleans are flags (`--checkpoint.enable`, or `--checkpoint.enable false`) with a negated
+    form (`--checkpoint.no_enable`); lists are comma-separated.
+    """
     parser = argparse.ArgumentParser(
         prog="titan-train",
-        description="Train a Llama model. Precedence: CLI flags over the TOML file over defaults.",
+        usage="titan-train [--job.config_file FILE] [--section.field VALUE ...] | report DUMP_FOLDER | dry-run --ngpu N",
+        description="Train a Llama model. Precedence: CLI flags over the TOML file over defaults. "
+        "Subcommands: 'titan-train report DUMP_FOLDER' draws a run's curves; "
+        "'titan-train dry-run --ngpu N ...' checks a layout without GPUs.",
         allow_abbrev=False,
     )
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -143,27 +162,88 @@ def build_parser(cls: type = JobConfig) -> argparse.ArgumentParser:
         if f.metadata.get("choices"):
             help_text += f" (one of: {', '.join(map(str, f.metadata['choices']))})"
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        kwargs: dict[str, Any] = {"dest": dotted, "help": help_text or " ", "default": argparse.SUPPRESS}
-        if _unwrap_optional(tp)[0] is bool:
+        kwargs: dict[str, Any] = {"dest": dotted, "default": argparse.SUPPRESS}
+        kwargs["help"] = f"{help_text} (default: {default!r})".strip()
+        inner = _unwrap_optional(tp)[0]
+        if inner is bool:
             kwargs.update(nargs="?", const="true", metavar="BOOL")
+        elif typing.get_origin(inner) is list:
+            kwargs["metavar"] = "A,B;C" if typing.get_origin(typing.get_args(inner)[0]) is list else "A,B"
+        else:
+            kwargs["metavar"] = {int: "INT", float: "FLOAT"}.get(inner, "STR")
         group.add_argument(f"--{dotted}", **kwargs)
-        group._group_actions[-1].help = f"{kwargs['help']} (default: {default!r})"
+        if inner is bool:
+            negated = f"--{section}.no_{dotted.rsplit('.', 1)[1]}"
+            group.add_argument(
+                negated,
+                dest=dotted,
+                action="store_const",
+                const="false",
+                default=argparse.SUPPRESS,
+                help=argparse.SUPPRESS,
+            )
     return parser
 
 
-def _check_choices(config: Any, cls: type) -> None:
+def _check_values(config: Any, cls: type) -> None:
     for dotted, _, f in iter_fields(cls):
         choices = f.metadata.get("choices")
-        value = config
-        for part in dotted.split("."):
-            value = getattr(value, part)
+        value = _get(config, dotted)
         if choices and value not in choices:
             raise ConfigError(f"config: {dotted} = {value!r} is not one of {', '.join(map(repr, choices))}")
+    at_least_one = (
+        "training.local_batch_size", "training.seq_len", "metrics.log_freq", "profiling.profile_freq",
+        "profiling.profiler_active", "training.gc_freq", "validation.freq", "validation.local_batch_size",
+        "validation.seq_len",
+    )  # fmt: skip
+    for dotted in at_least_one:
+        if _get(config, dotted) < 1:
+            raise ConfigError(f"config: {dotted} must be at least 1, got {_get(config, dotted)}")
+    if config.training.steps < 0:
+        raise ConfigError(f"config: training.steps must be >= 0, got {config.training.steps}")
+    if config.training.global_batch_size == 0 or config.training.global_batch_size < -1:
+        raise ConfigError(
+            f"config: training.global_batch_size must be -1 (local_batch_size * dp) or positive, "
+            f"got {config.training.global_batch_size}"
+        )
+    if config.validation.steps == 0 or config.validation.steps < -1:
+        raise ConfigError(
+            f"config: validation.steps must be positive or -1 (all), got {config.validation.steps}"
+        )
+    p = config.profiling
+    if p.profiler_warmup < 0 or p.profiler_warmup + p.profiler_active > p.profile_freq:
+        raise ConfigError(
+            f"config: profiling.profiler_warmup ({p.profiler_warmup}) + profiler_active ({p.profiler_active}) "
+            f"must fit in profile_freq ({p.profile_freq}); raise profile_freq or shorten the window"
+        )
+
+
+def _option_value(argv: list[str], flag: str) -> str | None:
+    """The last value given to `flag` in `argv` (`--flag V` or `--flag=V`), before argparse runs."""
+    value = None
+    for i, token in enumerate(argv):
+        if token == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif token.startswith(flag + "="):
+            value = token.split("=", 1)[1]
+    return value
 
 
 def load_job_config(argv: list[str] | None = None, cls: type = JobConfig) -> Any:
-    """The config for `argv`: defaults, then `--job.config_file`, then the other flags."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """The config for `argv`: defaults, then `--job.config_file`, then the other flags.
+
+    Keys of older torchtitan schemas are migrated with a warning each; `job.custom_config_module`
+    (from the CLI or the TOML file) extends `cls` before anything is parsed.
+    """
+    argv = migrate_argv(list(sys.argv[1:] if argv is None else argv), lambda token: token.startswith("--"))
+    config_file = _option_value(argv, "--job.config_file")
+    toml = migrate_toml(read_toml(config_file), str(config_file)) if config_file else {}
+    custom = _option_value(argv, "--job.custom_config_module") or toml.get("job", {}).get(
+        "custom_config_module"
+    )
+    if custom:
+        cls = load_custom_schema(cls, custom)
+
     parser = build_parser(cls)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -173,14 +253,12 @@ def load_job_config(argv: list[str] | None = None, cls: type = JobConfig) -> Any
         hint = f"; did you mean '{guess[0]}'?" if guess else "; see titan-train --help"
         raise ConfigError(f"config: unknown flag '{flag}'{hint}")
     config = cls()
-    overrides = vars(args)
-    config_file = overrides.get("job.config_file")
-    if config_file:
-        apply_toml(config, read_toml(config_file), cls)
+    apply_toml(config, toml, cls)
     types_by_name = {name: tp for name, tp, _ in iter_fields(cls)}
-    for dotted, raw in overrides.items():
+    for dotted, raw in vars(args).items():
         _set(config, dotted, _coerce(raw, types_by_name[dotted], dotted))
-    _check_choices(config, cls)
+    config.model.converters = migrate_converter_names(config.model.converters)
+    _check_values(config, cls)
     return config
 
 

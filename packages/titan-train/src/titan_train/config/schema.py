@@ -1,28 +1,70 @@
-"""The job configuration: torchtitan's TOML sections and field names, each with a default and help."""
+"""The job configuration: torchtitan's TOML sections and field names (0.2.x), each with a default and help.
+
+Sections for parallelism and model transforms live in `parallel_sections.py`. Titan's own additions are
+marked "(Titan)" in their help.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from titan_train.config.fields import opt
+from titan_train.config.parallel_sections import ActivationCheckpoint, Compile, Parallelism, Quantize
 
 
 @dataclass
 class Job:
     config_file: str | None = opt(None, "TOML file to read before CLI overrides")
-    dump_folder: str = opt("./outputs", "Folder for checkpoints, TensorBoard events, traces and the resolved config")
+    dump_folder: str = opt(
+        "./outputs", "Folder for checkpoints, TensorBoard events, traces and the resolved config"
+    )
     description: str = opt("default job", "Free-text description of the job")
     print_config: bool = opt(False, "Log the resolved configuration at start")
-    custom_config_module: str = opt("", "Python module whose JobConfig subclass extends the schema")
+    save_config_file: str | None = opt(
+        None, "Also write the resolved configuration to this file, under dump_folder"
+    )
+    custom_config_module: str = opt(
+        "", "Importable module whose JobConfig dataclass adds sections or fields to this schema"
+    )
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "Record torch profiler traces")
+    save_traces_folder: str = opt(
+        "profile_traces", "Trace folder, under dump_folder (one iteration_N per trace)"
+    )
+    profile_freq: int = opt(10, "Write a trace every this many steps")
+    profiler_active: int = opt(1, "Steps each trace records")
+    profiler_warmup: int = opt(3, "Steps the profiler warms up before each recorded window")
+    enable_memory_snapshot: bool = opt(False, "Dump CUDA allocator snapshots (CUDA only)")
+    save_memory_snapshot_folder: str = opt("memory_snapshot", "Snapshot folder, under dump_folder")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "Log metrics every this many steps")
+    enable_tensorboard: bool = opt(False, "Write TensorBoard scalars")
+    disable_color_printing: bool = opt(False, "Plain log lines without ANSI colours")
+    save_tb_folder: str = opt("tb", "TensorBoard folder, under dump_folder")
+    save_for_all_ranks: bool = opt(
+        False, "Every rank writes its own TensorBoard/W&B metrics, not only rank 0"
+    )
+    enable_wandb: bool = opt(False, "Log metrics to Weights & Biases (needs the wandb package)")
 
 
 @dataclass
 class Model:
     name: str = opt("llama3", "Model family, as registered in titan_train.registry")
-    flavor: str = opt("debugmodel", "Model shape within the family (debugmodel, 8B, ...)")
+    flavor: str = opt("debugmodel", "Model shape within the family (debugmodel, 8B, 70B, 405B, ...)")
     hf_assets_path: str = opt(
-        "", "Folder with the tokenizer (and config/safetensors); empty: the bundled test tokenizer"
+        "",
+        "Folder with the tokenizer (and config/safetensors); empty: the test tokenizer bundled with titan-data",
     )
+    converters: list[str] = opt(
+        [], "Model transforms to apply, e.g. quantize.linear.float8, quantize.linear.mx"
+    )
+    print_after_conversion: bool = opt(False, "Log the model after the converters ran")
 
 
 @dataclass
@@ -34,13 +76,19 @@ class Optimizer:
     eps: float = opt(1e-8, "Adam epsilon")
     weight_decay: float = opt(0.1, "Decoupled weight decay (AdamW) or L2 penalty (Adam)")
     implementation: str = opt(
-        "fused", "Kernel: fused or foreach (fused falls back to foreach on CPU)", choices=("fused", "foreach", "for-loop")
+        "fused",
+        "Kernel: fused (accelerators; CPU falls back to foreach), foreach, or for-loop",
+        choices=("fused", "foreach", "for-loop"),
+    )
+    early_step_in_backward: bool = opt(
+        False, "Step each parameter as soon as its gradient is ready (no clipping)"
     )
 
 
 @dataclass
 class LRScheduler:
     warmup_steps: int = opt(200, "Steps of linear warmup from near zero to the peak lr")
+    total_steps: int | None = opt(None, "Steps the schedule spans; None: training.steps")
     decay_ratio: float | None = opt(
         None, "Share of steps spent decaying at the end (warmup-stable-decay); None: decay right after warmup"
     )
@@ -50,9 +98,13 @@ class LRScheduler:
 
 @dataclass
 class DataLoader:
+    num_workers: int = opt(0, "Loader worker processes (Titan tokenises in-process for exact resume: keep 0)")
+    persistent_workers: bool = opt(False, "Keep workers between epochs (only with num_workers > 0)")
+    pin_memory: bool = opt(False, "Copy batches to pinned memory first (CUDA)")
+    prefetch_factor: int | None = opt(None, "Batches each worker loads ahead (only with num_workers > 0)")
     num_streams: int = opt(
         0,
-        "Document streams the data is dealt into (0: one per data-parallel rank). Keep it fixed to get "
+        "(Titan) document streams the data is dealt into (0: one per data-parallel rank); keep it fixed to get "
         "the same batches at any world size",
     )
 
@@ -61,28 +113,31 @@ class DataLoader:
 class Training:
     dataset: str = opt("c4_test", "Dataset name (see titan_data.DATASETS)")
     dataset_path: str | None = opt(None, "Read the dataset from this local path instead of its default")
-    local_batch_size: int = opt(8, "Sequences per data-parallel rank per micro-step")
-    global_batch_size: int = opt(-1, "Sequences per optimizer step across ranks; -1: local_batch_size * dp")
+    local_batch_size: int = opt(8, "Sequences per data-parallel rank per micro-batch")
+    global_batch_size: int = opt(
+        -1,
+        "Sequences per optimizer step over all ranks; above local_batch_size * dp it accumulates gradients",
+    )
     seq_len: int = opt(2048, "Tokens per sequence")
     max_norm: float = opt(1.0, "Gradient-norm clipping threshold")
     steps: int = opt(10000, "Optimizer steps to train")
+    enable_cpu_offload: bool = opt(False, "Keep FSDP parameters, gradients and optimizer state in CPU memory")
+    dtype: str = opt(
+        "float32",
+        "Dtype of parameters, gradients and optimizer state (bfloat16: no float32 master copy)",
+        choices=("bfloat16", "float32"),
+    )
     mixed_precision_param: str = opt(
-        "bfloat16", "FSDP parameter dtype in compute (CPU runs keep float32)", choices=("bfloat16", "float32")
+        "bfloat16",
+        "Compute dtype of parameters under FSDP (or autocast on one GPU); CPU runs keep float32",
+        choices=("bfloat16", "float32"),
     )
     mixed_precision_reduce: str = opt("float32", "FSDP gradient reduction dtype", choices=("float32",))
-    dataloader: DataLoader = field(default_factory=DataLoader)
-
-
-@dataclass
-class Parallelism:
-    data_parallel_replicate_degree: int = opt(1, "Replicas of the model (HSDP/DDP)")
-    data_parallel_shard_degree: int = opt(-1, "Ranks a replica is sharded over (FSDP); -1: the rest of the world")
-    fsdp_reshard_after_forward: str = opt(
-        "default", "Free gathered parameters after forward", choices=("default", "always", "never")
+    gc_freq: int = opt(
+        50, "Run Python's garbage collector every this many steps (automatic collection is off)"
     )
-    tensor_parallel_degree: int = opt(1, "Tensor-parallel degree")
-    context_parallel_degree: int = opt(1, "Context-parallel degree")
-    pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree")
+    gc_debug: bool = opt(False, "Collect garbage every step, to find reference cycles")
+    dataloader: DataLoader = field(default_factory=DataLoader)
 
 
 @dataclass
@@ -94,23 +149,62 @@ class Checkpoint:
 
 
 @dataclass
-class Metrics:
-    log_freq: int = opt(10, "Log metrics every this many steps")
-    enable_tensorboard: bool = opt(False, "Write TensorBoard scalars")
-    save_tb_folder: str = opt("tb", "TensorBoard folder, under job.dump_folder")
-    disable_color_printing: bool = opt(False, "Plain log lines without ANSI colours")
+class Comm:
+    init_timeout_seconds: int = opt(300, "Timeout for process-group initialisation and the first collectives")
+    train_timeout_seconds: int = opt(100, "Timeout for collectives once training runs (NCCL)")
+    trace_buf_size: int = opt(20000, "Flight-recorder entries kept per rank; 0: off")
+    save_traces_folder: str = opt("comm_traces", "Flight-recorder dump folder, under dump_folder")
+    save_traces_file_prefix: str = opt("rank_", "Flight-recorder dump file prefix")
+    mode: str = opt(
+        "default",
+        "default: real communication; fake_backend: dry run that checks the layout for WORLD_SIZE (or NGPU) "
+        "ranks without GPUs; local_tensor: simulate every rank in one process",
+        choices=("default", "fake_backend", "local_tensor"),
+    )
 
 
 @dataclass
-class Comm:
-    init_timeout_seconds: int = opt(300, "Timeout for process-group initialisation and the first collectives")
-    train_timeout_seconds: int = opt(100, "Timeout for collectives once training runs")
+class MemoryEstimation:
+    enable: bool = opt(False, "Log an estimate of memory per rank before training")
+    disable_fake_mode: bool = opt(
+        False, "Estimate on real tensors instead of fake ones (Titan's estimate is analytic)"
+    )
+
+
+@dataclass
+class FaultTolerance:
+    enable: bool = opt(False, "torchft fault-tolerant replicas")
+    process_group: str = opt("gloo", "torchft process group", choices=("gloo", "nccl"))
+    process_group_timeout_ms: int = opt(10000, "torchft process group timeout")
+    replica_id: int = opt(0, "torchft replica id of this job")
+    group_size: int = opt(0, "Number of torchft replica groups")
+    min_replica_size: int = opt(1, "Fewest replicas a step needs")
+    semi_sync_method: str | None = opt(None, "Semi-synchronous method (local_sgd, diloco); None: synchronous")
+
+
+@dataclass
+class Experimental:
+    custom_import: str = opt("", "Module imported before the job is built (e.g. to register a model)")
+
+
+@dataclass
+class Validation:
+    enable: bool = opt(False, "Measure loss and perplexity on a validation set during training")
+    dataset: str = opt("c4_validation", "Validation dataset name (see titan_data.DATASETS)")
+    dataset_path: str | None = opt(None, "Read the validation dataset from this local path")
+    local_batch_size: int = opt(8, "Validation sequences per data-parallel rank per batch")
+    seq_len: int = opt(2048, "Validation tokens per sequence (at most training.seq_len)")
+    freq: int = opt(10, "Validate every this many steps")
+    steps: int = opt(-1, "Validation batches per run; -1: the whole set (ranks stop together)")
+    dataloader: DataLoader = field(default_factory=DataLoader)
 
 
 @dataclass
 class Debug:
     seed: int | None = opt(None, "Seed for weight init and any randomness; None: 0")
     deterministic: bool = opt(False, "Use deterministic algorithms (slower)")
+    deterministic_warn_only: bool = opt(False, "Only warn where an op has no deterministic implementation")
+    moe_force_load_balance: bool = opt(False, "Route tokens to experts round-robin (MoE debugging)")
 
 
 @dataclass
@@ -118,12 +212,20 @@ class JobConfig:
     """Every section of a job's TOML file; `titan-train --help` lists each field."""
 
     job: Job = field(default_factory=Job)
+    profiling: Profiling = field(default_factory=Profiling)
+    metrics: Metrics = field(default_factory=Metrics)
     model: Model = field(default_factory=Model)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
-    metrics: Metrics = field(default_factory=Metrics)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    quantize: Quantize = field(default_factory=Quantize)
     comm: Comm = field(default_factory=Comm)
+    memory_estimation: MemoryEstimation = field(default_factory=MemoryEstimation)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    experimental: Experimental = field(default_factory=Experimental)
+    validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
