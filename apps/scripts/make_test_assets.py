@@ -1,10 +1,14 @@
-"""Rebuild titan-data's bundled test assets: the `c4_test` corpus and the tokenizer trained on it.
+"""Rebuild titan-data's bundled test assets: the `c4_test` corpus and the tokenizers trained on it.
 
 The corpus is English prose that every Python install carries: the docstrings of the standard
 library, read with `ast` (nothing is imported or downloaded), laid out as C4's JSON lines
 (`text`, `timestamp`, `url`). The tokenizer is a byte-level BPE trained on that corpus with the
 `tokenizers` library and written in Llama 3's `tokenizer.model` format (tiktoken ranks), so that
 1792 BPE tokens plus Llama 3's 256 special tokens make the debug model's vocabulary of 2048.
+
+The same BPE is also written as a Hugging Face `tokenizer.json` (with `tokenizer_config.json` naming
+BOS and EOS), numbered like the tiktoken ranks, as a Llama 3 assets folder holds both. A Llama 2 style
+sentencepiece `tokenizer.model` (BPE with byte fallback, 2048 pieces) is trained on the same corpus.
 
     uv run python apps/scripts/make_test_assets.py
 """
@@ -19,10 +23,15 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from tokenizers import Regex, models, pre_tokenizers, trainers
+import sentencepiece as spm
+from titan_data.tokenizers.tiktoken_bpe import (
+    LLAMA3_PATTERN,
+    NUM_RESERVED_SPECIAL_TOKENS,
+    llama3_special_tokens,
+    save_tiktoken_ranks,
+)
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
-
-from titan_data.tokenizers.tiktoken_bpe import LLAMA3_PATTERN, NUM_RESERVED_SPECIAL_TOKENS, save_tiktoken_ranks
 
 ASSETS = Path(__file__).resolve().parents[2] / "packages/titan-data/src/titan_data/assets"
 SKIPPED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "turtledemo", "__pycache__"}
@@ -63,7 +72,11 @@ def build_corpus(max_docs: int) -> list[dict]:
 
 def _bytes_of_unicode_alphabet() -> dict[str, int]:
     """Inverse of the byte-level alphabet that `tokenizers` uses to spell raw bytes as characters."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -74,8 +87,7 @@ def _bytes_of_unicode_alphabet() -> dict[str, int]:
     return chars
 
 
-def train_bpe_ranks(texts: list[str], num_tokens: int) -> dict[bytes, int]:
-    """Train byte-level BPE and return tiktoken ranks: the 256 bytes first, then merges in order."""
+def _byte_level_bpe(texts: list[str], num_tokens: int) -> HFTokenizer:
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -87,6 +99,11 @@ def train_bpe_ranks(texts: list[str], num_tokens: int) -> dict[bytes, int]:
         vocab_size=num_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def bpe_ranks_of(tokenizer: HFTokenizer) -> dict[bytes, int]:
+    """tiktoken ranks of a trained byte-level BPE: the 256 bytes first, then merges in order."""
     to_byte = _bytes_of_unicode_alphabet()
     ranks = {bytes([b]): b for b in range(256)}
     for merge in json.loads(tokenizer.to_str())["model"]["merges"]:
@@ -94,6 +111,53 @@ def train_bpe_ranks(texts: list[str], num_tokens: int) -> dict[bytes, int]:
         token = bytes(to_byte[c] for c in left + right)
         ranks.setdefault(token, len(ranks))
     return ranks
+
+
+def hf_tokenizer_json(tokenizer: HFTokenizer, ranks: dict[bytes, int]) -> str:
+    """The trained BPE as a `tokenizer.json` whose ids equal the tiktoken ranks, with Llama 3's
+    special tokens after them and a post-processor that prepends BOS (as Llama 3's file does)."""
+    spec = json.loads(tokenizer.to_str())
+    to_char = {b: c for c, b in _bytes_of_unicode_alphabet().items()}
+    spec["model"]["vocab"] = {"".join(to_char[b] for b in token): rank for token, rank in ranks.items()}
+    vocab = spec["model"]["vocab"]
+    spec["model"]["merges"] = [
+        m for m in spec["model"]["merges"] if "".join(m.split(" ") if isinstance(m, str) else m) in vocab
+    ]
+    hf = HFTokenizer.from_str(json.dumps(spec))
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in llama3_special_tokens()])
+    bos = "<|begin_of_text|>"
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, hf.token_to_id(bos))]
+    )
+    hf.decoder = decoders.ByteLevel()
+    return hf.to_str(pretty=True)
+
+
+def train_llama2_sentencepiece(texts: list[str], vocab_size: int, model_prefix: Path) -> None:
+    """A sentencepiece BPE with Llama 2's trainer settings (byte fallback, split digits, identity
+    normalisation, unk/bos/eos = 0/1/2), one sentence per line of the corpus."""
+    lines = [line for text in texts for line in text.splitlines() if line.strip()]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_prefix=str(model_prefix),
+        model_type="bpe",
+        vocab_size=vocab_size,
+        byte_fallback=True,
+        split_digits=True,
+        normalization_rule_name="identity",
+        add_dummy_prefix=True,
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        character_coverage=0.99995,
+        max_sentencepiece_length=16,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        num_threads=1,
+        shuffle_input_sentence=False,
+        minloglevel=2,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,12 +174,31 @@ def main(argv: list[str] | None = None) -> None:
         for doc in corpus:
             f.write(json.dumps(doc, ensure_ascii=False) + "\n")
 
-    ranks = train_bpe_ranks([d["text"] for d in corpus], args.vocab_size - NUM_RESERVED_SPECIAL_TOKENS)
+    texts = [d["text"] for d in corpus]
+    bpe = _byte_level_bpe(texts, args.vocab_size - NUM_RESERVED_SPECIAL_TOKENS)
+    ranks = bpe_ranks_of(bpe)
     tokenizer_dir = args.out / "tokenizer"
     tokenizer_dir.mkdir(parents=True, exist_ok=True)
     save_tiktoken_ranks(ranks, tokenizer_dir / "tokenizer.model")
+    (tokenizer_dir / "tokenizer.json").write_text(hf_tokenizer_json(bpe, ranks) + "\n")
+    config = {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    llama2_dir = args.out / "tokenizer_llama2"
+    llama2_dir.mkdir(parents=True, exist_ok=True)
+    train_llama2_sentencepiece(texts, args.vocab_size, llama2_dir / "tokenizer")
+    (
+        llama2_dir / "tokenizer.vocab"
+    ).unlink()  # the model file holds the pieces; the vocab listing is for humans
     size = sum(len(d["text"]) for d in corpus)
-    print(f"wrote {len(corpus)} documents ({size:,} characters) and {len(ranks)} BPE ranks to {args.out}", file=sys.stderr)
+    print(
+        f"wrote {len(corpus)} documents ({size:,} characters) and {len(ranks)} BPE ranks to {args.out}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

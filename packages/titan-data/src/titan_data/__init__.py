@@ -1,19 +1,71 @@
-"""Tokenizers, packed pretraining datasets with exact resume, and resumable loaders."""
+"""Tokenizers, packed pretraining datasets with exact resume, resumable loaders, and preprocessing.
 
-from titan_data.datasets.packed import PackedTokenDataset
-from titan_data.datasets.sources import DATASETS, TextSource, get_source
-from titan_data.errors import DataError
-from titan_data.loader import TokenLoader
-from titan_data.tokenizers.base import Tokenizer
-from titan_data.tokenizers.build import build_tokenizer
+Names load on first use (PEP 562), so that preprocessing (`titan-data tokenize` and its worker
+processes) starts without importing torch.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+_HOME = {
+    "DATASETS": "titan_data.datasets.registry",
+    "DataError": "titan_data.errors",
+    "DocumentReader": "titan_data.datasets.sources",
+    "FileSource": "titan_data.datasets.file_formats",
+    "IterableSource": "titan_data.datasets.sources",
+    "MemmapTokenDataset": "titan_data.datasets.memmap",
+    "PackedTokenDataset": "titan_data.datasets.packed",
+    "ShardIndex": "titan_data.shards.index",
+    "TextSource": "titan_data.datasets.sources",
+    "TokenLoader": "titan_data.loader",
+    "Tokenizer": "titan_data.tokenizers.base",
+    "build_dataset": "titan_data.datasets.build",
+    "build_tokenizer": "titan_data.tokenizers.build",
+    "get_source": "titan_data.datasets.registry",
+    "register_dataset": "titan_data.datasets.registry",
+    "tokenize_to_shards": "titan_data.shards.tokenize_job",
+}
 
 __all__ = [
     "DATASETS",
     "DataError",
+    "DocumentReader",
+    "FileSource",
+    "IterableSource",
+    "MemmapTokenDataset",
     "PackedTokenDataset",
+    "ShardIndex",
     "TextSource",
     "TokenLoader",
     "Tokenizer",
+    "build_dataset",
     "build_tokenizer",
     "get_source",
+    "register_dataset",
+    "tokenize_to_shards",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'titan_data' has no attribute '{name}'")
+    value = getattr(import_module(_HOME[name]), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from titan_data.datasets.build import build_dataset
+    from titan_data.datasets.file_formats import FileSource
+    from titan_data.datasets.memmap import MemmapTokenDataset
+    from titan_data.datasets.packed import PackedTokenDataset
+    from titan_data.datasets.registry import DATASETS, get_source, register_dataset
+    from titan_data.datasets.sources import DocumentReader, IterableSource, TextSource
+    from titan_data.errors import DataError
+    from titan_data.loader import TokenLoader
+    from titan_data.shards.index import ShardIndex
+    from titan_data.shards.tokenize_job import tokenize_to_shards
+    from titan_data.tokenizers.base import Tokenizer
+    from titan_data.tokenizers.build import build_tokenizer

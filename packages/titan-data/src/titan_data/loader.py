@@ -1,4 +1,4 @@
-"""A resumable batch loader over a packed dataset."""
+"""A resumable batch loader over a packed or memory-mapped dataset."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titan_data.datasets.memmap import MemmapTokenDataset
 from titan_data.datasets.packed import PackedTokenDataset
 
 
@@ -16,7 +17,7 @@ class TokenLoader(StatefulDataLoader):
     checkpointer can save every rank's entries side by side and deal them out again on load.
     """
 
-    def __init__(self, dataset: PackedTokenDataset, batch_size: int):
+    def __init__(self, dataset: PackedTokenDataset | MemmapTokenDataset, batch_size: int):
         # Workers would tokenise ahead of the saved position; the state is exact only in-process.
         super().__init__(dataset, batch_size=batch_size, num_workers=0)
         self.packed = dataset

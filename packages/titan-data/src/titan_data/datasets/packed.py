@@ -1,50 +1,60 @@
 """Tokenise a document stream and pack it into fixed windows, in streams that ranks share out.
 
-Documents are dealt to a fixed number of *streams* (document `i` to stream `i % num_streams`), and
-the streams to data-parallel ranks (stream `j` to rank `j % dp_world_size`). Each stream packs its
-own documents, framed by BOS/EOS, into windows of `seq_len + 1` tokens. The global batch is therefore
-the same set of windows whatever the number of ranks, and a checkpoint (one entry per stream) can be
-re-dealt to a different number of ranks without repeating or skipping any document.
+Documents are dealt to a fixed number of *streams* (see `dealing.py`), and the streams to
+data-parallel ranks (stream `j` to rank `j % dp_world_size`). Each stream packs its own documents,
+framed by BOS/EOS, into windows of `seq_len + 1` tokens. The global batch is therefore the same set
+of windows whatever the number of ranks (when it divides num_streams), and a checkpoint (one entry
+per stream) can be re-dealt to a different number of ranks without repeating or skipping a document.
 """
 
 from __future__ import annotations
 
-import pickle
+import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset
 
+from titan_data.datasets.dealing import DEALINGS, choose_dealing
 from titan_data.datasets.sources import TextSource
+from titan_data.datasets.streams import StreamState, load_streams, save_streams
 from titan_data.errors import DataError
 from titan_data.tokenizers.base import Tokenizer
 
-
-@dataclass
-class StreamState:
-    """Where one stream stands: the next (epoch, document index) it takes, and unemitted tokens."""
-
-    epoch: int = 0
-    next_doc: int = 0
-    windows_emitted: int = 0
-    buffer: list[int] = field(default_factory=list)
-
-    @property
-    def position(self) -> tuple[int, int]:
-        return (self.epoch, self.next_doc)
+logger = logging.getLogger(__name__)
 
 
-def stream_key(stream: int) -> str:
-    return f"stream_{stream}"
+def owned_streams(dp_rank: int, dp_world_size: int, num_streams: int) -> list[int]:
+    """The streams rank `dp_rank` reads: j, j + dp_world_size, ...; validates the layout."""
+    if not 0 <= dp_rank < dp_world_size:
+        raise DataError(f"dataset: dp_rank {dp_rank} is outside dp_world_size {dp_world_size}")
+    if num_streams < dp_world_size:
+        raise DataError(
+            f"dataset: num_streams ({num_streams}) is smaller than the data-parallel degree "
+            f"({dp_world_size}); every rank needs at least one stream, so raise num_streams"
+        )
+    if num_streams % dp_world_size:
+        logger.warning(
+            "dataset: num_streams (%d) is not a multiple of the data-parallel degree (%d): ranks read "
+            "unequal numbers of streams, so batches differ from those at other world sizes",
+            num_streams, dp_world_size,
+        )  # fmt: skip
+    return list(range(dp_rank, num_streams, dp_world_size))
+
+
+def next_stream(streams: dict[int, StreamState], candidates: list[int]) -> int:
+    """The stream that has emitted fewest windows (lowest id on ties): a round robin with no cursor
+    to save, and the same global order at any number of ranks."""
+    return min(candidates, key=lambda j: (streams[j].windows_emitted, j))
 
 
 class PackedTokenDataset(IterableDataset):
     """(input, label) pairs shifted by one token, from this rank's streams in round-robin order.
 
-    With `infinite`, every stream loops over epochs. `state_dict()` holds one entry per owned stream,
-    keyed `stream_J`, so entries from every rank together describe the whole data position.
+    With `infinite`, every stream loops over epochs; otherwise iteration ends when the streams run
+    out of full windows. `state_dict()` holds one entry per owned stream, keyed `stream_J`, so
+    entries from every rank together describe the whole data position.
     """
 
     def __init__(
@@ -59,73 +69,46 @@ class PackedTokenDataset(IterableDataset):
         infinite: bool = True,
     ):
         num_streams = num_streams or dp_world_size
-        if not 0 <= dp_rank < dp_world_size:
-            raise DataError(f"dataset: dp_rank {dp_rank} is outside dp_world_size {dp_world_size}")
-        if num_streams < dp_world_size:
-            raise DataError(
-                f"dataset: num_streams ({num_streams}) is smaller than the data-parallel degree "
-                f"({dp_world_size}); every rank needs at least one stream, so raise num_streams"
-            )
+        self.owned = owned_streams(dp_rank, dp_world_size, num_streams)
         if seq_len < 1:
             raise DataError(f"dataset: seq_len must be >= 1, got {seq_len}")
-        self.source = source
-        self.tokenizer = tokenizer
-        self.seq_len = seq_len
-        self.num_streams = num_streams
-        self.infinite = infinite
-        self.owned = list(range(dp_rank, num_streams, dp_world_size))
-        self.streams = {j: StreamState() for j in self.owned}
+        self.source, self.tokenizer, self.seq_len = source, tokenizer, seq_len
+        self.num_streams, self.infinite = num_streams, infinite
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.dealing = choose_dealing(source, num_streams)
+        self.layout = {
+            "kind": "packed",
+            "source": source.name,
+            "dealing": self.dealing,
+            "num_streams": num_streams,
+        }
+        self.streams = {j: StreamState() for j in self.owned}
 
-    def _documents_from(self, start: tuple[int, int]) -> Iterator[tuple[int, int, str]]:
-        """(epoch, index, text) of every document from `start` on, looping if `infinite`."""
-        epoch, first = start
-        while True:
-            seen_any = False
-            for index, text in enumerate(self.source.read()):
-                seen_any = True
-                if index >= first:
-                    yield epoch, index, text
-            if not seen_any:
-                raise DataError(f"dataset: '{self.source.name}' at {self.source.path} holds no documents")
-            if not self.infinite:
-                return
-            epoch, first = epoch + 1, 0
-
-    def _take(self, stream: StreamState, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.tensor(stream.buffer[:window], dtype=torch.long)
-        del stream.buffer[:window]
-        stream.windows_emitted += 1
-        return tokens[:-1], tokens[1:]
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, bos=True, eos=True)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         window = self.seq_len + 1
-        start = min(s.position for s in self.streams.values())
-        documents = self._documents_from(start)
-        while True:
-            # The stream that has emitted least goes next: a round robin that needs no saved cursor.
-            j = min(self.owned, key=lambda k: (self.streams[k].windows_emitted, k))
+        feeder = DEALINGS[self.dealing](
+            self.source, self.streams, self.num_streams, self.infinite, self._encode
+        )
+        active = list(self.owned)
+        while active:
+            j = next_stream(self.streams, active)
             stream = self.streams[j]
             while len(stream.buffer) < window:
-                document = next(documents, None)
-                if document is None:
-                    return
-                epoch, index, text = document
-                owner = self.streams.get(index % self.num_streams)
-                if owner is None or (epoch, index) < owner.position:
-                    continue  # another rank's document, or one this stream consumed before a resume
-                owner.buffer.extend(self.tokenizer.encode(text, bos=True, eos=True))
-                owner.epoch, owner.next_doc = epoch, index + 1
-            yield self._take(stream, window)
+                if not feeder.feed(j):
+                    active.remove(j)  # a finite source ran out for this stream
+                    break
+            else:
+                tokens = torch.tensor(stream.buffer[:window], dtype=torch.long)
+                del stream.buffer[:window]
+                stream.windows_emitted += 1
+                yield tokens[:-1], tokens[1:]
 
     def state_dict(self) -> dict[str, Any]:
         """One pickled entry per owned stream (bytes, so checkpoints store it as an opaque object)."""
-        return {stream_key(j): pickle.dumps(self.streams[j]) for j in self.owned}
+        return save_streams(self.streams, self.layout)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        missing = [stream_key(j) for j in self.owned if stream_key(j) not in state]
-        if missing:
-            raise DataError(
-                f"dataset: the saved data state lacks {', '.join(missing)}; was it saved with fewer streams?"
-            )
-        self.streams = {j: pickle.loads(state[stream_key(j)]) for j in self.owned}
+        self.streams = load_streams(state, self.owned, self.layout)

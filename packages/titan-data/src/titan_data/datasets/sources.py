@@ -1,56 +1,87 @@
-"""Named text sources: where a dataset's documents come from."""
+"""Text sources: re-readable, ordered document sequences that can resume from a saved position.
+
+A source is split into shards (files, or a hub dataset's files) that can be read independently;
+`shard(n, i)` keeps shards i, i + n, i + 2n, ... A reader's `position()` is a small picklable value
+naming where the next document starts, so a data state can reopen a source there instead of reading
+it again from the beginning.
+"""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
-
-from titan_data.errors import DataError
-
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
+from typing import Any
 
 
-@dataclass(frozen=True)
-class TextSource:
-    """A named, re-readable sequence of documents; `read()` starts again from the first document."""
+class DocumentReader(Iterator[str]):
+    """Documents of a source in order; `position()` is where the next one starts."""
+
+    def __init__(self, documents: Iterator[str], position: Callable[[], Any]):
+        self._documents = documents
+        self._position = position
+
+    def __next__(self) -> str:
+        return next(self._documents)
+
+    def position(self) -> Any:
+        return self._position()
+
+
+class TextSource(ABC):
+    """A named, re-readable sequence of documents in a fixed order, split into shards.
+
+    `equal_shards` says that the shards hold about the same number of documents (as C4's files
+    do), so that dealing whole shards to data streams keeps the streams balanced.
+    """
 
     name: str
-    path: Path
-    read_documents: Callable[[Path], Iterator[str]]
+    location: str
+    equal_shards: bool = False
+
+    @property
+    @abstractmethod
+    def num_shards(self) -> int:
+        """How many independently readable parts the source has."""
+
+    @abstractmethod
+    def shard(self, num_shards: int, index: int) -> TextSource:
+        """The source made of shards `index`, `index + num_shards`, ... in order."""
+
+    @abstractmethod
+    def open(self, position: Any = None) -> DocumentReader:
+        """Read from `position` (a value a reader's `position()` returned), or from the start."""
 
     def read(self) -> Iterator[str]:
-        return self.read_documents(self.path)
+        """Every document from the first."""
+        return self.open(None)
 
 
-def read_jsonl_text(path: Path) -> Iterator[str]:
-    """The `text` field of every JSON line in `path` (a file, or every *.jsonl/*.json file of a folder)."""
-    files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json")) if path.is_dir() else [path]
-    for file in files:
-        with open(file, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield json.loads(line)["text"]
-                except (json.JSONDecodeError, KeyError) as err:
-                    raise DataError(
-                        f"dataset: {file} line {number} is not a JSON object with a 'text' field"
-                    ) from err
+class IterableSource(TextSource):
+    """A source over any re-iterable collection of texts (a user's own reader); one shard.
 
+    Resuming skips the documents already read, so it costs a read up to the position.
+    """
 
-DATASETS: dict[str, tuple[Path, Callable[[Path], Iterator[str]]]] = {
-    "c4_test": (ASSETS / "c4_test", read_jsonl_text),
-}
+    def __init__(self, name: str, documents: Callable[[], Iterable[str]], location: str = ""):
+        self.name, self.location = name, location or name
+        self._documents = documents
 
+    @property
+    def num_shards(self) -> int:
+        return 1
 
-def get_source(name: str, path: str | Path | None = None) -> TextSource:
-    """The registered source `name`, read from `path` when given instead of its default location."""
-    if name not in DATASETS:
-        raise DataError(f"dataset: unknown dataset '{name}'; registered: {', '.join(sorted(DATASETS))}")
-    default_path, reader = DATASETS[name]
-    source_path = Path(path) if path else default_path
-    if not source_path.exists():
-        raise DataError(f"dataset: '{name}' expects its files at {source_path}, which does not exist")
-    return TextSource(name, source_path, reader)
+    def shard(self, num_shards: int, index: int) -> TextSource:
+        if num_shards != 1:
+            raise ValueError(f"{self.name} has one shard; it cannot be split {num_shards} ways")
+        return self
+
+    def open(self, position: Any = None) -> DocumentReader:
+        count = [position or 0]
+
+        def documents() -> Iterator[str]:
+            for text in islice(self._documents(), count[0], None):
+                count[0] += 1
+                yield text
+
+        return DocumentReader(documents(), lambda: count[0])

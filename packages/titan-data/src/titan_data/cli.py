@@ -1,0 +1,85 @@
+"""`titan-data`: preprocessing from the command line.
+
+titan-data tokenize --input corpus/ --output tokens/ --tokenizer assets/ --workers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from titan_data.datasets.file_formats import FileSource
+from titan_data.datasets.registry import DATASETS, get_source
+from titan_data.datasets.sources import TextSource
+from titan_data.errors import DataError
+from titan_data.shards.tokenize_job import tokenize_to_shards
+
+logger = logging.getLogger("titan_data.cli")
+
+
+def _source(args: argparse.Namespace) -> TextSource:
+    if args.input in DATASETS:
+        return get_source(args.input, args.dataset_path)
+    path = Path(args.input)
+    if not path.exists():
+        raise DataError(
+            f"tokenize: --input '{args.input}' is neither a registered dataset ({', '.join(sorted(DATASETS))}) "
+            "nor an existing file or folder"
+        )
+    return FileSource.from_path(path.name, path, text_field=args.text_field)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="titan-data", description="Titan data preprocessing")
+    commands = parser.add_subparsers(dest="command", required=True)
+    tok = commands.add_parser(
+        "tokenize",
+        help="tokenise text into token shards a memory-mapped dataset trains from",
+        description="Tokenise documents into uint16/uint32 token shards with an index. Interrupted runs "
+        "continue where they stopped when the same command is run again.",
+    )
+    tok.add_argument(
+        "--input",
+        required=True,
+        help="a file or folder (.jsonl, .json, .gz, .parquet, .txt), or a dataset name",
+    )
+    tok.add_argument("--output", required=True, type=Path, help="folder for the shards and index.json")
+    tok.add_argument(
+        "--tokenizer", required=True, help="tokenizer file, or a folder holding one (hf_assets_path)"
+    )
+    tok.add_argument("--workers", type=int, default=1, help="tokenising processes (default 1)")
+    tok.add_argument(
+        "--dataset-path", default=None, help="where a named dataset's files are (e.g. a local C4 copy)"
+    )
+    tok.add_argument("--text-field", default="text", help="JSON field or parquet column holding the text")
+    tok.add_argument("--documents-per-shard", type=int, default=100_000, help="documents in each shard file")
+    tok.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        index = tokenize_to_shards(
+            _source(args), args.tokenizer, args.output, workers=args.workers,
+            documents_per_shard=args.documents_per_shard, progress=not args.quiet,
+        )  # fmt: skip
+    except DataError as err:
+        print(f"titan-data: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            f"titan-data: interrupted; finished shards are kept in {args.output}. Run the same command again "
+            "to continue",
+            file=sys.stderr,
+        )
+        return 130
+    print(f"{args.output}: {index.num_documents:,} documents, {index.num_tokens:,} tokens ({index.dtype})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Datasets by name: the built-in ones and any a user registers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from titan_data.datasets.file_formats import FileSource
+from titan_data.datasets.hub_stream import c4_source
+from titan_data.datasets.sources import TextSource
+from titan_data.errors import DataError
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+TOKEN_SHARDS = "token_shards"
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    """How to open a dataset: `open_source(path)` gives its text; None marks pre-tokenised shards."""
+
+    help: str
+    open_source: Callable[[str | Path | None], TextSource] | None
+
+
+def _local(
+    name: str, formats: tuple[str, ...] | None, default: Path | None, path: str | Path | None
+) -> TextSource:
+    path = path or default
+    if path is None:
+        raise DataError(f"dataset: '{name}' reads local files; set dataset_path to a file or folder")
+    if not Path(path).exists():
+        raise DataError(f"dataset: '{name}' expects its files at {path}, which does not exist")
+    return FileSource.from_path(name, path, **({"formats": formats} if formats else {}))
+
+
+DATASETS: dict[str, DatasetEntry] = {
+    "c4": DatasetEntry(
+        "C4 English train split (allenai/c4), streamed; dataset_path: a local copy laid out as on the hub",
+        partial(c4_source, "c4", "train"),
+    ),
+    "c4_validation": DatasetEntry(
+        "C4 English validation split, streamed; dataset_path: a local copy laid out as on the hub",
+        partial(c4_source, "c4_validation", "validation"),
+    ),
+    "c4_test": DatasetEntry(
+        "2000 C4-style documents bundled with titan-data, for tests and debug runs",
+        partial(_local, "c4_test", ("json",), ASSETS / "c4_test"),
+    ),
+    "json": DatasetEntry(
+        "JSON lines (.jsonl, .json, .gz) with a 'text' field at dataset_path",
+        partial(_local, "json", ("json",), None),
+    ),
+    "parquet": DatasetEntry(
+        "parquet files with a 'text' column at dataset_path", partial(_local, "parquet", ("parquet",), None)
+    ),
+    "text": DatasetEntry(
+        "text files (.txt, .txt.gz) at dataset_path, one document per line",
+        partial(_local, "text", ("text",), None),
+    ),
+    TOKEN_SHARDS: DatasetEntry(
+        "token shards written by `titan-data tokenize` at dataset_path, memory-mapped", None
+    ),
+}
+
+
+def register_dataset(
+    name: str, open_source: Callable[[str | Path | None], TextSource], help: str = ""
+) -> None:
+    """Make `name` usable as a dataset: `open_source(dataset_path)` returns its `TextSource`.
+
+    For a plain iterable of texts, return `IterableSource(name, lambda: texts)`; for local files,
+    `FileSource.from_path(name, path, text_field=...)`.
+    """
+    if name in DATASETS:
+        raise DataError(f"dataset: '{name}' is already registered; choose another name")
+    DATASETS[name] = DatasetEntry(help or name, open_source)
+
+
+def get_source(name: str, path: str | Path | None = None) -> TextSource:
+    """The text of registered dataset `name`, read from `path` when given instead of its default location."""
+    if name not in DATASETS:
+        raise DataError(f"dataset: unknown dataset '{name}'; registered: {', '.join(sorted(DATASETS))}")
+    entry = DATASETS[name]
+    if entry.open_source is None:
+        raise DataError(f"dataset: '{name}' holds tokens, not text; build it with build_dataset()")
+    return entry.open_source(path)

@@ -1,0 +1,125 @@
+import json
+import shutil
+
+import pytest
+from titan_data import DataError, build_tokenizer
+from titan_data.datasets.registry import ASSETS
+from titan_data.tokenizers.hf_json import HuggingFaceTokenizer
+from titan_data.tokenizers.sentencepiece_bpe import SentencePieceTokenizer
+from titan_data.tokenizers.tiktoken_bpe import TikTokenTokenizer, save_tiktoken_ranks
+
+LLAMA3 = ASSETS / "tokenizer"
+LLAMA2 = ASSETS / "tokenizer_llama2"
+TEXT = "Return the number of items in a container.\n  Raise ValueError if empty! 12345 wörld"
+
+
+@pytest.mark.parametrize(
+    "path", [LLAMA3, LLAMA3 / "tokenizer.json", LLAMA2], ids=["llama3", "tokenizer.json", "llama2"]
+)
+def test_every_format_round_trips_text_framed_by_its_own_bos_and_eos(path):
+    tok = build_tokenizer(path)
+    ids = tok.encode(TEXT, bos=True, eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert tok.bos_id not in ids[1:-1] and tok.eos_id not in ids[1:-1]
+    assert tok.decode(ids[1:-1]) == TEXT
+    assert max(ids) < tok.vocab_size
+
+
+def test_llama3_special_tokens_follow_the_bpe_ranks_and_fill_the_vocabulary():
+    tok = build_tokenizer(LLAMA3 / "tokenizer.model")
+    assert isinstance(tok, TikTokenTokenizer)
+    assert tok.vocab_size == 2048
+    assert (tok.bos_id, tok.eos_id) == (1792, 1793)
+    assert tok.special_tokens["<|eot_id|>"] == 1792 + 9
+
+
+def test_llama2_sentencepiece_model_is_recognised_and_reads_bos_eos_from_the_file():
+    tok = build_tokenizer(LLAMA2)
+    assert isinstance(tok, SentencePieceTokenizer)
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (2048, 1, 2)
+    # byte fallback: characters never seen in training still round-trip
+    assert tok.decode(tok.encode("☃ 漢字")) == "☃ 漢字"
+
+
+def test_tokenizer_json_gives_the_same_ids_as_the_tiktoken_file_of_the_same_folder(llama3_tokenizer, corpus):
+    hf = build_tokenizer(LLAMA3 / "tokenizer.json")
+    assert isinstance(hf, HuggingFaceTokenizer)
+    assert (hf.vocab_size, hf.bos_id, hf.eos_id) == (2048, 1792, 1793)
+    for text in corpus[:300]:
+        assert hf.encode(text, bos=True, eos=True) == llama3_tokenizer.encode(text, bos=True, eos=True)
+
+
+@pytest.mark.parametrize(
+    "path", [LLAMA3, LLAMA3 / "tokenizer.json", LLAMA2], ids=["llama3", "tokenizer.json", "llama2"]
+)
+def test_special_token_text_inside_documents_is_plain_text(path):
+    tok = build_tokenizer(path)
+    for text in ("<|end_of_text|>", "<|begin_of_text|>", "<s>", "</s>"):
+        ids = tok.encode(text)
+        assert tok.bos_id not in ids and tok.eos_id not in ids
+        assert tok.decode(ids) == text
+
+
+def test_folder_with_only_tokenizer_json_uses_it_with_ids_from_tokenizer_config(tmp_path):
+    shutil.copy(LLAMA3 / "tokenizer.json", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": {"content": "<|eot_id|>"}, "eos_token": "<|eom_id|>"})
+    )
+    tok = build_tokenizer(tmp_path)
+    assert isinstance(tok, HuggingFaceTokenizer)
+    assert (tok.bos_id, tok.eos_id) == (1792 + 9, 1792 + 8)
+
+
+def test_bos_eos_ids_can_come_from_generation_config(tmp_path):
+    shutil.copy(LLAMA3 / "tokenizer.json", tmp_path)
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1792, "eos_token_id": [1801, 1793]})
+    )
+    assert (build_tokenizer(tmp_path).bos_id, build_tokenizer(tmp_path).eos_id) == (1792, 1801)
+
+
+def test_hub_llama3_layout_prefers_original_tokenizer_model(tmp_path):
+    shutil.copy(LLAMA3 / "tokenizer.json", tmp_path)
+    (tmp_path / "original").mkdir()
+    shutil.copy(LLAMA3 / "tokenizer.model", tmp_path / "original")
+    assert isinstance(build_tokenizer(tmp_path), TikTokenTokenizer)
+
+
+def test_tokenizer_json_without_bos_eos_names_the_files_it_looked_in(tmp_path):
+    shutil.copy(LLAMA3 / "tokenizer.json", tmp_path)
+    with pytest.raises(
+        DataError, match=r"no BOS or EOS token declared .*tokenizer_config.json, special_tokens_map.json"
+    ):
+        build_tokenizer(tmp_path)
+
+
+def test_config_naming_a_token_the_vocabulary_lacks_is_refused(tmp_path):
+    shutil.copy(LLAMA3 / "tokenizer.json", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    with pytest.raises(DataError, match="names bos_token '<s>', which .*tokenizer.json does not hold"):
+        build_tokenizer(tmp_path)
+
+
+def test_folder_without_tokenizer_names_folder_and_files(tmp_path):
+    with pytest.raises(
+        DataError,
+        match=rf"no tokenizer in folder {tmp_path}; looked for tokenizer.model, original/tokenizer.model, tokenizer.json",
+    ):
+        build_tokenizer(tmp_path)
+
+
+def test_corrupt_tiktoken_file_is_refused_with_the_line(tmp_path):
+    bad = tmp_path / "tokenizer.model"
+    save_tiktoken_ranks({b"a": 0, b"b": 1}, bad)
+    bad.write_text(bad.read_text() + "not-base64!! x\n")
+    with pytest.raises(DataError, match="line 3"):
+        build_tokenizer(bad)
+
+
+@pytest.mark.parametrize(
+    "name,content", [("tokenizer.model", b"\x00\x01 not a model"), ("tokenizer.json", b"{]")]
+)
+def test_unreadable_tokenizer_file_is_a_clear_error(tmp_path, name, content):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError, match=rf"tokenizer: {tmp_path / name} is"):
+        build_tokenizer(tmp_path)
