@@ -1,15 +1,32 @@
-"""Llama model definitions, flavors and FLOP counting."""
+"""Llama 2/3 model definitions, flavors, attention backends, FLOP counting and HF weight mapping."""
 
-from titan_models.args import ModelArgs
-from titan_models.flavors import LLAMA3_FLAVORS, llama3_args
+from titan_models.args import ATTENTION_BACKENDS, MASK_TYPES, ModelArgs, RopeScaling
+from titan_models.attention_masks import document_ids
+from titan_models.errors import BackendUnavailableError, ModelConfigError, ModelError, WeightMappingError
+from titan_models.flavors import LLAMA2_FLAVORS, LLAMA3_FLAVORS, llama2_args, llama3_args
 from titan_models.flops import count_parameters, flops_per_token
+from titan_models.hf_adapter import LlamaStateDictAdapter
+from titan_models.safetensors_io import load_safetensors_sharded, save_safetensors_sharded
 from titan_models.transformer import Transformer
 
 __all__ = [
+    "ATTENTION_BACKENDS",
+    "LLAMA2_FLAVORS",
     "LLAMA3_FLAVORS",
+    "MASK_TYPES",
+    "BackendUnavailableError",
+    "LlamaStateDictAdapter",
     "ModelArgs",
+    "ModelConfigError",
+    "ModelError",
+    "RopeScaling",
     "Transformer",
+    "WeightMappingError",
     "count_parameters",
+    "document_ids",
     "flops_per_token",
+    "llama2_args",
     "llama3_args",
+    "load_safetensors_sharded",
+    "save_safetensors_sharded",
 ]

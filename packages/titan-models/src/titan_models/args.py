@@ -4,6 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan_models.errors import ModelConfigError
+
+ATTENTION_BACKENDS = ("sdpa", "flex", "flash")
+MASK_TYPES = ("causal", "block_causal")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's stretch of the rotary frequencies for long context.
+
+    Wavelengths shorter than `original_max_seq_len / high_freq_factor` are kept, those longer than
+    `original_max_seq_len / low_freq_factor` are divided by `factor`, and the band between is
+    interpolated smoothly.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
 
 @dataclass
 class ModelArgs:
@@ -12,6 +32,10 @@ class ModelArgs:
     `n_kv_heads=None` means plain multi-head attention; a smaller value gives grouped-query
     attention. The feed-forward width follows Llama's rule: 2/3 of 4*dim, scaled by
     `ffn_dim_multiplier`, rounded up to a multiple of `multiple_of`.
+
+    `attn_mask_type="block_causal"` keeps packed documents apart: a token attends only to earlier
+    tokens of its own document, documents being separated by `eos_id` (which the trainer takes
+    from the tokenizer).
     """
 
     dim: int = 4096
@@ -23,17 +47,34 @@ class ModelArgs:
     ffn_dim_multiplier: float | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     max_seq_len: int = 2048
+    # Llama 3.2 1B/3B share one matrix between the token embedding and the output projection.
+    tie_word_embeddings: bool = False
     # Scaled init of output projections by depth, as in Llama pretraining.
     depth_init: bool = True
     attn_backend: str = "sdpa"
+    attn_mask_type: str = "causal"
+    eos_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
-            raise ValueError(f"model: dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+            raise ModelConfigError(f"model: dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.kv_heads:
-            raise ValueError(
+            raise ModelConfigError(
                 f"model: n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ModelConfigError(
+                f"model: head_dim = dim / n_heads = {self.head_dim} must be even for rotary embeddings"
+            )
+        if self.attn_backend not in ATTENTION_BACKENDS:
+            raise ModelConfigError(
+                f"model: attn_backend '{self.attn_backend}' is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.attn_mask_type not in MASK_TYPES:
+            raise ModelConfigError(
+                f"model: attn_mask_type '{self.attn_mask_type}' is unknown; choose one of {', '.join(MASK_TYPES)}"
             )
 
     @property

@@ -1,52 +1,113 @@
-"""Grouped-query self-attention and its attention backends."""
+"""Grouped-query self-attention and its kernels: SDPA, flex attention and flash-attn."""
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from titan_models.args import ModelArgs
+from titan_models.attention_masks import AttentionMask
+from titan_models.errors import BackendUnavailableError, ModelConfigError
 from titan_models.rope import apply_rotary
 
-ATTENTION_BACKENDS = ("sdpa",)
+
+def check_attention_backend(args: ModelArgs) -> None:
+    """Fail at model build, not at the first step, when the configured attention cannot run here."""
+    if args.attn_mask_type == "block_causal" and args.eos_id is None:
+        raise ModelConfigError(
+            "model: attn_mask_type='block_causal' needs eos_id, the end-of-text token that separates "
+            "packed documents; set ModelArgs.eos_id (the trainer passes the tokenizer's)"
+        )
+    if args.attn_backend != "flash":
+        return
+    if importlib.util.find_spec("flash_attn") is None:
+        raise BackendUnavailableError(
+            "model: attn_backend='flash' needs the flash-attn package, which is not installed; install it "
+            "with `pip install 'titan-models[flash]'` on a machine with a CUDA GPU and CUDA-enabled torch "
+            "(it compiles against them), or use attn_backend='sdpa' or 'flex'"
+        )
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError(
+            "model: attn_backend='flash' needs a CUDA GPU, and torch.cuda.is_available() is False here; "
+            "use attn_backend='sdpa' or 'flex' on this machine"
+        )
+    if args.attn_mask_type != "causal":
+        raise ModelConfigError(
+            f"model: attn_backend='flash' supports attn_mask_type='causal' only, not '{args.attn_mask_type}'; "
+            "use attn_backend='flex' for block-causal attention"
+        )
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Expand (batch, seq, kv_heads, head_dim) to n_rep times the heads, for GQA."""
+    """Expand (batch, kv_heads, seq, head_dim) to n_rep times the heads, for GQA."""
     if n_rep == 1:
         return x
-    b, s, h, d = x.shape
-    return x[:, :, :, None, :].expand(b, s, h, n_rep, d).reshape(b, s, h * n_rep, d)
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    # Uncompiled flex attention materialises the full score matrix; compiled, it is a fused kernel.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+    if q.device.type == "cuda":
+        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=True)
+    # Elsewhere flex runs forward-only (see attention_masks), where the unfused path is intended.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from flash_attn import flash_attn_func
+
+    # flash-attn takes (batch, seq, heads, head_dim) and handles GQA itself.
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    return out.transpose(1, 2)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, mask: AttentionMask
+) -> torch.Tensor:
+    """Attention of (batch, heads, seq, head_dim) queries over fewer or equal key/value heads."""
+    if isinstance(mask, BlockMask):
+        return _flex(q, k, v, mask)
+    if backend == "flash":
+        return _flash(q, k, v)
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class Attention(nn.Module):
-    """Causal self-attention with rotary embeddings and grouped-query heads."""
+    """Self-attention with rotary embeddings and grouped-query heads."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        if args.attn_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"model: attn_backend '{args.attn_backend}' is unknown; choose one of {ATTENTION_BACKENDS}"
-            )
-        self.n_heads = args.n_heads
-        self.n_kv_heads = args.kv_heads
+        self.backend = args.attn_backend
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         bs, seq_len, _ = x.shape
         # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
         xq = self.wq(x).view(bs, seq_len, -1, self.head_dim)
         xk = self.wk(x).view(bs, seq_len, -1, self.head_dim)
         xv = self.wv(x).view(bs, seq_len, -1, self.head_dim)
         xq, xk = apply_rotary(xq, xk, freqs_cis)
-        n_rep = xq.shape[2] // xk.shape[2]
-        xk, xv = _repeat_kv(xk, n_rep), _repeat_kv(xv, n_rep)
-        out = F.scaled_dot_product_attention(
-            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), is_causal=True
-        )
+        out = attend(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), self.backend, mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))

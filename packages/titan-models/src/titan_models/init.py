@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_models.args import ModelArgs
+from titan_models.errors import ModelConfigError
 
 Filler = Callable[[torch.Tensor, torch.Generator], None]
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -35,9 +36,11 @@ def filler_for(name: str, args: ModelArgs) -> Filler:
     """
     if name.endswith("norm.weight"):
         return lambda t, g: nn.init.ones_(t)
-    if name == "tok_embeddings.weight":
+    if name == "tok_embeddings.weight" and not args.tie_word_embeddings:
         return lambda t, g: nn.init.normal_(t, generator=g)
-    if name == "output.weight":
+    # A tied matrix is drawn once, under the embedding's name, by the output rule: unit-variance
+    # embeddings would make the initial logits sqrt(dim) times too large.
+    if name in ("output.weight", "tok_embeddings.weight"):
         std = args.dim**-0.5
         return _trunc_normal(std, bound=3 * std)
     layer = _LAYER.search(name)
@@ -46,7 +49,7 @@ def filler_for(name: str, args: ModelArgs) -> Filler:
         return _trunc_normal(0.02 / (2 * depth) ** 0.5)
     if layer and name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight")):
         return _trunc_normal(0.02)
-    raise KeyError(f"model: no initialisation rule for parameter '{name}'")
+    raise ModelConfigError(f"model: no initialisation rule for parameter '{name}'")
 
 
 def _local_slice(full: torch.Tensor, param: DTensor) -> torch.Tensor:

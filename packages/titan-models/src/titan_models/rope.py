@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from titan_models.args import RopeScaling
 
-def rotary_frequencies(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+
+def _scale_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's long-context stretch: slow down low frequencies, keep high ones, blend between."""
+    wavelen = 2 * math.pi / inv_freq
+    high_freq_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
+    low_freq_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
+    smooth = (scaling.original_max_seq_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
+
+
+def rotary_frequencies(
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None
+) -> torch.Tensor:
     """Complex table `freqs_cis[position, pair] = exp(i * position * theta^(-2 pair / head_dim))`."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = _scale_frequencies(inv_freq, scaling)
     positions = torch.arange(max_seq_len, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)
     return torch.polar(torch.ones_like(angles), angles)

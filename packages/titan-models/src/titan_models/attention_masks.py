@@ -1,0 +1,87 @@
+"""Which keys each query may see: causal, or block-causal over packed documents.
+
+A mask is built once per forward and handed to every block: `None` means plain causal (SDPA's and
+flash-attn's built-in path), a boolean tensor is an explicit SDPA mask, and a flex-attention
+`BlockMask` drives flex attention. Flex attention has a backward only on CUDA, so elsewhere a
+training forward falls back to the boolean mask, which gives the same attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+from titan_models.args import ModelArgs
+from titan_models.errors import ModelConfigError
+
+logger = logging.getLogger(__name__)
+
+AttentionMask = torch.Tensor | BlockMask | None
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Per-position document index of packed sequences: it goes up by one after each `eos_id`.
+
+    The end-of-text token itself belongs to the document it closes.
+    """
+    is_eos = (tokens == eos_id).to(torch.int32)
+    return torch.cumsum(is_eos, dim=-1) - is_eos
+
+
+def block_causal_bool_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) boolean SDPA mask: earlier-or-same positions of the same document."""
+    seq_len = doc_ids.shape[-1]
+    positions = torch.arange(seq_len, device=doc_ids.device)
+    causal = positions[None, :, None] >= positions[None, None, :]
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (causal & same_doc)[:, None]
+
+
+def block_causal_block_mask(doc_ids: torch.Tensor) -> BlockMask:
+    """The flex-attention form of `block_causal_bool_mask`."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    batch, seq_len = doc_ids.shape
+    return create_block_mask(mask_mod, batch, None, seq_len, seq_len, device=doc_ids.device)
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_block_mask(seq_len: int, device: str) -> BlockMask:
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    return create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
+
+
+def flex_can_run(device: torch.device) -> bool:
+    """Whether flex attention can run here now: CUDA always; elsewhere only without autograd."""
+    return device.type == "cuda" or not torch.is_grad_enabled()
+
+
+@functools.lru_cache(maxsize=1)
+def _log_flex_fallback(device_type: str) -> None:
+    logger.info(
+        "flex attention has no backward on %s: training uses SDPA with an explicit mask instead", device_type
+    )
+
+
+def build_attention_mask(
+    args: ModelArgs, doc_ids: torch.Tensor | None, seq_len: int, device
+) -> AttentionMask:
+    """The mask for one forward, in the form the configured backend (or its fallback) consumes."""
+    device = torch.device(device)
+    use_flex = args.attn_backend == "flex" and flex_can_run(device)
+    if args.attn_backend == "flex" and not use_flex:
+        _log_flex_fallback(device.type)
+    if args.attn_mask_type == "causal":
+        return _causal_block_mask(seq_len, str(device)) if use_flex else None
+    if doc_ids is None:
+        raise ModelConfigError(
+            "model: attn_mask_type='block_causal' needs document ids (see titan_models.document_ids)"
+        )
+    return block_causal_block_mask(doc_ids) if use_flex else block_causal_bool_mask(doc_ids)

@@ -1,0 +1,143 @@
+"""The mapping between our Llama state dicts and Hugging Face `LlamaForCausalLM`'s.
+
+Names map one to one. The query and key projections also differ in layout: our rotary embedding
+rotates consecutive pairs of each head's dimensions (Meta's layout), Hugging Face's rotates the
+first half against the second, so their output rows are permuted per head.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import Tensor
+
+from titan_models.args import ModelArgs
+from titan_models.errors import WeightMappingError
+
+_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_IN_BLOCK = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# Wrappers that activation checkpointing and torch.compile insert into parameter names.
+_WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+
+
+def _interleaved_to_half_split(w: Tensor, n_heads: int) -> Tensor:
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _half_split_to_interleaved(w: Tensor, n_heads: int) -> Tensor:
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+class LlamaStateDictAdapter:
+    """Converts full (unsharded) state dicts to and from `LlamaForCausalLM` for one model shape.
+
+    With tied embeddings the output projection is the embedding matrix: `to_hf` leaves out
+    `lm_head.weight`, as Hugging Face's saved files do, and `from_hf` restores `output.weight`.
+    """
+
+    def __init__(self, args: ModelArgs):
+        self.args = args
+        self._to_hf_names = dict(_TOP_LEVEL)
+        for layer in range(args.n_layers):
+            for ours, theirs in _IN_BLOCK.items():
+                self._to_hf_names[f"layers.{layer}.{ours}"] = f"model.layers.{layer}.{theirs}"
+        self._from_hf_names = {theirs: ours for ours, theirs in self._to_hf_names.items()}
+
+    def _heads_of(self, name: str) -> int | None:
+        """How many heads to permute for a query/key projection; None for every other tensor."""
+        if name.endswith("attention.wq.weight"):
+            return self.args.n_heads
+        if name.endswith("attention.wk.weight"):
+            return self.args.kv_heads
+        return None
+
+    def _check_complete(self, got: set[str], expected: set[str], kind: str) -> None:
+        missing, unknown = sorted(expected - got), sorted(got - expected)
+        if missing or unknown:
+            raise WeightMappingError(
+                f"model: the {kind} state dict does not fit this model ({self.args.n_layers} layers, "
+                f"tie_word_embeddings={self.args.tie_word_embeddings}): missing {missing[:5]}, "
+                f"unexpected {unknown[:5]}; check the model flavor against the checkpoint"
+            )
+
+    def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Our names and layout -> `LlamaForCausalLM` names and layout."""
+        ours = {_WRAPPER_PARTS.sub("", name): t for name, t in state_dict.items()}
+        if self.args.tie_word_embeddings:
+            ours.pop("output.weight", None)
+        expected = set(self._to_hf_names) - ({"output.weight"} if self.args.tie_word_embeddings else set())
+        self._check_complete(set(ours), expected, "Titan")
+        hf = {}
+        for name, tensor in ours.items():
+            heads = self._heads_of(name)
+            hf[self._to_hf_names[name]] = (
+                tensor if heads is None else _interleaved_to_half_split(tensor, heads)
+            )
+        return hf
+
+    def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`LlamaForCausalLM` names and layout -> ours (what `Transformer.load_state_dict` takes)."""
+        hf = dict(hf_state_dict)
+        if self.args.tie_word_embeddings:
+            hf.pop("lm_head.weight", None)
+        expected = set(self._from_hf_names) - ({"lm_head.weight"} if self.args.tie_word_embeddings else set())
+        self._check_complete(set(hf), expected, "Hugging Face")
+        ours = {}
+        for name, tensor in hf.items():
+            our_name = self._from_hf_names[name]
+            heads = self._heads_of(our_name)
+            ours[our_name] = tensor if heads is None else _half_split_to_interleaved(tensor, heads)
+        if self.args.tie_word_embeddings:
+            ours["output.weight"] = ours["tok_embeddings.weight"]
+        return ours
+
+    def hf_config(self) -> dict:
+        """The `config.json` of the equivalent `LlamaForCausalLM`, in the published checkpoints' format."""
+        a = self.args
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": a.dim,
+            "intermediate_size": a.ffn_hidden_dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.kv_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": a.vocab_size,
+            "max_position_embeddings": a.max_seq_len,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": float(a.rope_theta),
+            "rope_scaling": None,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": a.tie_word_embeddings,
+        }
+        if a.rope_scaling is not None:
+            s = a.rope_scaling
+            config["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_seq_len,
+            }
+        if a.eos_id is not None:
+            config["eos_token_id"] = a.eos_id
+        return config

@@ -1,0 +1,54 @@
+"""The Llama tensor-parallel plan: which module is split how, as plain torch parallel styles.
+
+Megatron-style: in each block the query/key/value and the SwiGLU input projections are split by
+output column (each rank holds whole heads), the attention and feed-forward output projections by
+input row, so a block needs one reduction per half. With sequence parallelism the norms and the
+residual stream between blocks stay split along the sequence (dimension 1) and are gathered only
+where a projection needs the whole sequence.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+
+def llama_tp_plan(*, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict[str, ParallelStyle]:
+    """Module FQN ("*" for any block) -> style, for `parallelize_module(model, tp_mesh, plan)`."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        # Loss parallel keeps the vocab-sharded logits as a DTensor for a sharded cross-entropy.
+        "output": ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=residual),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=residual),
+    }
+    if sequence_parallel:
+        plan |= {
+            "norm": SequenceParallel(),
+            "layers.*.attention_norm": SequenceParallel(),
+            "layers.*.ffn_norm": SequenceParallel(),
+            # Attention takes (x, freqs_cis, mask): only x is sequence-split and must be gathered.
+            "layers.*.attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "layers.*.feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+        }
+    return plan
