@@ -1,5 +1,4 @@
 import pytest
-
 from titan_train.config import JobConfig, load_job_config
 from titan_train.errors import ConfigError
 
@@ -7,12 +6,16 @@ from titan_train.errors import ConfigError
 def test_defaults_follow_torchtitan():
     c = load_job_config([])
     assert isinstance(c, JobConfig)
-    assert (c.training.local_batch_size, c.training.seq_len, c.parallelism.data_parallel_shard_degree) == (8, 2048, -1)
+    assert (c.training.local_batch_size, c.training.seq_len, c.parallelism.data_parallel_shard_degree) == (
+        8,
+        2048,
+        -1,
+    )
 
 
 def test_cli_overrides_toml_which_overrides_defaults(tmp_path):
     toml = tmp_path / "job.toml"
-    toml.write_text('[training]\nsteps = 7\nseq_len = 128\n[optimizer]\nlr = 0.1\n')
+    toml.write_text("[training]\nsteps = 7\nseq_len = 128\n[optimizer]\nlr = 0.1\n")
     c = load_job_config(["--job.config_file", str(toml), "--training.steps", "3"])
     assert (c.training.steps, c.training.seq_len, c.optimizer.lr) == (3, 128, 0.1)
     assert c.training.local_batch_size == 8

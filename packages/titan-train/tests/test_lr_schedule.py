@@ -1,5 +1,4 @@
 import pytest
-
 from titan_train.lr_schedule import lr_factor
 
 

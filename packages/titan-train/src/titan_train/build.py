@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from titan_data import Tokenizer, TokenLoader, build_dataset, build_tokenizer
 from titan_parallel import ParallelDims, apply_fsdp, blocks_of
+from torch import nn
+
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.lr_schedule import build_lr_scheduler
@@ -37,10 +39,15 @@ def build_tokenizer_for(config: JobConfig) -> Tokenizer:
 
 
 def build_model(
-    config: JobConfig, spec: ModelSpec, tokenizer: Tokenizer, dims: ParallelDims, device: torch.device, seed: int
+    config: JobConfig,
+    spec: ModelSpec,
+    tokenizer: Tokenizer,
+    dims: ParallelDims,
+    device: torch.device,
+    seed: int,
 ) -> nn.Module:
     """The model on the meta device, parallelised, then materialised on `device` and initialised."""
-    args = spec.args_for(config.model.flavor, max_seq_len=config.training.seq_len)
+    args = spec.args_for(config.model.flavor, max_seq_len=config.training.seq_len, eos_id=tokenizer.eos_id)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
             f"config: the tokenizer has {tokenizer.vocab_size} tokens but {spec.name} {config.model.flavor} has a "
@@ -48,11 +55,10 @@ def build_model(
         )
     with torch.device("meta"):
         model = spec.build(args)
+    if config.training.dtype != "float32":
+        _cast_parameters(model, _dtype(config.training.dtype))
     if dims.fsdp_enabled:
-        param_dtype = _dtype(config.training.mixed_precision_param)
-        if device.type == "cpu" and param_dtype != torch.float32:
-            logger.warning("training.mixed_precision_param=%s is kept as float32 on CPU", config.training.mixed_precision_param)
-            param_dtype = torch.float32
+        param_dtype = compute_dtype(config, device)
         reshard = config.parallelism.fsdp_reshard_after_forward
         apply_fsdp(
             model,
@@ -84,7 +90,7 @@ def build_lr_schedule(config: JobConfig, optimizer: torch.optim.Optimizer):
     s = config.lr_scheduler
     return build_lr_scheduler(
         optimizer,
-        total_steps=config.training.steps,
+        total_steps=s.total_steps or config.training.steps,
         warmup_steps=s.warmup_steps,
         decay_ratio=s.decay_ratio,
         decay_type=s.decay_type,
@@ -106,6 +112,50 @@ def build_loader(config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degre
     return TokenLoader(dataset, batch_size=t.local_batch_size)
 
 
+def build_validation_loader(
+    config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int
+) -> TokenLoader:
+    """One pass over the validation set (not looping), dealt over data-parallel ranks like training data."""
+    v = config.validation
+    dataset = build_dataset(
+        v.dataset,
+        v.dataset_path,
+        tokenizer,
+        v.seq_len,
+        dp_rank=dp_rank,
+        dp_world_size=dp_degree,
+        num_streams=v.dataloader.num_streams,
+        infinite=False,
+    )
+    return TokenLoader(dataset, batch_size=v.local_batch_size)
+
+
+def compute_dtype(config: JobConfig, device: torch.device) -> torch.dtype:
+    """The dtype matmuls run in: mixed_precision_param, except on CPU where bfloat16 kernels are unreliable."""
+    if config.training.dtype == "bfloat16":
+        return torch.bfloat16
+    dtype = _dtype(config.training.mixed_precision_param)
+    if device.type == "cpu" and dtype != torch.float32:
+        logger.warning(
+            "training.mixed_precision_param=%s is kept as float32 on CPU",
+            config.training.mixed_precision_param,
+        )
+        return torch.float32
+    return dtype
+
+
+def forward_context(
+    config: JobConfig, dims: ParallelDims, device: torch.device
+) -> Callable[[], AbstractContextManager]:
+    """Mixed precision without FSDP (one GPU): autocast around forward; FSDP casts parameters itself."""
+    if dims.fsdp_enabled or config.training.dtype != "float32" or device.type == "cpu":
+        return nullcontext
+    dtype = _dtype(config.training.mixed_precision_param)
+    if dtype == torch.float32:
+        return nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
 def gradient_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
     t = config.training
     per_step = t.local_batch_size * dp_degree
@@ -117,6 +167,17 @@ def gradient_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
             f"local_batch_size ({t.local_batch_size}) * data-parallel degree ({dp_degree}) = {per_step}"
         )
     return t.global_batch_size // per_step
+
+
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Full low-precision training: parameters (so gradients and optimizer state) in `dtype`; buffers
+    such as the rotary table stay float32."""
+    cast: dict[int, nn.Parameter] = {}  # tied weights stay tied
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in cast:
+                cast[id(param)] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+            setattr(module, name, cast[id(param)])
 
 
 def _dtype(name: str) -> torch.dtype:

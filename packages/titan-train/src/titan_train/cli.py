@@ -1,20 +1,35 @@
-"""The `titan-train` command."""
+"""The `titan-train` command: train (the default), `report DUMP_FOLDER`, and `dry-run --ngpu N`."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
+import torch
 from titan_ckpt import CheckpointError
 from titan_data import DataError
+from titan_models import ModelError
 from titan_parallel import ParallelConfigError
-from titan_train.config import load_job_config
-from titan_train.distributed import init_distributed, set_collective_timeout, shutdown
-from titan_train.errors import ConfigError
-from titan_train.trainer import Trainer
 
-USER_ERRORS = (ConfigError, DataError, ParallelConfigError, CheckpointError)
+from titan_train.config import load_job_config
+from titan_train.distributed import (
+    configure_flight_recorder,
+    init_distributed,
+    set_collective_timeout,
+    shutdown,
+)
+from titan_train.dry_run import dry_run
+from titan_train.errors import ConfigError
+from titan_train.report import build_report
+from titan_train.trainer import Trainer
+from titan_train.unsupported import refuse_unsupported
+
+USER_ERRORS = (ConfigError, DataError, ParallelConfigError, CheckpointError, ModelError)
+
+log = logging.getLogger("titan_train")
 
 
 def setup_logging() -> None:
@@ -29,24 +44,65 @@ def setup_logging() -> None:
     )
 
 
+def report_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="titan-train report", description="Draw a run's loss, throughput, MFU and memory curves."
+    )
+    parser.add_argument("dump_folder", help="the run's job.dump_folder")
+    parser.add_argument("--out", help="PNG to write (default: DUMP_FOLDER/report.png)")
+    args = parser.parse_args(argv)
+    report = build_report(args.dump_folder, args.out)
+    print("\n".join(report.table))
+    print(f"curves: {report.png}")
+    return 0
+
+
+def _dry_run_args(argv: list[str]) -> tuple[int, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="titan-train dry-run",
+        description="Check a config and its layout for N GPUs without GPUs; other flags are config overrides.",
+    )
+    parser.add_argument("--ngpu", type=int, required=True, help="number of ranks (GPUs) the layout is for")
+    args, rest = parser.parse_known_args(argv)
+    return args.ngpu, [*rest, "--comm.mode", "fake_backend"]
+
+
+def train(argv: list[str], world_size: int | None = None) -> int:
+    config = load_job_config(argv)
+    if config.comm.mode == "fake_backend":
+        world_size = world_size or int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or 1)
+        dry_run(config, world_size)
+        return 0
+    refuse_unsupported(config, "cuda" if torch.cuda.is_available() else "cpu")
+    c = config.comm
+    configure_flight_recorder(
+        c.trace_buf_size, Path(config.job.dump_folder) / c.save_traces_folder, c.save_traces_file_prefix
+    )
+    info = init_distributed(c.init_timeout_seconds)
+    try:
+        trainer = Trainer(config, info)
+        set_collective_timeout(c.train_timeout_seconds)
+        trainer.train()
+    except BaseException:
+        shutdown(wait_for_peers=False)
+        raise
+    shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     setup_logging()
-    log = logging.getLogger("titan_train")
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        config = load_job_config(argv)
-        info = init_distributed(config.comm.init_timeout_seconds)
-        try:
-            trainer = Trainer(config, info)
-            set_collective_timeout(config.comm.train_timeout_seconds)
-            trainer.train()
-        except BaseException:
-            shutdown(wait_for_peers=False)
-            raise
-        shutdown()
+        if argv[:1] == ["report"]:
+            return report_main(argv[1:])
+        if argv[:1] == ["dry-run"]:
+            world_size, rest = _dry_run_args(argv[1:])
+            return train(rest, world_size)
+        return train(argv)
     except USER_ERRORS as err:
         log.error("%s", err)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

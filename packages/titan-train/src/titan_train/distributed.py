@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,19 @@ def init_distributed(init_timeout_seconds: int) -> DistInfo:
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=dt.timedelta(seconds=init_timeout_seconds))
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def configure_flight_recorder(buffer_size: int, folder: Path, prefix: str) -> None:
+    """Keep the last `buffer_size` collectives per rank, dumped to `folder/prefix<rank>` on a hang.
+
+    Read by the process group when it is created, so this runs before `init_distributed`; variables
+    the user set already win.
+    """
+    if buffer_size <= 0:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(buffer_size))
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / prefix))
 
 
 def set_collective_timeout(seconds: int) -> None:

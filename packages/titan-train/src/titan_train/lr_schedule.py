@@ -8,7 +8,15 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 
-def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay_ratio: float | None, decay_type: str, min_lr_factor: float) -> float:
+def lr_factor(
+    step: int,
+    *,
+    total_steps: int,
+    warmup_steps: int,
+    decay_ratio: float | None,
+    decay_type: str,
+    min_lr_factor: float,
+) -> float:
     """Multiplier of the peak lr for optimizer step `step` (1-based: the first step is 1).
 
     Warmup ramps linearly to 1 over `warmup_steps`; with `decay_ratio` the last

@@ -1,4 +1,4 @@
-"""Per-step metrics: the console log line and TensorBoard scalars."""
+"""Per-step metrics: the console log line, metrics.jsonl, TensorBoard scalars and Weights & Biases."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import resource
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,7 +28,28 @@ class StepMetrics:
     mfu: float | None  # percent; None where the device's peak is unknown
     memory_gib: float
     memory_pct: float
+    data_time_s: float  # seconds per step spent waiting for batches
     data_time_pct: float
+    step_time_s: float
+
+
+# torchtitan's TensorBoard tags, so existing dashboards keep working.
+TB_TAGS = {
+    "loss": "loss_metrics/global_avg_loss",
+    "loss_max": "loss_metrics/global_max_loss",
+    "grad_norm": "grad_norm",
+    "lr": "lr",
+    "tokens_seen": "n_tokens_seen",
+    "tps": "throughput(tps)",
+    "tflops": "tflops",
+    "mfu": "mfu(%)",
+    "memory_gib": "memory/max_reserved(GiB)",
+    "memory_pct": "memory/max_reserved(%)",
+    "data_time_s": "time_metrics/data_loading(s)",
+    "data_time_pct": "time_metrics/data_loading(%)",
+    "step_time_s": "time_metrics/end_to_end(s)",
+}
+VALIDATION_TAGS = {"loss": "validation_metrics/loss", "perplexity": "validation_metrics/perplexity"}
 
 
 def device_memory(device: torch.device) -> tuple[float, float]:
@@ -42,20 +64,45 @@ def device_memory(device: torch.device) -> tuple[float, float]:
 
 
 class MetricsLogger:
-    """Writes a log line every `log_freq` steps and, on rank 0, TensorBoard scalars and JSON lines.
+    """Writes a log line every `log_freq` steps and, on the ranks that record, the other sinks.
 
-    `jsonl_path` gets one JSON object per logged step: the machine-readable record of the run.
+    `dump` gets `metrics.jsonl` (one JSON object per logged step: the machine-readable record of the
+    run) and `validation.jsonl`; `tb_folder` TensorBoard events; `wandb_config` (the resolved job
+    config) starts a Weights & Biases run. With `all_ranks`, every rank records, each in its own
+    TensorBoard folder `rank_N`; otherwise rank 0 does.
     """
 
-    def __init__(self, *, log_freq: int, tb_folder: Path | None, jsonl_path: Path | None, rank: int, color: bool):
-        self.log_freq = log_freq
-        self.color = color
-        self.writer = None
-        self.jsonl = open(jsonl_path, "a", encoding="utf-8") if jsonl_path is not None and rank == 0 else None
-        if tb_folder is not None and rank == 0:
+    def __init__(
+        self,
+        *,
+        log_freq: int,
+        dump: Path,
+        rank: int,
+        color: bool,
+        tb_folder: Path | None = None,
+        all_ranks: bool = False,
+        wandb_config: dict[str, Any] | None = None,
+    ):
+        self.log_freq, self.color = log_freq, color
+        records = all_ranks or rank == 0
+        self.jsonl = self.validation_jsonl = self.writer = self.wandb = None
+        if rank == 0:
+            self.jsonl = open(dump / "metrics.jsonl", "a", encoding="utf-8")
+            self.validation_jsonl = open(dump / "validation.jsonl", "a", encoding="utf-8")
+        if tb_folder is not None and records:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(tb_folder))
+            self.writer = SummaryWriter(log_dir=str(tb_folder / f"rank_{rank}" if all_ranks else tb_folder))
+        if wandb_config is not None and records:
+            import wandb
+
+            name = wandb_config["job"]["description"] + (f" rank {rank}" if all_ranks else "")
+            self.wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "titan"),
+                dir=str(dump),
+                config=wandb_config,
+                name=name,
+            )
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.log_freq == 0
@@ -68,35 +115,35 @@ class MetricsLogger:
             f"{c.turquoise}memory: {m.memory_gib:5.2f}GiB({m.memory_pct:.2f}%)  {c.blue}tps: {round(m.tps):,}  "
             f"{c.cyan}tflops: {m.tflops:,.2f}{mfu}{c.reset}"
         )
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps(asdict(m)) + "\n")
-            self.jsonl.flush()
+        values = {name: value for name, value in asdict(m).items() if name != "step" and value is not None}
+        self._record(self.jsonl, m.step, asdict(m), {TB_TAGS[name]: value for name, value in values.items()})
+
+    def log_validation(self, step: int, loss: float, perplexity: float) -> None:
+        c = _Colors(self.color)
+        logger.info(
+            f"{c.yellow}validation  step: {step:2}  loss: {loss:7.4f}  perplexity: {perplexity:.3f}{c.reset}"
+        )
+        record = {"step": step, "loss": loss, "perplexity": perplexity}
+        tags = {VALIDATION_TAGS["loss"]: loss, VALIDATION_TAGS["perplexity"]: perplexity}
+        self._record(self.validation_jsonl, step, record, tags)
+
+    def _record(self, jsonl: Any, step: int, record: dict[str, Any], tags: dict[str, float]) -> None:
+        if jsonl is not None:
+            jsonl.write(json.dumps(record) + "\n")
+            jsonl.flush()
         if self.writer is not None:
-            for name, value in asdict(m).items():
-                if name != "step" and value is not None:
-                    self.writer.add_scalar(_TB_NAMES.get(name, name), value, m.step)
+            for tag, value in tags.items():
+                self.writer.add_scalar(tag, value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(tags, step=step)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
-
-
-_TB_NAMES = {
-    "loss": "loss_metrics/global_avg_loss",
-    "loss_max": "loss_metrics/global_max_loss",
-    "grad_norm": "grad_norm",
-    "lr": "lr",
-    "tokens_seen": "tokens_seen",
-    "tps": "tps",
-    "tflops": "tflops",
-    "mfu": "mfu(%)",
-    "memory_gib": "memory/max_reserved(GiB)",
-    "memory_pct": "memory/max_reserved(%)",
-    "data_time_pct": "time_metrics/data_loading(%)",
-}
+        for sink in (self.writer, self.jsonl, self.validation_jsonl):
+            if sink is not None:
+                sink.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 class _Colors:

@@ -2,27 +2,44 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from titan_ckpt import Checkpointer, ModelState, OptimizerState
 from titan_models import count_parameters, flops_per_token
-from titan_parallel import clip_grad_norm_
+from titan_parallel import blocks_of, clip_grad_norm_
+from torch.distributed.fsdp import FSDPModule
+
 from titan_train import build
 from titan_train.config import JobConfig, config_to_dict
 from titan_train.device_peaks import peak_flops
 from titan_train.distributed import DistInfo
+from titan_train.gc_schedule import GarbageCollection
+from titan_train.memory_estimate import ParamCounts, estimate_memory_per_rank
 from titan_train.metrics import MetricsLogger, StepMetrics, device_memory
+from titan_train.profiling import MemorySnapshots, maybe_profile
 from titan_train.registry import get_model_spec
 from titan_train.train_state import TrainState
+from titan_train.validation import Validator
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Window:
+    """What happened since the last log line: the throughput numbers are averages over it."""
+
+    steps: int = 0
+    tokens: int = 0
+    step_seconds: float = 0.0
+    data_seconds: float = 0.0
 
 
 class Trainer:
@@ -34,7 +51,9 @@ class Trainer:
         seed = 0 if config.debug.seed is None else config.debug.seed
         torch.manual_seed(seed)
         if config.debug.deterministic:
-            torch.use_deterministic_algorithms(True)
+            torch.use_deterministic_algorithms(True, warn_only=config.debug.deterministic_warn_only)
+        if config.experimental.custom_import:
+            importlib.import_module(config.experimental.custom_import)
 
         self.dims = build.build_parallel_dims(config, info.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
@@ -46,25 +65,34 @@ class Trainer:
         self.tokenizer = build.build_tokenizer_for(config)
         self.loader = build.build_loader(config, self.tokenizer, dp_rank, dp_degree)
         self.model = build.build_model(config, spec, self.tokenizer, self.dims, self.device, seed)
+        if config.model.print_after_conversion:
+            logger.info("model:\n%s", self.model)
+        self.forward_context = build.forward_context(config, self.dims, self.device)
         self.loss_fn = spec.loss_fn
         self.optimizer = build.build_optimizer(config, self.model, self.device)
         self.lr_scheduler = build.build_lr_schedule(config, self.optimizer)
         self.state = TrainState()
+        self.step_lr = config.optimizer.lr  # the lr of the last step taken, for its log line
 
         n_params = count_parameters(self.model)
         n_embedding = n_params - count_parameters(self.model, exclude_embedding=True)
-        self.flops_per_token = flops_per_token(self.model.args, n_params, n_embedding, config.training.seq_len)
+        self.flops_per_token = flops_per_token(
+            self.model.args, n_params, n_embedding, config.training.seq_len
+        )
         self.peak_flops = peak_flops(self.device)
         logger.info(
             "model %s %s: %s parameters; %s on %s, world size %d, gradient accumulation %d",
             config.model.name, config.model.flavor, f"{n_params:,}", self.dims.degrees,
             self.device.type, info.world_size, self.grad_accum_steps,
         )  # fmt: skip
+        if config.memory_estimation.enable:
+            counts = ParamCounts.of(self.model, blocks_of(self.model), n_embedding)
+            estimate = estimate_memory_per_rank(config, self.model.args, self.dims.degrees, counts)
+            for name, size in estimate.rows():
+                logger.info("memory estimate per rank: %-40s %8.2f GiB", name, size / 2**30)
 
         dump = Path(config.job.dump_folder)
-        if info.rank == 0:
-            dump.mkdir(parents=True, exist_ok=True)
-            (dump / "config.json").write_text(json.dumps(config_to_dict(config), indent=2))
+        self._write_config(dump)
         self.checkpointer = None
         if config.checkpoint.enable:
             self.checkpointer = Checkpointer(
@@ -82,30 +110,63 @@ class Trainer:
         m = config.metrics
         self.metrics = MetricsLogger(
             log_freq=m.log_freq,
-            tb_folder=dump / m.save_tb_folder if m.enable_tensorboard else None,
-            jsonl_path=dump / "metrics.jsonl",
+            dump=dump,
             rank=info.rank,
             color=not m.disable_color_printing,
+            tb_folder=dump / m.save_tb_folder if m.enable_tensorboard else None,
+            all_ranks=m.save_for_all_ranks,
+            wandb_config=config_to_dict(config) if m.enable_wandb else None,
         )
+        self.validator = None
+        if config.validation.enable:
+            v = config.validation
+            self.validator = Validator(
+                lambda: build.build_validation_loader(config, self.tokenizer, dp_rank, dp_degree),
+                self.loss_fn,
+                device=self.device,
+                freq=v.freq,
+                steps=v.steps,
+                forward_context=self.forward_context,
+            )
+
+    def _write_config(self, dump: Path) -> None:
+        resolved = json.dumps(config_to_dict(self.config), indent=2)
+        if self.config.job.print_config:
+            logger.info("configuration:\n%s", resolved)
+        if self.info.rank == 0:
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / "config.json").write_text(resolved)
+            if self.config.job.save_config_file:
+                (dump / self.config.job.save_config_file).write_text(resolved)
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for inputs, labels in self.loader:
             yield inputs.to(self.device), labels.to(self.device)
 
-    def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, int, float]:
-        """One optimizer step over `grad_accum_steps` micro-batches: (loss, grad norm, tokens, data seconds)."""
+    def train_step(
+        self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+        """One optimizer step over `grad_accum_steps` micro-batches: (loss, grad norm, tokens, data seconds).
+
+        Under FSDP, gradients of all but the last micro-batch accumulate unsharded on each rank and are
+        reduce-scattered once, after the last.
+        """
         self.optimizer.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
         tokens, data_seconds = 0, 0.0
-        for _ in range(self.grad_accum_steps):
+        for micro in range(self.grad_accum_steps):
+            if isinstance(self.model, FSDPModule):
+                self.model.set_requires_gradient_sync(micro == self.grad_accum_steps - 1)
             start = time.perf_counter()
             inputs, labels = next(batches)
             data_seconds += time.perf_counter() - start
-            loss = self.loss_fn(self.model(inputs), labels) / self.grad_accum_steps
+            with self.forward_context():
+                loss = self.loss_fn(self.model(inputs), labels) / self.grad_accum_steps
             loss.backward()
             loss_sum += loss.detach()
             tokens += labels.numel()
         grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
+        self.step_lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.lr_scheduler.step()
         return loss_sum, grad_norm, tokens, data_seconds
@@ -114,46 +175,80 @@ class Trainer:
         """Train to `training.steps`, resuming from a checkpoint if there is one; return the logged losses."""
         if self.checkpointer is not None:
             self.checkpointer.load()
+        c, rank, dump = self.config, self.info.rank, Path(self.config.job.dump_folder)
         batches = self._batches()
         losses: list[float] = []
-        window_start, window_tokens, window_data = time.perf_counter(), 0, 0.0
-        while self.state.step < self.config.training.steps:
-            loss, grad_norm, tokens, data_seconds = self.train_step(batches)
-            self.state.step += 1
-            self.state.tokens_seen += tokens * self.dims.dp_degree
-            window_tokens += tokens
-            window_data += data_seconds
-            if self.metrics.should_log(self.state.step):
-                loss_avg, loss_max = _reduce_loss(loss)
-                losses.append(loss_avg)
-                elapsed = time.perf_counter() - window_start
-                self._log(loss_avg, loss_max, grad_norm.item(), window_tokens / elapsed, 100 * window_data / elapsed)
-                window_start, window_tokens, window_data = time.perf_counter(), 0, 0.0
-            if self.checkpointer is not None:
-                self.checkpointer.maybe_save(self.state.step, force=self.state.step == self.config.training.steps)
-        self.metrics.close()
+        window = _Window()
+        gc_schedule = GarbageCollection(c.training.gc_freq, c.training.gc_debug)
+        snapshots = MemorySnapshots(
+            enabled=c.profiling.enable_memory_snapshot,
+            folder=dump / c.profiling.save_memory_snapshot_folder,
+            freq=c.profiling.profile_freq,
+            rank=rank,
+        )
+        profile = maybe_profile(
+            enabled=c.profiling.enable_profiling,
+            folder=dump / c.profiling.save_traces_folder,
+            freq=c.profiling.profile_freq,
+            warmup=c.profiling.profiler_warmup,
+            active=c.profiling.profiler_active,
+            rank=rank,
+            first_step=self.state.step,
+        )
+        try:
+            with profile as profiler:
+                while self.state.step < c.training.steps:
+                    start = time.perf_counter()
+                    loss, grad_norm, tokens, data_seconds = self.train_step(batches)
+                    self.state.step += 1
+                    self.state.tokens_seen += tokens * self.dims.dp_degree
+                    window.steps += 1
+                    window.tokens += tokens
+                    window.data_seconds += data_seconds
+                    window.step_seconds += time.perf_counter() - start
+                    if self.metrics.should_log(self.state.step):
+                        losses.append(self._log(loss, grad_norm, window))
+                        window = _Window()
+                    if self.validator is not None and self.validator.should_validate(self.state.step):
+                        self.metrics.log_validation(self.state.step, *self.validator.validate(self.model))
+                    if self.checkpointer is not None:
+                        self.checkpointer.maybe_save(
+                            self.state.step, force=self.state.step == self.config.training.steps
+                        )
+                    gc_schedule.step(self.state.step)
+                    snapshots.step(self.state.step)
+                    profiler.step()
+        finally:
+            gc_schedule.close()
+            snapshots.close()
+            self.metrics.close()
         logger.info("training done at step %d", self.state.step)
         return losses
 
-    def _log(self, loss: float, loss_max: float, grad_norm: float, tps: float, data_pct: float) -> None:
+    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, window: _Window) -> float:
+        loss_avg, loss_max = _reduce_loss(loss)
+        tps = window.tokens / window.step_seconds
         tflops = self.flops_per_token * tps / 1e12
         memory_gib, memory_pct = device_memory(self.device)
         self.metrics.log(
             StepMetrics(
                 step=self.state.step,
-                loss=loss,
+                loss=loss_avg,
                 loss_max=loss_max,
-                grad_norm=grad_norm,
-                lr=self.lr_scheduler.get_last_lr()[0],
+                grad_norm=grad_norm.item(),
+                lr=self.step_lr,
                 tokens_seen=self.state.tokens_seen,
                 tps=tps,
                 tflops=tflops,
                 mfu=100 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                 memory_gib=memory_gib,
                 memory_pct=memory_pct,
-                data_time_pct=data_pct,
+                data_time_s=window.data_seconds / window.steps,
+                data_time_pct=100 * window.data_seconds / window.step_seconds,
+                step_time_s=window.step_seconds / window.steps,
             )
         )
+        return loss_avg
 
 
 def _reduce_loss(loss: torch.Tensor) -> tuple[float, float]:

@@ -1,0 +1,143 @@
+"""Config values the trainer cannot honour yet: refused up front, never silently ignored.
+
+Each rule names the setting, why it cannot run, and the value that does. When a feature gets wired
+into the trainer, its rule is deleted here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from titan_train.errors import ConfigError
+
+
+class UnsupportedConfigError(ConfigError):
+    """A valid config value that this build of the trainer does not apply."""
+
+
+@dataclass(frozen=True)
+class _Rule:
+    applies: Callable[[Any], bool]
+    setting: Callable[[Any], str]
+    reason: str
+    fix: str
+
+
+_NOT_WIRED = "is not wired into the trainer yet"
+
+_RULES = (
+    _Rule(
+        lambda c: c.parallelism.data_parallel_replicate_degree > 1,
+        lambda c: (
+            f"parallelism.data_parallel_replicate_degree = {c.parallelism.data_parallel_replicate_degree}"
+        ),
+        f"DDP/HSDP {_NOT_WIRED}",
+        "use data_parallel_shard_degree (FSDP) and set data_parallel_replicate_degree = 1",
+    ),
+    _Rule(
+        lambda c: c.parallelism.tensor_parallel_degree > 1,
+        lambda c: f"parallelism.tensor_parallel_degree = {c.parallelism.tensor_parallel_degree}",
+        f"tensor parallelism {_NOT_WIRED}",
+        "set parallelism.tensor_parallel_degree = 1",
+    ),
+    _Rule(
+        lambda c: c.parallelism.pipeline_parallel_degree > 1,
+        lambda c: f"parallelism.pipeline_parallel_degree = {c.parallelism.pipeline_parallel_degree}",
+        f"pipeline parallelism {_NOT_WIRED}",
+        "set parallelism.pipeline_parallel_degree = 1",
+    ),
+    _Rule(
+        lambda c: c.parallelism.context_parallel_degree > 1,
+        lambda c: f"parallelism.context_parallel_degree = {c.parallelism.context_parallel_degree}",
+        f"context parallelism {_NOT_WIRED}",
+        "set parallelism.context_parallel_degree = 1",
+    ),
+    _Rule(
+        lambda c: c.parallelism.enable_async_tensor_parallel,
+        lambda c: "parallelism.enable_async_tensor_parallel = true",
+        f"async tensor parallelism {_NOT_WIRED}",
+        "set it to false",
+    ),
+    _Rule(
+        lambda c: c.parallelism.expert_parallel_degree > 1 or c.parallelism.expert_tensor_parallel_degree > 1,
+        lambda c: "parallelism.expert_parallel_degree/expert_tensor_parallel_degree > 1",
+        "the registered Llama models have no experts",
+        "set both to 1",
+    ),
+    _Rule(
+        lambda c: c.debug.moe_force_load_balance,
+        lambda c: "debug.moe_force_load_balance = true",
+        "the registered Llama models have no experts",
+        "set it to false",
+    ),
+    _Rule(
+        lambda c: c.activation_checkpoint.mode != "none",
+        lambda c: f"activation_checkpoint.mode = '{c.activation_checkpoint.mode}'",
+        f"activation checkpointing {_NOT_WIRED}",
+        "set activation_checkpoint.mode = 'none' (--activation_checkpoint.mode none)",
+    ),
+    _Rule(
+        lambda c: c.compile.enable,
+        lambda c: "compile.enable = true",
+        f"torch.compile {_NOT_WIRED}",
+        "set compile.enable = false",
+    ),
+    _Rule(
+        lambda c: bool(c.model.converters),
+        lambda c: f"model.converters = {c.model.converters}",
+        f"float8/MX model converters are {_NOT_WIRED[3:]}",
+        "set model.converters = []",
+    ),
+    _Rule(
+        lambda c: c.training.enable_cpu_offload,
+        lambda c: "training.enable_cpu_offload = true",
+        f"FSDP CPU offload {_NOT_WIRED}",
+        "set it to false",
+    ),
+    _Rule(
+        lambda c: c.optimizer.early_step_in_backward,
+        lambda c: "optimizer.early_step_in_backward = true",
+        f"stepping the optimizer in backward {_NOT_WIRED}",
+        "set it to false",
+    ),
+    _Rule(
+        lambda c: c.fault_tolerance.enable,
+        lambda c: "fault_tolerance.enable = true",
+        "torchft fault tolerance is not supported by Titan",
+        "set it to false; Titan resumes from its atomic checkpoints instead",
+    ),
+    _Rule(
+        lambda c: c.comm.mode == "local_tensor",
+        lambda c: "comm.mode = 'local_tensor'",
+        "simulating every rank in one process is not supported",
+        "use comm.mode = 'fake_backend' (a dry run) or run the ranks with torchrun on CPU",
+    ),
+    _Rule(
+        lambda c: c.training.dataloader.num_workers > 0 or c.validation.dataloader.num_workers > 0,
+        lambda c: "training/validation.dataloader.num_workers > 0",
+        "Titan tokenises in the training process so that a checkpoint records the exact data position",
+        "set num_workers = 0 (pre-tokenise with `titan-data tokenize` for speed)",
+    ),
+    _Rule(
+        lambda c: c.metrics.enable_wandb and importlib.util.find_spec("wandb") is None,
+        lambda c: "metrics.enable_wandb = true",
+        "the wandb package is not installed",
+        "pip install wandb (or titan-train[wandb]), or set metrics.enable_wandb = false",
+    ),
+)
+
+
+def refuse_unsupported(config: Any, device_type: str) -> None:
+    """Raise UnsupportedConfigError for the first setting the trainer cannot honour on `device_type`."""
+    for rule in _RULES:
+        if rule.applies(config):
+            raise UnsupportedConfigError(f"config: {rule.setting(config)}: {rule.reason}; {rule.fix}")
+    if config.profiling.enable_memory_snapshot and device_type != "cuda":
+        raise UnsupportedConfigError(
+            "config: profiling.enable_memory_snapshot = true: memory snapshots record the CUDA caching "
+            f"allocator, and this run is on {device_type}; set it to false (profiling.enable_profiling "
+            "traces work everywhere)"
+        )

@@ -1,0 +1,78 @@
+"""Loss and perplexity on a held-out dataset, measured during training every `validation.freq` steps."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_train.errors import ConfigError
+
+Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _every_rank_has_a_batch(has_batch: bool, device: torch.device) -> bool:
+    """True while no rank has run out; sharded models need every rank in each forward, so all stop together."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return has_batch
+    flag = torch.tensor([int(has_batch)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+class Validator:
+    """Runs `steps` validation batches (-1: until some rank's data ends) from a fresh loader each time.
+
+    `make_batches` builds that loader, so every validation sees the same data and comparisons across
+    steps are fair.
+    """
+
+    def __init__(
+        self,
+        make_batches: Callable[[], Batches],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        device: torch.device,
+        freq: int,
+        steps: int,
+        forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
+        self.make_batches, self.loss_fn, self.device = make_batches, loss_fn, device
+        self.freq, self.steps, self.forward_context = freq, steps, forward_context
+
+    def should_validate(self, step: int) -> bool:
+        return step % self.freq == 0
+
+    @torch.no_grad()
+    def validate(self, model: nn.Module) -> tuple[float, float]:
+        """(mean loss over batches and ranks, its perplexity)."""
+        model.eval()
+        total = torch.zeros((), device=self.device)
+        count = 0
+        batches = iter(self.make_batches())
+        try:
+            while self.steps == -1 or count < self.steps:
+                batch = next(batches, None)
+                if not _every_rank_has_a_batch(batch is not None, self.device):
+                    break
+                inputs, labels = (t.to(self.device) for t in batch)
+                with self.forward_context():
+                    total += self.loss_fn(model(inputs), labels).float()
+                count += 1
+        finally:
+            model.train()
+        if count == 0:
+            raise ConfigError(
+                "validation: the validation dataset yields no full batch; use a larger dataset or a smaller "
+                "validation.local_batch_size / validation.seq_len"
+            )
+        loss = total / count
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        value = loss.item()
+        return value, math.exp(value)
