@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_models import LLAMA3_FLAVORS, ModelArgs, Transformer
+from titan_models import LLAMA2_FLAVORS, LLAMA3_FLAVORS, ModelArgs, Transformer
 from titan_train.errors import ConfigError
 
 
@@ -35,6 +35,7 @@ class ModelSpec:
 
 MODELS: dict[str, ModelSpec] = {
     "llama3": ModelSpec("llama3", LLAMA3_FLAVORS, Transformer, cross_entropy_loss),
+    "llama2": ModelSpec("llama2", LLAMA2_FLAVORS, Transformer, cross_entropy_loss),
 }
 
 
