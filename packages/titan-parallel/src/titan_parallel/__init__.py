@@ -1,16 +1,48 @@
 """Model-agnostic parallelisms: the device mesh and the transforms that apply each parallelism."""
 
-from titan_parallel.errors import ParallelConfigError
+from titan_parallel.activation_checkpoint import apply_ac
+from titan_parallel.compile import apply_compile
+from titan_parallel.context_parallel import context_parallel_ctx
+from titan_parallel.ddp import apply_ddp
+from titan_parallel.errors import ModelDescriptionError, ParallelConfigError, UnsupportedDeviceError
+from titan_parallel.float8 import apply_float8, precompute_float8_scales
 from titan_parallel.fsdp import apply_fsdp, blocks_of
 from titan_parallel.grad_norm import clip_grad_norm_
+from titan_parallel.options import ParallelOptions
 from titan_parallel.parallel_dims import ParallelDims
-from titan_parallel.protocols import HasParallelBlocks
+from titan_parallel.parallelize import parallelize, training_context
+from titan_parallel.pipeline import Pipeline, build_pipeline
+from titan_parallel.protocols import (
+    HasParallelBlocks,
+    HasPipelineUnits,
+    HasTensorParallelPlan,
+    ParallelizableModel,
+)
+from titan_parallel.tensor_parallel import apply_tp, loss_parallel_ctx
 
 __all__ = [
     "HasParallelBlocks",
+    "HasPipelineUnits",
+    "HasTensorParallelPlan",
+    "ModelDescriptionError",
     "ParallelConfigError",
     "ParallelDims",
+    "ParallelOptions",
+    "ParallelizableModel",
+    "Pipeline",
+    "UnsupportedDeviceError",
+    "apply_ac",
+    "apply_compile",
+    "apply_ddp",
+    "apply_float8",
     "apply_fsdp",
+    "apply_tp",
     "blocks_of",
+    "build_pipeline",
     "clip_grad_norm_",
+    "context_parallel_ctx",
+    "loss_parallel_ctx",
+    "parallelize",
+    "precompute_float8_scales",
+    "training_context",
 ]

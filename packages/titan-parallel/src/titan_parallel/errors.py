@@ -3,3 +3,11 @@
 
 class ParallelConfigError(ValueError):
     """A parallel layout that cannot run; the message names the numbers and the fix."""
+
+
+class ModelDescriptionError(ParallelConfigError, TypeError):
+    """A model lacks the description (blocks, TP plan, pipeline units) a parallelism needs."""
+
+
+class UnsupportedDeviceError(ParallelConfigError):
+    """A feature this device cannot run; the message says what is missing and where it runs."""

@@ -21,14 +21,25 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm`; return the norm before clipping.
 
-    DTensor gradients yield a DTensor norm over their mesh, which `full_tensor()` reduces; pipeline
-    stages hold disjoint parameters, so their partial norms are combined across `pp_mesh`.
+    Gradients are grouped by where they live: DTensor gradients on one mesh give a partial norm that
+    `full_tensor()` reduces over that mesh; plain tensors are whole on every rank. Groups combine
+    as p-norms, and pipeline stages, which hold disjoint parameters, combine across `pp_mesh`.
+    Pass the parameters of every model part this rank holds.
     """
-    parameters = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in parameters]
-    total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=foreach)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p)
+    norms = []
+    for group in groups.values():
+        grads = [p.grad for p in group]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite=False, foreach=foreach)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if norms:
+        total = _combine(torch.stack([n.float() for n in norms]), norm_type)
+    else:
+        total = torch.zeros((), device=_device_of_mesh(pp_mesh))
     if pp_mesh is not None:
         if norm_type == float("inf"):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
@@ -36,5 +47,21 @@ def clip_grad_norm_(
             total = total**norm_type
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
             total = total ** (1.0 / norm_type)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=foreach)
+    # Per group: one foreach kernel cannot mix DTensor and plain-tensor gradients.
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     return total
+
+
+def _combine(norms: torch.Tensor, norm_type: float) -> torch.Tensor:
+    if norm_type == float("inf"):
+        return norms.max()
+    return (norms**norm_type).sum() ** (1.0 / norm_type)
+
+
+def _device_of_mesh(mesh: DeviceMesh | None) -> torch.device:
+    return (
+        torch.device("cpu")
+        if mesh is None or mesh.device_type == "cpu"
+        else torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    )

@@ -1,0 +1,76 @@
+"""Context parallelism: shard each sequence across ranks and attend with ring attention."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+from titan_parallel.cpu_ring_attention import cpu_ring_attention
+from titan_parallel.errors import ParallelConfigError, UnsupportedDeviceError
+from titan_parallel.options import ROTATE_METHODS
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def context_parallel_ctx(
+    cp_mesh: DeviceMesh,
+    buffers: Sequence[torch.Tensor],
+    seq_dims: Sequence[int],
+    *,
+    no_restore_buffers: set[torch.Tensor] | None = None,
+    rotate_method: str = "allgather",
+) -> Iterator[None]:
+    """Run forward and backward with every tensor in `buffers` sharded on its sequence dim.
+
+    Put the batch (inputs, labels) and every position-dependent buffer (rotary tables) in
+    `buffers`; they are sharded in place, load-balanced for causal attention (each rank holds
+    chunks i and 2*cp-1-i), and restored on exit unless in `no_restore_buffers`. Attention must go
+    through `torch.nn.functional.scaled_dot_product_attention` with `is_causal=True`, looked up at
+    call time (`F.scaled_dot_product_attention`), since that is where torch routes to ring
+    attention. `rotate_method` is how key/value shards travel: "allgather" or "alltoall".
+    """
+    if rotate_method not in ROTATE_METHODS:
+        raise ParallelConfigError(
+            f"parallelism: cp_rotate_method={rotate_method!r} is unknown; choose one of {list(ROTATE_METHODS)}"
+        )
+    if len(buffers) != len(seq_dims):
+        raise ParallelConfigError(
+            f"parallelism: context parallel got {len(buffers)} buffers but {len(seq_dims)} sequence dims; "
+            "give one sequence dim per buffer"
+        )
+    _check_divisible(cp_mesh.size(), buffers, seq_dims)
+    device = cp_mesh.device_type
+    if device not in ("cpu", "cuda"):
+        raise UnsupportedDeviceError(
+            f"parallelism: context parallel runs on CPU and CUDA, not {device!r}; set cp = 1 on this device"
+        )
+    set_rotate_method(rotate_method)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            context_parallel(
+                cp_mesh, buffers=list(buffers), buffer_seq_dims=list(seq_dims),
+                no_restore_buffers=set(no_restore_buffers or ()),
+            )
+        )  # fmt: skip
+        if device == "cpu":
+            # Entered after context_parallel, which resets the handler table on entry.
+            stack.enter_context(cpu_ring_attention())
+        yield
+
+
+def _check_divisible(cp: int, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int]) -> None:
+    for i, (buffer, dim) in enumerate(zip(buffers, seq_dims, strict=True)):
+        length = buffer.shape[dim]
+        if length % (2 * cp):
+            raise ParallelConfigError(
+                f"parallelism: context parallel buffer {i} has sequence length {length} on dim {dim}, not "
+                f"divisible by 2*cp = {2 * cp}; causal load balancing cuts it into 2*cp chunks, so use a "
+                f"seq_len that is a multiple of {2 * cp}"
+            )

@@ -1,0 +1,91 @@
+"""float8 training through torchao: swap linear layers for float8 ones before parallelizing."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from titan_parallel.errors import ParallelConfigError, UnsupportedDeviceError
+from titan_parallel.options import FLOAT8_RECIPES
+
+logger = logging.getLogger(__name__)
+
+# torch._scaled_mm needs both matmul dims of the weight to be multiples of 16.
+_FLOAT8_ALIGNMENT = 16
+
+
+def apply_float8(
+    model: nn.Module,
+    *,
+    recipe: str = "tensorwise",
+    fsdp_all_gather: bool = False,
+    skip_fqns: Iterable[str] = ("output",),
+    device_type: str = "cpu",
+) -> nn.Module:
+    """Replace each eligible `nn.Linear` by torchao's `Float8Linear`, in place, before TP and FSDP.
+
+    "tensorwise" scales each tensor by one number; "rowwise" scales each row (more accurate).
+    `fsdp_all_gather` (tensorwise only) all-gathers weights already cast to float8, halving FSDP
+    traffic; call `precompute_float8_scales` after each optimizer step to compute their scales in
+    one all-reduce. Linears named in `skip_fqns` (and under them), or whose dims are not multiples
+    of 16, stay in high precision.
+    """
+    if recipe not in FLOAT8_RECIPES:
+        raise ParallelConfigError(
+            f"parallelism: float8 recipe {recipe!r} is unknown; choose one of {list(FLOAT8_RECIPES)}"
+        )
+    if fsdp_all_gather and recipe != "tensorwise":
+        raise ParallelConfigError(
+            f"parallelism: float8 FSDP all-gather needs the 'tensorwise' recipe, got {recipe!r}; torchao "
+            "casts a sharded weight with one scale per tensor only"
+        )
+    check_float8_device(device_type)
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if fsdp_all_gather:
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    skip = tuple(skip_fqns)
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        if any(fqn == s or fqn.startswith(f"{s}.") for s in skip):
+            return False
+        return all(d % _FLOAT8_ALIGNMENT == 0 for d in module.weight.shape)
+
+    convert_to_float8_training(model, config=config, module_filter_fn=eligible)
+    n = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    logger.info(
+        "float8 %s: %d linear layers converted (FSDP float8 all-gather: %s)", recipe, n, fsdp_all_gather
+    )
+    return model
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After an optimizer step, compute the float8 scales of FSDP-sharded weights in one all-reduce.
+
+    Needed only with `fsdp_all_gather`; without it (or without FSDP) this does nothing.
+    """
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def check_float8_device(device_type: str, capability: tuple[int, int] | None = None) -> None:
+    """Refuse a device without float8 matmuls: CUDA before compute capability 8.9, or not CPU/CUDA."""
+    if device_type == "cpu":
+        return  # torch._scaled_mm has a CPU float8 path
+    if device_type != "cuda":
+        raise UnsupportedDeviceError(
+            f"parallelism: float8 training needs a CPU or a CUDA GPU with float8 matmuls, not {device_type!r}; "
+            "remove the float8 setting on this device"
+        )
+    if capability is None:
+        capability = torch.cuda.get_device_capability()
+    if capability < (8, 9):
+        raise UnsupportedDeviceError(
+            f"parallelism: float8 training needs a CUDA GPU of compute capability 8.9 or newer (H100, L4, "
+            f"RTX 4090); this one is {capability[0]}.{capability[1]}. Remove the float8 setting here"
+        )

@@ -1,0 +1,102 @@
+"""The plain settings `parallelize` and `build_pipeline` take, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from titan_parallel.errors import ParallelConfigError
+
+RESHARD_POLICIES = ("default", "always", "never")
+AC_MODES = ("none", "full", "selective")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+ROTATE_METHODS = ("allgather", "alltoall")
+PIPELINE_SCHEDULES = (
+    "1F1B",
+    "GPipe",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+)
+SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
+V_SCHEDULES = ("ZBVZeroBubble",)
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """Everything about a layout other than its degrees (those are `ParallelDims`).
+
+    Field names follow torchtitan's `[parallelism]`, `[activation_checkpoint]`, `[compile]` and
+    `[quantize]` settings so a trainer maps a config onto them one to one.
+    """
+
+    # Data parallel (FSDP2 / HSDP / DDP)
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    reshard_after_forward: str = "default"  # "default": reshard unless pipelining; "always"; "never"
+    cpu_offload: bool = False
+    # Tensor parallel
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    async_tp: bool = False
+    # Activation checkpointing: "selective" with ac_selective="op" keeps matmul outputs; an integer
+    # N checkpoints every N-th block fully.
+    ac_mode: str = "none"
+    ac_selective: str | int = "op"
+    # torch.compile of each block
+    compile: bool = False
+    # float8 training through torchao
+    float8: str | None = None  # None, "tensorwise" or "rowwise"
+    float8_fsdp_all_gather: bool = False
+    float8_skip_fqns: tuple[str, ...] = ("output",)
+    # Pipeline parallel
+    pp_schedule: str = "1F1B"
+    pp_microbatch_size: int = 1
+    pp_layers_per_stage: int | None = None
+    pp_split_points: tuple[str, ...] = ()
+    # Context parallel
+    cp_rotate_method: str = "allgather"
+
+    def __post_init__(self) -> None:
+        _choose("reshard_after_forward", self.reshard_after_forward, RESHARD_POLICIES)
+        _choose("ac_mode", self.ac_mode, AC_MODES)
+        _choose("cp_rotate_method", self.cp_rotate_method, ROTATE_METHODS)
+        _choose("pp_schedule", self.pp_schedule, PIPELINE_SCHEDULES)
+        if self.float8 is not None:
+            _choose("float8", self.float8, FLOAT8_RECIPES)
+        if self.float8_fsdp_all_gather and self.float8 != "tensorwise":
+            raise ParallelConfigError(
+                f"parallelism: float8_fsdp_all_gather needs float8='tensorwise' (got {self.float8!r}); "
+                "torchao all-gathers float8 weights only with one scale per tensor"
+            )
+        if self.ac_mode == "selective":
+            every = self.ac_selective
+            if isinstance(every, str) and every != "op":
+                if not every.isdigit():
+                    raise ParallelConfigError(
+                        f"parallelism: ac_selective must be 'op' or a positive integer, got {every!r}"
+                    )
+                every = int(every)
+            if isinstance(every, int) and every < 1:
+                raise ParallelConfigError(f"parallelism: ac_selective must be >= 1, got {every}")
+        if self.pp_microbatch_size < 1:
+            raise ParallelConfigError(
+                f"parallelism: pp_microbatch_size must be >= 1, got {self.pp_microbatch_size}"
+            )
+        if self.pp_layers_per_stage is not None and self.pp_split_points:
+            raise ParallelConfigError(
+                "parallelism: give pp_layers_per_stage or pp_split_points, not both; they both decide "
+                "where stages begin"
+            )
+
+    @property
+    def selective_every(self) -> int | None:
+        """N for "checkpoint every N-th block", or None for per-op selective checkpointing."""
+        return None if self.ac_selective == "op" else int(self.ac_selective)
+
+
+def _choose(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ParallelConfigError(f"parallelism: {name}={value!r} is unknown; choose one of {list(allowed)}")

@@ -1,0 +1,108 @@
+"""The one call a trainer makes: every enabled parallelism, in the order they compose."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from titan_parallel.activation_checkpoint import apply_ac
+from titan_parallel.compile import apply_compile
+from titan_parallel.context_parallel import context_parallel_ctx
+from titan_parallel.ddp import apply_ddp
+from titan_parallel.errors import ParallelConfigError
+from titan_parallel.float8 import apply_float8
+from titan_parallel.fsdp import apply_fsdp, blocks_of
+from titan_parallel.options import ParallelOptions
+from titan_parallel.parallel_dims import ParallelDims
+from titan_parallel.tensor_parallel import apply_tp, loss_parallel_ctx, tp_plan_of
+
+logger = logging.getLogger(__name__)
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions | None = None) -> nn.Module:
+    """Apply float8 -> TP/SP -> activation checkpointing -> compile -> FSDP/HSDP or DDP, in place.
+
+    The order matters: float8 swaps linear layers before they are split; TP turns parameters into
+    DTensors that FSDP then shards along a second mesh dim; checkpointing and compile wrap the
+    blocks before FSDP hooks onto them. Call `dims.build_mesh()` first. With pp > 1 use
+    `build_pipeline`, which calls this on each stage. Works on a meta-device model; materialise
+    and initialise the parameters afterwards.
+    """
+    options = options or ParallelOptions()
+    mesh = dims.mesh
+    blocks = blocks_of(model)
+    if options.float8 is not None:
+        if dims.tp > 1:
+            raise ParallelConfigError(
+                f"parallelism: float8 with tp({dims.tp}) needs torchao's float8 tensor-parallel styles in the "
+                "model's tp_plan, which titan-parallel does not build; use float8 with FSDP/DDP/PP only, or tp = 1"
+            )
+        apply_float8(
+            model, recipe=options.float8, fsdp_all_gather=options.float8_fsdp_all_gather,
+            skip_fqns=options.float8_skip_fqns, device_type=mesh.device_type,
+        )  # fmt: skip
+    tp_mesh = dims.submesh("tp")
+    if tp_mesh is not None:
+        plan = tp_plan_of(
+            model, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
+        )
+        apply_tp(model, tp_mesh, plan, async_tp=options.async_tp, compile_enabled=options.compile)
+    apply_ac(model, blocks, mode=options.ac_mode, selective=options.ac_selective)
+    if options.compile:
+        apply_compile(model, blocks)
+    if dims.fsdp_enabled:
+        apply_fsdp(
+            model, blocks, dims.submesh("fsdp"), param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
+            reshard_after_forward=options.reshard_after_forward, cpu_offload=options.cpu_offload,
+            pp_enabled=dims.pp > 1,
+        )  # fmt: skip
+    elif dims.ddp_enabled:
+        if options.cpu_offload:
+            raise ParallelConfigError(
+                "parallelism: cpu_offload needs sharded parameters (dp_shard > 1 or cp > 1); with pure "
+                "replication (DDP) there is no shard to offload"
+            )
+        apply_ddp(
+            model, blocks, dims.submesh("dp_replicate"), param_dtype=options.param_dtype,
+            reduce_dtype=options.reduce_dtype,
+        )  # fmt: skip
+    logger.info("parallelized %s: %s %s", type(model).__name__, dims.degrees, options)
+    return model
+
+
+@contextlib.contextmanager
+def training_context(
+    dims: ParallelDims,
+    options: ParallelOptions | None = None,
+    *,
+    cp_buffers: Sequence[torch.Tensor] = (),
+    cp_seq_dims: Sequence[int] = (),
+    cp_no_restore: Sequence[torch.Tensor] = (),
+) -> Iterator[None]:
+    """Wrap forward and backward (or `Pipeline.step`) in loss parallelism and context parallelism as enabled.
+
+    With cp > 1, `cp_buffers` must hold the batch (inputs, labels) and each position-dependent
+    buffer of every model part, with their sequence dims in `cp_seq_dims`; tensors in
+    `cp_no_restore` (typically the batch) are left sharded afterwards.
+    """
+    options = options or ParallelOptions()
+    with contextlib.ExitStack() as stack:
+        if dims.tp > 1 and options.loss_parallel:
+            stack.enter_context(loss_parallel_ctx(True))
+        if dims.cp > 1:
+            if not cp_buffers:
+                raise ParallelConfigError(
+                    f"parallelism: cp({dims.cp}) > 1 but no cp_buffers were given; pass the inputs, labels and "
+                    "position buffers so each rank keeps its part of the sequence"
+                )
+            stack.enter_context(
+                context_parallel_ctx(
+                    dims.submesh("cp"), cp_buffers, cp_seq_dims, rotate_method=options.cp_rotate_method,
+                    no_restore_buffers=set(cp_no_restore),
+                )
+            )  # fmt: skip
+        yield

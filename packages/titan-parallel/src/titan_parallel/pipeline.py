@@ -1,0 +1,175 @@
+"""Pipeline parallelism: stages on each rank, a schedule over microbatches, and the real loss."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor
+
+from titan_parallel.errors import ParallelConfigError
+from titan_parallel.fsdp import blocks_of
+from titan_parallel.options import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ParallelOptions
+from titan_parallel.parallel_dims import ParallelDims
+from titan_parallel.parallelize import parallelize
+from titan_parallel.pipeline_split import pipeline_units_of, split_units, stage_module
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Pipeline:
+    """The stages this rank runs and the schedule that drives them.
+
+    `model_parts` are the stage modules (for the optimizer, checkpointing, weight init and
+    gradient clipping); `step` runs forward and backward over all microbatches.
+    """
+
+    schedule: object
+    stages: list[PipelineStage]
+    model_parts: list[nn.Module]
+    pp_mesh: DeviceMesh
+    last_stage_rank: int  # rank within pp_mesh that owns the last stage
+
+    @property
+    def has_first_stage(self) -> bool:
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch; returns its mean loss on every pipeline rank.
+
+        The loss is the mean of the last stage's microbatch losses, broadcast from that stage's rank,
+        so what a trainer logs on any rank is the real loss. Run it inside `loss_parallel_ctx` /
+        `context_parallel_ctx` when those are enabled, as for a non-pipelined step.
+        """
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first_stage else ()
+        target = labels if self.has_last_stage else None
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        device = inputs.device
+        if self.has_last_stage:
+            parts = [x.full_tensor() if isinstance(x, DTensor) else x for x in losses]
+            loss = torch.stack([x.detach().float() for x in parts]).mean()
+        else:
+            loss = torch.empty((), device=device)
+        dist.broadcast(loss, group=self.pp_mesh.get_group(), group_src=self.last_stage_rank)
+        return loss
+
+
+def stages_per_rank(options: ParallelOptions, pp: int, n_layers: int) -> int:
+    """How many stages each rank runs: 1 for single-stage schedules, else from the split settings (default 2)."""
+    single = options.pp_schedule in SINGLE_STAGE_SCHEDULES
+    if options.pp_split_points:
+        total = len(options.pp_split_points) + 1
+    elif options.pp_layers_per_stage is not None:
+        if n_layers % options.pp_layers_per_stage:
+            raise ParallelConfigError(
+                f"parallelism: pp_layers_per_stage ({options.pp_layers_per_stage}) does not divide the "
+                f"model's {n_layers} layers; choose a divisor of {n_layers}"
+            )
+        total = n_layers // options.pp_layers_per_stage
+    else:
+        return 1 if single else 2
+    if total % pp:
+        raise ParallelConfigError(
+            f"parallelism: {total} pipeline stages cannot be spread evenly over pp({pp}) ranks; make the number "
+            "of stages (split points + 1, or layers / pp_layers_per_stage) a multiple of pp"
+        )
+    per_rank = total // pp
+    if single and per_rank != 1:
+        raise ParallelConfigError(
+            f"parallelism: schedule {options.pp_schedule} runs one stage per rank, but the split gives {per_rank}; "
+            "use Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble, or fewer stages"
+        )
+    if options.pp_schedule in V_SCHEDULES and per_rank != 2:
+        raise ParallelConfigError(
+            f"parallelism: schedule {options.pp_schedule} runs exactly 2 stages per rank (a V), but the split "
+            f"gives {per_rank}; choose a split with 2 * pp stages"
+        )
+    return per_rank
+
+
+def stage_ids_of_rank(rank: int, pp: int, per_rank: int, v_shape: bool) -> list[int]:
+    """Which stages a pipeline rank holds: looped (r, r+pp, ...) or V-shaped (r, 2pp-1-r)."""
+    if v_shape:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + i * pp for i in range(per_rank)]
+
+
+def build_pipeline(
+    model: nn.Module,
+    dims: ParallelDims,
+    options: ParallelOptions,
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+    local_batch_size: int,
+    parallelize_fn: Callable[[nn.Module], nn.Module] | None = None,
+) -> Pipeline:
+    """Cut `model` into stages, keep this rank's, parallelize each, and build the schedule.
+
+    Each stage module goes through `parallelize(part, dims, options)` unless `parallelize_fn` is given.
+
+    `model` is best built on the meta device (stages are deep copies); materialise and initialise
+    `Pipeline.model_parts` afterwards. `loss_fn(logits, labels)` is a mean over tokens; each
+    microbatch of `options.pp_microbatch_size` sequences gets its own loss and gradients are
+    divided by the number of microbatches, which equals the full-batch mean.
+    """
+    pp_mesh = dims.submesh("pp")
+    if pp_mesh is None:
+        raise ParallelConfigError("parallelism: build_pipeline needs pp > 1; use parallelize() for pp = 1")
+    pp, rank = dims.pp, pp_mesh.get_local_rank()
+    units = pipeline_units_of(model)
+    blocks = list(blocks_of(model))
+    per_rank = stages_per_rank(options, pp, len(blocks))
+    num_stages = pp * per_rank
+    dims.check_model(n_layers=len(blocks), stages_per_rank=per_rank)
+    stage_units = split_units(
+        units,
+        blocks,
+        num_stages,
+        layers_per_stage=options.pp_layers_per_stage,
+        split_points=options.pp_split_points,
+    )
+    n_microbatches = _microbatches(local_batch_size, options.pp_microbatch_size)
+    v_shape = options.pp_schedule in V_SCHEDULES
+    stages, parts = [], []
+    for stage_id in stage_ids_of_rank(rank, pp, per_rank, v_shape):
+        part = stage_module(model, stage_units[stage_id], units)
+        part = parallelize_fn(part) if parallelize_fn is not None else parallelize(part, dims, options)
+        parts.append(part)
+        stages.append(PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+        logger.info("pipeline rank %d holds stage %d: %s", rank, stage_id, stage_units[stage_id])
+    schedule_class = get_schedule_class(options.pp_schedule)
+    try:
+        if issubclass(schedule_class, PipelineScheduleSingle):
+            schedule = schedule_class(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+        else:
+            schedule = schedule_class(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    except ValueError as e:
+        raise ParallelConfigError(
+            f"parallelism: schedule {options.pp_schedule} with {num_stages} stages and {n_microbatches} microbatches "
+            f"(local batch {local_batch_size} / microbatch {options.pp_microbatch_size}) is refused by torch: {e}"
+        ) from e
+    last_rank = next(r for r in range(pp) if num_stages - 1 in stage_ids_of_rank(r, pp, per_rank, v_shape))
+    return Pipeline(schedule, stages, parts, pp_mesh, last_rank)
+
+
+def _microbatches(local_batch_size: int, microbatch_size: int) -> int:
+    if local_batch_size % microbatch_size:
+        raise ParallelConfigError(
+            f"parallelism: local batch size ({local_batch_size}) is not divisible by pp_microbatch_size "
+            f"({microbatch_size}); choose a microbatch size that divides it"
+        )
+    return local_batch_size // microbatch_size

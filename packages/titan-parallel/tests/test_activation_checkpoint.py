@@ -1,0 +1,86 @@
+"""Activation checkpointing changes memory, never results: every mode gives the gradients of none."""
+
+import copy
+
+import pytest
+import torch
+from titan_parallel import ParallelConfigError, apply_ac, blocks_of
+from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
+
+
+def _grads(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _count_calls(module: torch.nn.Module) -> list[int]:
+    calls = [0]
+    module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    model = ToyTransformer(n_layers=4)
+    tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    return model, tokens, _grads(copy.deepcopy(model), tokens)
+
+
+@pytest.mark.parametrize(
+    ("mode", "selective", "recomputed_blocks"),
+    [
+        ("none", "op", []),
+        ("full", "op", [0, 1, 2, 3]),
+        ("selective", 2, [0, 2]),
+        ("selective", "op", [0, 1, 2, 3]),
+    ],
+)
+def test_checkpointing_mode_gives_the_gradients_of_no_checkpointing(
+    reference, mode, selective, recomputed_blocks
+):
+    model, tokens, expected = reference
+    model = copy.deepcopy(model)
+    names_before = [n for n, _ in model.named_parameters()]
+    apply_ac(model, blocks_of(model), mode=mode, selective=selective)
+    # The feed-forward runs again in backward exactly in the blocks that recompute.
+    calls = [_count_calls(block.feed_forward.w1) for block in model.layers.values()]
+    grads = _grads(model, tokens)
+    assert [n for n, _ in model.named_parameters()] == names_before  # checkpoints stay portable
+    assert [i for i, c in enumerate(calls) if c[0] == 2] == recomputed_blocks
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_matmuls(model, tokens, **ac) -> int:
+    model = copy.deepcopy(model)
+    apply_ac(model, blocks_of(model), **ac)
+    loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    with _CountMatmuls() as counter:
+        loss.backward()
+    return counter.count
+
+
+def test_selective_per_op_keeps_matmul_outputs_instead_of_recomputing_them(reference):
+    model, tokens, _ = reference
+    plain = _backward_matmuls(model, tokens, mode="none")
+    assert _backward_matmuls(model, tokens, mode="selective", selective="op") == plain
+    assert _backward_matmuls(model, tokens, mode="full") > plain
+
+
+def test_unknown_checkpointing_mode_is_refused():
+    model = ToyTransformer()
+    with pytest.raises(ParallelConfigError, match="'partial' is unknown"):
+        apply_ac(model, blocks_of(model), mode="partial")
+    with pytest.raises(ParallelConfigError, match="every 0 blocks"):
+        apply_ac(model, blocks_of(model), mode="selective", selective=0)

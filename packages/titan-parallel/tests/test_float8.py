@@ -1,0 +1,65 @@
+"""float8 training through torchao on this CPU: which layers convert, that it trains, and what is refused."""
+
+import copy
+
+import pytest
+import torch
+from titan_parallel import ParallelConfigError, ParallelOptions, UnsupportedDeviceError, apply_float8
+from titan_parallel.float8 import check_float8_device
+from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
+
+
+def _overfit(model: torch.nn.Module, steps: int = 10) -> list[float]:
+    tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def fp32_run():
+    torch.manual_seed(0)
+    model = ToyTransformer()
+    return model, _overfit(copy.deepcopy(model))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_converts_block_linears_and_trains_like_float32(fp32_run, recipe):
+    model, fp32_losses = fp32_run
+    model = copy.deepcopy(model)
+    apply_float8(model, recipe=recipe)
+    kinds = {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds.pop("output") == "Linear"  # skipped by default: the head is sensitive to precision
+    assert set(kinds.values()) == {"Float8Linear"}
+    losses = _overfit(model)
+    assert losses[0] == pytest.approx(fp32_losses[0], rel=1e-2)
+    assert losses[-1] < 0.5 * losses[0]
+    assert losses[-1] == pytest.approx(fp32_losses[-1], rel=0.2)
+
+
+def test_float8_leaves_linears_whose_dims_are_not_multiples_of_16_in_high_precision():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Linear(48, 24))
+    apply_float8(model, recipe="tensorwise", skip_fqns=())
+    assert [type(m).__name__ for m in model] == ["Float8Linear", "Linear"]
+
+
+def test_float8_all_gather_needs_the_tensorwise_recipe():
+    with pytest.raises(ParallelConfigError, match="needs float8='tensorwise'"):
+        ParallelOptions(float8="rowwise", float8_fsdp_all_gather=True)
+    with pytest.raises(ParallelConfigError, match="needs the 'tensorwise' recipe"):
+        apply_float8(torch.nn.Linear(16, 16), recipe="rowwise", fsdp_all_gather=True)
+
+
+def test_float8_is_refused_on_devices_without_float8_matmuls():
+    check_float8_device("cpu")
+    check_float8_device("cuda", capability=(9, 0))
+    with pytest.raises(UnsupportedDeviceError, match="compute capability 8.9 or newer .* this one is 8.0"):
+        check_float8_device("cuda", capability=(8, 0))
+    with pytest.raises(UnsupportedDeviceError, match="not 'mps'"):
+        check_float8_device("mps")

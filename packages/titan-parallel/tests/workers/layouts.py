@@ -1,0 +1,260 @@
+"""Train the toy transformer under many parallel layouts, each beside its one-process reference.
+
+Run under torchrun: `layouts.py OUT.json CASE [CASE ...]`. Every rank first trains an unparallelized
+copy of the same model on the full batch (the one-process reference: no collectives involved),
+then the same model through titan-parallel's public API. Rank 0 writes, per case, both runs'
+losses and gradient norms plus facts showing the layout took effect; an exception is recorded as
+the case's error and the next case runs.
+"""
+
+import copy
+import json
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from titan_parallel import (
+    ParallelConfigError,
+    ParallelDims,
+    ParallelOptions,
+    apply_float8,
+    apply_tp,
+    build_pipeline,
+    clip_grad_norm_,
+    context_parallel_ctx,
+    parallelize,
+    precompute_float8_scales,
+    training_context,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
+
+STEPS, GLOBAL_BATCH, MAX_NORM, LR = 5, 8, 0.3, 1e-2
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def reference(model: torch.nn.Module, data: list[torch.Tensor], chunks: int = 1) -> dict:
+    """Plain single-process training; `chunks` > 1 accumulates over the per-rank slices instead."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for tokens in data:
+        total = 0.0
+        for part in tokens.chunk(chunks):
+            loss = cross_entropy(model(part[:, :-1]), part[:, 1:]) / chunks
+            loss.backward()
+            total += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "grad_norms": norms}
+
+
+def run_layout(degrees: dict, options: ParallelOptions, n_layers: int = 2, ref_chunks: int = 1) -> dict:
+    dims = ParallelDims(**degrees, world_size=dist.get_world_size())
+    dims.build_mesh("cpu")
+    torch.manual_seed(0)
+    model = ToyTransformer(n_layers)
+    ref_model = copy.deepcopy(model)
+    if options.float8:
+        apply_float8(ref_model, recipe=options.float8)
+    data = batches()
+    ref = reference(ref_model, data, ref_chunks)
+
+    dp = dims.submesh("dp")
+    dp_rank, dp_size = (dp.get_local_rank(), dp.size()) if dp else (0, 1)
+    pipe = None
+    if dims.pp > 1:
+        pipe = build_pipeline(
+            model, dims, options, loss_fn=cross_entropy, device=torch.device("cpu"),
+            local_batch_size=GLOBAL_BATCH // dp_size,
+        )  # fmt: skip
+        parts = pipe.model_parts
+    else:
+        parts = [parallelize(model, dims, options)]
+    params = [p for part in parts for p in part.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR)
+    facts: dict = {}
+    losses, norms = [], []
+    for step, tokens in enumerate(data):
+        local = tokens.chunk(dp_size)[dp_rank]
+        x, y = local[:, :-1].clone(), local[:, 1:].clone()
+        ropes = [part.rope for part in parts]
+        with training_context(
+            dims,
+            options,
+            cp_buffers=[x, y, *ropes],
+            cp_seq_dims=[1, 1, *[0] * len(ropes)],
+            cp_no_restore=[x, y],
+        ):
+            if pipe is not None:
+                loss = pipe.step(x, y)
+            else:
+                logits = model(x)
+                if step == 0:
+                    facts.update(after_forward_facts(model, logits, x))
+                loss = cross_entropy(logits, y)
+                loss.backward()
+        norm = clip_grad_norm_(params, MAX_NORM, pp_mesh=dims.submesh("pp"))
+        opt.step()
+        opt.zero_grad()
+        if options.float8_fsdp_all_gather:
+            precompute_float8_scales(model)
+        loss = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        loss_mesh = dims.submesh("dp_cp")
+        if loss_mesh is not None:
+            dist.all_reduce(loss, group=loss_mesh.get_group())
+            loss = loss / loss_mesh.size()
+        losses.append(loss.item())
+        norms.append(norm.item())
+    facts.update(layout_facts(dims, parts))
+    return {"reference": ref, "parallel": {"losses": losses, "grad_norms": norms}, "facts": facts}
+
+
+def after_forward_facts(model, logits, x) -> dict:
+    block = model.layers["0"]
+    return {
+        "logits_dtype": str(logits.dtype),
+        "local_seq_len": x.shape[1],
+        # FSDP frees a block's gathered weights after forward only when it reshards.
+        "block_param_sharded_after_forward": isinstance(block.attention.wq.weight, DTensor),
+    }
+
+
+def layout_facts(dims: ParallelDims, parts: list) -> dict:
+    wq = next(p.attention.wq for part in parts for p in part.layers.values())
+    facts = {
+        "wq_placements": [str(p) for p in wq.weight.placements] if isinstance(wq.weight, DTensor) else None,
+        "wq_local_type": type(wq.weight.to_local()).__name__ if isinstance(wq.weight, DTensor) else None,
+        "wq_local_shape": list(
+            wq.weight.to_local().shape if isinstance(wq.weight, DTensor) else wq.weight.shape
+        ),
+        "fsdp_module": isinstance(parts[0], FSDPModule),
+        "linear_types": sorted(
+            {type(m).__name__ for part in parts for m in part.modules() if "Linear" in type(m).__name__}
+        ),
+        "stage_blocks": [sorted(part.layers.keys()) for part in parts],
+        "mesh_sizes": {
+            n: (m.size() if m is not None else None)
+            for n in ("dp", "dp_shard_cp", "dp_cp", "fsdp", "tp", "pp")
+            for m in [dims.submesh(n)]
+        },
+        "fsdp_mesh_ndim": dims.submesh("fsdp").ndim if dims.submesh("fsdp") is not None else None,
+    }
+    if isinstance(parts[0], FSDPModule):
+        facts["offload_policy"] = type(parts[0]._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+    return facts
+
+
+def refusals() -> dict:
+    """Layouts that need a real mesh to be refused; each message is checked by the test."""
+    messages = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            messages[name] = None
+        except ParallelConfigError as e:
+            messages[name] = f"{type(e).__name__}: {e}"
+
+    tp = ParallelDims(dp_shard=1, tp=2, world_size=2)
+    tp.build_mesh("cpu")
+    model = ToyTransformer()
+    attempt("async_tp_on_cpu", lambda: apply_tp(model, tp.submesh("tp"), model.tp_plan(), async_tp=True))
+    attempt("float8_with_tp", lambda: parallelize(ToyTransformer(), tp, ParallelOptions(float8="tensorwise")))
+    attempt("pipeline_without_pp", lambda: build_pipeline(
+        ToyTransformer(), tp, ParallelOptions(), loss_fn=cross_entropy, device=torch.device("cpu"), local_batch_size=4
+    ))  # fmt: skip
+    cp = ParallelDims(dp_shard=1, cp=2, world_size=2)
+    cp.build_mesh("cpu")
+    attempt("cp_without_buffers", lambda: training_context(cp, ParallelOptions()).__enter__())
+    odd = torch.zeros(2, 6, dtype=torch.long)
+    attempt("cp_seq_not_divisible", lambda: context_parallel_ctx(cp.submesh("cp"), [odd], [1]).__enter__())
+    ddp = ParallelDims(dp_replicate=2, dp_shard=1, world_size=2)
+    ddp.build_mesh("cpu")
+    attempt(
+        "cpu_offload_without_sharding",
+        lambda: parallelize(ToyTransformer(), ddp, ParallelOptions(cpu_offload=True)),
+    )
+    return {"facts": messages}
+
+
+def schedule(name: str, **extra) -> ParallelOptions:
+    return ParallelOptions(pp_schedule=name, **extra)
+
+
+CASES = {
+    # 2 ranks
+    "fsdp": lambda: run_layout({"dp_shard": 2}, ParallelOptions()),
+    "fsdp_reshard_always": lambda: run_layout(
+        {"dp_shard": 2}, ParallelOptions(reshard_after_forward="always")
+    ),
+    "fsdp_reshard_never": lambda: run_layout({"dp_shard": 2}, ParallelOptions(reshard_after_forward="never")),
+    "fsdp_bf16_params": lambda: run_layout({"dp_shard": 2}, ParallelOptions(param_dtype=torch.bfloat16)),
+    "fsdp_cpu_offload": lambda: run_layout({"dp_shard": 2}, ParallelOptions(cpu_offload=True)),
+    "ddp": lambda: run_layout({"dp_replicate": 2, "dp_shard": 1}, ParallelOptions()),
+    "tp_sp_loss_parallel": lambda: run_layout({"dp_shard": 1, "tp": 2}, ParallelOptions()),
+    "tp_plain": lambda: run_layout(
+        {"dp_shard": 1, "tp": 2}, ParallelOptions(sequence_parallel=False, loss_parallel=False)
+    ),
+    "cp_allgather": lambda: run_layout(
+        {"dp_shard": 1, "cp": 2}, ParallelOptions(cp_rotate_method="allgather")
+    ),
+    "cp_alltoall": lambda: run_layout({"dp_shard": 1, "cp": 2}, ParallelOptions(cp_rotate_method="alltoall")),
+    "pp_1F1B": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("1F1B"), n_layers=4),
+    "pp_GPipe": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("GPipe"), n_layers=4),
+    "pp_Interleaved1F1B": lambda: run_layout(
+        {"dp_shard": 1, "pp": 2}, schedule("Interleaved1F1B"), n_layers=4
+    ),
+    "pp_LoopedBFS": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("LoopedBFS"), n_layers=4),
+    "pp_InterleavedZeroBubble": lambda: run_layout(
+        {"dp_shard": 1, "pp": 2}, schedule("InterleavedZeroBubble"), n_layers=4
+    ),
+    "pp_ZBVZeroBubble": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("ZBVZeroBubble"), n_layers=4),
+    "pp_split_points_microbatch_2": lambda: run_layout(
+        {"dp_shard": 1, "pp": 2},
+        schedule("1F1B", pp_split_points=("layers.1",), pp_microbatch_size=2),
+        n_layers=3,
+    ),
+    "float8_tensorwise_fsdp_all_gather": lambda: run_layout(
+        {"dp_shard": 2}, ParallelOptions(float8="tensorwise", float8_fsdp_all_gather=True), ref_chunks=2
+    ),
+    "float8_rowwise_fsdp": lambda: run_layout(
+        {"dp_shard": 2}, ParallelOptions(float8="rowwise"), ref_chunks=2
+    ),
+    "refusals": refusals,
+    # 4 ranks
+    "hsdp": lambda: run_layout({"dp_replicate": 2, "dp_shard": 2}, ParallelOptions()),
+    "fsdp_tp": lambda: run_layout({"dp_shard": 2, "tp": 2}, ParallelOptions()),
+    "fsdp_cp": lambda: run_layout({"dp_shard": 2, "cp": 2}, ParallelOptions()),
+    "hsdp_cp": lambda: run_layout({"dp_replicate": 2, "dp_shard": 1, "cp": 2}, ParallelOptions()),
+    "pp_fsdp": lambda: run_layout({"dp_shard": 2, "pp": 2}, schedule("Interleaved1F1B"), n_layers=4),
+    "pp_tp": lambda: run_layout({"dp_shard": 1, "pp": 2, "tp": 2}, schedule("1F1B"), n_layers=4),
+}
+
+
+def main(out_path: str, names: list[str]) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    results = {}
+    for name in names:
+        try:
+            results[name] = CASES[name]()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()  # no rank tears the group down while another still uses it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
