@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from titan_models.args import ModelArgs
-from titan_models.attention_masks import AttentionMask
+from titan_models.attention_masks import AttentionMask, causal_block_mask, flex_can_run
 from titan_models.errors import BackendUnavailableError, ModelConfigError
 from titan_models.rope import apply_rotary
 
@@ -28,9 +28,9 @@ def check_attention_backend(args: ModelArgs) -> None:
         return
     if importlib.util.find_spec("flash_attn") is None:
         raise BackendUnavailableError(
-            "model: attn_backend='flash' needs the flash-attn package, which is not installed; install it "
-            "with `pip install 'titan-models[flash]'` on a machine with a CUDA GPU and CUDA-enabled torch "
-            "(it compiles against them), or use attn_backend='sdpa' or 'flex'"
+            "model: attn_backend='flash' needs the flash-attn package, which is not installed; on a machine "
+            "with a CUDA GPU and CUDA-enabled torch run `pip install 'titan-models[flash]' --no-build-isolation` "
+            "(flash-attn compiles against that torch), or use attn_backend='sdpa' or 'flex'"
         )
     if not torch.cuda.is_available():
         raise BackendUnavailableError(
@@ -79,6 +79,8 @@ def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, mask: AttentionMask
 ) -> torch.Tensor:
     """Attention of (batch, heads, seq, head_dim) queries over fewer or equal key/value heads."""
+    if mask is None and backend == "flex" and flex_can_run(q.device):
+        mask = causal_block_mask(q.shape[2], str(q.device))
     if isinstance(mask, BlockMask):
         return _flex(q, k, v, mask)
     if backend == "flash":

@@ -51,7 +51,9 @@ def block_causal_block_mask(doc_ids: torch.Tensor) -> BlockMask:
 
 
 @functools.lru_cache(maxsize=8)
-def _causal_block_mask(seq_len: int, device: str) -> BlockMask:
+def causal_block_mask(seq_len: int, device: str) -> BlockMask:
+    """Plain causal attention as a flex-attention mask, cached per length and device."""
+
     def mask_mod(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
 
@@ -70,16 +72,19 @@ def _log_flex_fallback(device_type: str) -> None:
     )
 
 
-def build_attention_mask(
-    args: ModelArgs, doc_ids: torch.Tensor | None, seq_len: int, device
-) -> AttentionMask:
-    """The mask for one forward, in the form the configured backend (or its fallback) consumes."""
+def build_attention_mask(args: ModelArgs, doc_ids: torch.Tensor | None, device) -> AttentionMask:
+    """The mask for one forward, in the form the configured backend (or its fallback) consumes.
+
+    Plain causal attention gets None: each kernel applies causality itself (flex builds its causal
+    mask from the query length it sees, which under sequence parallelism a pipeline stage's input
+    does not show).
+    """
     device = torch.device(device)
     use_flex = args.attn_backend == "flex" and flex_can_run(device)
     if args.attn_backend == "flex" and not use_flex:
         _log_flex_fallback(device.type)
     if args.attn_mask_type == "causal":
-        return _causal_block_mask(seq_len, str(device)) if use_flex else None
+        return None
     if doc_ids is None:
         raise ModelConfigError(
             "model: attn_mask_type='block_causal' needs document ids (see titan_models.document_ids)"

@@ -148,7 +148,7 @@ class Transformer(nn.Module):
                     "forward(h, doc_ids=titan_models.document_ids(tokens, eos_id))"
                 )
             doc_ids = document_ids(tokens, self.args.eos_id)
-        mask = build_attention_mask(self.args, doc_ids, seq_len, tokens.device)
+        mask = build_attention_mask(self.args, doc_ids, tokens.device)
         # Pipeline stages may have dropped the embedding, norm or output (set to None).
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
