@@ -135,3 +135,13 @@ def test_mapping_a_checkpoint_of_another_shape_names_what_is_missing():
 def test_loading_a_folder_without_safetensors_says_what_is_expected(tmp_path):
     with pytest.raises(WeightMappingError, match="model.safetensors.index.json"):
         load_safetensors_sharded(tmp_path)
+
+
+def test_names_inside_compiled_blocks_map_like_plain_ones():
+    args = SHAPES["llama2"]
+    model = Transformer(args)
+    expected = LlamaStateDictAdapter(args).to_hf(model.state_dict())
+    model.layers["0"] = torch.compile(model.layers["0"])  # wraps only; nothing compiles until called
+    assert any("_orig_mod" in name for name in model.state_dict())
+    mapped = LlamaStateDictAdapter(args).to_hf(model.state_dict())
+    assert mapped.keys() == expected.keys() and all(torch.equal(mapped[k], expected[k]) for k in expected)

@@ -67,24 +67,27 @@ class LlamaStateDictAdapter:
             return self.args.kv_heads
         return None
 
-    def _check_complete(self, got: set[str], expected: set[str], kind: str) -> None:
-        missing, unknown = sorted(expected - got), sorted(got - expected)
+    def _checked(self, state_dict: dict[str, Tensor], names: dict[str, str], head: str, kind: str) -> dict:
+        """A copy of `state_dict` without a tied output head, once its keys are exactly `names`."""
+        state = dict(state_dict)
+        expected = set(names)
+        if self.args.tie_word_embeddings:
+            state.pop(head, None)
+            expected.discard(head)
+        missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
         if missing or unknown:
             raise WeightMappingError(
                 f"model: the {kind} state dict does not fit this model ({self.args.n_layers} layers, "
                 f"tie_word_embeddings={self.args.tie_word_embeddings}): missing {missing[:5]}, "
                 f"unexpected {unknown[:5]}; check the model flavor against the checkpoint"
             )
+        return state
 
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """Our names and layout -> `LlamaForCausalLM` names and layout."""
-        ours = {_WRAPPER_PARTS.sub("", name): t for name, t in state_dict.items()}
-        if self.args.tie_word_embeddings:
-            ours.pop("output.weight", None)
-        expected = set(self._to_hf_names) - ({"output.weight"} if self.args.tie_word_embeddings else set())
-        self._check_complete(set(ours), expected, "Titan")
+        unwrapped = {_WRAPPER_PARTS.sub("", name): t for name, t in state_dict.items()}
         hf = {}
-        for name, tensor in ours.items():
+        for name, tensor in self._checked(unwrapped, self._to_hf_names, "output.weight", "Titan").items():
             heads = self._heads_of(name)
             hf[self._to_hf_names[name]] = (
                 tensor if heads is None else _interleaved_to_half_split(tensor, heads)
@@ -93,13 +96,10 @@ class LlamaStateDictAdapter:
 
     def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """`LlamaForCausalLM` names and layout -> ours (what `Transformer.load_state_dict` takes)."""
-        hf = dict(hf_state_dict)
-        if self.args.tie_word_embeddings:
-            hf.pop("lm_head.weight", None)
-        expected = set(self._from_hf_names) - ({"lm_head.weight"} if self.args.tie_word_embeddings else set())
-        self._check_complete(set(hf), expected, "Hugging Face")
         ours = {}
-        for name, tensor in hf.items():
+        for name, tensor in self._checked(
+            hf_state_dict, self._from_hf_names, "lm_head.weight", "Hugging Face"
+        ).items():
             our_name = self._from_hf_names[name]
             heads = self._heads_of(our_name)
             ours[our_name] = tensor if heads is None else _half_split_to_interleaved(tensor, heads)
