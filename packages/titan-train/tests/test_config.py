@@ -53,3 +53,89 @@ def test_wrong_type_and_bad_choice_are_named():
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_job_config(["--job.config_file", str(tmp_path / "nope.toml")])
+
+
+def test_help_lists_every_field_of_every_torchtitan_section(capsys, monkeypatch):
+    from titan_train.cli import run
+
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option, so defaults are not wrapped
+    from titan_train.config.parse import iter_fields
+
+    with pytest.raises(SystemExit) as exit_info:
+        run(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for dotted, _, _ in iter_fields(JobConfig):
+        assert f"--{dotted} " in text
+    sections = {line.strip()[1:-2] for line in text.splitlines() if line.startswith("[")}
+    issue_sections = (
+        "job profiling metrics model optimizer lr_scheduler training training.dataloader parallelism checkpoint "
+        "activation_checkpoint compile quantize.linear.float8 quantize.linear.mx comm memory_estimation "
+        "validation debug"
+    ).split()
+    assert set(issue_sections) <= sections
+    assert "(default: 'selective')" in text and "(default: 1.0)" in text
+
+
+def test_lists_are_comma_separated_and_lists_of_lists_use_semicolons():
+    c = load_job_config(
+        [
+            "--quantize.linear.float8.filter_fqns", "output,attention.wq",
+            "--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0;layers.1,norm,output",
+        ]
+    )  # fmt: skip
+    assert c.quantize.linear.float8.filter_fqns == ["output", "attention.wq"]
+    assert c.parallelism.module_fqns_per_model_part == [
+        ["tok_embeddings", "layers.0"],
+        ["layers.1", "norm", "output"],
+    ]
+
+
+def test_negated_boolean_flag_turns_off_what_the_toml_turned_on(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text("[metrics]\nenable_tensorboard = true\n")
+    c = load_job_config(["--job.config_file", str(toml), "--metrics.no_enable_tensorboard"])
+    assert c.metrics.enable_tensorboard is False
+
+
+def test_custom_config_module_adds_a_section_and_a_field(tmp_path, monkeypatch):
+    (tmp_path / "my_titan_extension.py").write_text(
+        "from dataclasses import dataclass, field\n\n"
+        "@dataclass\nclass Curriculum:\n    start_seq_len: int = 128\n    ramp_steps: int = 100\n\n"
+        "@dataclass\nclass Training:\n    label_smoothing: float = 0.0\n\n"
+        "@dataclass\nclass JobConfig:\n"
+        "    curriculum: Curriculum = field(default_factory=Curriculum)\n"
+        "    training: Training = field(default_factory=Training)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    toml = tmp_path / "job.toml"
+    toml.write_text('[job]\ncustom_config_module = "my_titan_extension"\n[curriculum]\nramp_steps = 7\n')
+    c = load_job_config(
+        ["--job.config_file", str(toml), "--training.label_smoothing", "0.1", "--training.steps", "5"]
+    )
+    assert isinstance(c, JobConfig)
+    assert (c.curriculum.start_seq_len, c.curriculum.ramp_steps) == (128, 7)
+    assert (c.training.label_smoothing, c.training.steps, c.training.seq_len) == (0.1, 5, 2048)
+    with pytest.raises(ConfigError, match="did you mean '--curriculum.ramp_steps'"):
+        load_job_config(["--job.custom_config_module", "my_titan_extension", "--curriculum.ramp_step", "3"])
+
+
+def test_custom_config_module_that_cannot_be_imported_is_named():
+    with pytest.raises(
+        ConfigError, match="job.custom_config_module 'no_such_titan_module' cannot be imported"
+    ):
+        load_job_config(["--job.custom_config_module", "no_such_titan_module"])
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--validation.steps", "0"], "validation.steps must be positive or -1"),
+        (["--training.global_batch_size", "0"], "training.global_batch_size must be -1"),
+        (["--training.local_batch_size", "0"], "training.local_batch_size must be at least 1"),
+        (["--profiling.profile_freq", "3"], r"profiler_warmup \(3\) \+ profiler_active \(1\) must fit"),
+    ],
+)
+def test_values_out_of_range_are_named(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        load_job_config(flags)

@@ -90,9 +90,8 @@ def train(argv: list[str], world_size: int | None = None) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    setup_logging()
-    argv = list(sys.argv[1:] if argv is None else argv)
+def run(argv: list[str]) -> int:
+    """Dispatch to a subcommand or train; a user's mistake is logged as one line and exits with 2."""
     try:
         if argv[:1] == ["report"]:
             return report_main(argv[1:])
@@ -103,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         log.error("%s", err)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console entry point: rank-prefixed logging to stdout, then `run`."""
+    setup_logging()
+    return run(list(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -19,15 +19,20 @@ PEAK_BF16_FLOPS = {
 }
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """The device's peak bf16 FLOP/s, or None where unknown (a CPU, an unlisted GPU)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+def peak_flops_for_name(name: str) -> float | None:
+    """Peak bf16 FLOP/s of the accelerator `torch.cuda.get_device_name` calls `name`, or None if unlisted."""
     if "H100" in name:
         key = "H100 NVL" if "NVL" in name else "H100 PCIe" if "PCIe" in name else "H100 SXM"
         return PEAK_BF16_FLOPS[key]
+    # GB200 before B200: the name of one contains the other.
     for key in ("GB200", "B200", "H200", "A100", "MI300X", "MI325X", "MI250X"):
         if key in name:
             return PEAK_BF16_FLOPS[key]
     return None
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's peak bf16 FLOP/s, or None where unknown (a CPU, an unlisted GPU): no MFU then."""
+    if device.type != "cuda":
+        return None
+    return peak_flops_for_name(torch.cuda.get_device_name(device))

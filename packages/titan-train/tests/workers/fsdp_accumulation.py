@@ -1,0 +1,64 @@
+"""torchrun worker: FSDP over the ranks trains three steps with local batch 4, then with 2 x 2 accumulation.
+
+Counts FSDP's gradient reductions by wrapping (and calling) the function FSDP uses for them, to show
+that accumulation skips the reduce-scatter of every micro-batch but the last.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from titan_train.config import load_job_config
+from titan_train.distributed import init_distributed
+from titan_train.trainer import Trainer
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+SMALL = [
+    "--training.seq_len", "32", "--training.steps", "3", "--activation_checkpoint.mode", "none",
+    "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--lr_scheduler.warmup_steps", "2",
+    "--optimizer.lr", "3e-3", "--training.dataloader.num_streams", "2",
+]  # fmt: skip
+RUNS = {
+    "local_batch_4": ["--training.local_batch_size", "4"],
+    "local_batch_2_accumulate_2": ["--training.local_batch_size", "2", "--training.global_batch_size", "8"],
+}
+
+
+def count_reductions() -> list[int]:
+    calls = [0]
+    reduce = _fsdp_param_group.foreach_reduce
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return reduce(*args, **kwargs)
+
+    _fsdp_param_group.foreach_reduce = counted
+    return calls
+
+
+def main(out: Path) -> None:
+    info = init_distributed(300)
+    calls = count_reductions()
+    results = {}
+    for name, flags in RUNS.items():
+        before = calls[0]
+        trainer = Trainer(
+            load_job_config([*SMALL, *flags, "--job.dump_folder", str(out.parent / name)]), info
+        )
+        losses = trainer.train()
+        results[name] = {
+            "losses": losses,
+            "reductions": calls[0] - before,
+            "grad_accum_steps": trainer.grad_accum_steps,
+            "fsdp": isinstance(trainer.model, FSDPModule),
+        }
+    if info.rank == 0:
+        out.write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
