@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
 # Launch titan-train with torchrun on this node.
 #   NGPU=8 CONFIG_FILE=apps/configs/llama3_8b.toml ./apps/run_train.sh --training.steps 100
+#   DRY_RUN=1 NGPU=64 CONFIG_FILE=apps/configs/llama3_8b.toml ./apps/run_train.sh
 # NGPU: processes (GPUs, or CPU processes with gloo where there is no GPU); LOG_RANK: comma-separated
-# ranks whose output is shown (default 0); extra arguments are passed on as config overrides.
+# ranks whose output is shown (default 0); DRY_RUN=1: check the config and the layout for NGPU ranks
+# in one process without GPUs (a fake process group), print the mesh and the memory per rank, and stop.
+# Extra arguments are passed on as config overrides.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 NGPU=${NGPU:-1}
 LOG_RANK=${LOG_RANK:-0}
 CONFIG_FILE=${CONFIG_FILE:-./apps/configs/debug_model.toml}
+DRY_RUN=${DRY_RUN:-0}
 
 if command -v torchrun >/dev/null 2>&1; then
     TORCHRUN=(torchrun)
+    PYTHON=(python)
 else
     TORCHRUN=(uv run torchrun)
+    PYTHON=(uv run python)
 fi
 
 export PYTHONUNBUFFERED=1
+if [ "${DRY_RUN}" = "1" ]; then
+    exec "${PYTHON[@]}" -m titan_train.cli dry-run --ngpu "${NGPU}" --job.config_file "${CONFIG_FILE}" "$@"
+fi
 exec "${TORCHRUN[@]}" --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
     -m titan_train.cli --job.config_file "${CONFIG_FILE}" "$@"

@@ -56,7 +56,7 @@ class DryRunReport:
             f"  mesh: {self.mesh}",
             f"  parameters: {self.params.total:,} ({self.params.embedding:,} in the embedding, "
             f"{self.params.n_blocks} blocks of {self.params.per_block:,})",
-            f"  batch: {t.local_batch_size} sequences of {t.seq_len} tokens per data-parallel rank, "
+            f"  batch: {t.local_batch_size} sequence{'s' if t.local_batch_size != 1 else ''} of {t.seq_len} tokens per data-parallel rank, "
             f"gradient accumulation {self.grad_accum_steps}: {self.tokens_per_step:,} tokens per step",
             f"  memory per rank (estimate; activation checkpointing '{config.activation_checkpoint.mode}'):",
         ]

@@ -1,0 +1,100 @@
+"""The launch scripts and configs under apps/, run as a user runs them."""
+
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from titan_train.config import load_job_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "apps" / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_shipped_config_loads_in_the_current_schema_without_warnings(config, caplog):
+    c = load_job_config(["--job.config_file", str(config)])
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert c.model.name == "llama3"
+
+
+def test_shipped_configs_cover_debug_8b_70b_and_405b():
+    flavors = {load_job_config(["--job.config_file", str(c)]).model.flavor for c in CONFIGS}
+    assert {"debugmodel", "8B", "70B", "405B"} <= flavors
+
+
+def _dry_run(config: str, ngpu: int) -> str:
+    env = {**os.environ, "DRY_RUN": "1", "NGPU": str(ngpu), "CONFIG_FILE": config,
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
+    start = time.perf_counter()
+    result = subprocess.run(
+        [str(REPO / "apps" / "run_train.sh")], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert time.perf_counter() - start < 60
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_405b_config_for_512_gpus_through_run_train_sh():
+    out = _dry_run("apps/configs/llama3_405b.toml", 512)
+    assert "llama3 405B on 512 ranks" in out
+    assert "mesh: (pp=8, dp_shard=8, tp=8)" in out
+    assert "parameters: 405,853,388,800" in out
+    for row in (
+        "parameters (sharded)",
+        "gradients (sharded)",
+        "optimizer state (Adam)",
+        "activations",
+        "total",
+    ):
+        assert row in out
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_8b_config_for_64_gpus_through_run_train_sh():
+    out = _dry_run("apps/configs/llama3_8b.toml", 64)
+    assert "llama3 8B on 64 ranks" in out and "mesh: (dp_shard=64)" in out
+
+
+def test_slurm_script_is_valid_bash_and_uses_torchrun_c10d_rendezvous():
+    script = REPO / "apps" / "multinode_trainer.slurm"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert "srun torchrun" in text and "--rdzv_backend c10d" in text and "-m titan_train.cli" in text
+
+
+def _download_script():
+    spec = importlib.util.spec_from_file_location(
+        "download_hf_assets", REPO / "apps" / "scripts" / "download_hf_assets.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_download_script_fetches_only_the_asked_assets_with_a_token_from_flag_or_environment(monkeypatch):
+    script = _download_script()
+    tokenizer_only = script.patterns_for(["tokenizer"])
+    assert "original/tokenizer.model" in tokenizer_only and "*.safetensors" not in tokenizer_only
+    everything = script.patterns_for(["tokenizer", "config", "safetensors"], ["*.md"])
+    assert everything.count("model.safetensors.index.json") == 1 and everything[-1] == "*.md"
+    with pytest.raises(ValueError, match="unknown asset kind"):
+        script.patterns_for(["weights"])
+    monkeypatch.setenv("HF_TOKEN", "from-env")
+    assert script.resolve_token(None) == "from-env"
+    assert script.resolve_token("from-flag") == "from-flag"
+    assert script.target_folder("./assets/hf", "meta-llama/Llama-3.1-8B") == Path("assets/hf/Llama-3.1-8B")
+
+
+def test_download_script_without_the_hub_says_so(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    cmd = [sys.executable, str(REPO / "apps" / "scripts" / "download_hf_assets.py"), "--repo_id",
+           "meta-llama/Llama-3.1-8B", "--local_dir", str(tmp_path / "assets")]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1
+    assert "cannot reach the Hugging Face hub for meta-llama/Llama-3.1-8B" in result.stderr
