@@ -125,7 +125,7 @@ _RULES = (
         lambda c: c.metrics.enable_wandb and importlib.util.find_spec("wandb") is None,
         lambda c: "metrics.enable_wandb = true",
         "the wandb package is not installed",
-        "pip install wandb (or titan-train[wandb]), or set metrics.enable_wandb = false",
+        "pip install wandb, or set metrics.enable_wandb = false",
     ),
 )
 
