@@ -1,7 +1,22 @@
-"""Atomic, resumable checkpoints on torch.distributed.checkpoint."""
+"""Atomic, resumable, reshardable checkpoints on torch.distributed.checkpoint."""
 
-from titan_ckpt.checkpointer import Checkpointer, complete_steps
+from titan_ckpt.async_save import ASYNC_MODES, SaveTiming
+from titan_ckpt.checkpointer import EXPORT_DTYPES, Checkpointer
 from titan_ckpt.errors import CheckpointError
+from titan_ckpt.hf_safetensors import HFStateDictAdapter
+from titan_ckpt.load_source import LoadResult
 from titan_ckpt.stateful import ModelState, OptimizerState
+from titan_ckpt.step_folders import complete_steps
 
-__all__ = ["CheckpointError", "Checkpointer", "ModelState", "OptimizerState", "complete_steps"]
+__all__ = [
+    "ASYNC_MODES",
+    "EXPORT_DTYPES",
+    "CheckpointError",
+    "Checkpointer",
+    "HFStateDictAdapter",
+    "LoadResult",
+    "ModelState",
+    "OptimizerState",
+    "SaveTiming",
+    "complete_steps",
+]

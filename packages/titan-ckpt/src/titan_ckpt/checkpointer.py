@@ -1,55 +1,81 @@
-"""Periodic, atomic checkpoints of a training run on torch.distributed.checkpoint (DCP)."""
+"""Periodic, atomic, optionally asynchronous checkpoints of a training run on torch.distributed.checkpoint.
+
+Layout (torchtitan's): the model's parameters are stored at the top level under their own names
+and every other state under its name (`optimizer.*`, `dataloader.*`, ...), so full checkpoints,
+model-only checkpoints and seed checkpoints share weight names and load into each other.
+"""
 
 from __future__ import annotations
 
 import logging
-import re
 import shutil
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titan_ckpt.async_save import PendingSave, SaveTiming, build_stager, check_async_mode, snapshot_objects
 from titan_ckpt.errors import CheckpointError
+from titan_ckpt.hf_safetensors import (
+    DEFAULT_MAX_SHARD_BYTES,
+    HFStateDictAdapter,
+    gather_full_tensors,
+    load_hf_weights,
+    write_hf_folder,
+)
+from titan_ckpt.integrity import find_problem, flatten_state_dict, read_metadata, saved_keys
+from titan_ckpt.load_source import MODEL, InitialLoad, LoadResult, choose_source
+from titan_ckpt.stateful import OptimizerState
+from titan_ckpt.step_folders import (
+    folder_bytes,
+    partial_folder,
+    publish,
+    purge_old,
+    remove_partial_folders,
+    step_folder,
+)
 
 logger = logging.getLogger(__name__)
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
-PARTIAL_SUFFIX = ".partial"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def complete_steps(folder: Path) -> list[int]:
-    """Steps with a finished checkpoint in `folder`, oldest first."""
-    if not folder.is_dir():
-        return []
-    steps = []
-    for entry in folder.iterdir():
-        match = STEP_DIR.match(entry.name)
-        if match and (entry / ".metadata").is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Checkpointer:
-    """Saves `states` every `interval` steps into `folder/step-N` and resumes from the newest one.
+    """Saves `states` into `folder/step-N` every `interval` steps and restores a run at start.
 
-    A checkpoint is written under `step-N.partial` and renamed to `step-N` only after every rank
-    has finished writing, so a crash mid-save never leaves a folder that looks complete.
+    `states` maps names to DCP Statefuls; the entry named "model" is the model (see the module
+    docstring). Every argument after `interval` mirrors the torchtitan `[checkpoint]` option of the
+    same name. `hf_adapter` is needed only for the Hugging Face options. All ranks must construct
+    the Checkpointer and call `load`, `maybe_save` and `close` together.
     """
 
     def __init__(
-        self, folder: str | Path, states: dict[str, Stateful | Any], *, interval: int, keep_latest_k: int = 0
+        self,
+        folder: str | Path,
+        states: Mapping[str, Stateful],
+        *,
+        interval: int,
+        keep_latest_k: int = 0,
+        async_mode: str = "disabled",
+        load_step: int = -1,
+        initial_load_path: str | Path | None = None,
+        initial_load_model_only: bool = True,
+        initial_load_in_hf: bool = False,
+        last_save_model_only: bool = False,
+        last_save_in_hf: bool = False,
+        export_dtype: str = "float32",
+        exclude_from_loading: Iterable[str] = (),
+        enable_first_step_checkpoint: bool = False,
+        load_only: bool = False,
+        hf_adapter: HFStateDictAdapter | None = None,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        process_group: dist.ProcessGroup | None = None,
     ):
         if interval < 1:
             raise CheckpointError(f"checkpoint: interval must be >= 1, got {interval}")
@@ -57,65 +83,329 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint: keep_latest_k must be >= 0 (0 keeps all), got {keep_latest_k}"
             )
+        if load_step < -1:
+            raise CheckpointError(
+                f"checkpoint: load_step must be a step >= 0, or -1 for the newest; got {load_step}"
+            )
+        check_async_mode(async_mode)
+        if export_dtype not in EXPORT_DTYPES:
+            raise CheckpointError(
+                f"checkpoint: export_dtype '{export_dtype}' is not one of {', '.join(EXPORT_DTYPES)}"
+            )
+        for name, state in states.items():
+            if not isinstance(state, Stateful):
+                raise CheckpointError(
+                    f"checkpoint: state '{name}' ({type(state).__name__}) needs state_dict() and load_state_dict()"
+                )
+        self.exclude_from_loading = tuple(exclude_from_loading)
+        unknown = [name for name in self.exclude_from_loading if name not in states]
+        if unknown:
+            raise CheckpointError(
+                f"checkpoint: exclude_from_loading names {unknown}, which are not states; choose from {sorted(states)}"
+            )
+        if last_save_in_hf and not last_save_model_only:
+            raise CheckpointError(
+                "checkpoint: last_save_in_hf saves only the model; set last_save_model_only = true"
+            )
+        if initial_load_in_hf and not initial_load_model_only:
+            raise CheckpointError(
+                "checkpoint: initial_load_in_hf loads model weights only; set initial_load_model_only = true"
+            )
+        needs_model = last_save_model_only or bool(initial_load_path)
+        if needs_model and MODEL not in states:
+            raise CheckpointError(
+                f"checkpoint: model-only saves and initial loads need a state named '{MODEL}'"
+            )
+        if (last_save_in_hf or initial_load_in_hf) and hf_adapter is None:
+            raise CheckpointError(
+                "checkpoint: last_save_in_hf / initial_load_in_hf need a Hugging Face weight mapping (hf_adapter) "
+                "for this model; none was given"
+            )
         self.folder = Path(folder)
-        self.states = states
+        self.states = dict(states)
         self.interval = interval
         self.keep_latest_k = keep_latest_k
+        self.async_mode = async_mode
+        self.load_step = load_step
+        self.initial = InitialLoad(str(initial_load_path) if initial_load_path else None, initial_load_model_only, initial_load_in_hf)  # fmt: skip
+        self.last_save_model_only = last_save_model_only
+        self.last_save_in_hf = last_save_in_hf
+        self.export_dtype = EXPORT_DTYPES[export_dtype]
+        self.enable_first_step_checkpoint = enable_first_step_checkpoint
+        self.load_only = load_only
+        self.hf_adapter = hf_adapter
+        self.max_shard_bytes = max_shard_bytes
+        self.timings: list[SaveTiming] = []
+        # A gloo group of our own: async writes run collectives from a background thread, which must
+        # not interleave with training's collectives, and DCP's async path needs a CPU backend.
+        if process_group is None and dist.is_initialized():
+            process_group = dist.new_group(backend="gloo")
+        self._group = process_group
+        self._stager = build_stager(async_mode)
+        self._pending: PendingSave | None = None
+        self._hooks = [
+            optimizer.register_step_pre_hook(self._wait_before_optimizer_step)
+            for state in self.states.values()
+            if isinstance(state, OptimizerState)
+            for optimizer in state.optimizers
+        ]
+
+    # -- ranks --------------------------------------------------------------------------------------
+
+    def _rank(self) -> int:
+        return dist.get_rank(self._group) if dist.is_initialized() else 0
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier(group=self._group)
+
+    def _raise_if_any(self, problem: str | None) -> None:
+        """Raise `problem` on every rank if any rank has one, so no rank is left waiting in a collective."""
+        problems = [problem]
+        if dist.is_initialized() and dist.get_world_size(self._group) > 1:
+            problems = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(problems, problem, group=self._group)
+        found = next((p for p in problems if p), None)
+        if found:
+            raise CheckpointError(found)
+
+    def _on_rank0(self, decide):
+        """Run `decide()` on rank 0 and hand its result (or its CheckpointError) to every rank."""
+        box: list[Any] = [None]
+        if self._rank() == 0:
+            try:
+                box = [decide()]
+            except CheckpointError as err:
+                box = [err]
+        if dist.is_initialized() and dist.get_world_size(self._group) > 1:
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
+        if isinstance(box[0], CheckpointError):
+            raise CheckpointError(str(box[0]))
+        return box[0]
+
+    # -- loading ------------------------------------------------------------------------------------
 
     def step_folder(self, step: int) -> Path:
-        return self.folder / f"step-{step}"
+        return step_folder(self.folder, step)
 
-    def load(self) -> int | None:
-        """Restore the newest complete checkpoint; return its step, or None for a fresh start."""
-        self._remove_partial_folders()
-        steps = complete_steps(self.folder)
-        if not steps:
-            logger.info("no checkpoint in %s; fresh start", self.folder)
-            return None
-        step = steps[-1]
-        path = self.step_folder(step)
-        logger.info("resuming from %s", path)
+    def load(self) -> LoadResult:
+        """Restore the run: its newest complete checkpoint, else `initial_load_path`, else nothing.
+
+        Interrupted saves are removed first; the decision is logged ("resuming from step-N", "no
+        checkpoint; loading initial weights from X", "no checkpoint; fresh start").
+        """
+        if self._rank() == 0:
+            remove_partial_folders(self.folder)
+        self._barrier()
+        wanted = [name for name in self.states if name not in self.exclude_from_loading]
+        result = self._on_rank0(
+            lambda: choose_source(
+                self.folder, wanted, self._present_states, load_step=self.load_step, initial=self.initial
+            )
+        )
+        if self._rank() == 0:
+            logger.info("checkpoint: %s", result.message)
+        if result.kind == "fresh":
+            return result
+        if result.hf:
+            self._load_hf(result.path)
+        else:
+            self._load_dcp(result.path, result.states)
+        return result
+
+    def _present_states(self, path: Path) -> set[str]:
+        keys = saved_keys(read_metadata(path))
+        tops = {key.split(".", 1)[0] for key in keys}
+        return {name for name in self.states if name != MODEL and name in tops}
+
+    def _state_dicts(self, names: Iterable[str]) -> dict[str, Any]:
+        """The current state of `names`, with the model's entries at the top level."""
+        names = list(names)
+        merged: dict[str, Any] = {}
+        if MODEL in names:
+            merged.update(self.states[MODEL].state_dict())
+            clash = sorted({k.split(".", 1)[0] for k in merged} & (set(self.states) - {MODEL}))
+            if clash:
+                raise CheckpointError(
+                    f"checkpoint: model parameter names start with state names {clash}; rename the states"
+                )
+        for name in names:
+            if name != MODEL:
+                merged[name] = self.states[name].state_dict()
+        return merged
+
+    def _load_dcp(self, path: Path, names: Iterable[str]) -> None:
+        names = list(names)
+        state = self._state_dicts(names)
         try:
-            dcp.load(self.states, checkpoint_id=str(path))
+            problem = find_problem(path, read_metadata(path), flatten_state_dict(state))
+        except CheckpointError as err:
+            problem = str(err)
+        self._raise_if_any(problem)
+        try:
+            dcp.load(state, checkpoint_id=str(path), process_group=self._group)
         except Exception as err:  # DCP wraps per-rank failures; name the folder for the user.
             raise CheckpointError(f"checkpoint: cannot load {path}: {err}") from err
-        return step
+        self._apply(state, names)
 
-    def maybe_save(self, step: int, *, force: bool = False) -> bool:
-        """Save at every `interval`-th step (or when forced); return whether a checkpoint was written."""
-        if not force and step % self.interval:
+    def _apply(self, state: dict[str, Any], names: list[str]) -> None:
+        for name in names:
+            if name != MODEL:
+                self.states[name].load_state_dict(state.pop(name))
+        if MODEL in names:
+            self.states[MODEL].load_state_dict(state)
+
+    def _load_hf(self, path: Path) -> None:
+        if self.hf_adapter is None:
+            raise CheckpointError(
+                f"checkpoint: {path} holds Hugging Face safetensors; loading it needs an hf_adapter"
+            )
+        target = self.states[MODEL].state_dict()
+        try:
+            load_hf_weights(path, self.hf_adapter, target)
+            problem = None
+        except CheckpointError as err:
+            problem = str(err)
+        self._raise_if_any(problem)
+        self.states[MODEL].load_state_dict(target)
+
+    # -- saving -------------------------------------------------------------------------------------
+
+    def maybe_save(self, step: int, *, last_step: bool = False) -> bool:
+        """Save if `step` is due (every `interval`, step 1 with enable_first_step_checkpoint, the last step).
+
+        The last step's save is synchronous and follows last_save_model_only / last_save_in_hf.
+        Returns whether a save started. With `load_only` nothing is ever saved.
+        """
+        self._commit_if_done()
+        if self.load_only:
             return False
-        self.save(step)
-        return True
+        if last_step:
+            if self.last_save_in_hf:
+                self.save_hf(step)
+            else:
+                self.save(step, model_only=self.last_save_model_only, wait=True)
+            return True
+        if step % self.interval == 0 or (step == 1 and self.enable_first_step_checkpoint):
+            self.save(step)
+            return True
+        return False
 
-    def save(self, step: int) -> None:
-        final = self.step_folder(step)
-        partial = final.with_name(final.name + PARTIAL_SUFFIX)
-        if _rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        _barrier()
-        dcp.save(self.states, checkpoint_id=str(partial))
-        _barrier()  # every rank has written its shards
-        if _rank() == 0:
-            if final.exists():
-                shutil.rmtree(final)
-            partial.rename(final)
-            logger.info("saved checkpoint %s", final)
-            self._purge_old()
-        _barrier()
-
-    def _remove_partial_folders(self) -> None:
-        if _rank() == 0 and self.folder.is_dir():
-            for entry in sorted(self.folder.iterdir()):
-                if entry.name.endswith(PARTIAL_SUFFIX) or (
-                    STEP_DIR.match(entry.name) and not (entry / ".metadata").exists()
-                ):
-                    logger.warning("removing incomplete checkpoint %s (a save was interrupted)", entry)
-                    shutil.rmtree(entry, ignore_errors=True)
-        _barrier()
-
-    def _purge_old(self) -> None:
-        if self.keep_latest_k == 0:
+    def save(self, step: int, *, model_only: bool = False, wait: bool = False) -> None:
+        """Write `step-N` (model-only in `export_dtype` if asked), in the background unless sync or `wait`."""
+        self._finish_pending()
+        started = time.perf_counter()
+        partial, final = self._prepare(step)
+        if model_only:
+            state = {k: self._export(v) for k, v in self.states[MODEL].state_dict().items()}
+        else:
+            state = self._state_dicts(self.states)
+        if self._stager is None or wait or model_only:
+            try:
+                dcp.save(state, checkpoint_id=str(partial), process_group=self._group)
+            except Exception as err:
+                raise CheckpointError(f"checkpoint: saving {partial} failed: {err}") from err
+            elapsed = time.perf_counter() - started
+            self._commit(step, partial, final, blocked_s=elapsed, total_s=elapsed)
             return
-        for step in complete_steps(self.folder)[: -self.keep_latest_k]:
-            shutil.rmtree(self.step_folder(step), ignore_errors=True)
+        response = dcp.async_save(
+            snapshot_objects(state) if self.async_mode == "async_with_pinned_mem" else state,
+            checkpoint_id=str(partial),
+            process_group=self._group,
+            async_stager=self._stager,
+        )
+        upload, staging = (response, None) if isinstance(response, Future) else (response.upload_completion, response.staging_completion)  # fmt: skip
+        self._pending = PendingSave(
+            step, partial, final, upload, staging, started, time.perf_counter() - started
+        )
+        upload.add_done_callback(self._pending.mark_finished)
+        if wait:
+            self._finish_pending()
+
+    def save_hf(self, step: int) -> None:
+        """Write the model as Hugging Face sharded safetensors (in `export_dtype`) into `step-N`."""
+        if self.hf_adapter is None:
+            raise CheckpointError("checkpoint: saving in Hugging Face format needs an hf_adapter")
+        self._finish_pending()
+        started = time.perf_counter()
+        partial, final = self._prepare(step)
+        full = gather_full_tensors(self.states[MODEL].state_dict(), self._group)
+        problem = None
+        if self._rank() == 0:
+            try:
+                hf = {k: v.to(self.export_dtype) for k, v in self.hf_adapter.to_hf(full).items()}
+                write_hf_folder(
+                    partial, hf, self.hf_adapter.hf_config(), max_shard_bytes=self.max_shard_bytes
+                )
+            except Exception as err:
+                problem = f"checkpoint: Hugging Face export to {partial} failed: {err}"
+        del full
+        self._raise_if_any(problem)
+        elapsed = time.perf_counter() - started
+        self._commit(step, partial, final, blocked_s=elapsed, total_s=elapsed)
+
+    def _export(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.detach().to(self.export_dtype)
+        return value
+
+    def _prepare(self, step: int) -> tuple[Path, Path]:
+        partial, final = partial_folder(self.folder, step), self.step_folder(step)
+        if self._rank() == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier failed attempt at this step
+        self._barrier()
+        return partial, final
+
+    def _commit(self, step: int, partial: Path, final: Path, *, blocked_s: float, total_s: float) -> None:
+        """Publish a finished save. DCP finishes on rank 0 only after every rank has written, so rank 0
+        alone can rename it."""
+        written = None
+        if self._rank() == 0:
+            written = folder_bytes(partial)
+            publish(partial, final)
+            logger.info(
+                "checkpoint: saved %s (%.1f MB) in %.2f s; training blocked %.2f s",
+                final, written / 1e6, total_s, blocked_s,
+            )  # fmt: skip
+            purge_old(self.folder, self.keep_latest_k)
+        self.timings.append(SaveTiming(step, blocked_s, total_s, written))
+
+    def _wait_before_optimizer_step(self, *_: Any) -> None:
+        self.wait_for_staging()
+
+    def wait_for_staging(self) -> None:
+        """Block until a background save has copied the state (called before every optimizer step)."""
+        if self._pending is not None:
+            self._pending.wait_for_staging()
+
+    def _commit_if_done(self) -> None:
+        if self._pending is not None and self._pending.upload.done():
+            self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        start = time.perf_counter()
+        pending.wait_for_staging()
+        try:
+            pending.upload.result()
+        except Exception as err:
+            raise CheckpointError(f"checkpoint: background save of {pending.partial} failed: {err}") from err
+        pending.blocked_s += time.perf_counter() - start
+        # The write may finish while training is still blocked (a fast write, or a wait for it here).
+        total = max((pending.finished or time.perf_counter()) - pending.started, pending.blocked_s)
+        self._commit(pending.step, pending.partial, pending.final, blocked_s=pending.blocked_s, total_s=total)
+
+    def close(self) -> None:
+        """Finish and publish a save still in flight, and release staging memory and hooks."""
+        try:
+            self._finish_pending()
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None

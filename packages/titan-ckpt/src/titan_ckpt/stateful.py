@@ -42,6 +42,10 @@ class OptimizerState(Stateful):
     def __init__(self, model_parts: list[nn.Module], optimizers: list[Optimizer]):
         self.pairs = list(zip(model_parts, optimizers, strict=True))
 
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        return [optimizer for _, optimizer in self.pairs]
+
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for part, optimizer in self.pairs:

@@ -1,0 +1,183 @@
+"""Model weights to and from Hugging Face's sharded safetensors layout, through a caller's name mapping.
+
+titan-ckpt knows nothing of any model: the caller passes an adapter (`HFStateDictAdapter`) that
+renames and re-lays out full, unsharded tensors. Export gathers each sharded tensor to rank 0,
+which writes `model-0000i-of-0000n.safetensors`, `model.safetensors.index.json` and `config.json`.
+Import has every rank read the files and keep the slice its DTensors own, so any layout
+(FSDP, TP, one rank) loads the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titan_ckpt.errors import CheckpointError
+from titan_ckpt.step_folders import HF_INDEX
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's own default shard size ("5GB")
+
+
+@runtime_checkable
+class HFStateDictAdapter(Protocol):
+    """Maps a model's full state dict to Hugging Face names and layout and back."""
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def hf_config(self) -> dict: ...
+
+
+def _group_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def gather_full_tensors(state: Mapping[str, Any], group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Every tensor of `state` unsharded, on the CPU of rank 0 (an empty dict on other ranks)."""
+    names = [name for name, value in state.items() if isinstance(value, torch.Tensor)]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, names, group=group)
+        if any(other != names for other in every):
+            raise CheckpointError(
+                "checkpoint: Hugging Face export needs every rank to hold the whole model, but the ranks hold "
+                "different parameters (pipeline parallelism); save a DCP checkpoint (last_save_in_hf = false) "
+                "and convert it with one process"
+            )
+    keep = _group_rank(group) == 0
+    full: dict[str, torch.Tensor] = {}
+    for name in names:
+        tensor = state[name]
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()  # collective: every rank takes part, in the same order
+        if keep:
+            full[name] = tensor.detach().cpu()
+    return full
+
+
+def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors with no two sharing memory, as safetensors requires."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.contiguous()
+        ptr = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if ptr in seen else tensor
+        seen.add(ptr)
+    return out
+
+
+def write_hf_folder(
+    folder: Path,
+    hf_state: dict[str, torch.Tensor],
+    config: dict,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """Write `hf_state` as sharded safetensors with its index and `config.json`; return the shard files."""
+    if max_shard_bytes < 1:
+        raise CheckpointError(f"checkpoint: max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    tensors = _unshare(hf_state)
+    shards: list[list[str]] = [[]]
+    shard_bytes = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(name)
+        shard_bytes += size
+    folder.mkdir(parents=True, exist_ok=True)
+    weight_map, files = {}, []
+    for index, names in enumerate(shards, start=1):
+        file = folder / f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file({n: tensors[n] for n in names}, str(file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file.name))
+        files.append(file)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    # The index is written last: it is what marks the folder as a complete Hugging Face checkpoint.
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / HF_INDEX).write_text(json.dumps(index, indent=2))
+    return files
+
+
+def read_hf_folder(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face safetensors checkpoint (index + shards, or lone `*.safetensors`)."""
+    index_file = folder / HF_INDEX
+    if index_file.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        except (ValueError, KeyError) as err:
+            raise CheckpointError(
+                f"checkpoint: {index_file} is not a valid safetensors index ({err})"
+            ) from err
+        files = sorted({folder / name for name in weight_map.values()})
+    else:
+        weight_map = {}
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(
+                f"checkpoint: {folder} holds no {HF_INDEX} and no *.safetensors file; point the initial load "
+                "at a Hugging Face model folder, or unset initial_load_in_hf for a DCP checkpoint"
+            )
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            key = next(k for k, v in weight_map.items() if folder / v == file)
+            raise CheckpointError(f"checkpoint: {file} is missing (the index lists '{key}' in it)")
+        try:
+            tensors.update(load_file(str(file)))
+        except Exception as err:
+            raise CheckpointError(
+                f"checkpoint: cannot read {file} ({err}); the file is truncated or not safetensors"
+            ) from err
+    for key, name in weight_map.items():
+        if key not in tensors:
+            raise CheckpointError(
+                f"checkpoint: {folder / name} has no tensor '{key}' although {index_file} lists it"
+            )
+    return tensors
+
+
+def load_hf_weights(folder: Path, adapter: HFStateDictAdapter, target: Mapping[str, Any]) -> None:
+    """Copy the weights of a Hugging Face folder into `target` (plain tensors or DTensors), in place."""
+    hf = read_hf_folder(folder)
+    try:
+        ours = adapter.from_hf(hf)
+    except Exception as err:
+        raise CheckpointError(f"checkpoint: the weight mapping cannot convert {folder}: {err}") from err
+    where = folder / HF_INDEX if (folder / HF_INDEX).is_file() else folder
+    for key, tensor in target.items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if key not in ours:
+            raise CheckpointError(
+                f"checkpoint: {where} has no weight for '{key}' (after the Hugging Face mapping)"
+            )
+        source = ours[key]
+        if tuple(source.shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"checkpoint: '{key}' from {where} has shape {list(source.shape)} but the model expects "
+                f"{list(tensor.shape)}; the files come from a different model shape"
+            )
+        source = source.to(device=tensor.device, dtype=tensor.dtype)
+        with torch.no_grad():
+            if isinstance(tensor, DTensor):
+                # src_data_rank=None: every rank holds the full tensor and keeps its slice, no communication.
+                local = distribute_tensor(source, tensor.device_mesh, tensor.placements, src_data_rank=None)
+                tensor.to_local().copy_(local.to_local())
+            else:
+                tensor.copy_(source)
+    logger.info("loaded %d tensors from Hugging Face files in %s", len(target), folder)
