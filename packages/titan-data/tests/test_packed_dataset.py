@@ -3,7 +3,7 @@ from itertools import islice
 
 import pytest
 import torch
-from titan_data import DataError, IterableSource, PackedTokenDataset, TokenLoader, get_source
+from titan_data import DataError, IterableSource, PackedTokenDataset, Tokenizer, TokenLoader, get_source
 
 
 def _loader(tokenizer, rank=0, world=1, streams=0, batch=4, seq_len=64, infinite=True, source=None):
@@ -14,16 +14,23 @@ def _loader(tokenizer, rank=0, world=1, streams=0, batch=4, seq_len=64, infinite
     return TokenLoader(dataset, batch)
 
 
-class RecordingTokenizer:
+class RecordingTokenizer(Tokenizer):
     """The real tokenizer, noting every text it is asked to encode (what a rank read and kept)."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.seen = tokenizer, []
-        self.bos_id, self.eos_id, self.vocab_size = tokenizer.bos_id, tokenizer.eos_id, tokenizer.vocab_size
+        self.bos_id, self.eos_id = tokenizer.bos_id, tokenizer.eos_id
+
+    @property
+    def vocab_size(self):
+        return self.tokenizer.vocab_size
 
     def encode(self, text, *, bos=False, eos=False):
         self.seen.append(text)
         return self.tokenizer.encode(text, bos=bos, eos=eos)
+
+    def decode(self, ids):
+        return self.tokenizer.decode(ids)
 
 
 def test_windows_are_seq_len_shifted_pairs(llama3_tokenizer):

@@ -1,6 +1,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 from titan_data import DataError, build_tokenizer
 from titan_data.datasets.registry import ASSETS
@@ -23,6 +24,17 @@ def test_every_format_round_trips_text_framed_by_its_own_bos_and_eos(path):
     assert tok.bos_id not in ids[1:-1] and tok.eos_id not in ids[1:-1]
     assert tok.decode(ids[1:-1]) == TEXT
     assert max(ids) < tok.vocab_size
+
+
+@pytest.mark.parametrize(
+    "path", [LLAMA3, LLAMA3 / "tokenizer.json", LLAMA2], ids=["llama3", "tokenizer.json", "llama2"]
+)
+def test_encode_array_gives_the_ids_of_encode(path, corpus):
+    tok = build_tokenizer(path)
+    for text in [*corpus[:50], "<|end_of_text|> and <s>", ""]:
+        for bos, eos in ((False, False), (True, True), (True, False)):
+            array = tok.encode_array(text, bos=bos, eos=eos)
+            assert array.dtype == np.uint32 and array.tolist() == tok.encode(text, bos=bos, eos=eos)
 
 
 def test_llama3_special_tokens_follow_the_bpe_ranks_and_fill_the_vocabulary():

@@ -12,13 +12,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
+
 from titan_data.datasets.sources import DocumentReader, TextSource
 from titan_data.datasets.streams import StreamState
 from titan_data.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-Encode = Callable[[str], list[int]]
+Encode = Callable[[str], np.ndarray]
 
 
 def choose_dealing(source: TextSource, num_streams: int) -> str:

@@ -22,7 +22,7 @@ from titan_data.shards.index import ShardIndex, open_shard
 
 
 class TokenShards:
-    """Every document of a finished shard folder, addressed by its global number."""
+    """Every document of a finished shard folder; tokens addressed in one space across the shards."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -34,13 +34,29 @@ class TokenShards:
             )
         self.maps = [open_shard(self.folder, s, self.index.dtype) for s in self.index.shards]
         self.first_doc = np.cumsum([0] + [s.documents for s in self.index.shards])
+        self.first_token = np.cumsum([0] + [s.tokens for s in self.index.shards])
         self.num_documents = int(self.first_doc[-1])
 
-    def document(self, number: int) -> np.ndarray:
-        shard = int(np.searchsorted(self.first_doc, number, side="right")) - 1
-        tokens, offsets = self.maps[shard]
-        local = number - int(self.first_doc[shard])
-        return tokens[int(offsets[local]) : int(offsets[local + 1])]
+    def stream_layout(self, stream: int, num_streams: int) -> tuple[np.ndarray, np.ndarray]:
+        """For documents stream, stream + num_streams, ...: where each starts in the token space, and
+        the cumulative token count of the stream before each (one more entry: the stream's total)."""
+        starts, lengths = [], []
+        for shard, (_, offsets) in enumerate(self.maps):
+            first, count = int(self.first_doc[shard]), len(offsets) - 1
+            local = np.arange((stream - first) % num_streams, count, num_streams)
+            starts.append(offsets[local].astype(np.int64) + int(self.first_token[shard]))
+            lengths.append((offsets[local + 1] - offsets[local]).astype(np.int64))
+        return np.concatenate(starts), np.concatenate([[0], np.cumsum(np.concatenate(lengths))])
+
+    def gather(self, positions: np.ndarray) -> np.ndarray:
+        """Tokens at increasing `positions` of the token space (a few slices per shard crossed)."""
+        bounds = np.searchsorted(positions, self.first_token)
+        parts = []
+        for shard, (tokens, _) in enumerate(self.maps):
+            lo, hi = int(bounds[shard]), int(bounds[shard + 1])
+            if lo < hi:
+                parts.append(tokens[positions[lo:hi] - int(self.first_token[shard])])
+        return np.concatenate(parts)
 
 
 class MemmapTokenDataset(IterableDataset):
@@ -71,34 +87,46 @@ class MemmapTokenDataset(IterableDataset):
         self.layout = {"kind": "memmap", "source": f"{source['name']} ({self.shards.num_documents} documents)",
                        "dealing": "document", "num_streams": num_streams}  # fmt: skip
         self.streams = {j: StreamState() for j in self.owned}
+        self._layouts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     @property
     def tokenizer_identity(self) -> dict[str, Any]:
         """The tokenizer the shards were written with (file name, sha256, vocab_size, bos_id, eos_id)."""
         return self.shards.index.tokenizer
 
-    def _stream_length(self, stream: int) -> int:
-        return (self.shards.num_documents - stream + self.num_streams - 1) // self.num_streams
+    def _layout(self, stream: int) -> tuple[np.ndarray, np.ndarray]:
+        if stream not in self._layouts:
+            self._layouts[stream] = self.shards.stream_layout(stream, self.num_streams)
+        return self._layouts[stream]
 
     def _window(self, j: int, size: int) -> np.ndarray | None:
-        """The stream's next `size` tokens, advancing its state; None if a finite stream runs out."""
-        state, length = self.streams[j], self._stream_length(j)
-        parts, need = [], size
-        epoch, doc, offset = state.epoch, state.next_doc, state.token_offset
+        """The stream's next `size` tokens, advancing its state; None if a finite stream runs out.
+
+        The state's (next_doc, token_offset) is a position in the stream's own token sequence; the
+        window's tokens are found for all positions at once rather than document by document.
+        """
+        state = self.streams[j]
+        starts, before = self._layout(j)
+        total = int(before[-1])
+        epoch, at = state.epoch, int(before[state.next_doc]) + state.token_offset
+        pieces, need = [], size
         while need:
-            if doc == length:
+            if at == total:
                 if not self.infinite:
                     return None  # the state stays put: the partial window is not consumed
-                epoch, doc, offset = epoch + 1, 0, 0
-            tokens = self.shards.document(j + doc * self.num_streams)
-            part = tokens[offset : offset + need]
-            parts.append(part)
-            need, offset = need - len(part), offset + len(part)
-            if offset == len(tokens):
-                doc, offset = doc + 1, 0
-        state.epoch, state.next_doc, state.token_offset = epoch, doc, offset
+                epoch, at = epoch + 1, 0
+            take = min(need, total - at)
+            first, last = np.searchsorted(before, [at, at + take - 1], side="right") - 1
+            # each position's document, as runs: document d covers positions up to before[d + 1]
+            ends = np.minimum(before[first + 1 : last + 2], at + take)
+            runs = np.diff(ends, prepend=at)
+            shift = np.repeat(starts[first : last + 1] - before[first : last + 1], runs)
+            pieces.append(self.shards.gather(np.arange(at, at + take) + shift))
+            need, at = need - take, at + take
+        doc = int(np.searchsorted(before, at, side="right")) - 1
+        state.epoch, state.next_doc, state.token_offset = epoch, doc, at - int(before[doc])
         state.windows_emitted += 1
-        return np.concatenate(parts)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         active = list(self.owned)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
@@ -84,8 +85,8 @@ class PackedTokenDataset(IterableDataset):
         }
         self.streams = {j: StreamState() for j in self.owned}
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, bos=True, eos=True)
+    def _encode(self, text: str) -> np.ndarray:
+        return self.tokenizer.encode_array(text, bos=True, eos=True)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         window = self.seq_len + 1
@@ -101,8 +102,7 @@ class PackedTokenDataset(IterableDataset):
                     active.remove(j)  # a finite source ran out for this stream
                     break
             else:
-                tokens = torch.tensor(stream.buffer[:window], dtype=torch.long)
-                del stream.buffer[:window]
+                tokens = torch.from_numpy(stream.buffer.take(window).astype(np.int64))
                 stream.windows_emitted += 1
                 yield tokens[:-1], tokens[1:]
 

@@ -8,8 +8,11 @@ take them up again as long as the number of streams stays the same.
 from __future__ import annotations
 
 import pickle
-from dataclasses import asdict, dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+import numpy as np
 
 from titan_data.errors import DataError
 
@@ -20,6 +23,40 @@ def stream_key(stream: int) -> str:
     return f"stream_{stream}"
 
 
+class TokenBuffer:
+    """Tokens waiting to be packed, kept as the arrays the tokenizer returned (no copy per token)."""
+
+    def __init__(self, tokens: np.ndarray | list[int] = ()):
+        self._chunks: deque[np.ndarray] = deque()
+        self._size = 0
+        self.extend(np.asarray(tokens, dtype=np.uint32))
+
+    def __len__(self) -> int:
+        return self._size
+
+    def extend(self, tokens: np.ndarray) -> None:
+        if len(tokens):
+            self._chunks.append(tokens)
+            self._size += len(tokens)
+
+    def take(self, count: int) -> np.ndarray:
+        """Remove and return the first `count` tokens (the caller checked there are enough)."""
+        parts = []
+        while count:
+            chunk = self._chunks[0]
+            if len(chunk) <= count:
+                parts.append(self._chunks.popleft())
+            else:
+                parts.append(chunk[:count])
+                self._chunks[0] = chunk[count:]
+            count -= len(parts[-1])
+            self._size -= len(parts[-1])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def to_array(self) -> np.ndarray:
+        return np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.uint32)
+
+
 @dataclass
 class StreamState:
     """One stream's place: the next (epoch, document) it takes, the source position where that
@@ -28,7 +65,7 @@ class StreamState:
     epoch: int = 0
     next_doc: int = 0
     windows_emitted: int = 0
-    buffer: list[int] = field(default_factory=list)
+    buffer: TokenBuffer = field(default_factory=TokenBuffer)
     resume: Any = None
     token_offset: int = 0  # tokens of `next_doc` already emitted (memory-mapped streams only)
 
@@ -39,10 +76,12 @@ class StreamState:
 
 def save_streams(streams: dict[int, StreamState], layout: dict[str, Any]) -> dict[str, bytes]:
     """One pickled entry per stream, keyed `stream_J`; `layout` says how documents were dealt."""
-    return {
-        stream_key(j): pickle.dumps({"version": STATE_VERSION, **layout, **asdict(s)})
-        for j, s in streams.items()
-    }
+    entries = {}
+    for j, state in streams.items():
+        values = {f.name: getattr(state, f.name) for f in fields(StreamState)}
+        values["buffer"] = state.buffer.to_array()
+        entries[stream_key(j)] = pickle.dumps({"version": STATE_VERSION, **layout, **values})
+    return entries
 
 
 def load_streams(state: dict[str, Any], owned: list[int], layout: dict[str, Any]) -> dict[int, StreamState]:
@@ -65,6 +104,6 @@ def load_streams(state: dict[str, Any], owned: list[int], layout: dict[str, Any]
                 f"dataset: the saved data state was written with {differences}; resume with the same "
                 "dataset and num_streams it was saved with"
             )
-        fields = {k: entry[k] for k in StreamState.__dataclass_fields__}
-        streams[j] = StreamState(**fields)
+        values = {f.name: entry[f.name] for f in fields(StreamState)}
+        streams[j] = StreamState(**{**values, "buffer": TokenBuffer(values["buffer"])})
     return streams

@@ -13,7 +13,7 @@ import multiprocessing
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import chain, islice
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -47,9 +47,9 @@ def _init_worker(tokenizer_path: str) -> None:
 
 def tokenize_documents(tokenizer: Tokenizer, texts: list[str], dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """The framed tokens of `texts` back to back, and each document's length."""
-    ids = [tokenizer.encode(text, bos=True, eos=True) for text in texts]
+    ids = [tokenizer.encode_array(text, bos=True, eos=True) for text in texts]
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    tokens = np.fromiter(chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+    tokens = np.concatenate(ids).astype(dtype, copy=False) if ids else np.zeros(0, dtype)
     return tokens, lengths
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
+
 
 class Tokenizer(ABC):
     """Text to token ids and back, with the ids of the document markers."""
@@ -23,3 +25,8 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, ids: list[int]) -> str:
         """Text of token ids."""
+
+    def encode_array(self, text: str, *, bos: bool = False, eos: bool = False) -> np.ndarray:
+        """`encode` as a uint32 array: what packing and preprocessing consume. Tokenizers that can
+        write ids straight into an array override this to skip making a Python int per token."""
+        return np.array(self.encode(text, bos=bos, eos=eos), dtype=np.uint32)

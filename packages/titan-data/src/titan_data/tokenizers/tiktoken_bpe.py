@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
+import numpy as np
 import tiktoken
 
 from titan_data.errors import DataError
@@ -97,5 +98,18 @@ class TikTokenTokenizer(Tokenizer):
         ids = self._model.encode_ordinary(text)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
+    def encode_array(self, text: str, *, bos: bool = False, eos: bool = False) -> np.ndarray:
+        # disallowed_special=(): special-token text is plain text here too (checked equal to encode_ordinary)
+        ids = self._model.encode_to_numpy(text, disallowed_special=())
+        if not (bos or eos):
+            return ids
+        framed = np.empty(len(ids) + bos + eos, dtype=np.uint32)
+        framed[bos : bos + len(ids)] = ids
+        if bos:
+            framed[0] = self.bos_id
+        if eos:
+            framed[-1] = self.eos_id
+        return framed
+
     def decode(self, ids: list[int]) -> str:
-        return self._model.decode(ids)
+        return self._model.decode(list(ids))

