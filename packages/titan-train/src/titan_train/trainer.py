@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from titan_ckpt import Checkpointer, ModelState, OptimizerState
+from titan_ckpt import ModelState, OptimizerState
 from titan_models import count_parameters, flops_per_token
 from titan_parallel import blocks_of, clip_grad_norm_
 from torch.distributed.fsdp import FSDPModule
 
 from titan_train import build
+from titan_train.checkpointing import build_checkpointer, restore_or_write_seed
 from titan_train.config import JobConfig, config_to_dict
 from titan_train.device_peaks import peak_flops
 from titan_train.distributed import DistInfo
@@ -93,20 +94,18 @@ class Trainer:
 
         dump = Path(config.job.dump_folder)
         self._write_config(dump)
-        self.checkpointer = None
-        if config.checkpoint.enable:
-            self.checkpointer = Checkpointer(
-                dump / config.checkpoint.folder,
-                {
-                    "model": ModelState([self.model]),
-                    "optimizer": OptimizerState([self.model], [self.optimizer]),
-                    "lr_scheduler": self.lr_scheduler,
-                    "dataloader": self.loader,
-                    "train_state": self.state,
-                },
-                interval=config.checkpoint.interval,
-                keep_latest_k=config.checkpoint.keep_latest_k,
-            )
+        self.checkpointer = build_checkpointer(
+            config,
+            {
+                "model": ModelState([self.model]),
+                "optimizer": OptimizerState([self.model], [self.optimizer]),
+                "lr_scheduler": self.lr_scheduler,
+                "dataloader": self.loader,
+                "train_state": self.state,
+            },
+            world_size=info.world_size,
+            model=self.model,
+        )
         m = config.metrics
         self.metrics = MetricsLogger(
             log_freq=m.log_freq,
@@ -173,8 +172,9 @@ class Trainer:
 
     def train(self) -> list[float]:
         """Train to `training.steps`, resuming from a checkpoint if there is one; return the logged losses."""
-        if self.checkpointer is not None:
-            self.checkpointer.load()
+        if restore_or_write_seed(self.checkpointer, self.config):
+            self.metrics.close()
+            return []
         c, rank, dump = self.config, self.info.rank, Path(self.config.job.dump_folder)
         batches = self._batches()
         losses: list[float] = []
@@ -213,7 +213,7 @@ class Trainer:
                         self.metrics.log_validation(self.state.step, *self.validator.validate(self.model))
                     if self.checkpointer is not None:
                         self.checkpointer.maybe_save(
-                            self.state.step, force=self.state.step == self.config.training.steps
+                            self.state.step, last_step=self.state.step == self.config.training.steps
                         )
                     gc_schedule.step(self.state.step)
                     snapshots.step(self.state.step)
@@ -222,6 +222,8 @@ class Trainer:
             gc_schedule.close()
             snapshots.close()
             self.metrics.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # publishes a save still in flight
         logger.info("training done at step %d", self.state.step)
         return losses
 

@@ -142,10 +142,46 @@ class Training:
 
 @dataclass
 class Checkpoint:
-    enable: bool = opt(False, "Save checkpoints and resume from the newest one")
+    enable: bool = opt(False, "Save checkpoints and resume from the newest one in the folder")
     folder: str = opt("checkpoint", "Checkpoint folder, under job.dump_folder")
-    interval: int = opt(500, "Save every this many steps")
-    keep_latest_k: int = opt(10, "Keep only the newest k checkpoints; 0 keeps all")
+    interval: int = opt(500, "Save every this many steps (the last step is always saved)")
+    keep_latest_k: int = opt(
+        10, "Keep only the newest k checkpoints; 0 keeps all (1 is safe: saves are atomic)"
+    )
+    load_step: int = opt(-1, "Resume from this step's checkpoint; -1: the newest complete one")
+    initial_load_path: str | None = opt(
+        None,
+        "Checkpoint to start from when the folder holds none (a step folder, or a Hugging Face model folder)",
+    )
+    initial_load_model_only: bool = opt(
+        True, "Load only the model from initial_load_path; false: also optimizer, schedule, data and step"
+    )
+    initial_load_in_hf: bool = opt(
+        False, "initial_load_path holds Hugging Face safetensors (empty path: model.hf_assets_path)"
+    )
+    last_save_model_only: bool = opt(
+        True, "The final save holds only the model (not resumable); false: a full one"
+    )
+    last_save_in_hf: bool = opt(
+        False, "Write the final save as Hugging Face sharded safetensors (needs last_save_model_only)"
+    )
+    export_dtype: str = opt(
+        "float32", "Dtype of the model-only final save", choices=("float16", "bfloat16", "float32")
+    )
+    async_mode: str = opt(
+        "disabled",
+        "disabled: training waits for each save; async: waits only for a copy to host memory; "
+        "async_with_pinned_mem: the copy runs in the background too (pinned memory on CUDA)",
+        choices=("disabled", "async", "async_with_pinned_mem"),
+    )
+    exclude_from_loading: list[str] = opt(
+        [], "States not to restore (comma-separated), e.g. dataloader,lr_scheduler: they start fresh"
+    )
+    enable_first_step_checkpoint: bool = opt(False, "Also save after step 1, to prove saving works early")
+    create_seed_checkpoint: bool = opt(
+        False, "Write the initial model weights as step-0 and exit (one process, no parallelism)"
+    )
+    load_only: bool = opt(False, "Restore checkpoints but never save any")
 
 
 @dataclass
