@@ -23,42 +23,41 @@ def _open_bytes(path: Path) -> IO[bytes]:
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
 
-def read_json_lines(path: Path, start: int, text_field: str) -> Iterator[tuple[str, int]]:
-    """One document per JSON object line, its text in `text_field`; blank lines are skipped."""
+def _lines(path: Path, start: int) -> Iterator[tuple[bytes, int, int]]:
+    """(line, its byte offset, the next line's offset) for every non-blank line from `start` on."""
     with _open_bytes(path) as f:
         f.seek(start)
         offset = start
         for line in f:
             record_at, offset = offset, offset + len(line)
-            if line.isspace():  # (no copy of the line, unlike strip)
-                continue
-            try:
-                text = json.loads(line)[text_field]
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
-                raise DataError(
-                    f"dataset: {path} at byte {record_at} is not a JSON object with a '{text_field}' field; "
-                    "write one JSON object per line"
-                ) from err
-            if not isinstance(text, str):
-                raise DataError(
-                    f"dataset: {path} at byte {record_at}: '{text_field}' is {type(text).__name__}, not text"
-                )
-            yield text, offset
+            if not line.isspace():  # (isspace, unlike strip, copies nothing)
+                yield line, record_at, offset
+
+
+def read_json_lines(path: Path, start: int, text_field: str) -> Iterator[tuple[str, int]]:
+    """One document per JSON object line, its text in `text_field`; blank lines are skipped."""
+    for line, record_at, offset in _lines(path, start):
+        try:
+            text = json.loads(line)[text_field]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+            raise DataError(
+                f"dataset: {path} at byte {record_at} is not a JSON object with a '{text_field}' field; "
+                "write one JSON object per line"
+            ) from err
+        if not isinstance(text, str):
+            raise DataError(
+                f"dataset: {path} at byte {record_at}: '{text_field}' is {type(text).__name__}, not text"
+            )
+        yield text, offset
 
 
 def read_text_lines(path: Path, start: int, text_field: str) -> Iterator[tuple[str, int]]:
     """One document per non-empty line of a UTF-8 text file (`text_field` does not apply)."""
-    with _open_bytes(path) as f:
-        f.seek(start)
-        offset = start
-        for line in f:
-            record_at, offset = offset, offset + len(line)
-            if not line.strip():
-                continue
-            try:
-                yield line.decode("utf-8").rstrip("\r\n"), offset
-            except UnicodeDecodeError as err:
-                raise DataError(f"dataset: {path} at byte {record_at} is not UTF-8 text") from err
+    for line, record_at, offset in _lines(path, start):
+        try:
+            yield line.decode("utf-8").rstrip("\r\n"), offset
+        except UnicodeDecodeError as err:
+            raise DataError(f"dataset: {path} at byte {record_at} is not UTF-8 text") from err
 
 
 def read_parquet_rows(path: Path, start: int, text_field: str) -> Iterator[tuple[str, int]]:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from titan_data.datasets.packed import next_stream, owned_streams
+from titan_data.datasets.packed import assign_streams, next_stream
 from titan_data.datasets.streams import StreamState, load_streams, save_streams
 from titan_data.errors import DataError
 from titan_data.shards.index import ShardIndex, open_shard
@@ -72,10 +72,7 @@ class MemmapTokenDataset(IterableDataset):
         num_streams: int = 0,
         infinite: bool = True,
     ):
-        num_streams = num_streams or dp_world_size
-        self.owned = owned_streams(dp_rank, dp_world_size, num_streams)
-        if seq_len < 1:
-            raise DataError(f"dataset: seq_len must be >= 1, got {seq_len}")
+        num_streams, self.owned = assign_streams(seq_len, dp_rank, dp_world_size, num_streams)
         self.shards = TokenShards(folder)
         if self.shards.num_documents < num_streams:
             raise DataError(

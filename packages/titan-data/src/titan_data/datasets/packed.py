@@ -26,8 +26,12 @@ from titan_data.tokenizers.base import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-def owned_streams(dp_rank: int, dp_world_size: int, num_streams: int) -> list[int]:
-    """The streams rank `dp_rank` reads: j, j + dp_world_size, ...; validates the layout."""
+def assign_streams(seq_len: int, dp_rank: int, dp_world_size: int, num_streams: int) -> tuple[int, list[int]]:
+    """(num_streams, the streams rank `dp_rank` reads: j, j + dp_world_size, ...); validates the layout.
+    num_streams 0 means one stream per rank."""
+    num_streams = num_streams or dp_world_size
+    if seq_len < 1:
+        raise DataError(f"dataset: seq_len must be >= 1, got {seq_len}")
     if not 0 <= dp_rank < dp_world_size:
         raise DataError(f"dataset: dp_rank {dp_rank} is outside dp_world_size {dp_world_size}")
     if num_streams < dp_world_size:
@@ -41,7 +45,7 @@ def owned_streams(dp_rank: int, dp_world_size: int, num_streams: int) -> list[in
             "unequal numbers of streams, so batches differ from those at other world sizes",
             num_streams, dp_world_size,
         )  # fmt: skip
-    return list(range(dp_rank, num_streams, dp_world_size))
+    return num_streams, list(range(dp_rank, num_streams, dp_world_size))
 
 
 def next_stream(streams: dict[int, StreamState], candidates: list[int]) -> int:
@@ -69,10 +73,7 @@ class PackedTokenDataset(IterableDataset):
         num_streams: int = 0,
         infinite: bool = True,
     ):
-        num_streams = num_streams or dp_world_size
-        self.owned = owned_streams(dp_rank, dp_world_size, num_streams)
-        if seq_len < 1:
-            raise DataError(f"dataset: seq_len must be >= 1, got {seq_len}")
+        num_streams, self.owned = assign_streams(seq_len, dp_rank, dp_world_size, num_streams)
         self.source, self.tokenizer, self.seq_len = source, tokenizer, seq_len
         self.num_streams, self.infinite = num_streams, infinite
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
