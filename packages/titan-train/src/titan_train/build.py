@@ -99,35 +99,31 @@ def build_lr_schedule(config: JobConfig, optimizer: torch.optim.Optimizer):
 
 
 def build_loader(config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> TokenLoader:
-    t = config.training
-    dataset = build_dataset(
-        t.dataset,
-        t.dataset_path,
-        tokenizer,
-        t.seq_len,
-        dp_rank=dp_rank,
-        dp_world_size=dp_degree,
-        num_streams=t.dataloader.num_streams,
-    )
-    return TokenLoader(dataset, batch_size=t.local_batch_size)
+    return _token_loader(config.training, tokenizer, dp_rank, dp_degree, infinite=True)
 
 
 def build_validation_loader(
     config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int
 ) -> TokenLoader:
     """One pass over the validation set (not looping), dealt over data-parallel ranks like training data."""
-    v = config.validation
+    return _token_loader(config.validation, tokenizer, dp_rank, dp_degree, infinite=False)
+
+
+def _token_loader(
+    section, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, *, infinite: bool
+) -> TokenLoader:
+    """A loader for `[training]` or `[validation]`: both name dataset, path, seq_len, batch size and streams."""
     dataset = build_dataset(
-        v.dataset,
-        v.dataset_path,
+        section.dataset,
+        section.dataset_path,
         tokenizer,
-        v.seq_len,
+        section.seq_len,
         dp_rank=dp_rank,
         dp_world_size=dp_degree,
-        num_streams=v.dataloader.num_streams,
-        infinite=False,
+        num_streams=section.dataloader.num_streams,
+        infinite=infinite,
     )
-    return TokenLoader(dataset, batch_size=v.local_batch_size)
+    return TokenLoader(dataset, batch_size=section.local_batch_size)
 
 
 def compute_dtype(config: JobConfig, device: torch.device) -> torch.dtype:

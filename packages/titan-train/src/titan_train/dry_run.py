@@ -133,15 +133,7 @@ def _describe_mesh(dims: ParallelDims) -> str:
 
 def dry_run(config: Any, world_size: int) -> DryRunReport:
     """Validate `config` for `world_size` ranks, build its mesh and meta model, and log the layout and memory."""
-    p = config.parallelism
-    dims = ParallelDims(
-        dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
-        cp=p.context_parallel_degree,
-        tp=p.tensor_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-        world_size=world_size,
-    )
+    dims = build.build_parallel_dims(config, world_size)
     spec = get_model_spec(config.model.name)
     args = spec.args_for(config.model.flavor, max_seq_len=config.training.seq_len)
     problems = _layout_problems(config, dims, args)
