@@ -1,0 +1,108 @@
+"""The [checkpoint] section through the real trainer: refusals, seed checkpoints, Hugging Face export."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from titan_ckpt import ModelState, OptimizerState, complete_steps
+from titan_train.checkpointing import build_checkpointer, check_checkpoint_config
+from titan_train.errors import ConfigError
+from titan_train.trainer import Trainer
+from transformers import LlamaForCausalLM
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--checkpoint.initial_load_path", "/ckpt/step-100"],
+            "checkpoint.initial_load_path is set but checkpoint.enable is false",
+        ),
+        (["--checkpoint.load_step", "5"], "checkpoint.load_step is set but checkpoint.enable is false"),
+        (
+            ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"],
+            "WORLD_SIZE is 2; run it with NGPU=1",
+        ),
+        (
+            ["--checkpoint.enable", "--checkpoint.initial_load_in_hf"],
+            "initial_load_in_hf needs the Hugging Face folder",
+        ),
+    ],
+)
+def test_checkpoint_switches_that_would_be_ignored_are_refused(tmp_path, small_config, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        check_checkpoint_config(small_config(tmp_path, *flags), world_size=2)
+
+
+def test_every_checkpoint_field_reaches_the_checkpointer(tmp_path, small_config, one_rank):
+    config = small_config(
+        tmp_path, "--checkpoint.enable", "--checkpoint.folder", "ck", "--checkpoint.interval", "7",
+        "--checkpoint.keep_latest_k", "3", "--checkpoint.async_mode", "async", "--checkpoint.load_step", "4",
+        "--checkpoint.initial_load_path", "/w", "--checkpoint.initial_load_model_only", "false",
+        "--checkpoint.last_save_model_only", "false", "--checkpoint.export_dtype", "bfloat16",
+        "--checkpoint.exclude_from_loading", "dataloader", "--checkpoint.enable_first_step_checkpoint",
+        "--checkpoint.load_only",
+    )  # fmt: skip
+    model = torch.nn.Linear(2, 2)
+    states = {
+        "model": ModelState([model]),
+        "dataloader": OptimizerState([model], [torch.optim.SGD(model.parameters())]),
+    }
+    ckpt = build_checkpointer(config, states, world_size=1)
+    assert (ckpt.folder, ckpt.interval, ckpt.keep_latest_k, ckpt.async_mode, ckpt.load_step) == (
+        tmp_path / "ck", 7, 3, "async", 4,
+    )  # fmt: skip
+    assert (ckpt.initial.path, ckpt.initial.model_only, ckpt.last_save_model_only) == ("/w", False, False)
+    assert (ckpt.export_dtype, ckpt.exclude_from_loading) == (torch.bfloat16, ("dataloader",))
+    assert ckpt.enable_first_step_checkpoint and ckpt.load_only
+    ckpt.close()
+
+
+def test_seed_checkpoint_is_written_alone_and_a_run_starts_from_its_weights(tmp_path, small_config, one_rank):
+    seed_flags = ("--checkpoint.enable", "--debug.seed", "0")
+    assert (
+        Trainer(
+            small_config(tmp_path / "run", *seed_flags, "--checkpoint.create_seed_checkpoint"), one_rank
+        ).train()
+        == []
+    )
+    assert complete_steps(tmp_path / "run" / "checkpoint") == [0]
+
+    # Another init seed, but the seed checkpoint's weights are loaded: the run matches one from seed 0.
+    from_seed = Trainer(
+        small_config(tmp_path / "run", "--checkpoint.enable", "--debug.seed", "1"), one_rank
+    ).train()
+    plain = Trainer(small_config(tmp_path / "plain", "--debug.seed", "0"), one_rank).train()
+    assert from_seed == plain
+
+
+def test_last_save_in_hf_loads_in_transformers_with_the_same_logits(tmp_path, small_config, one_rank):
+    config = small_config(
+        tmp_path, "--checkpoint.enable", "--checkpoint.interval", "100", "--checkpoint.last_save_in_hf",
+        "--training.steps", "2",
+    )  # fmt: skip
+    trainer = Trainer(config, one_rank)
+    trainer.train()
+    folder = tmp_path / "checkpoint" / "step-2"
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    hf = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, hf.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    trainer.model.eval()
+    with torch.no_grad():
+        ours, theirs = trainer.model(tokens), hf(tokens).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_resume_from_a_background_save_equals_the_uninterrupted_run(tmp_path, small_config, one_rank, mode):
+    flags = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", mode,
+             "--checkpoint.keep_latest_k", "0", "--training.steps", "4")  # fmt: skip
+    full = Trainer(small_config(tmp_path / "full", *flags), one_rank).train()
+    # A run that stopped after its step-2 save: only that checkpoint is on disk.
+    shutil.copytree(
+        tmp_path / "full" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2"
+    )
+    resumed = Trainer(small_config(tmp_path / "resumed", *flags), one_rank).train()
+    assert resumed == full[2:]
