@@ -33,8 +33,8 @@ def check_async_mode(mode: str) -> None:
         raise CheckpointError(f"checkpoint: async_mode '{mode}' is not one of {', '.join(ASYNC_MODES)}")
 
 
-def build_stager(mode: str) -> DefaultStager | None:
-    """The staging buffers for `mode` (None for synchronous saves)."""
+def build_stager(mode: str, *, warn: bool = True) -> DefaultStager | None:
+    """The staging buffers for `mode` (None for synchronous saves); `warn` on the logging rank only."""
     check_async_mode(mode)
     if mode == "disabled":
         return None
@@ -48,7 +48,7 @@ def build_stager(mode: str) -> DefaultStager | None:
             )
         )
     pinned = torch.cuda.is_available()
-    if not pinned:
+    if not pinned and warn:
         logger.warning(
             "checkpoint: async_with_pinned_mem needs CUDA for pinned memory; without it the state is staged "
             "into ordinary memory, still on a background thread, so saves still do not block training"

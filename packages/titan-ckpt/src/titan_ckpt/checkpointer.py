@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_ckpt.async_save import PendingSave, SaveTiming, build_stager, check_async_mode, snapshot_objects
@@ -44,6 +45,15 @@ from titan_ckpt.step_folders import (
 logger = logging.getLogger(__name__)
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _describe(err: BaseException) -> str:
+    """One line per failing rank instead of DCP's full tracebacks (they stay chained on the error)."""
+    if isinstance(err, CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in err.failures.items()
+        )
+    return f"{type(err).__name__}: {err}"
 
 
 class Checkpointer:
@@ -141,7 +151,7 @@ class Checkpointer:
         if process_group is None and dist.is_initialized():
             process_group = dist.new_group(backend="gloo")
         self._group = process_group
-        self._stager = build_stager(async_mode)
+        self._stager = build_stager(async_mode, warn=self._rank() == 0)
         self._pending: PendingSave | None = None
         self._hooks = [
             optimizer.register_step_pre_hook(self._wait_before_optimizer_step)
@@ -244,8 +254,8 @@ class Checkpointer:
         self._raise_if_any(problem)
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=self._group)
-        except Exception as err:  # DCP wraps per-rank failures; name the folder for the user.
-            raise CheckpointError(f"checkpoint: cannot load {path}: {err}") from err
+        except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure into one
+            raise CheckpointError(f"checkpoint: cannot load {path}: {_describe(err)}") from err
         self._apply(state, names)
 
     def _apply(self, state: dict[str, Any], names: list[str]) -> None:
@@ -284,27 +294,34 @@ class Checkpointer:
             if self.last_save_in_hf:
                 self.save_hf(step)
             else:
-                self.save(step, model_only=self.last_save_model_only, wait=True)
+                self.save(step, model_only=self.last_save_model_only, in_export_dtype=True, wait=True)
             return True
         if step % self.interval == 0 or (step == 1 and self.enable_first_step_checkpoint):
             self.save(step)
             return True
         return False
 
-    def save(self, step: int, *, model_only: bool = False, wait: bool = False) -> None:
-        """Write `step-N` (model-only in `export_dtype` if asked), in the background unless sync or `wait`."""
+    def save(
+        self, step: int, *, model_only: bool = False, in_export_dtype: bool = False, wait: bool = False
+    ) -> None:
+        """Write `step-N`: in the background per `async_mode`, unless `wait`.
+
+        `model_only` writes the model alone (a seed or final checkpoint), in `export_dtype` when
+        `in_export_dtype`; model-only saves are always synchronous.
+        """
         self._finish_pending()
         started = time.perf_counter()
         partial, final = self._prepare(step)
         if model_only:
-            state = {k: self._export(v) for k, v in self.states[MODEL].state_dict().items()}
+            cast = self._export if in_export_dtype else (lambda value: value)
+            state = {k: cast(v) for k, v in self.states[MODEL].state_dict().items()}
         else:
             state = self._state_dicts(self.states)
         if self._stager is None or wait or model_only:
             try:
                 dcp.save(state, checkpoint_id=str(partial), process_group=self._group)
-            except Exception as err:
-                raise CheckpointError(f"checkpoint: saving {partial} failed: {err}") from err
+            except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+                raise CheckpointError(f"checkpoint: saving {partial} failed: {_describe(err)}") from err
             elapsed = time.perf_counter() - started
             self._commit(step, partial, final, blocked_s=elapsed, total_s=elapsed)
             return
@@ -391,8 +408,10 @@ class Checkpointer:
         pending.wait_for_staging()
         try:
             pending.upload.result()
-        except Exception as err:
-            raise CheckpointError(f"checkpoint: background save of {pending.partial} failed: {err}") from err
+        except (Exception, CheckpointException) as err:
+            raise CheckpointError(
+                f"checkpoint: background save of {pending.partial} failed: {_describe(err)}"
+            ) from err
         pending.blocked_s += time.perf_counter() - start
         # The write may finish while training is still blocked (a fast write, or a wait for it here).
         total = max((pending.finished or time.perf_counter()) - pending.started, pending.blocked_s)

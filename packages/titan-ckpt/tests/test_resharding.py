@@ -1,0 +1,68 @@
+"""Checkpoints across layouts and ranks, on a real 2-rank gloo group launched with torchrun (one launch)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).parent / "workers" / "reshard_worker.py"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reshard") / "report.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
+           "--rdzv_endpoint=localhost:0", str(WORKER), str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_fsdp_2_rank_checkpoint_loads_into_1_rank_with_identical_weights(report):
+    assert report["fsdp_is_sharded"]
+    assert report["one_rank_weights_max_diff"] == 0.0
+    assert report["one_rank_optimizer_max_diff"] == 0.0
+    # Each rank saved its own stream position side by side; one rank now owns both.
+    assert report["one_rank_streams"] == {"0": 3, "1": 3}
+
+
+@pytest.mark.slow
+def test_fsdp_2_rank_checkpoint_loads_into_tensor_parallel_2_with_identical_weights(report):
+    assert report["tp_is_sharded"]
+    assert report["tp_weights_max_diff"] == 0.0
+    assert report["tp_optimizer_max_diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_async_saves_across_ranks_hold_the_state_of_their_step(report):
+    assert report["async_max_diff"] == {"async": 0.0, "async_with_pinned_mem": 0.0}
+
+
+@pytest.mark.slow
+def test_a_rank_failing_mid_write_publishes_nothing_and_the_next_start_skips_it(report):
+    assert all("saving" in e and "step-2.partial failed" in e for e in report["failed_save_errors"])
+    assert report["failed_save_folders"] == ["step-1", "step-2.partial"]
+    assert report["after_failure_load"] == 1
+    assert report["after_failure_folders"] == ["step-1"]
+
+
+@pytest.mark.slow
+def test_a_key_missing_on_one_rank_fails_on_every_rank_with_its_name(report):
+    first, second = report["mismatch_errors"]
+    assert first == second
+    assert "has no key 'dataloader.stream_5'" in first
+
+
+@pytest.mark.slow
+def test_hf_export_from_fsdp_imports_into_tensor_parallel_exactly(report):
+    assert report["hf_files"] == [
+        "config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]
+    assert report["hf_tp_max_diff"] == 0.0

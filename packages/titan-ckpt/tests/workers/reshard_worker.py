@@ -1,0 +1,238 @@
+"""Checkpoints across layouts on 2 ranks (run under torchrun; rank 0 writes a JSON report to argv[1]).
+
+Saves with FSDP on 2 ranks, then loads into 1 rank and into tensor parallel 2; also covers async
+saves across ranks, a rank failing mid-write, a key missing on one rank only, and Hugging Face
+export from FSDP imported into TP. Uses raw torch parallelism (this package may not import
+titan-parallel).
+"""
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from titan_ckpt import Checkpointer, CheckpointError, ModelState, OptimizerState
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+FULL = StateDictOptions(full_state_dict=True)
+FULL_OPTIM = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(16, 32)
+        self.w2 = nn.Linear(32, 16)
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.out(self.w2(torch.relu(self.w1(x))))
+
+
+class Streams:
+    """A data loader's state whose keys are unique per rank (the streams this rank reads)."""
+
+    def __init__(self, owned: list[int]):
+        self.positions = dict.fromkeys(owned, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"stream_{j}": p for j, p in self.positions.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.positions = {int(k.split("_")[1]): v for k, v in state.items()}
+
+
+class Unpicklable:
+    """A state that cannot be written on this rank: pickling a lambda fails inside DCP's writer."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"obj_{self.rank}": (lambda: 0) if self.rank == 1 else 0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class RenameAdapter:
+    """Hugging Face names for the toy model; full plain tensors in and out."""
+
+    def to_hf(self, sd):
+        return {f"model.{k}": v for k, v in sd.items()}
+
+    def from_hf(self, hf):
+        return {k.removeprefix("model."): v for k, v in hf.items()}
+
+    def hf_config(self):
+        return {"model_type": "toy"}
+
+
+def fsdp_model(mesh, seed=0):
+    torch.manual_seed(seed)
+    model = Toy()
+    for layer in (model.w1, model.w2, model.out):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def tp_model(mesh, seed):
+    torch.manual_seed(seed)
+    return parallelize_module(Toy(), mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+
+
+def states(model, optimizer, owned):
+    return {
+        "model": ModelState([model]),
+        "optimizer": OptimizerState([model], [optimizer]),
+        "dataloader": Streams(owned),
+    }
+
+
+def train(model, optimizer, streams: Streams, steps: int, rank: int) -> None:
+    for _ in range(steps):
+        gen = torch.Generator().manual_seed(100 * rank + sum(streams.positions.values()))
+        model(torch.randn(4, 16, generator=gen)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        for j in streams.positions:
+            streams.positions[j] += 1
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(
+        (x.float() - y.float()).abs().max().item() for x, y in zip(a.values(), (b[k] for k in a), strict=True)
+    )
+
+
+def optimizer_tensors(model, optimizer) -> dict:
+    sd = get_optimizer_state_dict(model, optimizer, options=FULL_OPTIM)
+    return {k: v for k, v in sd.items() if k.startswith("state.") and isinstance(v, torch.Tensor)}
+
+
+def error_on_every_rank(action) -> list[str]:
+    try:
+        action()
+        message = "no error"
+    except CheckpointError as err:
+        message = str(err)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, message)
+    return every
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    root = Path(out_path).parent / "checkpoints"
+    report: dict[str, Any] = {}
+
+    # A: FSDP on 2 ranks trains, then saves (each rank writes its shards and its own stream).
+    model = fsdp_model(mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved = states(model, optimizer, [rank])
+    train(model, optimizer, saved["dataloader"], 3, rank)
+    Checkpointer(root / "a", saved, interval=1).save(3)
+    reference = get_model_state_dict(model, options=FULL)
+    reference_optim = optimizer_tensors(model, optimizer)
+    report["fsdp_is_sharded"] = (
+        isinstance(model.w1.weight, DTensor) and model.w1.weight.to_local().shape[0] == 16
+    )
+
+    # B: one rank (a one-rank group holding only rank 0) loads it into a plain module.
+    alone = dist.new_group([0])
+    if rank == 0:
+        plain = Toy()
+        plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        one = states(plain, plain_optimizer, [0, 1])
+        Checkpointer(root / "a", one, interval=1, process_group=alone).load()
+        report["one_rank_weights_max_diff"] = max_diff(plain.state_dict(), reference)
+        report["one_rank_optimizer_max_diff"] = max_diff(
+            optimizer_tensors(plain, plain_optimizer), reference_optim
+        )
+        report["one_rank_streams"] = one["dataloader"].positions
+    dist.barrier()
+
+    # C: tensor parallel on 2 ranks loads the same files.
+    tp = tp_model(mesh, seed=5)
+    tp_optimizer = torch.optim.AdamW(tp.parameters(), lr=1e-2)
+    Checkpointer(root / "a", states(tp, tp_optimizer, [rank]), interval=1).load()
+    report["tp_is_sharded"] = tp.w1.weight.placements[0].is_shard(0) and tp.w2.weight.placements[0].is_shard(
+        1
+    )
+    report["tp_weights_max_diff"] = max_diff(get_model_state_dict(tp, options=FULL), reference)
+    report["tp_optimizer_max_diff"] = max_diff(optimizer_tensors(tp, tp_optimizer), reference_optim)
+
+    # D: async saves across ranks hold the state of their step while training continues.
+    report["async_max_diff"] = {}
+    for mode in ("async", "async_with_pinned_mem"):
+        ckpt = Checkpointer(root / mode, saved, interval=1, async_mode=mode)
+        ckpt.save(4)
+        at_save = get_model_state_dict(model, options=FULL)
+        train(model, optimizer, saved["dataloader"], 2, rank)
+        ckpt.close()
+        fresh = fsdp_model(mesh, seed=9)
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        Checkpointer(root / mode, states(fresh, fresh_optimizer, [rank]), interval=1).load()
+        report["async_max_diff"][mode] = max_diff(get_model_state_dict(fresh, options=FULL), at_save)
+
+    # E: rank 1 fails while writing: no rank publishes the step, and the next start skips it.
+    Checkpointer(root / "e", saved, interval=1).save(1)
+    failing = Checkpointer(root / "e", {**saved, "extra": Unpicklable(rank)}, interval=1)
+    report["failed_save_errors"] = error_on_every_rank(lambda: failing.save(2))
+    report["failed_save_folders"] = sorted(p.name for p in (root / "e").iterdir())
+    dist.barrier()
+    report["after_failure_load"] = (
+        Checkpointer(root / "e", saved, interval=1, exclude_from_loading=["dataloader"]).load().step
+    )
+    report["after_failure_folders"] = sorted(p.name for p in (root / "e").iterdir())
+
+    # F: a key only rank 1 asks for is missing: both ranks fail with the same message, none hangs.
+    other = fsdp_model(mesh, seed=3)
+    other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    mismatched = Checkpointer(
+        root / "a", states(other, other_optimizer, [rank if rank == 0 else 5]), interval=1
+    )
+    report["mismatch_errors"] = error_on_every_rank(mismatched.load)
+
+    # G: Hugging Face export from FSDP on 2 ranks, imported into tensor parallel.
+    hf_ckpt = Checkpointer(
+        root / "g",
+        saved,
+        interval=1,
+        last_save_model_only=True,
+        last_save_in_hf=True,
+        hf_adapter=RenameAdapter(),
+    )
+    hf_ckpt.maybe_save(6, last_step=True)
+    exported = get_model_state_dict(model, options=FULL)
+    tp_hf = tp_model(mesh, seed=6)
+    tp_hf_optimizer = torch.optim.AdamW(tp_hf.parameters(), lr=1e-2)
+    Checkpointer(
+        root / "g_run", states(tp_hf, tp_hf_optimizer, [rank]), interval=1, initial_load_path=root / "g" / "step-6",
+        initial_load_in_hf=True, hf_adapter=RenameAdapter(),
+    ).load()  # fmt: skip
+    report["hf_files"] = sorted(p.name for p in (root / "g" / "step-6").iterdir())
+    report["hf_tp_max_diff"] = max_diff(get_model_state_dict(tp_hf, options=FULL), exported)
+
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(report, indent=1))
+    dist.barrier()  # no rank tears the group down while another still uses it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
