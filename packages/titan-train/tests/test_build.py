@@ -1,0 +1,76 @@
+"""Builders that turn config sections into an optimizer, a model in the asked dtype, and a GC schedule."""
+
+import gc
+
+import pytest
+import torch
+from titan_train import build
+from titan_train.config import load_job_config
+from titan_train.gc_schedule import GarbageCollection
+from titan_train.registry import get_model_spec
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "name,implementation,cls,foreach,fused",
+    [
+        ("AdamW", "foreach", torch.optim.AdamW, True, False),
+        ("Adam", "for-loop", torch.optim.Adam, False, False),
+        (
+            "AdamW",
+            "fused",
+            torch.optim.AdamW,
+            True,
+            False,
+        ),  # fused kernels need an accelerator: foreach on CPU
+    ],
+)
+def test_adam_and_adamw_with_each_implementation(name, implementation, cls, foreach, fused):
+    config = load_job_config(["--optimizer.name", name, "--optimizer.implementation", implementation,
+                              "--optimizer.weight_decay", "0.05", "--optimizer.beta2", "0.99"])  # fmt: skip
+    optimizer = build.build_optimizer(config, torch.nn.Linear(4, 4), CPU)
+    assert type(optimizer) is cls
+    group = optimizer.param_groups[0]
+    assert (group["foreach"], group["fused"]) == (foreach, fused)
+    assert (group["weight_decay"], group["betas"]) == (0.05, (0.9, 0.99))
+
+
+def test_bfloat16_training_dtype_puts_parameters_in_bfloat16_and_keeps_buffers_float32():
+    config = load_job_config(["--training.dtype", "bfloat16", "--training.seq_len", "32"])
+    spec = get_model_spec("llama3")
+    dims = build.build_parallel_dims(config, world_size=1)
+    model = build.build_model(config, spec, build.build_tokenizer_for(config), dims, CPU, seed=0)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert all(b.dtype in (torch.float32, torch.complex64) for b in model.buffers())
+    optimizer = build.build_optimizer(config, model, CPU)
+    assert optimizer.param_groups[0]["params"][0].dtype == torch.bfloat16
+
+
+def test_float32_training_with_mixed_precision_on_cpu_computes_in_float32(caplog):
+    config = load_job_config(["--training.mixed_precision_param", "bfloat16"])
+    assert build.compute_dtype(config, CPU) == torch.float32
+    assert "kept as float32 on CPU" in caplog.text
+
+
+def test_lr_schedule_spans_total_steps_when_given():
+    config = load_job_config(["--training.steps", "10", "--lr_scheduler.total_steps", "100",
+                              "--lr_scheduler.warmup_steps", "0"])  # fmt: skip
+    optimizer = build.build_optimizer(config, torch.nn.Linear(2, 2), CPU)
+    schedule = build.build_lr_schedule(config, optimizer)
+    for _ in range(10):
+        optimizer.step()
+        schedule.step()
+    # Linear decay over 100 steps, not 10: step 11 still gets 89% of the peak.
+    assert schedule.get_last_lr()[0] == pytest.approx(config.optimizer.lr * 0.89, rel=1e-6)
+
+
+def test_garbage_is_collected_on_schedule_and_automatic_collection_comes_back():
+    schedule = GarbageCollection(gc_freq=3)
+    assert not gc.isenabled()
+    collections = gc.get_stats()[1]["collections"]
+    for step in range(1, 7):
+        schedule.step(step)
+    assert gc.get_stats()[1]["collections"] - collections == 2  # steps 3 and 6
+    schedule.close()
+    assert gc.isenabled()
