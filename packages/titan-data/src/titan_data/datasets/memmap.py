@@ -7,18 +7,17 @@ num_streams the windows equal those packed on the fly from a source dealt by doc
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import bisect
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import IterableDataset
 
-from titan_data.datasets.packed import assign_streams, next_stream
-from titan_data.datasets.streams import StreamState, load_streams, save_streams
+from titan_data.datasets.windows import WindowDataset
 from titan_data.errors import DataError
 from titan_data.shards.index import ShardIndex, open_shard
+
+BLOCK_TOKENS = 1 << 17  # tokens read per stream at once (512 KiB of uint32)
 
 
 class TokenShards:
@@ -33,6 +32,7 @@ class TokenShards:
                 "run the same `titan-data tokenize` command again to finish it"
             )
         self.maps = [open_shard(self.folder, s, self.index.dtype) for s in self.index.shards]
+        self.tokens = [np.asarray(tokens) for tokens, _ in self.maps]  # plain views: slicing a memmap is slow
         self.first_doc = np.cumsum([0] + [s.documents for s in self.index.shards])
         self.first_token = np.cumsum([0] + [s.tokens for s in self.index.shards])
         self.num_documents = int(self.first_doc[-1])
@@ -48,18 +48,21 @@ class TokenShards:
             lengths.append((offsets[local + 1] - offsets[local]).astype(np.int64))
         return np.concatenate(starts), np.concatenate([[0], np.cumsum(np.concatenate(lengths))])
 
-    def gather(self, positions: np.ndarray) -> np.ndarray:
-        """Tokens at increasing `positions` of the token space (a few slices per shard crossed)."""
-        bounds = np.searchsorted(positions, self.first_token)
+    def copy_runs(self, begins: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """The tokens of runs [begin, end) of the token space, back to back: a slice copy per run
+        (per shard where a run crosses from one shard into the next)."""
+        bounds = self.first_token.tolist()
         parts = []
-        for shard, (tokens, _) in enumerate(self.maps):
-            lo, hi = int(bounds[shard]), int(bounds[shard + 1])
-            if lo < hi:
-                parts.append(tokens[positions[lo:hi] - int(self.first_token[shard])])
-        return np.concatenate(parts)
+        for begin, end in zip(begins.tolist(), ends.tolist(), strict=True):
+            shard = bisect.bisect_right(bounds, begin) - 1
+            while begin < end:
+                stop = min(end, bounds[shard + 1])
+                parts.append(self.tokens[shard][begin - bounds[shard] : stop - bounds[shard]])
+                begin, shard = stop, shard + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-class MemmapTokenDataset(IterableDataset):
+class MemmapTokenDataset(WindowDataset):
     """(input, label) windows of `seq_len` tokens from token shards, resumable like `PackedTokenDataset`."""
 
     def __init__(
@@ -72,19 +75,25 @@ class MemmapTokenDataset(IterableDataset):
         num_streams: int = 0,
         infinite: bool = True,
     ):
-        num_streams, self.owned = assign_streams(seq_len, dp_rank, dp_world_size, num_streams)
         self.shards = TokenShards(folder)
-        if self.shards.num_documents < num_streams:
+        source = f"{self.shards.index.source['name']} ({self.shards.num_documents} documents)"
+        super().__init__(
+            seq_len,
+            dp_rank,
+            dp_world_size,
+            num_streams,
+            {"kind": "memmap", "source": source, "dealing": "document"},
+        )
+        if self.shards.num_documents < self.num_streams:
             raise DataError(
                 f"dataset: {folder} holds {self.shards.num_documents} documents, fewer than num_streams "
-                f"({num_streams}); lower num_streams"
+                f"({self.num_streams}); lower num_streams"
             )
-        self.seq_len, self.num_streams, self.infinite = seq_len, num_streams, infinite
-        source = self.shards.index.source
-        self.layout = {"kind": "memmap", "source": f"{source['name']} ({self.shards.num_documents} documents)",
-                       "dealing": "document", "num_streams": num_streams}  # fmt: skip
-        self.streams = {j: StreamState() for j in self.owned}
+        self.infinite = infinite
         self._layouts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # Live positions: (epoch, tokens of the stream's epoch consumed); `streams` is filled from them on save.
+        self._at = {j: (0, 0) for j in self.owned}
+        self._blocks: dict[int, tuple[int, np.ndarray]] = {}
 
     @property
     def tokenizer_identity(self) -> dict[str, Any]:
@@ -96,49 +105,72 @@ class MemmapTokenDataset(IterableDataset):
             self._layouts[stream] = self.shards.stream_layout(stream, self.num_streams)
         return self._layouts[stream]
 
-    def _window(self, j: int, size: int) -> np.ndarray | None:
-        """The stream's next `size` tokens, advancing its state; None if a finite stream runs out.
-
-        The state's (next_doc, token_offset) is a position in the stream's own token sequence; the
-        window's tokens are found for all positions at once rather than document by document.
-        """
-        state = self.streams[j]
-        starts, before = self._layout(j)
+    def _read(self, stream: int, start: int, count: int) -> np.ndarray:
+        """`count` tokens of the stream from position `start` of its endless sequence (epoch after
+        epoch), copied as runs of consecutive documents rather than token by token."""
+        starts, before = self._layout(stream)
         total = int(before[-1])
-        epoch, at = state.epoch, int(before[state.next_doc]) + state.token_offset
-        pieces, need = [], size
-        while need:
-            if at == total:
-                if not self.infinite:
-                    return None  # the state stays put: the partial window is not consumed
-                epoch, at = epoch + 1, 0
-            take = min(need, total - at)
+        pieces = []
+        while count:
+            at = start % total
+            take = min(count, total - at)
             first, last = np.searchsorted(before, [at, at + take - 1], side="right") - 1
-            # each position's document, as runs: document d covers positions up to before[d + 1]
-            ends = np.minimum(before[first + 1 : last + 2], at + take)
-            runs = np.diff(ends, prepend=at)
-            shift = np.repeat(starts[first : last + 1] - before[first : last + 1], runs)
-            pieces.append(self.shards.gather(np.arange(at, at + take) + shift))
-            need, at = need - take, at + take
-        doc = int(np.searchsorted(before, at, side="right")) - 1
-        state.epoch, state.next_doc, state.token_offset = epoch, doc, at - int(before[doc])
-        state.windows_emitted += 1
+            # where each document's part lies in the token space: all of it, less the head of the
+            # first and the tail of the last
+            begins = starts[first : last + 1].copy()
+            ends = begins + (before[first + 1 : last + 2] - before[first : last + 1])
+            begins[0] += at - before[first]
+            ends[-1] -= before[last + 1] - (at + take)
+            joined = np.flatnonzero(begins[1:] != ends[:-1])  # documents that follow one another are one run
+            pieces.append(
+                self.shards.copy_runs(begins[np.r_[0, joined + 1]], ends[np.r_[joined, len(ends) - 1]])
+            )
+            start, count = start + take, count - take
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        active = list(self.owned)
-        while active:
-            j = next_stream(self.streams, active)
-            window = self._window(j, self.seq_len + 1)
-            if window is None:
-                active.remove(j)
-                continue
-            tokens = torch.from_numpy(window.astype(np.int64))
-            yield tokens[:-1], tokens[1:]
+    def _start(self) -> None:
+        pass  # positions live in `_at`; blocks already read stay valid
+
+    def _next_window(self, stream: int) -> np.ndarray | None:
+        """The stream's next window, advancing it; None once a finite stream's epoch has no full window.
+
+        Windows come out of a block of many read at once, since a read costs about the same for
+        one window as for fifty: the block is only a cache, the position alone is the state.
+        """
+        size = self.seq_len + 1
+        epoch, at = self._at[stream]
+        total = int(self._layout(stream)[1][-1])
+        if not self.infinite and at + size > total:
+            return None  # the position stays: the partial window is not consumed
+        if at == total:
+            epoch, at = epoch + 1, 0
+        start = epoch * total + at
+        block_start, block = self._blocks.get(stream, (0, np.zeros(0, np.uint32)))
+        if not block_start <= start <= start + size <= block_start + len(block):
+            count = max(size, BLOCK_TOKENS)
+            if not self.infinite:
+                count = min(count, total - at)
+            block_start, block = start, self._read(stream, start, count)
+            self._blocks[stream] = (block_start, block)
+        window = block[start - block_start : start - block_start + size]
+        end_epoch, end_at = divmod(start + size, total)
+        # a window that ends an epoch leaves the stream at that epoch's end, as the packed dataset does
+        self._at[stream] = (end_epoch - 1, total) if end_at == 0 else (end_epoch, end_at)
+        return window
 
     def state_dict(self) -> dict[str, Any]:
-        """One pickled entry per owned stream, keyed `stream_J`, as `PackedTokenDataset` saves."""
-        return save_streams(self.streams, self.layout)
+        """One pickled entry per owned stream, keyed `stream_J`, as `PackedTokenDataset` saves:
+        the position as (epoch, next document, tokens of it already emitted)."""
+        for j, (epoch, at) in self._at.items():
+            before = self._layout(j)[1]
+            doc = int(np.searchsorted(before, at, side="right")) - 1
+            state = self.streams[j]
+            state.epoch, state.next_doc, state.token_offset = epoch, doc, at - int(before[doc])
+        return super().state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.streams = load_streams(state, self.owned, self.layout)
+        super().load_state_dict(state)
+        self._at = {
+            j: (s.epoch, int(self._layout(j)[1][s.next_doc]) + s.token_offset)
+            for j, s in self.streams.items()
+        }

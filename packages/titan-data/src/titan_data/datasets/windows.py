@@ -1,0 +1,103 @@
+"""What the packed and the memory-mapped datasets share: streams dealt to ranks, the round robin
+over a rank's streams, and turning windows of `seq_len + 1` tokens into (input, label) batches."""
+
+from __future__ import annotations
+
+import logging
+from abc import abstractmethod
+from collections.abc import Iterator
+from itertools import islice
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from titan_data.datasets.streams import StreamState, load_streams, save_streams
+from titan_data.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+
+def assign_streams(seq_len: int, dp_rank: int, dp_world_size: int, num_streams: int) -> tuple[int, list[int]]:
+    """(num_streams, the streams rank `dp_rank` reads: j, j + dp_world_size, ...); validates the layout.
+    num_streams 0 means one stream per rank."""
+    num_streams = num_streams or dp_world_size
+    if seq_len < 1:
+        raise DataError(f"dataset: seq_len must be >= 1, got {seq_len}")
+    if not 0 <= dp_rank < dp_world_size:
+        raise DataError(f"dataset: dp_rank {dp_rank} is outside dp_world_size {dp_world_size}")
+    if num_streams < dp_world_size:
+        raise DataError(
+            f"dataset: num_streams ({num_streams}) is smaller than the data-parallel degree "
+            f"({dp_world_size}); every rank needs at least one stream, so raise num_streams"
+        )
+    if num_streams % dp_world_size:
+        logger.warning(
+            "dataset: num_streams (%d) is not a multiple of the data-parallel degree (%d): ranks read "
+            "unequal numbers of streams, so batches differ from those at other world sizes",
+            num_streams, dp_world_size,
+        )  # fmt: skip
+    return num_streams, list(range(dp_rank, num_streams, dp_world_size))
+
+
+class WindowDataset(IterableDataset):
+    """This rank's streams, emitting windows round robin: the stream that has emitted fewest goes
+    next (lowest id on ties), which needs no saved cursor and gives the same global order at any
+    number of ranks. Subclasses say how a stream makes its next window."""
+
+    def __init__(
+        self, seq_len: int, dp_rank: int, dp_world_size: int, num_streams: int, layout: dict[str, Any]
+    ):
+        self.num_streams, self.owned = assign_streams(seq_len, dp_rank, dp_world_size, num_streams)
+        self.seq_len, self.dp_rank, self.dp_world_size = seq_len, dp_rank, dp_world_size
+        self.layout = {**layout, "num_streams": self.num_streams}
+        self.streams = {j: StreamState() for j in self.owned}
+
+    @abstractmethod
+    def _start(self) -> None:
+        """Prepare to read from the streams' current state (called at every new iteration)."""
+
+    @abstractmethod
+    def _next_window(self, stream: int) -> np.ndarray | None:
+        """The stream's next `seq_len + 1` tokens, its state advanced; None when a finite stream ends."""
+
+    def windows(self) -> Iterator[np.ndarray]:
+        """Every window of this rank, in round-robin order over its streams."""
+        self._start()
+        active = list(self.owned)
+        while active:
+            j = min(active, key=lambda k: (self.streams[k].windows_emitted, k))
+            window = self._next_window(j)
+            if window is None:
+                active.remove(j)
+                continue
+            self.streams[j].windows_emitted += 1
+            yield window
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for window in self.windows():
+            tokens = torch.from_numpy(window.astype(np.int64))
+            yield tokens[:-1], tokens[1:]
+
+    def batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input, label) batches of `batch_size` windows (the last may be short when finite), made
+        in one step each rather than window by window."""
+        windows = self.windows()
+        while True:
+            rows = list(islice(windows, batch_size))
+            if not rows:
+                return
+            block = np.stack(rows).astype(np.int64)
+            yield (
+                torch.from_numpy(np.ascontiguousarray(block[:, :-1])),
+                torch.from_numpy(np.ascontiguousarray(block[:, 1:])),
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """One pickled entry per owned stream, keyed `stream_J` (bytes: checkpoints store it as an
+        opaque object); entries from every rank together describe the whole data position."""
+        return save_streams(self.streams, self.layout)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streams = load_streams(state, self.owned, self.layout)
