@@ -38,7 +38,8 @@ def read_json_lines(path: Path, start: int, text_field: str) -> Iterator[tuple[s
     """One document per JSON object line, its text in `text_field`; blank lines are skipped."""
     for line, record_at, offset in _lines(path, start):
         try:
-            text = json.loads(line)[text_field]
+            # decoding first spares json the encoding sniffing it does on bytes (JSON lines are UTF-8)
+            text = json.loads(line.decode("utf-8-sig" if record_at == 0 else "utf-8"))[text_field]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
             raise DataError(
                 f"dataset: {path} at byte {record_at} is not a JSON object with a '{text_field}' field; "

@@ -147,9 +147,8 @@ class MemmapTokenDataset(WindowDataset):
         start = epoch * total + at
         block_start, block = self._blocks.get(stream, (0, np.zeros(0, np.uint32)))
         if not block_start <= start <= start + size <= block_start + len(block):
-            count = max(size, BLOCK_TOKENS)
-            if not self.infinite:
-                count = min(count, total - at)
+            # to the end of the epoch at most (a tiny stream would loop many epochs), but one window at least
+            count = max(size, min(BLOCK_TOKENS, total - at))
             block_start, block = start, self._read(stream, start, count)
             self._blocks[stream] = (block_start, block)
         window = block[start - block_start : start - block_start + size]
