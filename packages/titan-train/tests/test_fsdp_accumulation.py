@@ -1,6 +1,8 @@
-"""Gradient accumulation under FSDP on two real gloo ranks: same losses, one reduce-scatter per step."""
+"""FSDP on two real gloo ranks: accumulation gives the same losses with one reduce-scatter per step, and
+validation over a set the ranks hold unequal shares of stops on every rank together."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,15 +13,20 @@ import pytest
 WORKER = Path(__file__).parent / "workers" / "fsdp_accumulation.py"
 
 
-@pytest.mark.slow
-def test_fsdp_accumulation_matches_the_whole_batch_and_reduces_gradients_once_per_step(tmp_path):
-    out = tmp_path / "result.json"
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp") / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
            "--rdzv_endpoint=localhost:0", str(WORKER), str(out)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
-    runs = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_fsdp_accumulation_matches_the_whole_batch_and_reduces_gradients_once_per_step(fsdp_runs):
+    runs = fsdp_runs
     whole, accumulated = runs["local_batch_4"], runs["local_batch_2_accumulate_2"]
     assert whole["fsdp"] and accumulated["fsdp"]
     assert (whole["grad_accum_steps"], accumulated["grad_accum_steps"]) == (1, 2)
@@ -28,3 +35,10 @@ def test_fsdp_accumulation_matches_the_whole_batch_and_reduces_gradients_once_pe
     # One reduction per FSDP group per step in both runs: the first micro-batch's gradients stayed local.
     assert whole["reductions"] > 0
     assert accumulated["reductions"] == whole["reductions"]
+
+
+@pytest.mark.slow
+def test_validation_on_unequal_rank_shares_stops_together(fsdp_runs):
+    records = [json.loads(line) for line in fsdp_runs["uneven_validation"]["validation"].splitlines()]
+    assert [r["step"] for r in records] == [2]
+    assert math.isfinite(records[0]["loss"]) and records[0]["perplexity"] > 1

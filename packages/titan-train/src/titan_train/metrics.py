@@ -86,9 +86,9 @@ class MetricsLogger:
         self.log_freq, self.color = log_freq, color
         records = all_ranks or rank == 0
         self.jsonl = self.validation_jsonl = self.writer = self.wandb = None
+        self.dump, self.rank = dump, rank
         if rank == 0:
             self.jsonl = open(dump / "metrics.jsonl", "a", encoding="utf-8")
-            self.validation_jsonl = open(dump / "validation.jsonl", "a", encoding="utf-8")
         if tb_folder is not None and records:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -123,6 +123,8 @@ class MetricsLogger:
         logger.info(
             f"{c.yellow}validation  step: {step:2}  loss: {loss:7.4f}  perplexity: {perplexity:.3f}{c.reset}"
         )
+        if self.rank == 0 and self.validation_jsonl is None:
+            self.validation_jsonl = open(self.dump / "validation.jsonl", "a", encoding="utf-8")
         record = {"step": step, "loss": loss, "perplexity": perplexity}
         tags = {VALIDATION_TAGS["loss"]: loss, VALIDATION_TAGS["perplexity"]: perplexity}
         self._record(self.validation_jsonl, step, record, tags)

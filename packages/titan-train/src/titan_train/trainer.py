@@ -28,6 +28,7 @@ from titan_train.metrics import MetricsLogger, StepMetrics, device_memory
 from titan_train.profiling import MemorySnapshots, maybe_profile
 from titan_train.registry import get_model_spec
 from titan_train.train_state import TrainState
+from titan_train.unsupported import refuse_unsupported
 from titan_train.validation import Validator
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class Trainer:
     def __init__(self, config: JobConfig, info: DistInfo):
         self.config, self.info = config, info
         self.device = info.device
+        refuse_unsupported(config, self.device.type)
         seed = 0 if config.debug.seed is None else config.debug.seed
         torch.manual_seed(seed)
         if config.debug.deterministic:

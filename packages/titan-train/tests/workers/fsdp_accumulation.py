@@ -1,4 +1,5 @@
-"""torchrun worker: FSDP over the ranks trains three steps with local batch 4, then with 2 x 2 accumulation.
+"""torchrun worker: FSDP over the ranks trains three steps with local batch 4, then with 2 x 2 accumulation,
+then validates on a set that gives rank 0 several times more batches than rank 1.
 
 Counts FSDP's gradient reductions by wrapping (and calling) the function FSDP uses for them, to show
 that accumulation skips the reduce-scatter of every micro-batch but the last.
@@ -38,11 +39,30 @@ def count_reductions() -> list[int]:
     return calls
 
 
+def uneven_validation_set(folder: Path) -> Path:
+    """Documents are dealt round-robin to the ranks' streams: long ones to rank 0, short ones to rank 1."""
+    path = folder / "validation.txt"
+    words = "the quick brown fox jumps over the lazy dog".split()
+    lines = [" ".join(words * (60 if i % 2 == 0 else 6)) for i in range(8)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def main(out: Path) -> None:
     info = init_distributed(300)
     calls = count_reductions()
+    validation_set = uneven_validation_set(out.parent)
+    runs = {
+        **RUNS,
+        "uneven_validation": [
+            "--training.local_batch_size", "4", "--training.steps", "2", "--validation.enable",
+            "--validation.freq", "2", "--validation.steps", "-1", "--validation.dataset", "text",
+            "--validation.dataset_path", str(validation_set), "--validation.seq_len", "32",
+            "--validation.local_batch_size", "2",
+        ],
+    }  # fmt: skip
     results = {}
-    for name, flags in RUNS.items():
+    for name, flags in runs.items():
         before = calls[0]
         trainer = Trainer(
             load_job_config([*SMALL, *flags, "--job.dump_folder", str(out.parent / name)]), info
@@ -53,6 +73,7 @@ def main(out: Path) -> None:
             "reductions": calls[0] - before,
             "grad_accum_steps": trainer.grad_accum_steps,
             "fsdp": isinstance(trainer.model, FSDPModule),
+            "validation": (out.parent / name / "validation.jsonl").read_text() if info.rank == 0 else "",
         }
     if info.rank == 0:
         out.write_text(json.dumps(results))
