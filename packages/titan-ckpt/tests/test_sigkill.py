@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import random
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -85,6 +86,10 @@ def test_sigkill_during_saves_resumes_from_newest_complete_checkpoint_and_matche
     reference = dict(_losses(ref_losses))
     assert sorted(reference) == list(range(1, STEPS + 1))
     reference_hash = ref_events.read_text().split("DONE ")[1].strip()
+    # Kill delays scale with how long a save takes on this machine, so the kills land mid-save.
+    save_seconds = statistics.median(
+        float(line.split()[2]) for line in ref_events.read_text().splitlines() if line.startswith("SAVED")
+    )
 
     folder, losses, events = tmp_path / "ckpt", tmp_path / "run.losses", tmp_path / "run.events"
     rng = random.Random(20240611)
@@ -100,7 +105,7 @@ def test_sigkill_during_saves_resumes_from_newest_complete_checkpoint_and_matche
         assert not [e for e in (start[3].split(",") if len(start) > 3 else []) if e.endswith(".partial")]
         saves = rng.randint(1, 3)
         _events(events, proc, "SAVING", count=saves)
-        time.sleep(rng.uniform(0.0, 0.08))
+        time.sleep(rng.uniform(0.0, 1.5) * save_seconds)
         assert proc.is_alive(), f"trial {trial} finished before it could be killed: {events.read_text()}"
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(30)

@@ -2,7 +2,7 @@
 
 Usage: kill_train.py FOLDER STEPS ASYNC_MODE LOSSES_FILE EVENTS_FILE (or `main(...)` in a fresh process).
 Appends to EVENTS_FILE `START <kind> <step> <entries of FOLDER after the load>`, `SAVING <step>`
-right before each save and `DONE <weights hash>`; appends `<step> <loss as float.hex>` to
+right before each save, `SAVED <step> <seconds to disk>` once it is published and `DONE <weights hash>`; appends `<step> <loss as float.hex>` to
 LOSSES_FILE after every step.
 """
 
@@ -75,6 +75,7 @@ def main(folder: str, steps: int, async_mode: str, losses_file: str, events_file
     result = ckpt.load()
     entries = ",".join(sorted(os.listdir(folder))) if os.path.isdir(folder) else ""
     events.write(f"START {result.kind} {result.step} {entries}\n")
+    reported = 0
     with open(losses_file, "a") as losses:
         while progress.step < steps:
             inputs, targets = data.next_batch()
@@ -89,6 +90,9 @@ def main(folder: str, steps: int, async_mode: str, losses_file: str, events_file
             if last or progress.step % INTERVAL == 0:
                 events.write(f"SAVING {progress.step}\n")
             ckpt.maybe_save(progress.step, last_step=last)
+            for timing in ckpt.timings[reported:]:
+                events.write(f"SAVED {timing.step} {timing.total_s:.4f}\n")
+            reported = len(ckpt.timings)
     ckpt.close()
     events.write(f"DONE {weights_hash(model)}\n")
     events.close()
