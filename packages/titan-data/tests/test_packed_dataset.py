@@ -36,7 +36,7 @@ class RecordingTokenizer(Tokenizer):
 def test_windows_are_seq_len_shifted_pairs(llama3_tokenizer):
     inputs, labels = next(iter(_loader(llama3_tokenizer, seq_len=32)))
     assert inputs.shape == labels.shape == (4, 32)
-    assert inputs.dtype == torch.long
+    assert inputs.dtype == labels.dtype == torch.long and inputs.is_contiguous() and labels.is_contiguous()
     assert torch.equal(inputs[:, 1:], labels[:, :-1])
 
 
