@@ -1,1 +1,1 @@
-"""Text sources and the packed token dataset."""
+"""Text sources, how documents are dealt to streams, and the packed and memory-mapped datasets."""

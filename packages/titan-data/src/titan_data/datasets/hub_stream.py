@@ -22,8 +22,6 @@ C4_COLUMNS = ("text", "timestamp", "url")
 class StreamedSource(TextSource):
     """A `datasets.IterableDataset` read example by example; its files are the shards."""
 
-    equal_shards = True
-
     def __init__(
         self,
         name: str,
