@@ -48,6 +48,10 @@ def uneven_validation_set(folder: Path) -> Path:
     return path
 
 
+def _read_if_written(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 def main(out: Path) -> None:
     info = init_distributed(300)
     calls = count_reductions()
@@ -73,7 +77,7 @@ def main(out: Path) -> None:
             "reductions": calls[0] - before,
             "grad_accum_steps": trainer.grad_accum_steps,
             "fsdp": isinstance(trainer.model, FSDPModule),
-            "validation": (out.parent / name / "validation.jsonl").read_text() if info.rank == 0 else "",
+            "validation": _read_if_written(out.parent / name / "validation.jsonl"),
         }
     if info.rank == 0:
         out.write_text(json.dumps(results))
