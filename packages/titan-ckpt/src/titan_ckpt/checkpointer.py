@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titan_ckpt.async_save import PendingSave, SaveTiming, build_stager, check_async_mode, snapshot_objects
+from titan_ckpt.collectives import barrier, decide_on_rank0, group_rank, raise_on_every_rank
 from titan_ckpt.errors import CheckpointError
 from titan_ckpt.hf_safetensors import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -160,38 +161,8 @@ class Checkpointer:
             for optimizer in state.optimizers
         ]
 
-    # -- ranks --------------------------------------------------------------------------------------
-
     def _rank(self) -> int:
-        return dist.get_rank(self._group) if dist.is_initialized() else 0
-
-    def _barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier(group=self._group)
-
-    def _raise_if_any(self, problem: str | None) -> None:
-        """Raise `problem` on every rank if any rank has one, so no rank is left waiting in a collective."""
-        problems = [problem]
-        if dist.is_initialized() and dist.get_world_size(self._group) > 1:
-            problems = [None] * dist.get_world_size(self._group)
-            dist.all_gather_object(problems, problem, group=self._group)
-        found = next((p for p in problems if p), None)
-        if found:
-            raise CheckpointError(found)
-
-    def _on_rank0(self, decide):
-        """Run `decide()` on rank 0 and hand its result (or its CheckpointError) to every rank."""
-        box: list[Any] = [None]
-        if self._rank() == 0:
-            try:
-                box = [decide()]
-            except CheckpointError as err:
-                box = [err]
-        if dist.is_initialized() and dist.get_world_size(self._group) > 1:
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
-        if isinstance(box[0], CheckpointError):
-            raise CheckpointError(str(box[0]))
-        return box[0]
+        return group_rank(self._group)
 
     # -- loading ------------------------------------------------------------------------------------
 
@@ -206,12 +177,13 @@ class Checkpointer:
         """
         if self._rank() == 0:
             remove_partial_folders(self.folder)
-        self._barrier()
+        barrier(self._group)
         wanted = [name for name in self.states if name not in self.exclude_from_loading]
-        result = self._on_rank0(
+        result = decide_on_rank0(
             lambda: choose_source(
                 self.folder, wanted, self._present_states, load_step=self.load_step, initial=self.initial
-            )
+            ),
+            self._group,
         )
         if self._rank() == 0:
             logger.info("checkpoint: %s", result.message)
@@ -251,7 +223,7 @@ class Checkpointer:
             problem = find_problem(path, read_metadata(path), flatten_state_dict(state))
         except CheckpointError as err:
             problem = str(err)
-        self._raise_if_any(problem)
+        raise_on_every_rank(problem, self._group)
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=self._group)
         except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure into one
@@ -276,7 +248,7 @@ class Checkpointer:
             problem = None
         except CheckpointError as err:
             problem = str(err)
-        self._raise_if_any(problem)
+        raise_on_every_rank(problem, self._group)
         self.states[MODEL].load_state_dict(target)
 
     # -- saving -------------------------------------------------------------------------------------
@@ -304,7 +276,7 @@ class Checkpointer:
     def save(
         self, step: int, *, model_only: bool = False, in_export_dtype: bool = False, wait: bool = False
     ) -> None:
-        """Write `step-N`: in the background per `async_mode`, unless `wait`.
+        """Write `step-N`: in the background per `async_mode`, or synchronously with `wait`.
 
         `model_only` writes the model alone (a seed or final checkpoint), in `export_dtype` when
         `in_export_dtype`; model-only saves are always synchronous.
@@ -336,8 +308,6 @@ class Checkpointer:
             step, partial, final, upload, staging, started, time.perf_counter() - started
         )
         upload.add_done_callback(self._pending.mark_finished)
-        if wait:
-            self._finish_pending()
 
     def save_hf(self, step: int) -> None:
         """Write the model as Hugging Face sharded safetensors (in `export_dtype`) into `step-N`."""
@@ -357,7 +327,7 @@ class Checkpointer:
             except Exception as err:
                 problem = f"checkpoint: Hugging Face export to {partial} failed: {err}"
         del full
-        self._raise_if_any(problem)
+        raise_on_every_rank(problem, self._group)
         elapsed = time.perf_counter() - started
         self._commit(step, partial, final, blocked_s=elapsed, total_s=elapsed)
 
@@ -371,7 +341,7 @@ class Checkpointer:
         if self._rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier failed attempt at this step
-        self._barrier()
+        barrier(self._group)
         return partial, final
 
     def _commit(self, step: int, partial: Path, final: Path, *, blocked_s: float, total_s: float) -> None:
@@ -404,8 +374,8 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        pending.wait_for_staging()  # counts its own wait
         start = time.perf_counter()
-        pending.wait_for_staging()
         try:
             pending.upload.result()
         except (Exception, CheckpointException) as err:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_ckpt.collectives import group_rank
 from titan_ckpt.errors import CheckpointError
 from titan_ckpt.step_folders import HF_INDEX
 
@@ -39,10 +40,6 @@ class HFStateDictAdapter(Protocol):
     def hf_config(self) -> dict: ...
 
 
-def _group_rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
-
-
 def gather_full_tensors(state: Mapping[str, Any], group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
     """Every tensor of `state` unsharded, on the CPU of rank 0 (an empty dict on other ranks)."""
     names = [name for name, value in state.items() if isinstance(value, torch.Tensor)]
@@ -55,7 +52,7 @@ def gather_full_tensors(state: Mapping[str, Any], group: dist.ProcessGroup | Non
                 "different parameters (pipeline parallelism); save a DCP checkpoint (last_save_in_hf = false) "
                 "and convert it with one process"
             )
-    keep = _group_rank(group) == 0
+    keep = group_rank(group) == 0
     full: dict[str, torch.Tensor] = {}
     for name in names:
         tensor = state[name]
