@@ -89,9 +89,9 @@ def test_last_save_in_hf_loads_in_transformers_with_the_same_logits(tmp_path, sm
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     hf = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     tokens = torch.randint(0, hf.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    trainer.model.eval()
+    model = trainer.model_parts[0].eval()
     with torch.no_grad():
-        ours, theirs = trainer.model(tokens), hf(tokens).logits
+        ours, theirs = model(tokens), hf(tokens).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
 
 
