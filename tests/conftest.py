@@ -30,11 +30,13 @@ def logged_losses(dump: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records}
 
 
-@pytest.fixture
-def train():
-    def _train(dump: Path, *overrides: str, nproc: int = 1) -> dict[int, float]:
-        result = run_train(dump, *overrides, nproc=nproc)
-        assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-        return logged_losses(dump)
+def train_and_read_losses(dump: Path, *overrides: str, nproc: int = 1) -> dict[int, float]:
+    """Run titan-train, require success, and return its logged losses by step."""
+    result = run_train(dump, *overrides, nproc=nproc)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return logged_losses(dump)
 
-    return _train
+
+@pytest.fixture(scope="session")
+def train():
+    return train_and_read_losses

@@ -5,16 +5,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from titan_data import Tokenizer, TokenLoader, build_dataset, build_tokenizer
-from titan_parallel import ParallelDims, apply_fsdp, blocks_of
+from titan_models import count_parameters
+from titan_parallel import ParallelDims, ParallelOptions, Pipeline, blocks_of
 from torch import nn
 
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.lr_schedule import build_lr_scheduler
+from titan_train.memory_estimate import ParamCounts
+from titan_train.parallelism import parallel_options, split_and_wrap
 from titan_train.registry import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -38,6 +43,19 @@ def build_tokenizer_for(config: JobConfig) -> Tokenizer:
     return build_tokenizer(config.model.hf_assets_path or BUNDLED_TOKENIZER)
 
 
+@dataclass
+class BuiltModel:
+    """The model as this rank holds it, with the whole model's sizes (for FLOPs and memory estimates)."""
+
+    args: Any
+    parts: list[nn.Module]
+    pipeline: Pipeline | None
+    options: ParallelOptions
+    n_params: int
+    n_embedding: int
+    counts: ParamCounts
+
+
 def build_model(
     config: JobConfig,
     spec: ModelSpec,
@@ -45,8 +63,10 @@ def build_model(
     dims: ParallelDims,
     device: torch.device,
     seed: int,
-) -> nn.Module:
-    """The model on the meta device, parallelised, then materialised on `device` and initialised."""
+    grad_accum_steps: int = 1,
+) -> BuiltModel:
+    """The model on the meta device, parallelised (or cut into pipeline stages), then materialised on
+    `device` and initialised: the initial weights are the same for every layout."""
     args = spec.args_for(config.model.flavor, max_seq_len=config.training.seq_len, eos_id=tokenizer.eos_id)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
@@ -57,21 +77,36 @@ def build_model(
         model = spec.build(args)
     if config.training.dtype != "float32":
         _cast_parameters(model, _dtype(config.training.dtype))
-    if dims.fsdp_enabled:
-        param_dtype = compute_dtype(config, device)
-        reshard = config.parallelism.fsdp_reshard_after_forward
-        apply_fsdp(
-            model,
-            blocks_of(model),
-            dims.submesh("dp_shard_cp"),
-            param_dtype=param_dtype,
-            reduce_dtype=_dtype(config.training.mixed_precision_reduce),
-            reshard_after_forward=reshard != "never",
-        )
-    model.to_empty(device=device)
-    model.init_weights(buffer_device=device, seed=seed)
-    model.train()
-    return model
+    n_params = count_parameters(model)
+    n_embedding = n_params - count_parameters(model, exclude_embedding=True)
+    counts = ParamCounts.of(model, blocks_of(model), n_embedding)
+    options = parallel_options(
+        config, compute_dtype(config, device) if dims.fsdp_enabled else torch.float32,
+        _dtype(config.training.mixed_precision_reduce),
+    )  # fmt: skip
+    dims.check_model(
+        n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=config.training.seq_len,
+        vocab_size=args.vocab_size, sequence_parallel=options.sequence_parallel,
+    )  # fmt: skip
+    # Under gradient accumulation each micro-batch's loss counts 1/N of the step's.
+    loss_fn = spec.loss_fn if grad_accum_steps == 1 else _scaled(spec.loss_fn, 1 / grad_accum_steps)
+    wrapped = split_and_wrap(
+        model,
+        dims,
+        options,
+        loss_fn=loss_fn,
+        device=device,
+        local_batch_size=config.training.local_batch_size,
+    )
+    for part in wrapped.parts:
+        part.to_empty(device=device)
+        part.init_weights(buffer_device=device, seed=seed)
+        part.train()
+    return BuiltModel(args, wrapped.parts, wrapped.pipeline, options, n_params, n_embedding, counts)
+
+
+def _scaled(loss_fn: Callable, factor: float) -> Callable:
+    return lambda logits, labels: loss_fn(logits, labels) * factor
 
 
 def build_optimizer(config: JobConfig, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:

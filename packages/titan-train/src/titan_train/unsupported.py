@@ -30,36 +30,10 @@ _NOT_WIRED = "is not wired into the trainer yet"
 
 _RULES = (
     _Rule(
-        lambda c: c.parallelism.data_parallel_replicate_degree > 1,
-        lambda c: (
-            f"parallelism.data_parallel_replicate_degree = {c.parallelism.data_parallel_replicate_degree}"
-        ),
-        f"DDP/HSDP {_NOT_WIRED}",
-        "use data_parallel_shard_degree (FSDP) and set data_parallel_replicate_degree = 1",
-    ),
-    _Rule(
-        lambda c: c.parallelism.tensor_parallel_degree > 1,
-        lambda c: f"parallelism.tensor_parallel_degree = {c.parallelism.tensor_parallel_degree}",
-        f"tensor parallelism {_NOT_WIRED}",
-        "set parallelism.tensor_parallel_degree = 1",
-    ),
-    _Rule(
-        lambda c: c.parallelism.pipeline_parallel_degree > 1,
-        lambda c: f"parallelism.pipeline_parallel_degree = {c.parallelism.pipeline_parallel_degree}",
-        f"pipeline parallelism {_NOT_WIRED}",
-        "set parallelism.pipeline_parallel_degree = 1",
-    ),
-    _Rule(
-        lambda c: c.parallelism.context_parallel_degree > 1,
-        lambda c: f"parallelism.context_parallel_degree = {c.parallelism.context_parallel_degree}",
-        f"context parallelism {_NOT_WIRED}",
-        "set parallelism.context_parallel_degree = 1",
-    ),
-    _Rule(
-        lambda c: c.parallelism.enable_async_tensor_parallel,
-        lambda c: "parallelism.enable_async_tensor_parallel = true",
-        f"async tensor parallelism {_NOT_WIRED}",
-        "set it to false",
+        lambda c: c.validation.enable and c.parallelism.pipeline_parallel_degree > 1,
+        lambda c: "validation.enable = true with pipeline_parallel_degree > 1",
+        "validation runs the whole model on each rank, which a pipeline stage does not hold",
+        "set validation.enable = false for pipeline-parallel runs",
     ),
     _Rule(
         lambda c: c.parallelism.expert_parallel_degree > 1 or c.parallelism.expert_tensor_parallel_degree > 1,
@@ -71,30 +45,6 @@ _RULES = (
         lambda c: c.debug.moe_force_load_balance,
         lambda c: "debug.moe_force_load_balance = true",
         "the registered Llama models have no experts",
-        "set it to false",
-    ),
-    _Rule(
-        lambda c: c.activation_checkpoint.mode != "none",
-        lambda c: f"activation_checkpoint.mode = '{c.activation_checkpoint.mode}'",
-        f"activation checkpointing {_NOT_WIRED}",
-        "set activation_checkpoint.mode = 'none' (--activation_checkpoint.mode none)",
-    ),
-    _Rule(
-        lambda c: c.compile.enable,
-        lambda c: "compile.enable = true",
-        f"torch.compile {_NOT_WIRED}",
-        "set compile.enable = false",
-    ),
-    _Rule(
-        lambda c: bool(c.model.converters),
-        lambda c: f"model.converters = {c.model.converters}",
-        f"float8/MX model converters are {_NOT_WIRED[3:]}",
-        "set model.converters = []",
-    ),
-    _Rule(
-        lambda c: c.training.enable_cpu_offload,
-        lambda c: "training.enable_cpu_offload = true",
-        f"FSDP CPU offload {_NOT_WIRED}",
         "set it to false",
     ),
     _Rule(

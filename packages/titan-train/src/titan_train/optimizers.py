@@ -1,0 +1,62 @@
+"""One optimizer and one LR schedule per model part, stepped together.
+
+Pipeline parallelism gives a rank several model parts (stages); DCP's optimizer state dict is per
+(module, optimizer) pair and names state by parameter FQN, which a part keeps from the whole model,
+so one optimizer per part keeps checkpoints portable across pipeline layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim.lr_scheduler import LRScheduler
+
+
+class PartOptimizers:
+    """The optimizers of every model part, and their (identical) LR schedules."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+        make_schedule: Callable[[torch.optim.Optimizer], LRScheduler],
+    ):
+        self.optimizers = [make_optimizer(part) for part in parts]
+        self.schedules = [make_schedule(optimizer) for optimizer in self.optimizers]
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next `step()` uses."""
+        return self.optimizers[0].param_groups[0]["lr"]
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self) -> None:
+        """An optimizer step of every part, then one step of the LR schedules."""
+        for optimizer in self.optimizers:
+            optimizer.step()
+        for schedule in self.schedules:
+            schedule.step()
+
+    def schedule_state(self) -> Stateful:
+        return _SchedulesState(self.schedules)
+
+
+class _SchedulesState(Stateful):
+    """Checkpoint view of the schedules: saved once, restored into every part's schedule."""
+
+    def __init__(self, schedules: list[LRScheduler]):
+        self.schedules = schedules
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.schedules[0].state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for schedule in self.schedules:
+            schedule.load_state_dict(state_dict)

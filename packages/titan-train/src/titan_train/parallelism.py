@@ -1,0 +1,92 @@
+"""Map the config's parallelism sections onto titan-parallel, and split or wrap the model with them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from titan_parallel import ParallelDims, ParallelOptions, Pipeline, build_pipeline, parallelize
+from torch import nn
+
+from titan_train.config import JobConfig
+from titan_train.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")
+
+
+def parallel_options(
+    config: JobConfig, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> ParallelOptions:
+    """The layout settings other than the degrees, from `[parallelism]`, `[activation_checkpoint]`,
+    `[compile]`, `[model] converters` and `[quantize.linear.float8]`."""
+    p, ac = config.parallelism, config.activation_checkpoint
+    unknown = [c for c in config.model.converters if c not in FLOAT8_CONVERTERS]
+    if unknown:
+        raise ConfigError(
+            f"config: model.converters {unknown} cannot be applied: Titan converts linear layers to float8 "
+            f"({' or '.join(FLOAT8_CONVERTERS)}); MX formats need hardware this build does not target"
+        )
+    float8 = None
+    if config.model.converters:
+        float8 = config.quantize.linear.float8.recipe_name or "tensorwise"
+    if p.pipeline_parallel_degree > 1 and (
+        p.pipeline_parallel_first_stage_less_layers or p.pipeline_parallel_last_stage_less_layers
+    ):
+        logger.warning(
+            "parallelism.pipeline_parallel_first/last_stage_less_layers are not applied: Titan splits the "
+            "blocks evenly (or at module_fqns_per_model_part / pipeline_parallel_layers_per_stage)"
+        )
+    split_points: tuple[str, ...] = ()
+    if p.module_fqns_per_model_part:
+        split_points = tuple(part[0] for part in p.module_fqns_per_model_part[1:] if part)
+    return ParallelOptions(
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        reshard_after_forward=p.fsdp_reshard_after_forward,
+        cpu_offload=config.training.enable_cpu_offload,
+        sequence_parallel=True,
+        loss_parallel=not p.disable_loss_parallel,
+        async_tp=p.enable_async_tensor_parallel,
+        ac_mode=ac.mode,
+        ac_selective=ac.selective_ac_option,
+        compile=config.compile.enable and "model" in config.compile.components,
+        float8=float8,
+        float8_fsdp_all_gather=float8 is not None
+        and config.quantize.linear.float8.enable_fsdp_float8_all_gather,
+        float8_skip_fqns=tuple(dict.fromkeys(["output", *config.quantize.linear.float8.filter_fqns])),
+        pp_schedule=p.pipeline_parallel_schedule,
+        pp_microbatch_size=p.pipeline_parallel_microbatch_size,
+        pp_layers_per_stage=p.pipeline_parallel_layers_per_stage,
+        pp_split_points=split_points,
+        cp_rotate_method=p.context_parallel_rotate_method,
+    )
+
+
+@dataclass
+class ModelParts:
+    """What this rank trains: the model parts it holds and, under pipeline parallelism, the schedule."""
+
+    parts: list[nn.Module]
+    pipeline: Pipeline | None
+
+
+def split_and_wrap(
+    model: nn.Module,
+    dims: ParallelDims,
+    options: ParallelOptions,
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    device: torch.device,
+    local_batch_size: int,
+) -> ModelParts:
+    """Apply every enabled parallelism to a meta-device model; pipeline stages when pp > 1."""
+    if dims.pp > 1:
+        pipeline = build_pipeline(
+            model, dims, options, loss_fn=loss_fn, device=device, local_batch_size=local_batch_size
+        )
+        return ModelParts(pipeline.model_parts, pipeline)
+    return ModelParts([parallelize(model, dims, options)], None)
