@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from titan_ckpt import ASYNC_MODES, Checkpointer, ModelState, OptimizerState
 from torch import nn
+
+from titan_ckpt import ASYNC_MODES, Checkpointer, ModelState, OptimizerState
 
 WIDTH = 2048
 ROOT = Path(tempfile.gettempdir())  # set by main()

@@ -15,6 +15,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from titan_models import Transformer, llama3_args
 
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from titan_train.config import load_job_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,14 +24,15 @@ import sysconfig
 from pathlib import Path
 
 import sentencepiece as spm
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
 from titan_data.tokenizers.tiktoken_bpe import (
     LLAMA3_PATTERN,
     NUM_RESERVED_SPECIAL_TOKENS,
     llama3_special_tokens,
     save_tiktoken_ranks,
 )
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
-from tokenizers import Tokenizer as HFTokenizer
 
 ASSETS = Path(__file__).resolve().parents[2] / "packages/titan-data/src/titan_data/assets"
 SKIPPED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "turtledemo", "__pycache__"}

@@ -3,8 +3,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from titan_ckpt import ModelState, OptimizerState
 from torch import nn
+
+from titan_ckpt import ModelState, OptimizerState
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 import logging
 
 import pytest
+
 from titan_ckpt import ASYNC_MODES, Checkpointer, complete_steps
 
 

@@ -5,6 +5,7 @@ import logging
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+
 from titan_ckpt import Checkpointer, CheckpointError, complete_steps
 
 

@@ -5,6 +5,7 @@ import re
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+
 from titan_ckpt import Checkpointer, CheckpointError
 
 

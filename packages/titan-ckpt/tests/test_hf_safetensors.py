@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
 from titan_ckpt import Checkpointer, CheckpointError
 
 

@@ -3,6 +3,7 @@
 import logging
 
 import pytest
+
 from titan_ckpt import Checkpointer, CheckpointError
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from titan_data import PackedTokenDataset, TokenLoader, get_source
 
 WORKER = Path(__file__).parent / "workers" / "dcp_redeal.py"

@@ -3,6 +3,7 @@ from itertools import islice
 
 import pytest
 import torch
+
 from titan_data import DataError, IterableSource, PackedTokenDataset, Tokenizer, TokenLoader, get_source
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from titan_data import MemmapTokenDataset, PackedTokenDataset, TokenLoader, get_source, tokenize_to_shards
 
 NUM_STREAMS = 12  # a multiple of every world size from 1 to 4

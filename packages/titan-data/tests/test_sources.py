@@ -5,6 +5,7 @@ from itertools import islice
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from titan_data import DATASETS, DataError, FileSource, IterableSource, get_source, register_dataset
 
 

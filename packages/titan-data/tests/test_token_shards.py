@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from titan_data import (
     DATASETS,
     DataError,

@@ -3,6 +3,7 @@ import shutil
 
 import numpy as np
 import pytest
+
 from titan_data import DataError, build_tokenizer
 from titan_data.datasets.registry import ASSETS
 from titan_data.tokenizers.hf_json import HuggingFaceTokenizer

@@ -4,6 +4,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask
+
 from titan_models import (
     BackendUnavailableError,
     ModelArgs,
@@ -14,7 +16,6 @@ from titan_models import (
     llama3_args,
 )
 from titan_models.attention_masks import build_attention_mask
-from torch.nn.attention.flex_attention import BlockMask
 
 EOS = 1
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, rope_theta=500000,

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from titan_models import (
     LLAMA2_FLAVORS,
     LLAMA3_FLAVORS,

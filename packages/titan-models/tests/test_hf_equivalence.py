@@ -4,6 +4,8 @@ import json
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from titan_models import (
     LlamaStateDictAdapter,
     ModelArgs,
@@ -14,7 +16,6 @@ from titan_models import (
     load_safetensors_sharded,
     save_safetensors_sharded,
 )
-from transformers import LlamaConfig, LlamaForCausalLM
 
 SHAPES = {
     # Llama 2 70B in miniature: grouped-query attention, theta 10000, no rotary scaling.

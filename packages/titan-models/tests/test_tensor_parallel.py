@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from titan_models import ModelArgs, ModelConfigError, Transformer
 
 WORKER = Path(__file__).parent / "workers" / "tp_fsdp_worker.py"

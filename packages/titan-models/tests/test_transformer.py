@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from titan_models import ModelArgs, ModelError, Transformer
 from torch import nn
+
+from titan_models import ModelArgs, ModelError, Transformer
 
 
 def _tiny(**overrides) -> ModelArgs:

@@ -4,8 +4,9 @@ import copy
 
 import pytest
 import torch
-from titan_parallel import ParallelConfigError, apply_ac, blocks_of
 from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
+
+from titan_parallel import ParallelConfigError, apply_ac, blocks_of
 
 
 def _grads(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor]:

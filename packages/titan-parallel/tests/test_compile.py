@@ -4,8 +4,9 @@ import copy
 
 import pytest
 import torch
-from titan_parallel import apply_ac, apply_compile, blocks_of
 from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
+
+from titan_parallel import apply_ac, apply_compile, blocks_of
 
 
 @pytest.mark.parametrize(

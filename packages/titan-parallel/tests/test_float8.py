@@ -4,9 +4,10 @@ import copy
 
 import pytest
 import torch
+from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
+
 from titan_parallel import ParallelConfigError, ParallelOptions, UnsupportedDeviceError, apply_float8
 from titan_parallel.float8 import check_float8_device
-from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
 
 
 def _overfit(model: torch.nn.Module, steps: int = 10) -> list[float]:

@@ -1,6 +1,7 @@
 """ParallelOptions refuses settings that cannot work, naming the value and the choices."""
 
 import pytest
+
 from titan_parallel import ParallelConfigError, ParallelOptions
 
 

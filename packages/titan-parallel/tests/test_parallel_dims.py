@@ -1,4 +1,5 @@
 import pytest
+
 from titan_parallel import ParallelConfigError, ParallelDims
 
 

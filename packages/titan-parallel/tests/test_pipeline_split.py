@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+from toy_transformer import SEQ, VOCAB, ToyTransformer
+
 from titan_parallel import ModelDescriptionError, ParallelConfigError, ParallelOptions
 from titan_parallel.pipeline import stage_ids_of_rank, stages_per_rank
 from titan_parallel.pipeline_split import pipeline_units_of, split_units, stage_module
-from toy_transformer import SEQ, VOCAB, ToyTransformer
 
 UNITS = ["tok_embeddings", *[f"layers.{i}" for i in range(6)], "norm", "output"]
 BLOCKS = [f"layers.{i}" for i in range(6)]

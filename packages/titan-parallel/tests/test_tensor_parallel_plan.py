@@ -2,11 +2,12 @@
 
 import pytest
 import torch
+from torch.distributed.tensor.parallel import ColwiseParallel
+from toy_transformer import ToyTransformer
+
 from titan_parallel import ModelDescriptionError, blocks_of
 from titan_parallel.pipeline_split import stage_module
 from titan_parallel.tensor_parallel import resolve_plan, tp_plan_of
-from torch.distributed.tensor.parallel import ColwiseParallel
-from toy_transformer import ToyTransformer
 
 
 def test_wildcards_expand_to_every_block():

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
 from titan_train.config import load_job_config
 from titan_train.distributed import DistInfo
 

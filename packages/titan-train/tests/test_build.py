@@ -4,6 +4,7 @@ import gc
 
 import pytest
 import torch
+
 from titan_train import build
 from titan_train.config import load_job_config
 from titan_train.gc_schedule import GarbageCollection

@@ -5,11 +5,12 @@ import shutil
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
+
 from titan_ckpt import ModelState, OptimizerState, complete_steps
 from titan_train.checkpointing import build_checkpointer, check_checkpoint_config
 from titan_train.errors import ConfigError
 from titan_train.trainer import Trainer
-from transformers import LlamaForCausalLM
 
 
 @pytest.mark.parametrize(

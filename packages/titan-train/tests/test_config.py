@@ -1,4 +1,5 @@
 import pytest
+
 from titan_train.config import JobConfig, load_job_config
 from titan_train.errors import ConfigError
 

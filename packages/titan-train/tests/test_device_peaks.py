@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from titan_train.device_peaks import peak_flops, peak_flops_for_name
 
 

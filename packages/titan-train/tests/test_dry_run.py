@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
 from titan_train.cli import run
 from titan_train.config import load_job_config
 from titan_train.dry_run import dry_run

@@ -1,4 +1,5 @@
 import pytest
+
 from titan_train.lr_schedule import lr_factor
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+
 from titan_models import Transformer, count_parameters, llama3_args
 from titan_parallel import blocks_of
 from titan_train.config import load_job_config

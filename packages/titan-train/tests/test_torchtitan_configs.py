@@ -4,6 +4,7 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from titan_train.config import load_job_config
 from titan_train.errors import ConfigError
 

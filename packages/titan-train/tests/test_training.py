@@ -6,6 +6,7 @@ import math
 
 import matplotlib.image
 import pytest
+
 from titan_train.cli import run
 from titan_train.lr_schedule import lr_factor
 from titan_train.metrics import TB_TAGS, VALIDATION_TAGS

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from titan_ckpt import Checkpointer, ModelState, OptimizerState
 from torch import nn
+
+from titan_ckpt import Checkpointer, ModelState, OptimizerState
 
 INTERVAL = 2
 

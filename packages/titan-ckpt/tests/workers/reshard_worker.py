@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from titan_ckpt import Checkpointer, CheckpointError, ModelState, OptimizerState
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -24,6 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from titan_ckpt import Checkpointer, CheckpointError, ModelState, OptimizerState
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_OPTIM = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
 from titan_data import PackedTokenDataset, TokenLoader, build_tokenizer, get_source
 from titan_data.datasets.registry import ASSETS
 

@@ -12,11 +12,12 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from titan_models import ModelArgs, Transformer
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+from titan_models import ModelArgs, Transformer
 
 SEED = 11
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,

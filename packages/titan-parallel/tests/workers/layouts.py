@@ -15,6 +15,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
+
 from titan_parallel import (
     ParallelConfigError,
     ParallelDims,
@@ -28,9 +32,6 @@ from titan_parallel import (
     precompute_float8_scales,
     training_context,
 )
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
-from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
 
 STEPS, GLOBAL_BATCH, MAX_NORM, LR = 5, 8, 0.3, 1e-2
 

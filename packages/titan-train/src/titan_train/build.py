@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from titan_data import Tokenizer, TokenLoader, build_dataset, build_tokenizer
 from titan_models import count_parameters
 from titan_parallel import ParallelDims, ParallelOptions, Pipeline, blocks_of
-from torch import nn
-
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.lr_schedule import build_lr_scheduler

@@ -11,9 +11,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from titan_ckpt import Checkpointer, HFStateDictAdapter
 from torch import nn
 
+from titan_ckpt import Checkpointer, HFStateDictAdapter
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from titan_models import count_parameters
 from titan_parallel import ParallelConfigError, ParallelDims, blocks_of
-
 from titan_train import build
 from titan_train.errors import ConfigError
 from titan_train.memory_estimate import MemoryEstimate, ParamCounts, estimate_memory_per_rank

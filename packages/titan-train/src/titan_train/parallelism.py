@@ -7,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from titan_parallel import ParallelDims, ParallelOptions, Pipeline, build_pipeline, parallelize
 from torch import nn
 
+from titan_parallel import ParallelDims, ParallelOptions, Pipeline, build_pipeline, parallelize
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 

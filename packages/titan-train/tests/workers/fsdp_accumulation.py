@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
 from titan_train.config import load_job_config
 from titan_train.distributed import init_distributed
 from titan_train.trainer import Trainer
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 SMALL = [
     "--training.seq_len", "32", "--training.steps", "3", "--activation_checkpoint.mode", "none",
