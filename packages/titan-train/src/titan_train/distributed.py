@@ -66,9 +66,19 @@ def configure_flight_recorder(buffer_size: int, folder: Path, prefix: str) -> No
 
 
 def set_collective_timeout(seconds: int) -> None:
-    """Shorten the default group's timeout once start-up (which may load slowly) is over."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        dist.distributed_c10d._set_pg_timeout(dt.timedelta(seconds=seconds), None)
+    """Shorten every group's timeout (NCCL and gloo) once start-up, which may load slowly, is over.
+
+    The device mesh's groups are created with the start-up timeout too, and FSDP, TP and the
+    checkpointer talk over them, so each group gets the new timeout, not only the default one.
+    """
+    if not dist.is_initialized():
+        return
+    timeout = dt.timedelta(seconds=seconds)
+    for group in list(dist.distributed_c10d._world.pg_map):
+        try:
+            dist.set_timeout(timeout, group)
+        except (ValueError, RuntimeError) as err:  # a backend that cannot change it keeps its own
+            logger.debug("collective timeout of %s left unchanged: %s", group, err)
 
 
 def shutdown(*, wait_for_peers: bool = True) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from titan_train.config.fields import opt
+from titan_train.config.health_section import Health
 from titan_train.config.parallel_sections import ActivationCheckpoint, Compile, Parallelism, Quantize
 
 
@@ -265,3 +266,4 @@ class JobConfig:
     experimental: Experimental = field(default_factory=Experimental)
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
+    health: Health = field(default_factory=Health)

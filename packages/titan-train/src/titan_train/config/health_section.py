@@ -1,0 +1,45 @@
+"""(Titan) The [health] section: how a run reacts to numerical faults and preemption, and fault drills.
+
+torchtitan's [fault_tolerance] configures torchft replicas; these fields are Titan's own, so they live in
+a section of their own and no torchtitan name changes meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_train.config.fields import opt
+
+
+@dataclass
+class Health:
+    on_nonfinite: str = opt(
+        "stop",
+        "(Titan) A non-finite loss or gradient norm: stop (exit status 4, naming step, rank and value) "
+        "or skip that step's update",
+        choices=("stop", "skip"),
+    )
+    max_skipped_steps: int = opt(
+        5, "(Titan) With on_nonfinite = skip: stop once this many updates were skipped since the run started"
+    )
+    loss_spike_ratio: float = opt(
+        2.0,
+        "(Titan) Report a step whose loss is above this multiple of the mean of the previous "
+        "loss_spike_window steps; 0: off",
+    )
+    loss_spike_window: int = opt(20, "(Titan) Steps the loss-spike baseline averages")
+    preemption_signals: list[str] = opt(
+        ["SIGTERM", "SIGUSR1"],
+        "(Titan) Signals on which every rank finishes the current step, saves a checkpoint and exits with "
+        "status 3 (SLURM sends SIGTERM on preemption, and the signal of sbatch --signal before the time limit); "
+        "empty: Python's default handling",
+    )
+    drill: str = opt(
+        "none",
+        "(Titan) Fault drill on drill_rank at drill_step, to rehearse recovery: kill (SIGKILL after the step, "
+        "first attempt only), nan (the loss becomes NaN), hang (stops responding before the step, first "
+        "attempt only)",
+        choices=("none", "kill", "nan", "hang"),
+    )
+    drill_step: int = opt(0, "(Titan) The step a fault drill hits")
+    drill_rank: int = opt(0, "(Titan) The rank a fault drill hits")

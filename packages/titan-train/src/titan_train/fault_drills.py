@@ -1,0 +1,64 @@
+"""Fault drills: make one rank fail on purpose at a chosen step, to rehearse (and test) recovery.
+
+`[health] drill = kill` SIGKILLs the rank after the step (as an out-of-memory kill or a lost node would),
+`nan` turns its loss into NaN at the step, `hang` makes it stop responding before the step's
+collectives. Under torchrun, kill and hang fire only on the first attempt (TORCHELASTIC_RESTART_COUNT
+0), so the restarted group can show that it recovers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import torch
+
+from titan_train.config.health_section import Health
+from titan_train.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class FaultDrills:
+    """The drill configured in `[health]`, armed on the rank it targets."""
+
+    def __init__(self, health: Health, *, rank: int, world_size: int):
+        self.kind, self.step = health.drill, health.drill_step
+        if self.kind == "none":
+            self.armed = False
+            return
+        if self.step < 1:
+            raise ConfigError(
+                f"config: health.drill = {self.kind} needs health.drill_step >= 1, got {self.step}"
+            )
+        if not 0 <= health.drill_rank < world_size:
+            raise ConfigError(
+                f"config: health.drill_rank ({health.drill_rank}) is not a rank of this {world_size}-rank job; "
+                f"pick one in 0..{world_size - 1}"
+            )
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        self.armed = rank == health.drill_rank and (first_attempt or self.kind == "nan")
+        if self.armed:
+            logger.warning("fault drill armed: %s on rank %d at step %d", self.kind, rank, self.step)
+
+    def poison_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """The loss, or NaN in its place at the nan drill's step (gradients then turn NaN too)."""
+        if self.armed and self.kind == "nan" and step == self.step:
+            logger.warning("fault drill: loss of step %d set to NaN", step)
+            return loss * float("nan")
+        return loss
+
+    def before_step(self, step: int) -> None:
+        if self.armed and self.kind == "hang" and step == self.step:
+            logger.warning("fault drill: stopping to respond before step %d", step)
+            while True:  # as a rank stuck in a driver call would; only a signal or a kill ends it
+                time.sleep(60)
+
+    def after_step(self, step: int) -> None:
+        if self.armed and self.kind == "kill" and step == self.step:
+            logger.warning("fault drill: SIGKILL after step %d", step)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGKILL)

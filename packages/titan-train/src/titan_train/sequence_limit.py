@@ -1,0 +1,36 @@
+"""The longest sequence a model flavor is meant for, and the refusal of a seq_len beyond it.
+
+The trainer sizes the rotary table to `training.seq_len`, so nothing would fail: a model would train
+on positions its flavor was never built for (and a typo such as 81920 for 8192 would exhaust memory
+deep inside attention). The limit is the flavor's `max_seq_len`; for the rope-scaled Llama 3.1 / 3.2
+flavors it is the 128K context their rope scaling was published for.
+"""
+
+from __future__ import annotations
+
+from titan_models import ModelArgs
+from titan_train.config import JobConfig
+from titan_train.errors import ConfigError
+from titan_train.registry import get_model_spec
+
+ROPE_SCALED_CONTEXT = 131_072  # Llama 3.1 and 3.2 (rope-scaled): 128K tokens
+
+
+def context_limit(args: ModelArgs) -> int:
+    """Tokens per sequence a flavor supports."""
+    return ROPE_SCALED_CONTEXT if args.rope_scaling is not None else args.max_seq_len
+
+
+def check_seq_len(config: JobConfig) -> None:
+    """Refuse a training (or validation) seq_len beyond the model's context, naming the limit and the fix."""
+    m = config.model
+    limit = context_limit(get_model_spec(m.name).args_for(m.flavor))
+    lengths = [("training.seq_len", config.training.seq_len)]
+    if config.validation.enable:
+        lengths.append(("validation.seq_len", config.validation.seq_len))
+    for name, value in lengths:
+        if value > limit:
+            raise ConfigError(
+                f"config: {name} = {value} is beyond the {limit}-token context of {m.name} {m.flavor}; "
+                f"set {name} to at most {limit}, or pick a model.flavor with a longer context"
+            )
