@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
 from titan_ckpt import CheckpointError
 from titan_data import DataError
 from titan_models import ModelError
 from titan_parallel import ParallelConfigError
-
 from titan_train.config import load_job_config
 from titan_train.distributed import (
     configure_flight_recorder,
@@ -22,8 +23,12 @@ from titan_train.distributed import (
     shutdown,
 )
 from titan_train.dry_run import dry_run
+from titan_train.early_stop import CollectiveHang, EarlyStop
 from titan_train.errors import ConfigError
+from titan_train.hang_diagnosis import describe_init_failure
+from titan_train.peer_watch import watching_peers
 from titan_train.report import build_report
+from titan_train.sequence_limit import check_seq_len
 from titan_train.trainer import Trainer
 from titan_train.unsupported import refuse_unsupported
 
@@ -67,8 +72,18 @@ def _dry_run_args(argv: list[str]) -> tuple[int, list[str]]:
     return args.ngpu, [*rest, "--comm.mode", "fake_backend"]
 
 
+def exit_status(err: BaseException) -> tuple[int, str]:
+    """The exit status and the one line a rank stopping with `err` leaves (its peers print the same)."""
+    if isinstance(err, USER_ERRORS):
+        return 2, str(err)
+    if isinstance(err, EarlyStop):
+        return err.exit_code, str(err)
+    return 1, f"rank {os.environ.get('RANK', '0')} failed: {type(err).__name__}: {err}"
+
+
 def train(argv: list[str], world_size: int | None = None) -> int:
     config = load_job_config(argv)
+    check_seq_len(config)
     if config.comm.mode == "fake_backend":
         world_size = world_size or int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or 1)
         dry_run(config, world_size)
@@ -78,11 +93,20 @@ def train(argv: list[str], world_size: int | None = None) -> int:
     configure_flight_recorder(
         c.trace_buf_size, Path(config.job.dump_folder) / c.save_traces_folder, c.save_traces_file_prefix
     )
-    info = init_distributed(c.init_timeout_seconds)
     try:
-        trainer = Trainer(config, info)
-        set_collective_timeout(c.train_timeout_seconds)
-        trainer.train()
+        info = init_distributed(c.init_timeout_seconds)
+    except dist.DistError as err:
+        raise CollectiveHang(describe_init_failure(err, c.init_timeout_seconds)) from None
+    traces = Path(config.job.dump_folder) / c.save_traces_folder if c.trace_buf_size > 0 else None
+    try:
+        with watching_peers(
+            info.rank, info.world_size, traces, c.save_traces_file_prefix, exit_status
+        ) as watch:
+            trainer = Trainer(config, info)
+            if watch is not None:
+                watch.position = trainer.guard.position
+            set_collective_timeout(c.train_timeout_seconds)
+            trainer.train()
     except BaseException:
         shutdown(wait_for_peers=False)
         raise
@@ -91,7 +115,11 @@ def train(argv: list[str], world_size: int | None = None) -> int:
 
 
 def run(argv: list[str]) -> int:
-    """Dispatch to a subcommand or train; a user's mistake is logged as one line and exits with 2."""
+    """Dispatch to a subcommand or train; a user's mistake is logged as one line and exits with 2.
+
+    Runs that stop early on purpose exit with their own status: 3 preempted (checkpoint saved), 4
+    non-finite numbers, 5 a hang or a lost peer (see `titan_train.early_stop`).
+    """
     try:
         if argv[:1] == ["report"]:
             return report_main(argv[1:])
@@ -102,6 +130,13 @@ def run(argv: list[str]) -> int:
     except USER_ERRORS as err:
         log.error("%s", err)
         return 2
+    except EarlyStop as stop:
+        log.log(stop.log_level, "%s", stop)
+        if isinstance(stop, CollectiveHang):
+            # After a timed-out collective, gloo's threads abort the interpreter's exit; leave at once.
+            logging.shutdown()
+            os._exit(stop.exit_code)
+        return stop.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

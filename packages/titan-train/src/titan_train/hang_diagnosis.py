@@ -60,20 +60,32 @@ def _group_name(entry: dict[str, Any]) -> str:
     return desc or name
 
 
-def collectives(record: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, list[Any]]]:
-    """(the collectives not finished yet, {group: [last sequence number entered, its name]})."""
-    pending, last = [], {}
+def collectives(record: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, list[Any]], dict | None]:
+    """(collectives entered but not completed, {group: [last sequence number entered, its name]}, the latest).
+
+    A collective that failed counts as completed once its error is out, so a rank that reports its own
+    timeout names the latest collective it entered instead.
+    """
+    unfinished: dict[str, int] = {}
+    for pg_id, status in (record.get("pg_status") or {}).items():
+        enqueued = int(status.get("last_enqueued_collective", -1))
+        if enqueued > int(status.get("last_completed_collective", -1)):
+            unfinished[str(pg_id)] = int(status.get("last_completed_collective", -1))
+    pending, last, latest = [], {}, None
     for entry in record.get("entries", []):
         group = _group_name(entry)
         seq = entry.get("collective_seq_id", 0)
+        if entry.get("is_p2p"):
+            continue
         if group not in last or seq >= last[group][0]:
             last[group] = [seq, entry.get("profiling_name", "?")]
-        if not entry.get("retired", True) and entry.get("state") != "completed":
-            pending.append(
-                {"name": entry.get("profiling_name", "?"), "seq": seq, "group": group,
-                 "timeout_ms": entry.get("timeout_ms")}
-            )  # fmt: skip
-    return pending, last
+        described = {"name": entry.get("profiling_name", "?"), "seq": seq, "group": group}
+        completed = unfinished.get(str(entry.get("pg_id")))
+        if completed is not None and seq > completed:
+            pending.append(described)
+        if latest is None or entry.get("time_created_ns", 0) >= latest[0]:
+            latest = (entry.get("time_created_ns", 0), described)
+    return pending, last, None if latest is None else latest[1]
 
 
 def main_thread_position(err: BaseException | None = None) -> str:
@@ -103,8 +115,11 @@ def _short(filename: str) -> str:
 
 def rank_state(position: str, record: dict[str, Any], err: BaseException | None = None) -> dict[str, Any]:
     """This rank's self-description for a hang report (JSON-serialisable); `err`: the error it stops with."""
-    pending, last = collectives(record)
-    return {"position": position, "pending": pending, "last": last, "thread": main_thread_position(err)}
+    pending, last, latest = collectives(record)
+    return {
+        "position": position, "pending": pending, "last": last, "latest": latest,
+        "thread": main_thread_position(err),
+    }  # fmt: skip
 
 
 def dump_flight_record(record: dict[str, Any], folder: Path, prefix: str, rank: int) -> Path | None:
@@ -120,7 +135,7 @@ def dump_flight_record(record: dict[str, Any], folder: Path, prefix: str, rank: 
 def describe_hang(rank: int, kind: str, states: dict[int, dict[str, Any] | None], traces: Path | None) -> str:
     """One line: which collective `rank` waited in, which ranks never reached it, and what they do instead."""
     mine = states[rank] or {}
-    waiting = (mine.get("pending") or [None])[-1]
+    waiting = (mine.get("pending") or [mine.get("latest")])[-1]
     where = f"; flight-recorder dumps in {traces}" if traces else ""
     if kind == "peer lost":
         during = (

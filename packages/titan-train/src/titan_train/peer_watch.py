@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 1.0
 ANSWER_SECONDS = 15.0  # how long a reporting rank waits for its peers' states
+ACK_SECONDS = 2 * POLL_SECONDS + 3.0  # how long a failing rank waits for its peers to read its line
 
 
 class PeerWatch:
@@ -94,7 +95,10 @@ class PeerWatch:
 
     def _follow(self, fault: dict[str, Any]) -> None:
         """Another rank stopped: say why, in its words, and end this process with its exit status."""
-        logger.error("%s", fault["line"])
+        self.store.add(self.prefix + "fault_seen", 1)
+        logging.getLogger("titan_train").error(
+            "%s", fault["line"]
+        )  # the failing rank's own logger: alike lines
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(int(fault["code"]))
@@ -102,11 +106,22 @@ class PeerWatch:
     # -- called by the main thread of a failing rank ----------------------------------------------
 
     def post_failure(self, code: int, line: str) -> None:
-        """Tell every rank to stop with `line` and `code` (the first rank to post wins)."""
+        """Tell every rank to stop with `line` and `code` (the first rank to post wins).
+
+        Returns once every other rank has read a fault or posted its own, or after ACK_SECONDS: the
+        store may live in this very process (rank 0 hosts it without torchrun's agent store).
+        """
         self.failing = True
         try:
             if self.store.add(self.prefix + "fault_posts", 1) == 1:
                 self._set("fault", json.dumps({"rank": self.rank, "code": code, "line": line}))
+            else:
+                self.store.add(self.prefix + "fault_seen", 1)
+            deadline = time.monotonic() + ACK_SECONDS
+            while time.monotonic() < deadline:
+                if self.store.add(self.prefix + "fault_seen", 0) >= self.world_size - 1:
+                    break
+                time.sleep(0.1)
         except Exception as err:
             logger.debug("could not post the failure to the peers: %s", err)
 

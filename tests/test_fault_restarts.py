@@ -1,0 +1,124 @@
+"""Preemption and crashes on a 2-rank torchrun job: the run stops or restarts and ends with the same losses."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_runs import (  # noqa: E402
+    DEBUG_CONFIG,
+    REPO,
+    cli_args,
+    environment,
+    free_port,
+    logged_losses,
+    rank_lines,
+    run,
+    send_signal_to_rank,
+    start,
+    torchrun_command,
+    wait_for_step,
+)
+
+STEPS = 6
+# Every run: 2 ranks, checkpoints every 2 steps (all kept), the same data dealing.
+JOB = ("--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "2",
+       "--checkpoint.keep_latest_k", "0", "--training.dataloader.num_streams", "2")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, float]:
+    dump = tmp_path_factory.mktemp("uninterrupted")
+    result = run(torchrun_command(dump, *JOB, nproc=2, port=free_port()))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    losses = logged_losses(dump)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_every_rank_after_one_step_with_a_checkpoint_and_a_rerun_matches(
+    tmp_path, uninterrupted
+):
+    command = torchrun_command(tmp_path, *JOB, nproc=2, port=free_port())
+    job = start(command)
+    wait_for_step(tmp_path, 1, job)
+    send_signal_to_rank(job, 1, signal.SIGTERM)  # as a scheduler would, to one process only
+    output, _ = job.communicate(timeout=300)
+
+    lines = {rank: [line for line in rank_lines(output, rank) if "preempted:" in line] for rank in (0, 1)}
+    assert len(lines[0]) == 1 and len(lines[1]) == 1, output[-4000:]
+    stopped_at = int(lines[0][0].split("finished step ")[1].split()[0])
+    assert 1 < stopped_at < STEPS
+    for rank in (0, 1):
+        assert f"SIGTERM received; finished step {stopped_at} and saved" in lines[rank][0]
+        assert "run the same command again to resume" in lines[rank][0]
+    assert "exitcode  : 3" in output  # torchrun's report: both ranks left with the preemption status
+    assert (tmp_path / "checkpoint" / f"step-{stopped_at}").is_dir()
+    assert max(logged_losses(tmp_path)) == stopped_at
+
+    resumed = run(command)
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert f"resuming from step-{stopped_at}" in resumed.stdout
+    losses = logged_losses(tmp_path)
+    assert [losses[s] for s in range(1, STEPS + 1)] == [uninterrupted[s] for s in range(1, STEPS + 1)]
+
+
+@pytest.mark.slow
+def test_rank_killed_with_sigkill_under_max_restarts_resumes_by_itself_and_ends_with_the_same_loss(
+    tmp_path, uninterrupted
+):
+    drill = ("--health.drill", "kill", "--health.drill_rank", "1", "--health.drill_step", "3")
+    result = run(torchrun_command(tmp_path, *JOB, *drill, nproc=2, port=free_port(), max_restarts=1))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "fault drill: SIGKILL after step 3" in result.stdout
+    assert "resuming from step-2" in result.stdout  # the restarted group found the newest complete checkpoint
+    losses = logged_losses(tmp_path)
+    assert losses[STEPS] == uninterrupted[STEPS]
+    assert [losses[s] for s in range(3, STEPS + 1)] == [uninterrupted[s] for s in range(3, STEPS + 1)]
+
+
+def _slurm_stubs(folder: Path) -> Path:
+    """`srun` and `scontrol` for one node: srun runs its command here; scontrol records a requeue."""
+    folder.mkdir()
+    (folder / "srun").write_text(
+        '#!/bin/bash\nwhile [[ "$1" == -* ]]; do [[ "$1" == -w ]] && shift; shift; done\nexec "$@"\n'
+    )
+    (folder / "scontrol").write_text(
+        '#!/bin/bash\ncase "$1" in show) echo localhost;; requeue) echo "requeue $2" >> "$REQUEUE_LOG";; esac\n'
+    )
+    for stub in ("srun", "scontrol"):
+        (folder / stub).chmod(0o755)
+    return folder
+
+
+@pytest.mark.slow
+def test_slurm_script_turns_the_time_limit_warning_into_a_checkpoint_and_a_requeue(tmp_path):
+    stubs = _slurm_stubs(tmp_path / "bin")
+    env = {**environment(), "PATH": f"{stubs}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_JOB_ID": "4242",
+           "GPUS_PER_NODE": "2", "LOG_RANK": "0,1", "RDZV_PORT": str(free_port()), "CONFIG_FILE": str(DEBUG_CONFIG),
+           "REQUEUE_LOG": str(tmp_path / "requeued")}  # fmt: skip
+    dump = tmp_path / "dump"
+    overrides = cli_args(dump, *JOB)[2:]  # the script passes the config file itself
+    batch = subprocess.Popen(
+        ["bash", str(REPO / "apps" / "multinode_trainer.slurm"), *overrides],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+    )  # fmt: skip
+    wait_for_step(dump, 1, batch)
+    batch.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@300` delivers to the batch script
+    output, _ = batch.communicate(timeout=300)
+
+    assert batch.returncode == 0, output[-4000:]
+    assert (tmp_path / "requeued").read_text() == "requeue 4242\n"
+    for rank in (0, 1):
+        stops = [
+            line for line in rank_lines(output, rank) if "preempted: SIGUSR1 received; finished step" in line
+        ]
+        assert len(stops) == 1, output[-4000:]
+    stopped_at = max(logged_losses(dump))
+    assert (dump / "checkpoint" / f"step-{stopped_at}").is_dir() and stopped_at < STEPS
