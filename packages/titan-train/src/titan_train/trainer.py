@@ -12,21 +12,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from titan_ckpt import ModelState, OptimizerState
-from titan_models import count_parameters, flops_per_token
-from titan_parallel import blocks_of, clip_grad_norm_
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
+from titan_ckpt import ModelState, OptimizerState
+from titan_models import flops_per_token
+from titan_parallel import clip_grad_norm_, precompute_float8_scales, training_context
 from titan_train import build
 from titan_train.checkpointing import build_checkpointer, restore_or_write_seed
 from titan_train.config import JobConfig, config_to_dict
 from titan_train.device_peaks import peak_flops
 from titan_train.distributed import DistInfo
 from titan_train.gc_schedule import GarbageCollection
-from titan_train.memory_estimate import ParamCounts, estimate_memory_per_rank
+from titan_train.memory_estimate import estimate_memory_per_rank
 from titan_train.metrics import MetricsLogger, StepMetrics, device_memory
+from titan_train.optimizers import PartOptimizers
 from titan_train.profiling import MemorySnapshots, maybe_profile
 from titan_train.registry import get_model_spec
+from titan_train.step_guard import StepGuard
 from titan_train.train_state import TrainState
 from titan_train.unsupported import refuse_unsupported
 from titan_train.validation import Validator
@@ -67,21 +70,26 @@ class Trainer:
         spec = get_model_spec(config.model.name)
         self.tokenizer = build.build_tokenizer_for(config)
         self.loader = build.build_loader(config, self.tokenizer, dp_rank, dp_degree)
-        self.model = build.build_model(config, spec, self.tokenizer, self.dims, self.device, seed)
+        built = build.build_model(
+            config, spec, self.tokenizer, self.dims, self.device, seed, self.grad_accum_steps
+        )
+        self.model_parts, self.pipeline, self.parallel_options = built.parts, built.pipeline, built.options
         if config.model.print_after_conversion:
-            logger.info("model:\n%s", self.model)
+            logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
         self.forward_context = build.forward_context(config, self.dims, self.device)
         self.loss_fn = spec.loss_fn
-        self.optimizer = build.build_optimizer(config, self.model, self.device)
-        self.lr_scheduler = build.build_lr_schedule(config, self.optimizer)
+        self.optimizers = PartOptimizers(
+            self.model_parts,
+            lambda part: build.build_optimizer(config, part, self.device),
+            lambda optimizer: build.build_lr_schedule(config, optimizer),
+        )
         self.state = TrainState()
         self.step_lr = config.optimizer.lr  # the lr of the last step taken, for its log line
+        # A replica (one data-parallel rank's batch) spans tp * cp * pp devices.
+        self.devices_per_replica = self.dims.tp * self.dims.cp * self.dims.pp
 
-        n_params = count_parameters(self.model)
-        n_embedding = n_params - count_parameters(self.model, exclude_embedding=True)
-        self.flops_per_token = flops_per_token(
-            self.model.args, n_params, n_embedding, config.training.seq_len
-        )
+        n_params, n_embedding = built.n_params, built.n_embedding
+        self.flops_per_token = flops_per_token(built.args, n_params, n_embedding, config.training.seq_len)
         self.peak_flops = peak_flops(self.device)
         logger.info(
             "model %s %s: %s parameters; %s on %s, world size %d, gradient accumulation %d",
@@ -89,8 +97,7 @@ class Trainer:
             self.device.type, info.world_size, self.grad_accum_steps,
         )  # fmt: skip
         if config.memory_estimation.enable:
-            counts = ParamCounts.of(self.model, blocks_of(self.model), n_embedding)
-            estimate = estimate_memory_per_rank(config, self.model.args, self.dims.degrees, counts)
+            estimate = estimate_memory_per_rank(config, built.args, self.dims.degrees, built.counts)
             for name, size in estimate.rows():
                 logger.info("memory estimate per rank: %-40s %8.2f GiB", name, size / 2**30)
 
@@ -99,14 +106,14 @@ class Trainer:
         self.checkpointer = build_checkpointer(
             config,
             {
-                "model": ModelState([self.model]),
-                "optimizer": OptimizerState([self.model], [self.optimizer]),
-                "lr_scheduler": self.lr_scheduler,
+                "model": ModelState(self.model_parts),
+                "optimizer": OptimizerState(self.model_parts, self.optimizers.optimizers),
+                "lr_scheduler": self.optimizers.schedule_state(),
                 "dataloader": self.loader,
                 "train_state": self.state,
             },
             world_size=info.world_size,
-            model=self.model,
+            model=self.model_parts[0],
         )
         m = config.metrics
         self.metrics = MetricsLogger(
@@ -129,6 +136,10 @@ class Trainer:
                 steps=v.steps,
                 forward_context=self.forward_context,
             )
+        self.guard = StepGuard(
+            config.health, rank=info.rank, world_size=info.world_size, device=self.device,
+            named_parameters=lambda: (named for part in self.model_parts for named in part.named_parameters()),
+        )  # fmt: skip
 
     def _write_config(self, dump: Path) -> None:
         resolved = json.dumps(config_to_dict(self.config), indent=2)
@@ -152,25 +163,50 @@ class Trainer:
         Under FSDP, gradients of all but the last micro-batch accumulate unsharded on each rank and are
         reduce-scattered once, after the last.
         """
-        self.optimizer.zero_grad()
+        self.optimizers.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
         tokens, data_seconds = 0, 0.0
         for micro in range(self.grad_accum_steps):
-            if isinstance(self.model, FSDPModule):
-                self.model.set_requires_gradient_sync(micro == self.grad_accum_steps - 1)
+            for part in self.model_parts:
+                if isinstance(part, FSDPModule):
+                    part.set_requires_gradient_sync(micro == self.grad_accum_steps - 1)
             start = time.perf_counter()
             inputs, labels = next(batches)
             data_seconds += time.perf_counter() - start
-            with self.forward_context():
-                loss = self.loss_fn(self.model(inputs), labels) / self.grad_accum_steps
-            loss.backward()
-            loss_sum += loss.detach()
-            tokens += labels.numel()
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.training.max_norm)
-        self.step_lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.lr_scheduler.step()
+            tokens += labels.numel()  # counted before context parallelism keeps a slice of the sequence
+            loss_sum += self._forward_backward(inputs, labels)
+        parameters = [p for part in self.model_parts for p in part.parameters()]
+        grad_norm = clip_grad_norm_(
+            parameters, self.config.training.max_norm, pp_mesh=self.dims.submesh("pp")
+        )
+        if not self.guard.update_allowed(self.state.step + 1, loss_sum, grad_norm):
+            return loss_sum, grad_norm, tokens, data_seconds  # a non-finite step skipped: no update
+        self.step_lr = self.optimizers.lr
+        self.optimizers.step()
+        if (
+            self.parallel_options.float8_fsdp_all_gather
+            and self.config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
+        ):
+            for part in self.model_parts:
+                precompute_float8_scales(part)
         return loss_sum, grad_norm, tokens, data_seconds
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Loss of one micro-batch (already divided by the accumulation steps), gradients accumulated."""
+        cp_buffers = [inputs, labels, *(part.freqs_cis for part in self.model_parts)]
+        with training_context(
+            self.dims, self.parallel_options, cp_buffers=cp_buffers,
+            cp_seq_dims=[1, 1, *[0] * len(self.model_parts)], cp_no_restore=[inputs, labels],
+        ):  # fmt: skip
+            if self.pipeline is not None:
+                # The pipeline's loss function is already scaled for accumulation (see build_model).
+                return self.pipeline.step(inputs, labels).detach()
+            with self.forward_context():
+                loss = self.loss_fn(self.model_parts[0](inputs), labels) / self.grad_accum_steps
+            loss = self.guard.poison_loss(loss)  # a `[health] drill = nan` only
+            loss.backward()
+        # Under loss parallelism the loss is a replicated DTensor.
+        return loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
 
     def train(self) -> list[float]:
         """Train to `training.steps`, resuming from a checkpoint if there is one; return the logged losses."""
@@ -197,9 +233,11 @@ class Trainer:
             rank=rank,
             first_step=self.state.step,
         )
+        self.guard.install()  # preemption signals: stop after the current step, with a checkpoint
         try:
             with profile as profiler:
                 while self.state.step < c.training.steps:
+                    self.guard.begin_step(self.state.step + 1)
                     start = time.perf_counter()
                     loss, grad_norm, tokens, data_seconds = self.train_step(batches)
                     self.state.step += 1
@@ -212,15 +250,23 @@ class Trainer:
                         losses.append(self._log(loss, grad_norm, window))
                         window = _Window()
                     if self.validator is not None and self.validator.should_validate(self.state.step):
-                        self.metrics.log_validation(self.state.step, *self.validator.validate(self.model))
+                        self.metrics.log_validation(
+                            self.state.step, *self.validator.validate(self.model_parts[0])
+                        )
                     if self.checkpointer is not None:
                         self.checkpointer.maybe_save(
                             self.state.step, last_step=self.state.step == self.config.training.steps
                         )
+                    self.guard.end_step(
+                        self.state.step,
+                        last_step=self.state.step == c.training.steps,
+                        checkpointer=self.checkpointer,
+                    )
                     gc_schedule.step(self.state.step)
                     snapshots.step(self.state.step)
                     profiler.step()
         finally:
+            self.guard.uninstall()
             gc_schedule.close()
             snapshots.close()
             self.metrics.close()
@@ -231,7 +277,7 @@ class Trainer:
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, window: _Window) -> float:
         loss_avg, loss_max = _reduce_loss(loss)
-        tps = window.tokens / window.step_seconds
+        tps = window.tokens / window.step_seconds / self.devices_per_replica
         tflops = self.flops_per_token * tps / 1e12
         memory_gib, memory_pct = device_memory(self.device)
         self.metrics.log(
