@@ -143,22 +143,42 @@ def _cli_process(argv: list[str], env: dict[str, str], log: str) -> None:
     sys.exit(main(argv))
 
 
-def forked_cli_context() -> multiprocessing.context.BaseContext:
+def start_forked(argv: list[str], env: dict[str, str], log: Path) -> multiprocessing.process.BaseProcess:
+    """`titan-train ARGV` in a process forked from the server, with `env` added; its output goes to `log`."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["titan_train.cli"])
-    return context
+    process = context.Process(target=_cli_process, args=(argv, env, str(log)))
+    process.start()
+    return process
 
 
-def start_forked_ranks(
-    context: multiprocessing.context.BaseContext, argv: list[str], nproc: int, logs: Path
-) -> list[multiprocessing.process.BaseProcess]:
+def start_forked_ranks(argv: list[str], nproc: int, logs: Path) -> list[multiprocessing.process.BaseProcess]:
     """`nproc` forked titan-train ranks forming one process group (env:// on a free port)."""
     port = str(free_port())
-    processes = []
-    for rank in range(nproc):
-        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONUNBUFFERED": "1"}  # fmt: skip
-        process = context.Process(target=_cli_process, args=(argv, env, str(logs / f"rank{rank}.log")))
-        process.start()
-        processes.append(process)
-    return processes
+    return [
+        start_forked(
+            argv,
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "PYTHONUNBUFFERED": "1",
+            },
+            logs / f"rank{rank}.log",
+        )  # fmt: skip
+        for rank in range(nproc)
+    ]
+
+
+def run_forked_ranks(argv: list[str], nproc: int, logs: Path, timeout: float = 300) -> tuple[list, list[str]]:
+    """Run `nproc` forked ranks to the end: (exit statuses, each rank's output)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    processes = start_forked_ranks(argv, nproc, logs)
+    for process in processes:
+        process.join(timeout=timeout)
+    for process in processes:
+        if process.exitcode is None:
+            process.kill()
+    return [p.exitcode for p in processes], [(logs / f"rank{rank}.log").read_text() for rank in range(nproc)]

@@ -16,7 +16,7 @@ from titan_ckpt import Checkpointer, ModelState
 from titan_models import ModelArgs, Transformer, llama3_args
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fault_runs import cli_args, forked_cli_context, start_forked_ranks, tree_hashes  # noqa: E402
+from fault_runs import cli_args, start_forked_ranks, tree_hashes  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -89,15 +89,13 @@ def outcomes(tmp_path_factory) -> dict[str, tuple[list[int | None], list[str], d
     _write_checkpoint(checkpoints["same_model"], llama3_args("debugmodel"))
     _write_checkpoint(checkpoints["other_model"], ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=2048))
 
-    context = forked_cli_context()
-
     def run_case(case: Case):
         dump = root / case.name
         shutil.copytree(checkpoints[case.checkpoint], dump / "checkpoint")
         before = tree_hashes(dump / "checkpoint")
         overrides = [o.format(inputs=inputs) for o in case.overrides]
         argv = cli_args(dump, "--checkpoint.enable", "--training.steps", "2", *overrides)
-        processes = start_forked_ranks(context, argv, case.nproc, dump)
+        processes = start_forked_ranks(argv, case.nproc, dump)
         for process in processes:
             process.join(timeout=300)
         statuses = [process.exitcode for process in processes]

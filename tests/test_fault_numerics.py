@@ -1,4 +1,7 @@
-"""Numerical faults in real runs: a NaN injected on one rank is caught at its step, then stops or is skipped."""
+"""Numerical faults in real runs: a NaN injected on one rank is caught at its step, then stops or is skipped.
+
+The ranks are forked titan-train processes forming a gloo group (see fault_runs.run_forked_ranks).
+"""
 
 import math
 import sys
@@ -7,39 +10,34 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fault_runs import cli_args, free_port, logged_losses, rank_lines, run, torchrun_command  # noqa: E402
+from fault_runs import cli_args, logged_losses, run_forked_ranks  # noqa: E402
 
-NAN_AT_STEP_2 = ("--health.drill", "nan", "--health.drill_step", "2")
+NAN_AT_STEP_2 = ("--training.steps", "4", "--health.drill", "nan", "--health.drill_step", "2")
 
 
 @pytest.mark.slow
 def test_nan_loss_on_one_rank_stops_every_rank_at_that_step_naming_rank_and_value(tmp_path):
-    result = run(
-        torchrun_command(tmp_path, "--training.steps", "4", *NAN_AT_STEP_2, "--health.drill_rank", "1",
-                         nproc=2, port=free_port())
-    )  # fmt: skip
-    assert result.returncode != 0
+    argv = cli_args(tmp_path, *NAN_AT_STEP_2, "--health.drill_rank", "1")
+    statuses, outputs = run_forked_ranks(argv, 2, tmp_path)
+    assert statuses == [4, 4], outputs
     expected = (
         "non-finite numbers at step 2: loss nan on rank 1 (finite on ranks 0), gradient norm nan; stopping"
     )
-    for rank in (0, 1):
-        errors = [line for line in rank_lines(result.stdout, rank) if " ERROR " in line]
-        assert len(errors) == 1 and expected in errors[0], result.stdout[-4000:]
+    for output in outputs:
+        errors = [line for line in output.splitlines() if " ERROR " in line]
+        assert len(errors) == 1 and expected in errors[0], output[-4000:]
         assert "Fix: lower optimizer.lr or training.max_norm" in errors[0]
-    assert "exitcode  : 4" in result.stdout + result.stderr
     assert sorted(logged_losses(tmp_path)) == [1]  # stopped before step 2 was logged or applied
 
 
 @pytest.mark.slow
 def test_nan_loss_with_on_nonfinite_skip_skips_only_that_update_and_training_goes_on(tmp_path):
     skip = ("--health.on_nonfinite", "skip", "--health.max_skipped_steps", "1")
-    command = [sys.executable, "-m", "titan_train.cli", *cli_args(tmp_path, "--training.steps", "4",
-               *NAN_AT_STEP_2, *skip)]  # fmt: skip
-    result = run(command)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    statuses, [output] = run_forked_ranks(cli_args(tmp_path, *NAN_AT_STEP_2, *skip), 1, tmp_path)
+    assert statuses == [0], output[-4000:]
     assert (
         "non-finite numbers at step 2: loss nan on rank 0, gradient norm nan; skipped this update (1 of at most 1"
-        in result.stdout
+        in output
     )
     losses = logged_losses(tmp_path)
     assert math.isnan(losses[2])
