@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fault_runs import environment, free_port, logged_losses, run, torchrun_command  # noqa: E402
+from fault_runs import (  # noqa: E402
+    cli_args,
+    environment,
+    free_port,
+    logged_losses,
+    run_forked_ranks,
+    torchrun_command,
+)
 
 STEPS = 4
 # The global batch is fixed: 4 ranks x 2 sequences, always dealt from 4 document streams.
@@ -19,9 +26,9 @@ KILL_RANK_3_AFTER_STEP_3 = ("--health.drill", "kill", "--health.drill_rank", "3"
 
 @pytest.mark.slow
 def test_two_torchrun_nodes_train_as_one_four_rank_node_and_restart_together_after_a_sigkill(tmp_path):
-    single = tmp_path / "single"
-    result = run(torchrun_command(single, *JOB, nproc=4, port=free_port()))
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    single = tmp_path / "single"  # four ranks on one node (forked from one import, env:// rendezvous)
+    statuses, outputs = run_forked_ranks(cli_args(single, *JOB), 4, single)
+    assert statuses == [0, 0, 0, 0], outputs[0][-4000:]
     expected = logged_losses(single)
     assert sorted(expected) == list(range(1, STEPS + 1))
 
