@@ -42,6 +42,7 @@ def test_collectives_reads_the_unfinished_one_the_last_per_group_and_the_latest(
 def test_collective_errors_are_told_apart_from_other_errors(message, kind):
     assert comm_failure_kind(RuntimeError(message)) == kind
     assert comm_failure_kind(ValueError(message)) is None
+    assert comm_failure_kind(type("CheckpointError", (RuntimeError,), {})(message)) is None
 
 
 def test_hang_report_names_the_collective_and_the_rank_that_never_reached_it(tmp_path):

@@ -32,8 +32,12 @@ _PEER_LOST_MARKERS = (
 
 
 def comm_failure_kind(err: BaseException) -> str | None:
-    """'timeout' or 'peer lost' for an error a collective raised, else None."""
-    if not isinstance(err, (RuntimeError, dist.DistError)):
+    """'timeout' or 'peer lost' for an error a collective raised, else None.
+
+    gloo raises plain RuntimeErrors (NCCL DistErrors); subclasses such as a library's own error type
+    are someone's deliberate message, not a transport failure.
+    """
+    if type(err) is not RuntimeError and not isinstance(err, dist.DistError):
         return None
     text = str(err).lower()
     if any(marker in text for marker in _PEER_LOST_MARKERS):

@@ -96,9 +96,8 @@ class PeerWatch:
     def _follow(self, fault: dict[str, Any]) -> None:
         """Another rank stopped: say why, in its words, and end this process with its exit status."""
         self.store.add(self.prefix + "fault_seen", 1)
-        logging.getLogger("titan_train").error(
-            "%s", fault["line"]
-        )  # the failing rank's own logger: alike lines
+        # The logger the failing rank's CLI uses, so that every rank's line reads the same.
+        logging.getLogger("titan_train").error("%s", fault["line"])
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(int(fault["code"]))
