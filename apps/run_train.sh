@@ -23,6 +23,8 @@ else
 fi
 
 export PYTHONUNBUFFERED=1
+# Restarted workers (torchrun --max-restarts) must not read a dead rank's address from a shared store.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 if [ "${DRY_RUN}" = "1" ]; then
     exec "${PYTHON[@]}" -m titan_train.cli dry-run --ngpu "${NGPU}" --job.config_file "${CONFIG_FILE}" "$@"
 fi

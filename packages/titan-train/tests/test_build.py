@@ -37,11 +37,12 @@ def test_adam_and_adamw_with_each_implementation(name, implementation, cls, fore
     assert (group["weight_decay"], group["betas"]) == (0.05, (0.9, 0.99))
 
 
-def test_bfloat16_training_dtype_puts_parameters_in_bfloat16_and_keeps_buffers_float32():
+def test_bfloat16_training_dtype_puts_parameters_in_bfloat16_and_keeps_buffers_float32(one_rank):
     config = load_job_config(["--training.dtype", "bfloat16", "--training.seq_len", "32"])
     spec = get_model_spec("llama3")
     dims = build.build_parallel_dims(config, world_size=1)
-    model = build.build_model(config, spec, build.build_tokenizer_for(config), dims, CPU, seed=0)
+    dims.build_mesh("cpu")
+    (model,) = build.build_model(config, spec, build.build_tokenizer_for(config), dims, CPU, seed=0).parts
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert all(b.dtype in (torch.float32, torch.complex64) for b in model.buffers())
     optimizer = build.build_optimizer(config, model, CPU)

@@ -77,7 +77,7 @@ def main(out: Path) -> None:
             "losses": losses,
             "reductions": calls[0] - before,
             "grad_accum_steps": trainer.grad_accum_steps,
-            "fsdp": isinstance(trainer.model, FSDPModule),
+            "fsdp": isinstance(trainer.model_parts[0], FSDPModule),
             "validation": _read_if_written(out.parent / name / "validation.jsonl"),
         }
     if info.rank == 0:
