@@ -64,7 +64,9 @@ class DocumentDealing:
         text = next(self.reader, None)
         if text is None:
             if self.index == 0:
-                raise DataError(f"dataset: '{self.source.name}' at {self.source.location} holds no documents")
+                raise DataError(
+                    f"dataset: '{self.source.name}' at {self.source.location} holds no documents; point dataset_path at files with a non-empty 'text' field"
+                )
             if self.infinite and self.index < self.num_streams:
                 raise DataError(
                     f"dataset: '{self.source.name}' holds {self.index} documents, fewer than num_streams "
@@ -106,7 +108,9 @@ class ShardDealing:
         text = next(self.readers[stream], None)
         if text is None:
             if state.next_doc == 0:
-                raise DataError(f"dataset: '{shard.name}' at {shard.location} holds no documents")
+                raise DataError(
+                    f"dataset: '{shard.name}' at {shard.location} holds no documents; point dataset_path at files with a non-empty 'text' field"
+                )
             if not self.infinite:
                 return False
             state.epoch, state.next_doc, state.resume = state.epoch + 1, 0, None

@@ -150,7 +150,9 @@ def tokenize_to_shards(
             pool.close()
             pool.join()
     if not index.shards:
-        raise DataError(f"tokenize: '{source.name}' at {source.location} holds no documents")
+        raise DataError(
+            f"tokenize: '{source.name}' at {source.location} holds no documents; give --input files with a non-empty 'text' field"
+        )
     index.complete = True
     index.save(output)
     logger.info("tokenize: %s holds %d documents, %d tokens in %d shards",

@@ -61,7 +61,9 @@ class HuggingFaceTokenizer(Tokenizer):
         try:
             self._model = HFTokenizer.from_file(str(path))
         except Exception as err:  # the Rust library raises a bare Exception for malformed files
-            raise DataError(f"tokenizer: {path} is not a readable tokenizers-library file: {err}") from err
+            raise DataError(
+                f"tokenizer: {path} is not a readable tokenizers-library file ({err}); point hf_assets_path at a folder whose tokenizer.json was saved by the tokenizers library"
+            ) from err
         # Text like "<|end_of_text|>" inside a document stays text, as with the other tokenizers.
         self._model.encode_special_tokens = True
         ids = {m: find_marker_id(self._model, path.parent, m) for m in ("bos", "eos")}
