@@ -49,6 +49,31 @@ def test_text_field_can_be_chosen(tmp_path):
     assert list(FileSource.from_path("d", tmp_path, text_field="content").read()) == ["x"]
 
 
+LINES = [
+    '{"text":"C4 \\"layout\\"\\u00e9\\n","timestamp":"2019-04-25T12:57:54Z","url":"https://x"}',
+    '{"text": "spaced", "url": "u"}',
+    '{ "text" : "loose" }',
+    '{"url": "u", "text": "text second"}',
+    '{"text": "first", "text": "repeated key: the last wins, as in json.loads"}',
+    '{"text": "\u00e9 non-ASCII written raw"}',
+]
+
+
+def test_json_lines_give_the_text_json_loads_gives_for_every_layout(tmp_path):
+    # C4's layout (text first) is scanned in place; every other layout takes json.loads.
+    (tmp_path / "d.jsonl").write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    assert list(get_source("json", tmp_path).read()) == [json.loads(line)["text"] for line in LINES]
+
+
+@pytest.mark.parametrize(
+    "line", ['{"text": "unterminated', '{"text": "ok", "url": "cut', '{"text": "tab\there"}', '{"text": 5}']
+)
+def test_a_json_line_broken_after_its_text_is_still_refused(tmp_path, line):
+    (tmp_path / "d.jsonl").write_text(line + "\n")
+    with pytest.raises(DataError, match="d.jsonl at byte 0"):
+        list(get_source("json", tmp_path).read())
+
+
 def test_a_broken_json_line_names_the_file_and_byte_offset(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
     with pytest.raises(
