@@ -10,6 +10,7 @@ Both give every stream the same documents in the same order at any number of ran
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import numpy as np
@@ -38,8 +39,9 @@ def choose_dealing(source: TextSource, num_streams: int) -> str:
     return "document"
 
 
-class DocumentDealing:
-    """One reader over the whole source; document i feeds stream i % num_streams if this rank owns it."""
+class Dealing(ABC):
+    """Feeds a rank's streams with encoded documents; `feed(j)` adds at least one document's tokens to
+    some owned stream (stream j for shard dealing) and returns False once a finite source is spent."""
 
     def __init__(
         self,
@@ -51,8 +53,18 @@ class DocumentDealing:
     ):
         self.source, self.streams, self.num_streams = source, streams, num_streams
         self.infinite, self.encode = infinite, encode
+
+    @abstractmethod
+    def feed(self, stream: int) -> bool: ...
+
+
+class DocumentDealing(Dealing):
+    """One reader over the whole source; document i feeds stream i % num_streams if this rank owns it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         # Start where the least advanced stream stands; documents others already took are skipped.
-        first = min(streams.values(), key=lambda s: s.position)
+        first = min(self.streams.values(), key=lambda s: s.position)
         self.epoch, self.index = first.position
         self.reader: DocumentReader | None = None
         self.start_resume = first.resume
@@ -85,19 +97,12 @@ class DocumentDealing:
         return True
 
 
-class ShardDealing:
+class ShardDealing(Dealing):
     """Each stream reads its own shards of the source with its own reader."""
 
-    def __init__(
-        self,
-        source: TextSource,
-        streams: dict[int, StreamState],
-        num_streams: int,
-        infinite: bool,
-        encode: Encode,
-    ):
-        self.streams, self.infinite, self.encode = streams, infinite, encode
-        self.shards = {j: source.shard(num_streams, j) for j in streams}
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shards = {j: self.source.shard(self.num_streams, j) for j in self.streams}
         self.readers: dict[int, DocumentReader] = {}
 
     def feed(self, stream: int) -> bool:

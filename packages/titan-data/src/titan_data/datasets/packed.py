@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from titan_data.datasets.dealing import DEALINGS, DocumentDealing, ShardDealing, choose_dealing
+from titan_data.datasets.dealing import DEALINGS, Dealing, choose_dealing
 from titan_data.datasets.sources import TextSource
 from titan_data.datasets.windows import WindowDataset
 from titan_data.tokenizers.base import Tokenizer
@@ -40,7 +40,7 @@ class PackedTokenDataset(WindowDataset):
         layout = {"kind": "packed", "source": source.name, "dealing": self.dealing}
         super().__init__(seq_len, dp_rank, dp_world_size, num_streams, layout)
         self.source, self.tokenizer, self.infinite = source, tokenizer, infinite
-        self._feeder: DocumentDealing | ShardDealing | None = None
+        self._feeder: Dealing | None = None
 
     def _encode(self, text: str) -> np.ndarray:
         return self.tokenizer.encode_array(text, bos=True, eos=True)
