@@ -63,7 +63,7 @@ def _last_error(text: str) -> str:
     return lines[-1][:200] if lines else text.strip().splitlines()[-1][:200] if text.strip() else "no output"
 
 
-def run_titan(args, nproc: int, result: Result) -> None:
+def run_titan(args, nproc: int, compiled: bool, result: Result) -> None:
     with tempfile.TemporaryDirectory() as dump:
         overrides = [
             "--job.config_file", str(REPO / "apps/configs/debug_model.toml"), "--job.dump_folder", dump,
@@ -71,7 +71,7 @@ def run_titan(args, nproc: int, result: Result) -> None:
             "--training.seq_len", str(args.seq_len), "--training.steps", str(args.steps),
             "--training.mixed_precision_param", args.dtype, "--metrics.log_freq", "1",
             "--metrics.enable_tensorboard", "false", "--metrics.disable_color_printing",
-            *(["--compile.enable"] if args.compile else []),
+            *(["--compile.enable"] if compiled else []),
         ]  # fmt: skip
         launcher = _torchrun(nproc) if nproc > 1 else [sys.executable]
         proc = subprocess.run(
@@ -127,7 +127,7 @@ def ensure_torchtitan_env() -> str:
     return str(python)
 
 
-def run_torchtitan(args, nproc: int, result: Result) -> None:
+def run_torchtitan(args, nproc: int, compiled: bool, result: Result) -> None:
     try:
         python = ensure_torchtitan_env()
     except (RuntimeError, subprocess.CalledProcessError) as err:
@@ -139,7 +139,7 @@ def run_torchtitan(args, nproc: int, result: Result) -> None:
             "--hf_assets_path", str(TORCHTITAN_ASSETS), "--dataloader.dataset_path", str(C4_TEST),
             "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq_len),
             "--training.steps", str(args.steps), "--metrics.log_freq", "1",
-            *(["--compile.enable"] if args.compile else []),
+            *(["--compile.enable"] if compiled else []),
         ]  # fmt: skip
         proc = subprocess.run(
             [*_torchrun(nproc, python), "-m", "torchtitan.train", *overrides],
@@ -196,37 +196,51 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="alternating rounds of every runner")
     parser.add_argument("--nproc", default="1,2", help="process counts for Titan and torchtitan")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--compile", action="store_true")
+    parser.add_argument(
+        "--compile", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+        help="torch.compile the trainers' blocks; 'both' runs eager and compiled side by side",
+    )  # fmt: skip
     parser.add_argument("--skip-torchtitan", action="store_true")
     args = parser.parse_args()
     nprocs = [int(n) for n in args.nproc.split(",")]
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    layouts = [(n, compiled) for n in nprocs for compiled in modes]
+
+    def name(trainer: str, n: int, compiled: bool) -> str:
+        return trainer + (f" FSDP-{n}" if n > 1 else "") + (" compiled" if compiled else "")
 
     plain = Result("plain PyTorch loop", 1)
-    titan = {n: Result("titan" + (f" FSDP-{n}" if n > 1 else ""), n) for n in nprocs}
-    torchtitan = {n: Result("torchtitan 0.3.0" + (f" FSDP-{n}" if n > 1 else ""), n) for n in nprocs}
+    titan = {(n, c): Result(name("titan", n, c), n) for n, c in layouts}
+    torchtitan = {(n, c): Result(name("torchtitan 0.3.0", n, c), n) for n, c in layouts}
     for round_ in range(args.repeats):
         print(f"round {round_ + 1}/{args.repeats}", file=sys.stderr, flush=True)
         run_plain(args, plain)
-        for n in nprocs:
-            run_titan(args, n, titan[n])
-            if not args.skip_torchtitan and torchtitan[n].error is None:
-                run_torchtitan(args, n, torchtitan[n])
+        for n, c in layouts:
+            run_titan(args, n, c, titan[n, c])
+            if not args.skip_torchtitan and torchtitan[n, c].error is None:
+                run_torchtitan(args, n, c, torchtitan[n, c])
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     print(f"\n{args.flavor}, local batch {args.batch} x seq {args.seq_len}, {args.dtype}, compile={args.compile}, "
           f"{args.steps - args.warmup} measured steps x {args.repeats} rounds, {device}\n")  # fmt: skip
     tt_ok = not args.skip_torchtitan and all(r.error is None for r in torchtitan.values())
     rows = [plain, *titan.values(), *([] if args.skip_torchtitan else torchtitan.values())]
-    print_table(rows, torchtitan[1] if tt_ok else plain)
-    if not tt_ok and not args.skip_torchtitan:
-        print(f"\ntorchtitan could not run here ({torchtitan[1].error}); ratios are against the plain loop.")
-    if len(nprocs) > 1 and titan[1].median("tps"):
-        for n in nprocs[1:]:
-            if titan[n].median("tps"):
-                total = n * titan[n].median("tps")
-                print(
-                    f"titan FSDP-{n}: {total:,.0f} tokens/s in all = {total / titan[1].median('tps'):.2f}x one process on the same cores"
-                )
+    print_table(rows, torchtitan[layouts[0]] if tt_ok else plain)
+    if tt_ok:  # each Titan row against torchtitan on the same layout
+        for key in layouts:
+            ours, theirs = titan[key].median("tps"), torchtitan[key].median("tps")
+            if ours and theirs:
+                print(f"{titan[key].runner} / {torchtitan[key].runner}: {ours / theirs:.3f}x")
+    elif not args.skip_torchtitan:
+        error = torchtitan[layouts[0]].error
+        print(f"\ntorchtitan could not run here ({error}); ratios are against the plain loop.")
+    for n, c in layouts:
+        one = titan.get((1, c))
+        if n > 1 and one and one.median("tps") and titan[n, c].median("tps"):
+            total = n * titan[n, c].median("tps")
+            print(
+                f"{titan[n, c].runner}: {total:,.0f} tokens/s in all = {total / one.median('tps'):.2f}x one process on the same cores"
+            )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from titan_train.config import JobConfig, config_to_dict
 from titan_train.device_peaks import peak_flops
 from titan_train.distributed import DistInfo
 from titan_train.gc_schedule import GarbageCollection
+from titan_train.host_memory import keep_freed_host_memory
 from titan_train.memory_estimate import estimate_memory_per_rank
 from titan_train.metrics import MetricsLogger, StepMetrics, device_memory
 from titan_train.optimizers import PartOptimizers
@@ -54,6 +55,8 @@ class Trainer:
         self.config, self.info = config, info
         self.device = info.device
         refuse_unsupported(config, self.device.type)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # activations live in host memory: no page faults every step
         seed = 0 if config.debug.seed is None else config.debug.seed
         torch.manual_seed(seed)
         if config.debug.deterministic:
