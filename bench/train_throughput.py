@@ -135,10 +135,12 @@ def run_torchtitan(args, nproc: int, compiled: bool, result: Result) -> None:
         return
     with tempfile.TemporaryDirectory() as dump:
         overrides = [
-            "--module", "llama3", "--config", f"llama3_{args.flavor.lower()}", "--dump_folder", dump,
+            # bench/torchtitan_bench_configs.py: torchtitan's debugmodel config with the flavor swapped in
+            "--module", "torchtitan_bench_configs", "--config", f"llama3_bench_{args.flavor}", "--dump_folder", dump,
             "--hf_assets_path", str(TORCHTITAN_ASSETS), "--dataloader.dataset_path", str(C4_TEST),
             "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq_len),
             "--training.steps", str(args.steps), "--metrics.log_freq", "1",
+            "--training.mixed_precision_param", args.dtype,
             *(["--compile.enable"] if compiled else []),
         ]  # fmt: skip
         proc = subprocess.run(
@@ -146,6 +148,7 @@ def run_torchtitan(args, nproc: int, compiled: bool, result: Result) -> None:
             capture_output=True,
             text=True,
             cwd=dump,
+            env={**os.environ, "PYTHONPATH": str(REPO / "bench")},
         )
     text = proc.stdout + proc.stderr
     if proc.returncode != 0:
