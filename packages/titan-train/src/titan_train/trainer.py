@@ -7,7 +7,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,12 +40,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Window:
-    """What happened since the last log line: the throughput numbers are averages over it."""
+    """What happened since the last log line: the throughput numbers are averages over it. Its time is
+    the wall clock since the last log line (checkpoint saves, validation and garbage collection
+    included), as torchtitan counts it, so tokens/s compare like for like."""
 
     steps: int = 0
     tokens: int = 0
-    step_seconds: float = 0.0
     data_seconds: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
 
 
 class Trainer:
@@ -241,14 +243,12 @@ class Trainer:
             with profile as profiler:
                 while self.state.step < c.training.steps:
                     self.guard.begin_step(self.state.step + 1)
-                    start = time.perf_counter()
                     loss, grad_norm, tokens, data_seconds = self.train_step(batches)
                     self.state.step += 1
                     self.state.tokens_seen += tokens * self.dims.dp_degree
                     window.steps += 1
                     window.tokens += tokens
                     window.data_seconds += data_seconds
-                    window.step_seconds += time.perf_counter() - start
                     if self.metrics.should_log(self.state.step):
                         losses.append(self._log(loss, grad_norm, window))
                         window = _Window()
@@ -280,7 +280,8 @@ class Trainer:
 
     def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, window: _Window) -> float:
         loss_avg, loss_max = _reduce_loss(loss)
-        tps = window.tokens / window.step_seconds / self.devices_per_replica
+        seconds = time.perf_counter() - window.started
+        tps = window.tokens / seconds / self.devices_per_replica
         tflops = self.flops_per_token * tps / 1e12
         memory_gib, memory_pct = device_memory(self.device)
         self.metrics.log(
@@ -297,8 +298,8 @@ class Trainer:
                 memory_gib=memory_gib,
                 memory_pct=memory_pct,
                 data_time_s=window.data_seconds / window.steps,
-                data_time_pct=100 * window.data_seconds / window.step_seconds,
-                step_time_s=window.step_seconds / window.steps,
+                data_time_pct=100 * window.data_seconds / seconds,
+                step_time_s=seconds / window.steps,
             )
         )
         return loss_avg
