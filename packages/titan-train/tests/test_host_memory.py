@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 # Allocates, fills and frees 256 MiB four times and prints the minor page faults of the last round
 # (the first ones settle the heap), with glibc's defaults and then after keep_freed_host_memory().
 # With the defaults the freed block is unmapped each time and faults in again, as a training step's
@@ -27,5 +29,6 @@ def test_freed_host_memory_is_reused_without_page_faults():
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
     default, applied, kept = out.stdout.split()
     assert applied == "True"
-    assert int(default) > 30_000  # 256 MiB in 4 KiB pages is 65,536; the kernel may map some larger
+    if int(default) < 30_000:  # 256 MiB in 4 KiB pages is 65,536
+        pytest.skip(f"this kernel maps the block back in large pages ({default} faults): nothing to remove")
     assert int(kept) < int(default) / 20

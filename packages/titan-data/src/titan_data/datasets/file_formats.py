@@ -45,8 +45,8 @@ def _parse_text(line: str, text_field: str, leading: re.Pattern[str]) -> str:
     """The `text_field` string of one JSON object line.
 
     C4 writes the text as the first field, so its string is scanned in place and the other fields
-    (url, timestamp) are never built; that is a fifth of the per-document overhead of loading. Any
-    other layout, a repeated key, or a line not closed by "}" takes the full `json.loads`.
+    (url, timestamp) and the dict are never built. Any other layout, a repeated key, or a line not
+    closed by "}" takes the full `json.loads`.
     """
     found = leading.match(line)
     if found:
