@@ -70,11 +70,18 @@ class DocumentDealing(Dealing):
         self.start_resume = first.resume
 
     def feed(self, stream: int) -> bool:
-        """Read one document into whichever owned stream it belongs to; False when a finite source ends."""
+        """Read one document into whichever owned stream it belongs to; False when a finite source ends.
+        Documents of other ranks' streams (or taken before a resume) are passed over undecoded."""
         if self.reader is None:
             self.reader = self.source.open(self.start_resume)
-        text = next(self.reader, None)
-        if text is None:
+        owner = self.streams.get(self.index % self.num_streams)
+        wanted = owner is not None and (self.epoch, self.index) >= owner.position
+        if wanted:
+            text = next(self.reader, None)
+            more = text is not None
+        else:
+            more = self.reader.skip()
+        if not more:
             if self.index == 0:
                 raise DataError(
                     f"dataset: '{self.source.name}' at {self.source.location} holds no documents; point dataset_path at files with a non-empty 'text' field"
@@ -89,11 +96,10 @@ class DocumentDealing(Dealing):
             self.epoch, self.index = self.epoch + 1, 0
             self.reader = self.source.open(None)
             return True
-        index, self.index = self.index, self.index + 1
-        owner = self.streams.get(index % self.num_streams)
-        if owner is not None and (self.epoch, index) >= owner.position:
+        self.index += 1
+        if wanted:
             owner.buffer.extend(self.encode(text))
-            owner.epoch, owner.next_doc, owner.resume = self.epoch, index + 1, self.reader.position()
+            owner.epoch, owner.next_doc, owner.resume = self.epoch, self.index, self.reader.position()
         return True
 
 

@@ -6,6 +6,7 @@ A position is (file number, offset): a byte offset for JSON lines and text (deco
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import re
@@ -17,38 +18,42 @@ from typing import IO, Any
 from titan_data.datasets.sources import DocumentReader, TextSource
 from titan_data.errors import DataError
 
-# What a file reader yields: the text, and the offset of the next document in that file.
-FileReader = Callable[[Path, int, str], Iterator[tuple[str, int]]]
+# What a file reader yields: a record not yet decoded, and the offset of the next document in that
+# file. The format's decoder makes the record's text; keeping the two apart lets a rank pass over the
+# documents other ranks own without decoding them.
+FileReader = Callable[[Path, int, str], Iterator[tuple[Any, int]]]
+Decoder = Callable[[Any, str], str]
 
 
 def _open_bytes(path: Path) -> IO[bytes]:
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
 
 
-def _lines(path: Path, start: int) -> Iterator[tuple[bytes, int, int]]:
-    """(line, its byte offset, the next line's offset) for every non-blank line from `start` on."""
+def read_lines(path: Path, start: int, text_field: str) -> Iterator[tuple[tuple[Path, int, bytes], int]]:
+    """((path, byte offset, line), the next line's offset) for every non-blank line from `start` on."""
     with _open_bytes(path) as f:
         f.seek(start)
         offset = start
         for line in f:
             record_at, offset = offset, offset + len(line)
             if not line.isspace():  # (isspace, unlike strip, copies nothing)
-                yield line, record_at, offset
+                yield (path, record_at, line), offset
 
 
+@functools.cache
 def _leading_field(text_field: str) -> re.Pattern[str]:
     """Matches a line that opens with `text_field` as its first key, up to its string's first character."""
     return re.compile(r'\{\s*"' + re.escape(text_field) + r'"\s*:\s*"')
 
 
-def _parse_text(line: str, text_field: str, leading: re.Pattern[str]) -> str:
+def _parse_text(line: str, text_field: str) -> str:
     """The `text_field` string of one JSON object line.
 
     C4 writes the text as the first field, so its string is scanned in place and the other fields
     (url, timestamp) and the dict are never built. Any other layout, a repeated key, or a line not
     closed by "}" takes the full `json.loads`.
     """
-    found = leading.match(line)
+    found = _leading_field(text_field).match(line)
     if found:
         text, end = scanstring(line, found.end())
         if line.rstrip().endswith("}") and f'"{text_field}"' not in line[end:]:
@@ -56,32 +61,31 @@ def _parse_text(line: str, text_field: str, leading: re.Pattern[str]) -> str:
     return json.loads(line)[text_field]
 
 
-def read_json_lines(path: Path, start: int, text_field: str) -> Iterator[tuple[str, int]]:
-    """One document per JSON object line, its text in `text_field`; blank lines are skipped."""
-    leading = _leading_field(text_field)
-    for line, record_at, offset in _lines(path, start):
-        try:
-            # decoding first spares json the encoding sniffing it does on bytes (JSON lines are UTF-8)
-            text = _parse_text(line.decode("utf-8-sig" if record_at == 0 else "utf-8"), text_field, leading)
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
-            raise DataError(
-                f"dataset: {path} at byte {record_at} is not a JSON object with a '{text_field}' field; "
-                "write one JSON object per line"
-            ) from err
-        if not isinstance(text, str):
-            raise DataError(
-                f"dataset: {path} at byte {record_at}: '{text_field}' is {type(text).__name__}, not text"
-            )
-        yield text, offset
+def decode_json_line(record: tuple[Path, int, bytes], text_field: str) -> str:
+    """The text of one JSON object line, its `text_field`."""
+    path, record_at, line = record
+    try:
+        # decoding first spares json the encoding sniffing it does on bytes (JSON lines are UTF-8)
+        text = _parse_text(line.decode("utf-8-sig" if record_at == 0 else "utf-8"), text_field)
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise DataError(
+            f"dataset: {path} at byte {record_at} is not a JSON object with a '{text_field}' field; "
+            "write one JSON object per line"
+        ) from err
+    if not isinstance(text, str):
+        raise DataError(
+            f"dataset: {path} at byte {record_at}: '{text_field}' is {type(text).__name__}, not text"
+        )
+    return text
 
 
-def read_text_lines(path: Path, start: int, text_field: str) -> Iterator[tuple[str, int]]:
-    """One document per non-empty line of a UTF-8 text file (`text_field` does not apply)."""
-    for line, record_at, offset in _lines(path, start):
-        try:
-            yield line.decode("utf-8").rstrip("\r\n"), offset
-        except UnicodeDecodeError as err:
-            raise DataError(f"dataset: {path} at byte {record_at} is not UTF-8 text") from err
+def decode_text_line(record: tuple[Path, int, bytes], text_field: str) -> str:
+    """One non-empty line of a UTF-8 text file is one document (`text_field` does not apply)."""
+    path, record_at, line = record
+    try:
+        return line.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as err:
+        raise DataError(f"dataset: {path} at byte {record_at} is not UTF-8 text") from err
 
 
 def read_parquet_rows(path: Path, start: int, text_field: str) -> Iterator[tuple[str, int]]:
@@ -109,10 +113,14 @@ def read_parquet_rows(path: Path, start: int, text_field: str) -> Iterator[tuple
                     yield text, row
 
 
-FORMATS: dict[str, tuple[tuple[str, ...], FileReader]] = {
-    "json": ((".jsonl", ".json", ".jsonl.gz", ".json.gz"), read_json_lines),
-    "parquet": ((".parquet",), read_parquet_rows),
-    "text": ((".txt", ".txt.gz"), read_text_lines),
+def decode_parquet_text(record: str, text_field: str) -> str:
+    return record  # the reader took the column already
+
+
+FORMATS: dict[str, tuple[tuple[str, ...], FileReader, Decoder]] = {
+    "json": ((".jsonl", ".json", ".jsonl.gz", ".json.gz"), read_lines, decode_json_line),
+    "parquet": ((".parquet",), read_parquet_rows, decode_parquet_text),
+    "text": ((".txt", ".txt.gz"), read_lines, decode_text_line),
 }
 
 
@@ -155,7 +163,7 @@ class FileSource(TextSource):
             if fmt is None:
                 known = ", ".join(s for f in formats for s in FORMATS[f][0])
                 raise DataError(f"dataset: {file} is not a file {name} can read; expected one of {known}")
-            self._readers.append(FORMATS[fmt][1])
+            self._readers.append(FORMATS[fmt][1:])
 
     @classmethod
     def from_path(cls, name: str, path: str | Path, **kwargs) -> FileSource:
@@ -175,13 +183,14 @@ class FileSource(TextSource):
 
     def open(self, position: Any = None) -> DocumentReader:
         at = list(position or (0, 0))
+        text_field = self.text_field
 
-        def documents() -> Iterator[str]:
+        def records() -> Iterator[tuple[Decoder, Any]]:
             while at[0] < len(self.files):
-                file, reader = self.files[at[0]], self._readers[at[0]]
-                for text, next_offset in reader(file, at[1], self.text_field):
+                file, (reader, decode) = self.files[at[0]], self._readers[at[0]]
+                for record, next_offset in reader(file, at[1], text_field):
                     at[1] = next_offset  # before the yield: position() then points past this document
-                    yield text
+                    yield decode, record
                 at[0], at[1] = at[0] + 1, 0
 
-        return DocumentReader(documents(), lambda: (at[0], at[1]))
+        return DocumentReader(records(), lambda: (at[0], at[1]), lambda item: item[0](item[1], text_field))

@@ -15,17 +15,32 @@ from typing import Any
 
 
 class DocumentReader(Iterator[str]):
-    """Documents of a source in order; `position()` is where the next one starts."""
+    """Documents of a source in order; `position()` is where the next one starts.
 
-    def __init__(self, documents: Iterator[str], position: Callable[[], Any]):
-        self._documents = documents
+    A source may hand over records that still need decoding (a JSON line, say) with a `decode`
+    function, so that `skip()` can pass over a document another rank owns at the cost of reading it.
+    """
+
+    def __init__(
+        self, records: Iterator[Any], position: Callable[[], Any], decode: Callable[[Any], str] | None = None
+    ):
+        self._records = records
         self._position = position
+        self._decode = decode
 
     def __next__(self) -> str:
-        return next(self._documents)
+        record = next(self._records)
+        return record if self._decode is None else self._decode(record)
+
+    def skip(self) -> bool:
+        """Pass over the next document without decoding it; False when there is none."""
+        return next(self._records, _END) is not _END
 
     def position(self) -> Any:
         return self._position()
+
+
+_END = object()
 
 
 class TextSource(ABC):
