@@ -76,3 +76,24 @@ def test_garbage_is_collected_on_schedule_and_automatic_collection_comes_back():
     assert gc.get_stats()[1]["collections"] - collections == 2  # steps 3 and 6
     schedule.close()
     assert gc.isenabled()
+
+
+def test_loss_is_compiled_only_when_compile_components_name_it_and_gives_the_eager_value():
+    spec = get_model_spec("llama3")
+    logits, labels = torch.randn(2, 16, 64, requires_grad=True), torch.randint(0, 64, (2, 16))
+    eager = build.build_loss_fn(load_job_config(["--compile.enable", "--compile.components", "model"]), spec)
+    compiled = build.build_loss_fn(load_job_config(["--compile.enable"]), spec)
+    assert eager is spec.loss_fn
+    assert compiled is not spec.loss_fn  # [compile] components = ["model", "loss"] by default
+    expected = eager(logits, labels)
+    (grad_eager,) = torch.autograd.grad(expected, logits)
+    got = compiled(logits, labels)
+    (grad_compiled,) = torch.autograd.grad(got, logits)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(grad_compiled, grad_eager)
+
+
+def test_unknown_compile_component_is_refused_at_build():
+    config = load_job_config(["--compile.enable", "--compile.components", "model,optimizer"])
+    with pytest.raises(build.ConfigError, match=r"compile.components \['optimizer'\] unknown"):
+        build.build_loss_fn(config, get_model_spec("llama3"))

@@ -89,6 +89,7 @@ def test_metrics_jsonl_keeps_the_log_line_fields_and_adds_data_time(profiled_run
         "grad_norm",
         "memory_gib",
         "memory_pct",
+        "memory_active_gib",
         "tps",
         "tflops",
         "mfu",

@@ -89,7 +89,8 @@ def build_model(
         vocab_size=args.vocab_size, sequence_parallel=options.sequence_parallel,
     )  # fmt: skip
     # Under gradient accumulation each micro-batch's loss counts 1/N of the step's.
-    loss_fn = spec.loss_fn if grad_accum_steps == 1 else _scaled(spec.loss_fn, 1 / grad_accum_steps)
+    loss_fn = build_loss_fn(config, spec)
+    loss_fn = loss_fn if grad_accum_steps == 1 else _scaled(loss_fn, 1 / grad_accum_steps)
     wrapped = split_and_wrap(
         model,
         dims,
@@ -103,6 +104,27 @@ def build_model(
         part.init_weights(buffer_device=device, seed=seed)
         part.train()
     return BuiltModel(args, wrapped.parts, wrapped.pipeline, options, n_params, n_embedding, counts)
+
+
+COMPILE_COMPONENTS = ("model", "loss")
+
+
+def build_loss_fn(config: JobConfig, spec: ModelSpec) -> Callable:
+    """The model's loss, compiled when `[compile] components` names "loss".
+
+    Compiled, the float32 upcast, log-softmax and gather over the vocabulary fuse into a few kernels
+    that never hold the float32 logits: at seq 8192 and a 128K vocabulary, 4 GiB less per sequence
+    (measured on an H100 in bench/RESULTS.md).
+    """
+    c = config.compile
+    unknown = sorted(set(c.components) - set(COMPILE_COMPONENTS))
+    if unknown:
+        raise ConfigError(
+            f"config: compile.components {unknown} unknown; choose from {list(COMPILE_COMPONENTS)}"
+        )
+    if c.enable and "loss" in c.components:
+        return torch.compile(spec.loss_fn, backend=c.backend)
+    return spec.loss_fn
 
 
 def _scaled(loss_fn: Callable, factor: float) -> Callable:

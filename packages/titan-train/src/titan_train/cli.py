@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -83,6 +84,9 @@ def exit_status(err: BaseException) -> tuple[int, str]:
 
 def train(argv: list[str], world_size: int | None = None) -> int:
     config = load_job_config(argv)
+    if config.experimental.custom_import:
+        # Before any check that looks up the model: the module may register its flavor.
+        importlib.import_module(config.experimental.custom_import)
     check_seq_len(config)
     if config.comm.mode == "fake_backend":
         world_size = world_size or int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or 1)

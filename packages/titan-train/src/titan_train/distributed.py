@@ -74,9 +74,11 @@ def set_collective_timeout(seconds: int) -> None:
     if not dist.is_initialized():
         return
     timeout = dt.timedelta(seconds=seconds)
+    # torch >= 2.12 names it dist.set_timeout; 2.11 has only the private form.
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     for group in list(dist.distributed_c10d._world.pg_map):
         try:
-            dist.set_timeout(timeout, group)
+            set_timeout(timeout, group)
         except (ValueError, RuntimeError) as err:  # a backend that cannot change it keeps its own
             logger.debug("collective timeout of %s left unchanged: %s", group, err)
 

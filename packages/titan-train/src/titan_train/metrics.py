@@ -26,8 +26,9 @@ class StepMetrics:
     tps: float  # tokens per second per device
     tflops: float
     mfu: float | None  # percent; None where the device's peak is unknown
-    memory_gib: float
+    memory_gib: float  # peak reserved by the caching allocator (what must fit), or peak host RSS on CPU
     memory_pct: float
+    memory_active_gib: float | None  # peak bytes in live tensors (CUDA only): reserved minus allocator slack
     data_time_s: float  # seconds per step spent waiting for batches
     data_time_pct: float
     step_time_s: float
@@ -45,6 +46,7 @@ TB_TAGS = {
     "mfu": "mfu(%)",
     "memory_gib": "memory/max_reserved(GiB)",
     "memory_pct": "memory/max_reserved(%)",
+    "memory_active_gib": "memory/max_active(GiB)",
     "data_time_s": "time_metrics/data_loading(s)",
     "data_time_pct": "time_metrics/data_loading(%)",
     "step_time_s": "time_metrics/end_to_end(s)",
@@ -52,15 +54,19 @@ TB_TAGS = {
 VALIDATION_TAGS = {"loss": "validation_metrics/loss", "perplexity": "validation_metrics/perplexity"}
 
 
-def device_memory(device: torch.device) -> tuple[float, float]:
-    """Peak memory of this rank (GiB) and its share of the device (or of host RAM on CPU)."""
+def device_memory(device: torch.device) -> tuple[float, float, float | None]:
+    """Peak memory of this rank (GiB), its share of the device (or of host RAM on CPU), and on CUDA the
+    peak held by live tensors (GiB), as torchtitan's `max_reserved` and `max_active`."""
     if device.type == "cuda":
-        used = torch.cuda.max_memory_reserved(device)
+        stats = torch.cuda.memory_stats(device)
+        used = stats.get("reserved_bytes.all.peak", 0)
+        active = stats.get("active_bytes.all.peak", 0) / 2**30
         total = torch.cuda.get_device_properties(device).total_memory
     else:
         used = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return used / 2**30, 100.0 * used / total
+        active = None
+    return used / 2**30, 100.0 * used / total, active
 
 
 class MetricsLogger:

@@ -82,7 +82,7 @@ class Trainer:
         if config.model.print_after_conversion:
             logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
         self.forward_context = build.forward_context(config, self.dims, self.device)
-        self.loss_fn = spec.loss_fn
+        self.loss_fn = build.build_loss_fn(config, spec)
         self.optimizers = PartOptimizers(
             self.model_parts,
             lambda part: build.build_optimizer(config, part, self.device),
@@ -283,7 +283,7 @@ class Trainer:
         seconds = time.perf_counter() - window.started
         tps = window.tokens / seconds / self.devices_per_replica
         tflops = self.flops_per_token * tps / 1e12
-        memory_gib, memory_pct = device_memory(self.device)
+        memory_gib, memory_pct, memory_active_gib = device_memory(self.device)
         self.metrics.log(
             StepMetrics(
                 step=self.state.step,
@@ -297,6 +297,7 @@ class Trainer:
                 mfu=100 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                 memory_gib=memory_gib,
                 memory_pct=memory_pct,
+                memory_active_gib=memory_active_gib,
                 data_time_s=window.data_seconds / window.steps,
                 data_time_pct=100 * window.data_seconds / seconds,
                 step_time_s=seconds / window.steps,
