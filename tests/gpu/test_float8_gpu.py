@@ -22,8 +22,9 @@ SHAPE = dict(dim=512, n_layers=4, n_heads=8, vocab_size=VOCAB, multiple_of=256, 
 # 4 blocks x (wq, wk, wv, wo, w1, w2, w3); the output head stays in bf16 (titan's default skip).
 FLOAT8_LINEARS = 4 * 7
 # Bounds on |float8 loss - bf16 loss| along the curve (bf16 falls from 8.1 to 2.2). Measured on an H100
-# (torch 2.11, torchao 0.17): tensorwise final 1.4%, mean 0.011, max 0.076; rowwise 0.9%, 0.009, 0.050.
-FINAL_LOSS_REL_BOUND, MEAN_ABS_BOUND, MAX_ABS_BOUND = 0.03, 0.03, 0.2
+# (torch 2.11, torchao 0.17) in two runs, which differ (atomics in backward): final-step gap tensorwise
+# 1.4% and 1.9%, rowwise 0.9% and 0.4%; mean gap 0.009 to 0.011; largest gap 0.04 to 0.08.
+FINAL_LOSS_REL_BOUND, MEAN_ABS_BOUND, MAX_ABS_BOUND = 0.04, 0.03, 0.2
 
 
 def _markov_batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

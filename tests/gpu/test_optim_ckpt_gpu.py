@@ -21,7 +21,7 @@ def _model_and_optimizer(implementation: str):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).cuda()
     config = load_job_config(["--optimizer.implementation", implementation])
-    return model, build_optimizer(config, model, torch.device("cuda"))
+    return model, build_optimizer(config, model)
 
 
 def test_fused_adamw_is_fused_on_cuda_and_matches_foreach(report, rel_error):
