@@ -199,10 +199,10 @@ def flops_per_token(flavor: str, seq_len: int) -> float:
     return flops_per_token(args, n, n - count_parameters(model, exclude_embedding=True), seq_len)
 
 
-def print_table(runs: list[Run], matmul_peak: float, args) -> None:
+def print_table(runs: list[Run], matmul_peak: float, args, device: str) -> None:
     print(f"\nseq {args.seq_len}, {args.steps} steps (log every {args.log_freq}, first window dropped), "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 matmul measured "
-          f"{matmul_peak / 1e12:.0f} TFLOP/s, datasheet {DATASHEET_PEAK / 1e12:.0f}\n")  # fmt: skip
+          f"{device}; bf16 matmul measured {matmul_peak / 1e12:.0f} TFLOP/s, "
+          f"datasheet {DATASHEET_PEAK / 1e12:.0f}\n")  # fmt: skip
     header = ("| config | trainer | tokens/s/GPU | TFLOP/s | MFU % (datasheet) | MFU % (measured mm) "
               "| peak active GiB | peak reserved GiB | Titan/torchtitan |")  # fmt: skip
     print(header)
@@ -240,10 +240,21 @@ def main() -> None:
     parser.add_argument("--torchtitan-tokenizer", type=Path, default=TORCHTITAN_TOKENIZER)
     parser.add_argument("--keep", type=Path, help="folder to keep each run's log (and trace) in")
     parser.add_argument("--out", type=Path, help="JSON lines: one record per run")
+    parser.add_argument("--table-from", type=Path, help="print the table of an earlier --out file and stop")
     args = parser.parse_args()
+    if args.table_from:
+        records = [json.loads(line) for line in args.table_from.read_text().splitlines()]
+        fields = set(Run.__dataclass_fields__)
+        runs = [
+            Run(**{k: v for k, v in r.items() if k in fields} | {"config": Config.parse(r["config"])})
+            for r in records
+        ]
+        print_table(runs, records[0]["matmul_peak"], args, records[0]["device"])
+        return
     configs = [Config.parse(text) for text in args.configs.split(",")]
     trainers = args.trainers.split(",")
     matmul_peak = measured_matmul_peak()
+    device = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
     runs: list[Run] = []
     for round_ in range(args.repeats):
         for c in configs:
@@ -268,10 +279,9 @@ def main() -> None:
                       f"{run.error or f'{tps:,.0f} tokens/s' if tps else run.error or 'no window'}", flush=True)  # fmt: skip
                 if args.out:
                     with args.out.open("a") as out:
-                        out.write(
-                            json.dumps({**asdict(run), "config": str(c), "matmul_peak": matmul_peak}) + "\n"
-                        )
-    print_table(runs, matmul_peak, args)
+                        record = {**asdict(run), "config": f"{c.flavor}:{c.mode}:{c.ac}={c.batch}"}
+                        out.write(json.dumps({**record, "matmul_peak": matmul_peak, "device": device}) + "\n")
+    print_table(runs, matmul_peak, args, device)
 
 
 if __name__ == "__main__":

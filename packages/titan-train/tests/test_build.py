@@ -18,19 +18,13 @@ CPU = torch.device("cpu")
     [
         ("AdamW", "foreach", torch.optim.AdamW, True, False),
         ("Adam", "for-loop", torch.optim.Adam, False, False),
-        (
-            "AdamW",
-            "fused",
-            torch.optim.AdamW,
-            True,
-            False,
-        ),  # fused kernels need an accelerator: foreach on CPU
+        ("AdamW", "fused", torch.optim.AdamW, False, True),
     ],
 )
 def test_adam_and_adamw_with_each_implementation(name, implementation, cls, foreach, fused):
     config = load_job_config(["--optimizer.name", name, "--optimizer.implementation", implementation,
                               "--optimizer.weight_decay", "0.05", "--optimizer.beta2", "0.99"])  # fmt: skip
-    optimizer = build.build_optimizer(config, torch.nn.Linear(4, 4), CPU)
+    optimizer = build.build_optimizer(config, torch.nn.Linear(4, 4))
     assert type(optimizer) is cls
     group = optimizer.param_groups[0]
     assert (group["foreach"], group["fused"]) == (foreach, fused)
@@ -45,7 +39,7 @@ def test_bfloat16_training_dtype_puts_parameters_in_bfloat16_and_keeps_buffers_f
     (model,) = build.build_model(config, spec, build.build_tokenizer_for(config), dims, CPU, seed=0).parts
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert all(b.dtype in (torch.float32, torch.complex64) for b in model.buffers())
-    optimizer = build.build_optimizer(config, model, CPU)
+    optimizer = build.build_optimizer(config, model)
     assert optimizer.param_groups[0]["params"][0].dtype == torch.bfloat16
 
 
@@ -58,7 +52,7 @@ def test_float32_training_with_mixed_precision_on_cpu_computes_in_float32(caplog
 def test_lr_schedule_spans_total_steps_when_given():
     config = load_job_config(["--training.steps", "10", "--lr_scheduler.total_steps", "100",
                               "--lr_scheduler.warmup_steps", "0"])  # fmt: skip
-    optimizer = build.build_optimizer(config, torch.nn.Linear(2, 2), CPU)
+    optimizer = build.build_optimizer(config, torch.nn.Linear(2, 2))
     schedule = build.build_lr_schedule(config, optimizer)
     for _ in range(10):
         optimizer.step()

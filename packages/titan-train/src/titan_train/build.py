@@ -131,14 +131,12 @@ def _scaled(loss_fn: Callable, factor: float) -> Callable:
     return lambda logits, labels: loss_fn(logits, labels) * factor
 
 
-def build_optimizer(config: JobConfig, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(config: JobConfig, model: nn.Module) -> torch.optim.Optimizer:
     o = config.optimizer
     cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[o.name]
     impl = o.implementation
     kwargs = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
-    if impl == "fused" and device.type == "cpu":
-        impl = "foreach"  # fused Adam kernels need an accelerator
-    kwargs["fused"] = impl == "fused"
+    kwargs["fused"] = impl == "fused"  # CUDA and CPU both have fused Adam kernels
     kwargs["foreach"] = impl == "foreach"
     return cls(model.parameters(), **kwargs)
 

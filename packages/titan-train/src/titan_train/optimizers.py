@@ -44,6 +44,32 @@ class PartOptimizers:
         for schedule in self.schedules:
             schedule.step()
 
+    def step_unless(self, skip: torch.Tensor, allowed: Callable[[], bool]) -> bool:
+        """Step unless the step must be skipped; return whether it stepped.
+
+        `skip` is a device flag and `allowed()` the host's verdict on the same numbers, which waits for
+        them. Fused Adam/AdamW take `skip` as `found_inf` and leave parameters, moments and step counts
+        untouched where it is 1, so their update is queued before the host waits: the device runs it
+        while the host reads the verdict and queues the next step, instead of idling at a sync. Other
+        optimizers wait for the verdict first. The LR schedules step only after an update.
+        """
+        if not all(group.get("fused") for opt in self.optimizers for group in opt.param_groups):
+            if allowed():
+                self.step()
+                return True
+            return False
+        for optimizer in self.optimizers:
+            optimizer.found_inf = skip.to(torch.float32)
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+        if not allowed():
+            return False
+        for schedule in self.schedules:
+            schedule.step()
+        return True
+
     def schedule_state(self) -> Stateful:
         return _SchedulesState(self.schedules)
 

@@ -4,13 +4,15 @@ Between gradient clipping and the optimizer step, every rank adds `[its loss, 1 
 per preemption signal it received]` into one all-reduce. From the sums every rank reads the same mean
 loss (spike report, non-finite check with the already global gradient norm) and the same "a signal
 arrived somewhere", so all ranks skip the same update and stop after the same step. On a GPU this costs
-one tiny collective and one host sync per step.
+one tiny collective per step, and the host's wait for its result overlaps the optimizer step where the
+optimizer can skip an update on the device (fused Adam/AdamW: see `PartOptimizers.step_unless`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +28,17 @@ from titan_train.preemption import PreemptionSignals, parse_signals, save_and_st
 logger = logging.getLogger(__name__)
 
 NamedParameters = Callable[[], Iterable[tuple[str, nn.Parameter]]]
+
+
+@dataclass
+class StepNumbers:
+    """What `StepGuard.agree` queued for one step: the summed `[loss, has a loss, signals..., grad norm]`
+    (in host memory once `copied` has fired), the device flag `skip`, and this rank's own loss."""
+
+    values: torch.Tensor
+    skip: torch.Tensor
+    copied: torch.cuda.Event | None
+    own_loss: torch.Tensor | None
 
 
 class StepGuard:
@@ -80,7 +93,20 @@ class StepGuard:
         """After clipping, before the optimizer step: False to skip this update; raises NonFiniteError to stop.
 
         `loss` is this rank's loss of the step (None, or `has_loss=False`, on ranks that compute none,
-        such as pipeline stages before the last).
+        such as pipeline stages before the last). Waits for the numbers: `agree` then `decide` lets the
+        device run the update (skipped on the device where it must be) while the host waits.
+        """
+        return self.decide(step, self.agree(loss, grad_norm, has_loss=has_loss))
+
+    def agree(
+        self, loss: torch.Tensor | None, grad_norm: torch.Tensor, *, has_loss: bool = True
+    ) -> StepNumbers:
+        """Queue the step's agreement on the device; nothing waits for it.
+
+        Every rank's `[loss, has a loss, signal counts]` is summed over ranks; `skip` is a device flag,
+        1 where the global loss or the gradient norm is not finite, which fused optimizers take as
+        `found_inf` to skip the update themselves. The sums and the norm are copied to host memory
+        behind an event, so reading them (`decide`) waits only for that copy, not for work queued later.
         """
         self.phase = "agreeing on the step's health"
         has_loss = has_loss and loss is not None
@@ -90,9 +116,24 @@ class StepGuard:
         values = torch.cat([own_loss.to(self.device), flags.to(self.device)])
         if self.world_size > 1 and dist.is_initialized():
             dist.all_reduce(values)
-        loss_sum, n_losses, *signal_counts = values.tolist()
+        norm = grad_norm.detach().double().reshape(1).to(self.device)
+        skip = (~torch.isfinite(values[0]) | ~torch.isfinite(norm[0])).float()
+        numbers = torch.cat([values, norm])
+        if self.device.type != "cuda":
+            return StepNumbers(numbers, skip, None, loss if has_loss else None)
+        host = torch.empty(numbers.shape, dtype=numbers.dtype, pin_memory=True)
+        host.copy_(numbers, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return StepNumbers(host, skip, copied, loss if has_loss else None)
+
+    def decide(self, step: int, numbers: StepNumbers) -> bool:
+        """The host's verdict on numbers from `agree`: False to skip this update; raises NonFiniteError
+        to stop. Every rank reads the same sums, so every rank reaches the same verdict."""
+        if numbers.copied is not None:
+            numbers.copied.synchronize()
+        loss_sum, n_losses, *signal_counts, norm = numbers.values.tolist()
         mean_loss = loss_sum / n_losses if n_losses else None
-        norm = float(grad_norm.detach().float().item())
         if self.stop_signal is None:
             arrived = [
                 sig for sig, count in zip(self.signals.signals, signal_counts, strict=True) if count > 0
@@ -108,7 +149,7 @@ class StepGuard:
         if self.numerics.finite(mean_loss, norm):
             self.numerics.observe(step, mean_loss)
             return True
-        ranks = self._gather_rank_numbers(loss if has_loss else None)
+        ranks = self._gather_rank_numbers(numbers.own_loss)
         return not self.numerics.nonfinite(step, mean_loss, norm, ranks)
 
     def end_step(self, step: int, *, last_step: bool, checkpointer: Any | None) -> None:

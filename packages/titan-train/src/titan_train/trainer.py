@@ -85,7 +85,7 @@ class Trainer:
         self.loss_fn = build.build_loss_fn(config, spec)
         self.optimizers = PartOptimizers(
             self.model_parts,
-            lambda part: build.build_optimizer(config, part, self.device),
+            lambda part: build.build_optimizer(config, part),
             lambda optimizer: build.build_lr_schedule(config, optimizer),
         )
         self.state = TrainState()
@@ -184,10 +184,13 @@ class Trainer:
         grad_norm = clip_grad_norm_(
             parameters, self.config.training.max_norm, pp_mesh=self.dims.submesh("pp")
         )
-        if not self.guard.update_allowed(self.state.step + 1, loss_sum, grad_norm):
+        lr = self.optimizers.lr
+        numbers = self.guard.agree(loss_sum, grad_norm)
+        if not self.optimizers.step_unless(
+            numbers.skip, lambda: self.guard.decide(self.state.step + 1, numbers)
+        ):
             return loss_sum, grad_norm, tokens, data_seconds  # a non-finite step skipped: no update
-        self.step_lr = self.optimizers.lr
-        self.optimizers.step()
+        self.step_lr = lr
         if (
             self.parallel_options.float8_fsdp_all_gather
             and self.config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
