@@ -143,12 +143,19 @@ def run_titan(c: Config, args, run: Run, dump: Path) -> None:
     proc = subprocess.run([*_torchrun(), "-m", "titan_train.cli", *flags], capture_output=True, text=True,
                           cwd=REPO, env=_env())  # fmt: skip
     (dump / "log.txt").write_text(proc.stdout + proc.stderr)
-    metrics = dump / "metrics.jsonl"
-    if proc.returncode != 0 or not metrics.exists():
-        run.error = _last_error(proc.stdout + proc.stderr)
+    read_titan_metrics(dump / "metrics.jsonl", args.log_freq, run)
+    if proc.returncode != 0:
+        failure = _last_error(proc.stdout + proc.stderr)
+        # A run that logged its measured steps and failed after them keeps its numbers, marked.
+        run.error = failure if not run.tps else f"exit {proc.returncode} after the last step: {failure}"
+
+
+def read_titan_metrics(metrics: Path, log_freq: int, run: Run) -> None:
+    """The measured windows of a Titan run's metrics.jsonl (all but the first) into `run`."""
+    if not metrics.exists():
         return
     for record in map(json.loads, metrics.read_text().splitlines()):
-        if record["step"] > args.log_freq:
+        if record["step"] > log_freq:
             run.tps.append(record["tps"])
             run.reserved_gib.append(record["memory_gib"])
             run.active_gib.append(record["memory_active_gib"])
@@ -216,14 +223,14 @@ def print_table(runs: list[Run], matmul_peak: float, args, device: str) -> None:
         if titan and theirs and titan.median("tps") and theirs.median("tps"):
             ratio = f"{titan.median('tps') / theirs.median('tps'):.3f}"
         for trainer, run in pair.items():
-            if run.error or not run.tps:
+            if not run.tps:
                 print(f"| {name} | {trainer} | {run.error or 'no measured window'} | | | | | | |")
                 continue
             tps = run.median("tps")
             flops = flops_per_token(run.config.flavor, args.seq_len) * tps
             print(f"| {name} | {trainer} | {tps:,.0f} | {flops / 1e12:.0f} | {100 * flops / DATASHEET_PEAK:.1f} "
                   f"| {100 * flops / matmul_peak:.1f} | {run.median('active_gib'):.1f} | {run.median('reserved_gib'):.1f} "
-                  f"| {ratio if trainer == 'titan' else ''} |")  # fmt: skip
+                  f"| {ratio if trainer == 'titan' else ''} |" + (f" ({run.error})" if run.error else ""))  # fmt: skip
 
 
 def main() -> None:

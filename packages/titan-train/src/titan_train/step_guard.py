@@ -111,9 +111,11 @@ class StepGuard:
         self.phase = "agreeing on the step's health"
         has_loss = has_loss and loss is not None
         counts = [float(self.signals.received == sig) for sig in self.signals.signals]
-        own_loss = loss.detach().double().reshape(1) if has_loss else torch.zeros(1, dtype=torch.float64)
-        flags = torch.tensor([float(has_loss), *counts], dtype=torch.float64)
-        values = torch.cat([own_loss.to(self.device), flags.to(self.device)])
+        # From pinned memory without waiting: a copy from pageable memory would make the host wait
+        # for the whole backward pass before it could queue the optimizer step.
+        values = _to_device(torch.tensor([0.0, float(has_loss), *counts], dtype=torch.float64), self.device)
+        if has_loss:
+            values[0] = loss.detach().double().reshape(())
         if self.world_size > 1 and dist.is_initialized():
             dist.all_reduce(values)
         norm = grad_norm.detach().double().reshape(1).to(self.device)
@@ -172,6 +174,13 @@ class StepGuard:
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, mine)
         return gathered
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`, queued from pinned memory on CUDA so that the host does not wait for it."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _first_bad_gradient(named_parameters: Iterable[tuple[str, nn.Parameter]]) -> str | None:

@@ -157,8 +157,13 @@ class Trainer:
                 (dump / self.config.job.save_config_file).write_text(resolved)
 
     def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # On CUDA, copied from pinned memory without waiting: a copy from pageable memory makes the
+        # host wait for the previous step's optimizer before it can queue this step's forward pass.
+        pinned = self.device.type == "cuda"
         for inputs, labels in self.loader:
-            yield inputs.to(self.device), labels.to(self.device)
+            if pinned:
+                inputs, labels = inputs.pin_memory(), labels.pin_memory()
+            yield inputs.to(self.device, non_blocking=pinned), labels.to(self.device, non_blocking=pinned)
 
     def train_step(
         self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
