@@ -1,6 +1,7 @@
 """Builders that turn config sections into an optimizer, a model in the asked dtype, and a GC schedule."""
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -64,12 +65,31 @@ def test_lr_schedule_spans_total_steps_when_given():
 def test_garbage_is_collected_on_schedule_and_automatic_collection_comes_back():
     schedule = GarbageCollection(gc_freq=3)
     assert not gc.isenabled()
-    collections = gc.get_stats()[1]["collections"]
+    collections = gc.get_stats()[2]["collections"]
     for step in range(1, 7):
         schedule.step(step)
-    assert gc.get_stats()[1]["collections"] - collections == 2  # steps 3 and 6
+    assert gc.get_stats()[2]["collections"] - collections == 2  # full collections at steps 3 and 6
     schedule.close()
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_cyclic_garbage_that_outlived_a_collection_is_freed_at_the_next():
+    """An async checkpoint's metadata is alive at one collection and garbage by the next: it must go then."""
+    schedule = GarbageCollection(gc_freq=1)
+    try:
+        survivor = _Cycle()
+        freed = weakref.ref(survivor)
+        schedule.step(1)  # alive here: promoted to the oldest generation
+        del survivor
+        schedule.step(2)
+        assert freed() is None
+    finally:
+        schedule.close()
 
 
 def test_loss_is_compiled_only_when_compile_components_name_it_and_gives_the_eager_value():
