@@ -51,7 +51,7 @@ CASES = [
          nproc=2),
     Case("unreadable_dataset", ("--training.dataset_path", "{inputs}/garbled.jsonl"),
          ("garbled.jsonl at byte 0 is not a JSON object with a 'text' field", "write one JSON object per line")),
-    Case("missing_dataset", ("--training.dataset_path", "{inputs}/nowhere.jsonl"), ("nowhere.jsonl, which does not exist",)),
+    Case("missing_dataset", ("--training.dataset_path", "{inputs}/nowhere.jsonl"), ("nowhere.jsonl does not exist", "point the config at a dataset file or folder")),
     Case("unknown_dataset", ("--training.dataset", "c5"), ("unknown dataset 'c5'; registered: c4",)),
     Case("checkpoint_of_another_model", (),
          ("'tok_embeddings.weight' in", "has shape [2048, 64] but the model expects [2048, 256]",

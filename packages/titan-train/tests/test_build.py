@@ -107,7 +107,11 @@ def test_loss_is_compiled_only_when_compile_components_name_it_and_gives_the_eag
     torch.testing.assert_close(grad_compiled, grad_eager)
 
 
-def test_unknown_compile_component_is_refused_at_build():
-    config = load_job_config(["--compile.enable", "--compile.components", "model,optimizer"])
+def test_unknown_compile_component_is_refused_when_read_and_at_build():
+    flags = ["--compile.enable", "--compile.components", "model,optimizer"]
+    with pytest.raises(build.ConfigError, match=r"compile.components has 'optimizer', which is not one of"):
+        load_job_config(flags)
+    config = load_job_config(flags[:1])
+    config.compile.components = ["model", "optimizer"]  # a config built in code, never read
     with pytest.raises(build.ConfigError, match=r"compile.components \['optimizer'\] unknown"):
         build.build_loss_fn(config, get_model_spec("llama3"))

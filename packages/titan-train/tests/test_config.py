@@ -131,8 +131,8 @@ def test_custom_config_module_that_cannot_be_imported_is_named():
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--validation.steps", "0"], "validation.steps must be positive or -1"),
-        (["--training.global_batch_size", "0"], "training.global_batch_size must be -1"),
+        (["--validation.steps", "0"], r"validation.steps must be at least 1 \(or -1\), got 0"),
+        (["--training.global_batch_size", "0"], r"training.global_batch_size must be at least 1 \(or -1\)"),
         (["--training.local_batch_size", "0"], "training.local_batch_size must be at least 1"),
         (["--profiling.profile_freq", "3"], r"profiler_warmup \(3\) \+ profiler_active \(1\) must fit"),
     ],

@@ -139,7 +139,7 @@ class Transformer(nn.Module):
         if seq_len > self.args.max_seq_len:
             raise ModelError(
                 f"model: input of {seq_len} positions is longer than max_seq_len ({self.args.max_seq_len}); "
-                "build the model with a larger max_seq_len (the trainer uses training.seq_len)"
+                "build the model with a larger max_seq_len"
             )
         if self.args.attn_mask_type == "block_causal" and doc_ids is None:
             if self.tok_embeddings is None:

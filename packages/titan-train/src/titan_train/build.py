@@ -16,11 +16,13 @@ from titan_data import Tokenizer, TokenLoader, build_dataset, build_tokenizer
 from titan_models import count_parameters
 from titan_parallel import ParallelDims, ParallelOptions, Pipeline, blocks_of
 from titan_train.config import JobConfig
+from titan_train.config.parallel_sections import COMPILE_COMPONENTS
 from titan_train.errors import ConfigError
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.memory_estimate import ParamCounts
 from titan_train.parallelism import parallel_options, split_and_wrap
 from titan_train.registry import ModelSpec
+from titan_train.sequence_limit import model_seq_len
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ def build_model(
 ) -> BuiltModel:
     """The model on the meta device, parallelised (or cut into pipeline stages), then materialised on
     `device` and initialised: the initial weights are the same for every layout."""
-    args = spec.args_for(config.model.flavor, max_seq_len=config.training.seq_len, eos_id=tokenizer.eos_id)
+    args = spec.args_for(config.model.flavor, max_seq_len=model_seq_len(config), eos_id=tokenizer.eos_id)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
             f"config: the tokenizer has {tokenizer.vocab_size} tokens but {spec.name} {config.model.flavor} has a "
@@ -104,9 +106,6 @@ def build_model(
         part.init_weights(buffer_device=device, seed=seed)
         part.train()
     return BuiltModel(args, wrapped.parts, wrapped.pipeline, options, n_params, n_embedding, counts)
-
-
-COMPILE_COMPONENTS = ("model", "loss")
 
 
 def build_loss_fn(config: JobConfig, spec: ModelSpec) -> Callable:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import logging
 import os
 import sys
@@ -30,7 +29,6 @@ from titan_train.errors import ConfigError
 from titan_train.hang_diagnosis import describe_init_failure
 from titan_train.peer_watch import watching_peers
 from titan_train.report import build_report
-from titan_train.sequence_limit import check_seq_len
 from titan_train.trainer import Trainer
 from titan_train.unsupported import refuse_unsupported
 
@@ -84,11 +82,8 @@ def exit_status(err: BaseException) -> tuple[int, str]:
 
 
 def train(argv: list[str], world_size: int | None = None) -> int:
-    config = load_job_config(argv)
-    if config.experimental.custom_import:
-        # Before any check that looks up the model: the module may register its flavor.
-        importlib.import_module(config.experimental.custom_import)
-    check_seq_len(config)
+    # Every field and combination is checked here, before any work (see titan_train.config.validate).
+    config = load_job_config(argv, check_paths=True)
     if config.comm.mode == "fake_backend":
         world_size = world_size or int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or 1)
         dry_run(config, world_size)

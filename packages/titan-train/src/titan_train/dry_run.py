@@ -22,6 +22,7 @@ from titan_train import build
 from titan_train.errors import ConfigError
 from titan_train.memory_estimate import MemoryEstimate, ParamCounts, estimate_memory_per_rank
 from titan_train.registry import get_model_spec
+from titan_train.sequence_limit import model_seq_len
 from titan_train.unsupported import UnsupportedConfigError, refuse_unsupported
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def _stages_per_rank(config: Any, n_layers: int, pp: int) -> int:
 
 def _layout_problems(config: Any, dims: ParallelDims, args: Any) -> list[str]:
     """Everything wrong with this layout for this model, so a user fixes them all in one go."""
-    t, p = config.training, config.parallelism
+    t = config.training
     problems = []
     try:
         dims.check_model(
@@ -87,19 +88,10 @@ def _layout_problems(config: Any, dims: ParallelDims, args: Any) -> list[str]:
         )
     except ParallelConfigError as err:
         problems.append(str(err))
-    if dims.pp > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
-        problems.append(
-            f"parallelism: local_batch_size ({t.local_batch_size}) is not a multiple of "
-            f"pipeline_parallel_microbatch_size ({p.pipeline_parallel_microbatch_size})"
-        )
     try:
         build.gradient_accumulation_steps(config, dims.dp_degree)
     except ConfigError as err:
         problems.append(str(err))
-    if config.validation.enable and config.validation.seq_len > t.seq_len:
-        problems.append(
-            f"config: validation.seq_len ({config.validation.seq_len}) exceeds training.seq_len ({t.seq_len})"
-        )
     return problems
 
 
@@ -135,7 +127,7 @@ def dry_run(config: Any, world_size: int) -> DryRunReport:
     """Validate `config` for `world_size` ranks, build its mesh and meta model, and log the layout and memory."""
     dims = build.build_parallel_dims(config, world_size)
     spec = get_model_spec(config.model.name)
-    args = spec.args_for(config.model.flavor, max_seq_len=config.training.seq_len)
+    args = spec.args_for(config.model.flavor, max_seq_len=model_seq_len(config))
     problems = _layout_problems(config, dims, args)
     if problems:
         raise ConfigError("dry run: the layout does not work:\n  - " + "\n  - ".join(problems))

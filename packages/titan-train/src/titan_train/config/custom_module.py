@@ -37,15 +37,19 @@ def merge_schema(base: type, extra: type) -> type:
     return dataclasses.make_dataclass(base.__name__, fields, bases=(base,))
 
 
-def load_custom_schema(base: type, module_name: str) -> type:
-    """`base` extended by the `JobConfig` dataclass of `module_name`."""
+def import_user_module(setting: str, module_name: str) -> typing.Any:
+    """The module a user names in `setting`, or a ConfigError naming the setting and the fix."""
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ImportError as err:
         raise ConfigError(
-            f"config: job.custom_config_module '{module_name}' cannot be imported ({err}); "
-            "put its folder on PYTHONPATH or install it"
+            f"config: {setting} '{module_name}' cannot be imported ({err}); put its folder on PYTHONPATH or install it"
         ) from None
+
+
+def load_custom_schema(base: type, module_name: str) -> type:
+    """`base` extended by the `JobConfig` dataclass of `module_name`."""
+    module = import_user_module("job.custom_config_module", module_name)
     extra = getattr(module, "JobConfig", None)
     if not is_section(extra):
         raise ConfigError(

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_train.config.fields import opt
+from titan_train.config.fields import MAX_RANKS, MAX_STEPS, opt
+from titan_train.preemption import parse_signals
 
 
 @dataclass
@@ -20,19 +21,28 @@ class Health:
         choices=("stop", "skip"),
     )
     max_skipped_steps: int = opt(
-        5, "(Titan) With on_nonfinite = skip: stop once this many updates were skipped since the run started"
+        5,
+        "(Titan) With on_nonfinite = skip: stop once this many updates were skipped since the run started",
+        minimum=0,
+        maximum=MAX_STEPS,
     )
     loss_spike_ratio: float = opt(
         2.0,
         "(Titan) Report a step whose loss is above this multiple of the mean of the previous "
         "loss_spike_window steps; 0: off",
+        above=1,
+        maximum=1e6,
+        sentinels=(0,),
     )
-    loss_spike_window: int = opt(20, "(Titan) Steps the loss-spike baseline averages")
+    loss_spike_window: int = opt(
+        20, "(Titan) Steps the loss-spike baseline averages", minimum=1, maximum=MAX_STEPS
+    )
     preemption_signals: list[str] = opt(
         ["SIGTERM", "SIGUSR1"],
         "(Titan) Signals on which every rank finishes the current step, saves a checkpoint and exits with "
         "status 3 (SLURM sends SIGTERM on preemption, and the signal of sbatch --signal before the time limit); "
         "empty: Python's default handling",
+        check=parse_signals,
     )
     drill: str = opt(
         "none",
@@ -41,5 +51,10 @@ class Health:
         "attempt only)",
         choices=("none", "kill", "nan", "hang"),
     )
-    drill_step: int = opt(0, "(Titan) The step a fault drill hits")
-    drill_rank: int = opt(0, "(Titan) The rank a fault drill hits")
+    drill_step: int = opt(
+        0,
+        "(Titan) The step a fault drill hits (at least 1 when drill is not none)",
+        minimum=0,
+        maximum=MAX_STEPS,
+    )
+    drill_rank: int = opt(0, "(Titan) The rank a fault drill hits", minimum=0, maximum=MAX_RANKS)

@@ -6,14 +6,15 @@ import argparse
 import dataclasses
 import difflib
 import sys
-import types
 import typing
 from pathlib import Path
 from typing import Any
 
 from titan_train.config.custom_module import is_section, load_custom_schema
+from titan_train.config.fields import describe_rule, iter_fields, unwrap_optional
 from titan_train.config.migrate import migrate_argv, migrate_converter_names, migrate_toml
 from titan_train.config.schema import JobConfig
+from titan_train.config.validate import validate_config
 from titan_train.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -25,28 +26,9 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
-
-
-def iter_fields(cls: type, prefix: str = "") -> typing.Iterator[tuple[str, Any, dataclasses.Field]]:
-    """(dotted name, resolved type, field) for every leaf field of a config dataclass, in order."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if is_section(tp):
-            yield from iter_fields(tp, f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}", tp, f
-
-
 def _coerce(value: Any, tp: Any, name: str) -> Any:
     """`value` (from TOML or a CLI string) converted to the field's type, or a ConfigError naming it."""
-    inner, optional = _unwrap_optional(tp)
+    inner, optional = unwrap_optional(tp)
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
         if optional:
             return None
@@ -96,12 +78,6 @@ def _set(config: Any, dotted: str, value: Any) -> None:
     for part in path:
         target = getattr(target, part)
     setattr(target, leaf, value)
-
-
-def _get(config: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        config = getattr(config, part)
-    return config
 
 
 def _unknown_key_error(key: str, section: str, known: list[str]) -> ConfigError:
@@ -159,12 +135,13 @@ def build_parser(cls: type = JobConfig) -> argparse.ArgumentParser:
         section = dotted.rsplit(".", 1)[0]
         group = groups.setdefault(section, parser.add_argument_group(f"[{section}]"))
         help_text = f.metadata.get("help", "")
-        if f.metadata.get("choices"):
-            help_text += f" (one of: {', '.join(map(str, f.metadata['choices']))})"
+        accepted = describe_rule(f.metadata)
+        if accepted:
+            help_text += f" ({accepted})"
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         kwargs: dict[str, Any] = {"dest": dotted, "default": argparse.SUPPRESS}
         kwargs["help"] = f"{help_text} (default: {default!r})".strip()
-        inner = _unwrap_optional(tp)[0]
+        inner = unwrap_optional(tp)[0]
         if inner is bool:
             kwargs.update(nargs="?", const="true", metavar="BOOL")
         elif typing.get_origin(inner) is list:
@@ -185,39 +162,6 @@ def build_parser(cls: type = JobConfig) -> argparse.ArgumentParser:
     return parser
 
 
-def _check_values(config: Any, cls: type) -> None:
-    for dotted, _, f in iter_fields(cls):
-        choices = f.metadata.get("choices")
-        value = _get(config, dotted)
-        if choices and value not in choices:
-            raise ConfigError(f"config: {dotted} = {value!r} is not one of {', '.join(map(repr, choices))}")
-    at_least_one = (
-        "training.local_batch_size", "training.seq_len", "metrics.log_freq", "profiling.profile_freq",
-        "profiling.profiler_active", "training.gc_freq", "validation.freq", "validation.local_batch_size",
-        "validation.seq_len",
-    )  # fmt: skip
-    for dotted in at_least_one:
-        if _get(config, dotted) < 1:
-            raise ConfigError(f"config: {dotted} must be at least 1, got {_get(config, dotted)}")
-    if config.training.steps < 0:
-        raise ConfigError(f"config: training.steps must be >= 0, got {config.training.steps}")
-    if config.training.global_batch_size == 0 or config.training.global_batch_size < -1:
-        raise ConfigError(
-            f"config: training.global_batch_size must be -1 (local_batch_size * dp) or positive, "
-            f"got {config.training.global_batch_size}"
-        )
-    if config.validation.steps == 0 or config.validation.steps < -1:
-        raise ConfigError(
-            f"config: validation.steps must be positive or -1 (all), got {config.validation.steps}"
-        )
-    p = config.profiling
-    if p.profiler_warmup < 0 or p.profiler_warmup + p.profiler_active > p.profile_freq:
-        raise ConfigError(
-            f"config: profiling.profiler_warmup ({p.profiler_warmup}) + profiler_active ({p.profiler_active}) "
-            f"must fit in profile_freq ({p.profile_freq}); raise profile_freq or shorten the window"
-        )
-
-
 def _option_value(argv: list[str], flag: str) -> str | None:
     """The last value given to `flag` in `argv` (`--flag V` or `--flag=V`), before argparse runs."""
     value = None
@@ -229,11 +173,14 @@ def _option_value(argv: list[str], flag: str) -> str | None:
     return value
 
 
-def load_job_config(argv: list[str] | None = None, cls: type = JobConfig) -> Any:
-    """The config for `argv`: defaults, then `--job.config_file`, then the other flags.
+def load_job_config(
+    argv: list[str] | None = None, cls: type = JobConfig, *, check_paths: bool = False
+) -> Any:
+    """The config for `argv`: defaults, then `--job.config_file`, then the other flags, validated.
 
     Keys of older torchtitan schemas are migrated with a warning each; `job.custom_config_module`
-    (from the CLI or the TOML file) extends `cls` before anything is parsed.
+    (from the CLI or the TOML file) extends `cls` before anything is parsed. `check_paths`: the files
+    and folders a run reads must exist here (the trainer asks for it; a config read elsewhere need not).
     """
     argv = migrate_argv(list(sys.argv[1:] if argv is None else argv), lambda token: token.startswith("--"))
     config_file = _option_value(argv, "--job.config_file")
@@ -258,7 +205,7 @@ def load_job_config(argv: list[str] | None = None, cls: type = JobConfig) -> Any
     for dotted, raw in vars(args).items():
         _set(config, dotted, _coerce(raw, types_by_name[dotted], dotted))
     config.model.converters = migrate_converter_names(config.model.converters)
-    _check_values(config, cls)
+    validate_config(config, cls, check_paths=check_paths)
     return config
 
 

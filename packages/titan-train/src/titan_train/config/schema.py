@@ -8,24 +8,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titan_train.config.fields import opt
+from titan_train.config.custom_module import import_user_module
+from titan_train.config.fields import (
+    MAX_RANKS,
+    MAX_SECONDS,
+    MAX_SEQ_LEN,
+    MAX_SEQUENCES,
+    MAX_STEPS,
+    MODULE_NAME,
+    opt,
+)
 from titan_train.config.health_section import Health
 from titan_train.config.parallel_sections import ActivationCheckpoint, Compile, Parallelism, Quantize
 
 
 @dataclass
 class Job:
-    config_file: str | None = opt(None, "TOML file to read before CLI overrides")
+    config_file: str | None = opt(None, "TOML file to read before CLI overrides", path="a TOML file")
     dump_folder: str = opt(
-        "./outputs", "Folder for checkpoints, TensorBoard events, traces and the resolved config"
+        "./outputs",
+        "Folder for checkpoints, TensorBoard events, traces and the resolved config",
+        nonempty=True,
     )
     description: str = opt("default job", "Free-text description of the job")
     print_config: bool = opt(False, "Log the resolved configuration at start")
     save_config_file: str | None = opt(
-        None, "Also write the resolved configuration to this file, under dump_folder"
+        None, "Also write the resolved configuration to this file, under dump_folder", nonempty=True
     )
     custom_config_module: str = opt(
-        "", "Importable module whose JobConfig dataclass adds sections or fields to this schema"
+        "",
+        "Importable module whose JobConfig dataclass adds sections or fields to this schema",
+        pattern=MODULE_NAME,
+        sentinels=("",),
     )
 
 
@@ -33,21 +47,25 @@ class Job:
 class Profiling:
     enable_profiling: bool = opt(False, "Record torch profiler traces")
     save_traces_folder: str = opt(
-        "profile_traces", "Trace folder, under dump_folder (one iteration_N per trace)"
+        "profile_traces", "Trace folder, under dump_folder (one iteration_N per trace)", nonempty=True
     )
-    profile_freq: int = opt(10, "Write a trace every this many steps")
-    profiler_active: int = opt(1, "Steps each trace records")
-    profiler_warmup: int = opt(3, "Steps the profiler warms up before each recorded window")
+    profile_freq: int = opt(10, "Write a trace every this many steps", minimum=1, maximum=MAX_STEPS)
+    profiler_active: int = opt(1, "Steps each trace records", minimum=1, maximum=MAX_STEPS)
+    profiler_warmup: int = opt(
+        3, "Steps the profiler warms up before each recorded window", minimum=0, maximum=MAX_STEPS
+    )
     enable_memory_snapshot: bool = opt(False, "Dump CUDA allocator snapshots (CUDA only)")
-    save_memory_snapshot_folder: str = opt("memory_snapshot", "Snapshot folder, under dump_folder")
+    save_memory_snapshot_folder: str = opt(
+        "memory_snapshot", "Snapshot folder, under dump_folder", nonempty=True
+    )
 
 
 @dataclass
 class Metrics:
-    log_freq: int = opt(10, "Log metrics every this many steps")
+    log_freq: int = opt(10, "Log metrics every this many steps", minimum=1, maximum=MAX_STEPS)
     enable_tensorboard: bool = opt(False, "Write TensorBoard scalars")
     disable_color_printing: bool = opt(False, "Plain log lines without ANSI colours")
-    save_tb_folder: str = opt("tb", "TensorBoard folder, under dump_folder")
+    save_tb_folder: str = opt("tb", "TensorBoard folder, under dump_folder", nonempty=True)
     save_for_all_ranks: bool = opt(
         False, "Every rank writes its own TensorBoard/W&B metrics, not only rank 0"
     )
@@ -56,14 +74,19 @@ class Metrics:
 
 @dataclass
 class Model:
-    name: str = opt("llama3", "Model family, as registered in titan_train.registry")
-    flavor: str = opt("debugmodel", "Model shape within the family (debugmodel, 8B, 70B, 405B, ...)")
+    name: str = opt("llama3", "Model family, as registered in titan_train.registry", nonempty=True)
+    flavor: str = opt(
+        "debugmodel", "Model shape within the family (debugmodel, 8B, 70B, 405B, ...)", nonempty=True
+    )
     hf_assets_path: str = opt(
         "",
         "Folder with the tokenizer (and config/safetensors); empty: the test tokenizer bundled with titan-data",
+        path="a folder with tokenizer.model or tokenizer.json",
     )
     converters: list[str] = opt(
-        [], "Model transforms to apply, e.g. quantize.linear.float8, quantize.linear.mx"
+        [],
+        "Model transforms to apply, e.g. quantize.linear.float8, quantize.linear.mx",
+        choices=("quantize.linear.float8", "quantize.linear.mx"),
     )
     print_after_conversion: bool = opt(False, "Log the model after the converters ran")
 
@@ -71,11 +94,13 @@ class Model:
 @dataclass
 class Optimizer:
     name: str = opt("AdamW", "Optimizer", choices=("Adam", "AdamW"))
-    lr: float = opt(8e-4, "Peak learning rate")
-    beta1: float = opt(0.9, "Adam beta1")
-    beta2: float = opt(0.95, "Adam beta2")
-    eps: float = opt(1e-8, "Adam epsilon")
-    weight_decay: float = opt(0.1, "Decoupled weight decay (AdamW) or L2 penalty (Adam)")
+    lr: float = opt(8e-4, "Peak learning rate", above=0, maximum=1.0)
+    beta1: float = opt(0.9, "Adam beta1", minimum=0, below=1)
+    beta2: float = opt(0.95, "Adam beta2", minimum=0, below=1)
+    eps: float = opt(1e-8, "Adam epsilon", above=0, maximum=1.0)
+    weight_decay: float = opt(
+        0.1, "Decoupled weight decay (AdamW) or L2 penalty (Adam)", minimum=0, maximum=10.0
+    )
     implementation: str = opt(
         "fused",
         "Kernel: fused (accelerators; CPU falls back to foreach), foreach, or for-loop",
@@ -88,40 +113,64 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = opt(200, "Steps of linear warmup from near zero to the peak lr")
-    total_steps: int | None = opt(None, "Steps the schedule spans; None: training.steps")
+    warmup_steps: int = opt(
+        200, "Steps of linear warmup from near zero to the peak lr", minimum=0, maximum=MAX_STEPS
+    )
+    total_steps: int | None = opt(
+        None, "Steps the schedule spans; None: training.steps", minimum=1, maximum=MAX_STEPS
+    )
     decay_ratio: float | None = opt(
-        None, "Share of steps spent decaying at the end (warmup-stable-decay); None: decay right after warmup"
+        None,
+        "Share of steps spent decaying at the end (warmup-stable-decay); None: decay right after warmup",
+        minimum=0,
+        maximum=1,
     )
     decay_type: str = opt("linear", "Shape of the decay", choices=("linear", "sqrt", "cosine"))
-    min_lr_factor: float = opt(0.0, "Final lr as a fraction of the peak lr")
+    min_lr_factor: float = opt(0.0, "Final lr as a fraction of the peak lr", minimum=0, maximum=1)
 
 
 @dataclass
 class DataLoader:
-    num_workers: int = opt(0, "Loader worker processes (Titan tokenises in-process for exact resume: keep 0)")
+    num_workers: int = opt(
+        0,
+        "Loader worker processes (Titan tokenises in-process for exact resume: keep 0)",
+        minimum=0,
+        maximum=1024,
+    )
     persistent_workers: bool = opt(False, "Keep workers between epochs (only with num_workers > 0)")
     pin_memory: bool = opt(False, "Copy batches to pinned memory first (CUDA)")
-    prefetch_factor: int | None = opt(None, "Batches each worker loads ahead (only with num_workers > 0)")
+    prefetch_factor: int | None = opt(
+        None, "Batches each worker loads ahead (only with num_workers > 0)", minimum=1, maximum=1024
+    )
     num_streams: int = opt(
         0,
         "(Titan) document streams the data is dealt into (0: one per data-parallel rank); keep it fixed to get "
         "the same batches at any world size",
+        minimum=0,
+        maximum=MAX_RANKS,
     )
 
 
 @dataclass
 class Training:
-    dataset: str = opt("c4_test", "Dataset name (see titan_data.DATASETS)")
-    dataset_path: str | None = opt(None, "Read the dataset from this local path instead of its default")
-    local_batch_size: int = opt(8, "Sequences per data-parallel rank per micro-batch")
+    dataset: str = opt("c4_test", "Dataset name (see titan_data.DATASETS)", nonempty=True)
+    dataset_path: str | None = opt(
+        None, "Read the dataset from this local path instead of its default", path="a dataset file or folder"
+    )
+    local_batch_size: int = opt(
+        8, "Sequences per data-parallel rank per micro-batch", minimum=1, maximum=MAX_SEQUENCES
+    )
     global_batch_size: int = opt(
         -1,
-        "Sequences per optimizer step over all ranks; above local_batch_size * dp it accumulates gradients",
+        "Sequences per optimizer step over all ranks; above local_batch_size * dp it accumulates gradients; "
+        "-1: local_batch_size * dp",
+        minimum=1,
+        maximum=MAX_SEQUENCES,
+        sentinels=(-1,),
     )
-    seq_len: int = opt(2048, "Tokens per sequence")
-    max_norm: float = opt(1.0, "Gradient-norm clipping threshold")
-    steps: int = opt(10000, "Optimizer steps to train")
+    seq_len: int = opt(2048, "Tokens per sequence", minimum=1, maximum=MAX_SEQ_LEN)
+    max_norm: float = opt(1.0, "Gradient-norm clipping threshold", above=0, maximum=1e9)
+    steps: int = opt(10000, "Optimizer steps to train", minimum=0, maximum=MAX_STEPS)
     enable_cpu_offload: bool = opt(False, "Keep FSDP parameters, gradients and optimizer state in CPU memory")
     dtype: str = opt(
         "float32",
@@ -135,7 +184,10 @@ class Training:
     )
     mixed_precision_reduce: str = opt("float32", "FSDP gradient reduction dtype", choices=("float32",))
     gc_freq: int = opt(
-        50, "Run Python's garbage collector every this many steps (automatic collection is off)"
+        50,
+        "Run Python's garbage collector every this many steps (automatic collection is off)",
+        minimum=1,
+        maximum=MAX_STEPS,
     )
     gc_debug: bool = opt(False, "Collect garbage every step, to find reference cycles")
     dataloader: DataLoader = field(default_factory=DataLoader)
@@ -144,15 +196,28 @@ class Training:
 @dataclass
 class Checkpoint:
     enable: bool = opt(False, "Save checkpoints and resume from the newest one in the folder")
-    folder: str = opt("checkpoint", "Checkpoint folder, under job.dump_folder")
-    interval: int = opt(500, "Save every this many steps (the last step is always saved)")
-    keep_latest_k: int = opt(
-        10, "Keep only the newest k checkpoints; 0 keeps all (1 is safe: saves are atomic)"
+    folder: str = opt("checkpoint", "Checkpoint folder, under job.dump_folder", nonempty=True)
+    interval: int = opt(
+        500, "Save every this many steps (the last step is always saved)", minimum=1, maximum=MAX_STEPS
     )
-    load_step: int = opt(-1, "Resume from this step's checkpoint; -1: the newest complete one")
+    keep_latest_k: int = opt(
+        10,
+        "Keep only the newest k checkpoints; 0 keeps all (1 is safe: saves are atomic)",
+        minimum=0,
+        maximum=MAX_STEPS,
+    )
+    load_step: int = opt(
+        -1,
+        "Resume from this step's checkpoint; -1: the newest complete one",
+        minimum=0,
+        maximum=MAX_STEPS,
+        sentinels=(-1,),
+    )
     initial_load_path: str | None = opt(
         None,
         "Checkpoint to start from when the folder holds none (a step folder, or a Hugging Face model folder)",
+        path="a checkpoint step folder or a Hugging Face model folder",
+        needed_if="checkpoint.enable",
     )
     initial_load_model_only: bool = opt(
         True, "Load only the model from initial_load_path; false: also optimizer, schedule, data and step"
@@ -176,7 +241,9 @@ class Checkpoint:
         choices=("disabled", "async", "async_with_pinned_mem"),
     )
     exclude_from_loading: list[str] = opt(
-        [], "States not to restore (comma-separated), e.g. dataloader,lr_scheduler: they start fresh"
+        [],
+        "States not to restore (comma-separated), e.g. dataloader,lr_scheduler: they start fresh",
+        choices=("model", "optimizer", "lr_scheduler", "dataloader", "train_state"),
     )
     enable_first_step_checkpoint: bool = opt(False, "Also save after step 1, to prove saving works early")
     create_seed_checkpoint: bool = opt(
@@ -187,10 +254,21 @@ class Checkpoint:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = opt(300, "Timeout for process-group initialisation and the first collectives")
-    train_timeout_seconds: int = opt(100, "Timeout for collectives once training runs (NCCL)")
-    trace_buf_size: int = opt(20000, "Flight-recorder entries kept per rank; 0: off")
-    save_traces_folder: str = opt("comm_traces", "Flight-recorder dump folder, under dump_folder")
+    init_timeout_seconds: int = opt(
+        300,
+        "Timeout for process-group initialisation and the first collectives",
+        minimum=1,
+        maximum=MAX_SECONDS,
+    )
+    train_timeout_seconds: int = opt(
+        100, "Timeout for collectives once training runs (NCCL)", minimum=1, maximum=MAX_SECONDS
+    )
+    trace_buf_size: int = opt(
+        20000, "Flight-recorder entries kept per rank; 0: off", minimum=0, maximum=10**8
+    )
+    save_traces_folder: str = opt(
+        "comm_traces", "Flight-recorder dump folder, under dump_folder", nonempty=True
+    )
     save_traces_file_prefix: str = opt("rank_", "Flight-recorder dump file prefix")
     mode: str = opt(
         "default",
@@ -212,33 +290,63 @@ class MemoryEstimation:
 class FaultTolerance:
     enable: bool = opt(False, "torchft fault-tolerant replicas")
     process_group: str = opt("gloo", "torchft process group", choices=("gloo", "nccl"))
-    process_group_timeout_ms: int = opt(10000, "torchft process group timeout")
-    replica_id: int = opt(0, "torchft replica id of this job")
-    group_size: int = opt(0, "Number of torchft replica groups")
-    min_replica_size: int = opt(1, "Fewest replicas a step needs")
-    semi_sync_method: str | None = opt(None, "Semi-synchronous method (local_sgd, diloco); None: synchronous")
+    process_group_timeout_ms: int = opt(
+        10000, "torchft process group timeout", minimum=1, maximum=MAX_SECONDS * 1000
+    )
+    replica_id: int = opt(0, "torchft replica id of this job", minimum=0, maximum=MAX_RANKS)
+    group_size: int = opt(0, "Number of torchft replica groups", minimum=0, maximum=MAX_RANKS)
+    min_replica_size: int = opt(1, "Fewest replicas a step needs", minimum=1, maximum=MAX_RANKS)
+    semi_sync_method: str | None = opt(
+        None, "Semi-synchronous method; None: synchronous", choices=("local_sgd", "diloco")
+    )
 
 
 @dataclass
 class Experimental:
-    custom_import: str = opt("", "Module imported before the job is built (e.g. to register a model)")
+    custom_import: str = opt(
+        "",
+        "Module imported before the job is built (e.g. to register a model, flavor or dataset)",
+        pattern=MODULE_NAME,
+        sentinels=("",),
+        check=lambda name: import_user_module("experimental.custom_import", name) if name else None,
+    )
 
 
 @dataclass
 class Validation:
     enable: bool = opt(False, "Measure loss and perplexity on a validation set during training")
-    dataset: str = opt("c4_validation", "Validation dataset name (see titan_data.DATASETS)")
-    dataset_path: str | None = opt(None, "Read the validation dataset from this local path")
-    local_batch_size: int = opt(8, "Validation sequences per data-parallel rank per batch")
-    seq_len: int = opt(2048, "Validation tokens per sequence (at most training.seq_len)")
-    freq: int = opt(10, "Validate every this many steps")
-    steps: int = opt(-1, "Validation batches per run; -1: the whole set (ranks stop together)")
+    dataset: str = opt("c4_validation", "Validation dataset name (see titan_data.DATASETS)", nonempty=True)
+    dataset_path: str | None = opt(
+        None,
+        "Read the validation dataset from this local path",
+        path="a dataset file or folder",
+        needed_if="validation.enable",
+    )
+    local_batch_size: int = opt(
+        8, "Validation sequences per data-parallel rank per batch", minimum=1, maximum=MAX_SEQUENCES
+    )
+    seq_len: int = opt(
+        2048,
+        "Validation tokens per sequence; the model's rotary table covers the longer of it and training.seq_len",
+        minimum=1,
+        maximum=MAX_SEQ_LEN,
+    )
+    freq: int = opt(10, "Validate every this many steps", minimum=1, maximum=MAX_STEPS)
+    steps: int = opt(
+        -1,
+        "Validation batches per run; -1: the whole set (ranks stop together)",
+        minimum=1,
+        maximum=MAX_STEPS,
+        sentinels=(-1,),
+    )
     dataloader: DataLoader = field(default_factory=DataLoader)
 
 
 @dataclass
 class Debug:
-    seed: int | None = opt(None, "Seed for weight init and any randomness; None: 0")
+    seed: int | None = opt(
+        None, "Seed for weight init and any randomness; None: 0", minimum=0, maximum=2**64 - 1
+    )
     deterministic: bool = opt(False, "Use deterministic algorithms (slower)")
     deterministic_warn_only: bool = opt(False, "Only warn where an op has no deterministic implementation")
     moe_force_load_balance: bool = opt(False, "Route tokens to experts round-robin (MoE debugging)")
