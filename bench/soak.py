@@ -6,7 +6,9 @@ TensorBoard. At each metrics log line it samples the training process's resident
 threads (both from /proc/PID/status) and open file descriptors (entries of /proc/PID/fd). It prints
 the samples at the start and every 1,000 steps, and the growth per 1,000 steps after warm-up (the
 slope of a least-squares line through every sample after it). Exits 1 with "LEAK: ..." when
-any of them grows by more than `--max-growth-pct` percent per 1,000 steps.
+any of them grows by more than `--max-growth-pct` percent per 1,000 steps, or resident memory by more
+than `--max-growth-mib`: most of the process is torch's libraries (about 730 MiB), so 1% of it is
+7 MiB per 1,000 steps, and the leak this soak found first grew by 2.2 (bench/RESULTS.md).
 
     uv run python bench/soak.py                      # 6,000 steps
     uv run python bench/soak.py --steps 2000 --warmup-steps 500
@@ -129,6 +131,9 @@ def main() -> int:
     parser.add_argument("--checkpoint-interval", type=int, default=200)
     parser.add_argument("--validation-freq", type=int, default=250)
     parser.add_argument("--max-growth-pct", type=float, default=1.0, help="per 1,000 steps after warm-up")
+    parser.add_argument(
+        "--max-growth-mib", type=float, default=1.0, help="RSS, per 1,000 steps after warm-up"
+    )
     parser.add_argument("--csv", type=Path, help="also write every sample to this file")
     args = parser.parse_args()
     if args.steps < args.warmup_steps + 1000:
@@ -149,6 +154,10 @@ def main() -> int:
         )
         if pct > args.max_growth_pct:
             leaks.append(f"{name} grows {pct:.2f}% per 1,000 steps (more than {args.max_growth_pct}%)")
+        elif name == "rss_mib" and per_1000 > args.max_growth_mib:
+            leaks.append(
+                f"rss grows {per_1000:.2f} MiB per 1,000 steps (more than {args.max_growth_mib} MiB)"
+            )
     print(f"{len(samples)} samples, {samples[-1].step:,} steps in {samples[-1].seconds:.0f} s")
     if leaks:
         print("LEAK: " + "; ".join(leaks))
