@@ -1,27 +1,251 @@
-"""Every parallelism wired into titan-train computes the same run as one process, through the CLI."""
+"""Every layout titan-train offers trains the run of one process, through the trainer itself.
+
+One torchrun launch per world size (1, 2 and 4 ranks, real gloo groups) runs titan-train's Trainer
+once per layout in the same processes (tests/workers/layout_matrix.py): the debug model cut to 2
+layers (4 for schedules with two stages per pipeline rank), seq 64, a global batch of 4 sequences
+dealt from 4 streams so that the data does not depend on the layout, 5 steps. Each layout is
+compared with one process on the same global batch, step by step, by loss and by grad_norm (the norm
+before clipping: AdamW and clipping hide a uniformly wrong gradient scale from the losses and, Adam
+being scale-invariant, from the weights), and by its final weights where the arithmetic is the same
+up to rounding.
+
+Measured on a 2-core CPU with torch 2.15 (float32): every exact layout within 2.4e-7 relative of one
+process on loss and grad_norm at every step, weights within 4.8e-6 (compile; 4.2e-6 for CP + FSDP);
+float8 drifts up to 7.8e-5 (loss, rowwise) and 1.8e-4 (grad_norm, tensorwise).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
+import torch
 
-SHAPE = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "4",
-         "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-         "--training.dataloader.num_streams", "1")  # fmt: skip
+WORKER = Path(__file__).parent / "workers" / "layout_matrix.py"
+DEBUG_CONFIG = Path(__file__).parents[1] / "apps" / "configs" / "debug_model.toml"
+STEPS = 5
+BASE = ("--job.config_file", str(DEBUG_CONFIG), "--metrics.disable_color_printing", "--metrics.log_freq", "1",
+        "--metrics.enable_tensorboard", "false", "--training.steps", str(STEPS), "--training.seq_len", "64",
+        "--training.dataloader.num_streams", "4", "--model.flavor", "debug_2_layers",
+        "--training.local_batch_size", "4")  # fmt: skip
+FOUR_LAYERS = ("--model.flavor", "debug_4_layers")
+
+EXACT = 1e-5  # relative, loss and grad_norm at every step; 40x the largest difference measured
+WEIGHTS_ATOL = 2e-5  # one element's Adam update is ~1e-3: any update that went another way shows
+FLOAT8_REL = 5e-4  # relative, loss and grad_norm; 2.8x the largest drift measured
+
+
+@dataclass(frozen=True)
+class Layout:
+    nproc: int
+    flags: tuple[str, ...] = ()
+    facts: dict = field(default_factory=dict)  # what rank 0 sees when the layout took effect
+    reference: str = "one_process"
+    rel: float = EXACT
+    weights_atol: float | None = WEIGHTS_ATOL  # None: not compared (float8 rounds every matmul)
+    refused: str | None = None  # the trainer's refusal, instead of a run
+
+
+P = "--parallelism."
+TP, CP, REPLICATE = (
+    f"{P}tensor_parallel_degree",
+    f"{P}context_parallel_degree",
+    f"{P}data_parallel_replicate_degree",
+)
+SELECTIVE = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option")
+ACCUMULATE_TO_4 = ("--training.global_batch_size", "4")
+FLOAT8 = ("--model.converters", "float8", "--quantize.linear.float8.recipe_name")
+LINEAR_TYPES = {"linear_types": ["Float8Linear", "Linear"]}
+ONE_STAGE, LOOPED, V = [["0"]], [["0"], ["2"]], [["0"], ["3"]]  # the blocks rank 0 holds, per stage
+
+
+def local_batch(n: int) -> tuple[str, ...]:
+    return ("--training.local_batch_size", str(n))
+
+
+def pp(schedule: str, *flags: str) -> tuple[str, ...]:
+    return (f"{P}pipeline_parallel_degree", "2", f"{P}pipeline_parallel_schedule", schedule, *flags)
+
+
+def pp_schedule(schedule: str, stages: list[list[str]], *flags: str, **kwargs) -> Layout:
+    return Layout(
+        2, pp(schedule, *flags), {"schedule": f"Schedule{schedule}", "stage_blocks": stages}, **kwargs
+    )
+
+
+def cp(rotate_method: str) -> Layout:
+    flags = (CP, "2", f"{P}context_parallel_rotate_method", rotate_method)
+    return Layout(2, flags, {"degrees": {"cp": 2}, "cp_rotate_method": rotate_method})
+
 
 LAYOUTS = {
-    "tp2_sp_loss_parallel": ("--parallelism.tensor_parallel_degree", "2"),
-    "pp2_1f1b": ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"),
-    "cp2_allgather": ("--parallelism.context_parallel_degree", "2"),
+    "one_process": Layout(
+        1, (), {"degrees": {}, "fsdp": False, "checkpointed_blocks": 0, "compiled_blocks": 0}
+    ),
+    "one_process_4_layers": Layout(
+        1, FOUR_LAYERS, {"stage_blocks": [["0", "1", "2", "3"]]}, reference="one_process_4_layers"
+    ),
+    "ac_full": Layout(1, ("--activation_checkpoint.mode", "full"), {"checkpointed_blocks": 2}),
+    "ac_selective_every_2": Layout(1, (*SELECTIVE, "2"), {"checkpointed_blocks": 1}),
+    "ac_selective_op": Layout(1, (*SELECTIVE, "op"), {"checkpointed_blocks": 2}),
+    "compile": Layout(1, ("--compile.enable",), {"compiled_blocks": 2}),
+    "float8_tensorwise": Layout(1, (*FLOAT8, "tensorwise"), LINEAR_TYPES, rel=FLOAT8_REL, weights_atol=None),
+    "float8_rowwise": Layout(1, (*FLOAT8, "rowwise"), LINEAR_TYPES, rel=FLOAT8_REL, weights_atol=None),
+    "float8_rowwise_with_gw_hp": Layout(
+        1,
+        (*FLOAT8, "rowwise_with_gw_hp"),
+        refused="float8='rowwise_with_gw_hp' is unknown; choose one of ['tensorwise', 'rowwise']",
+    ),
+    "accumulate_2": Layout(1, (*local_batch(2), *ACCUMULATE_TO_4), {"grad_accum_steps": 2}),
+    "fsdp": Layout(2, local_batch(2), {"degrees": {"dp_shard": 2}, "fsdp": True, "wq_placements": ["S(0)"]}),
+    "ddp": Layout(
+        2, (REPLICATE, "2", *local_batch(2)), {"degrees": {"dp_replicate": 2}, "wq_placements": ["R"]}
+    ),
+    "tp_sp_loss_parallel": Layout(
+        2, (TP, "2"), {"degrees": {"tp": 2}, "fsdp": False, "wq_placements": ["S(0)"], "loss_parallel": True}
+    ),
+    "pp_1F1B": pp_schedule("1F1B", ONE_STAGE),
+    "pp_GPipe": pp_schedule("GPipe", ONE_STAGE),
+    **{
+        f"pp_{schedule}": pp_schedule(schedule, stages, *FOUR_LAYERS, reference="one_process_4_layers")
+        for schedule, stages in [
+            ("Interleaved1F1B", LOOPED),
+            ("LoopedBFS", LOOPED),
+            ("InterleavedZeroBubble", LOOPED),
+            ("ZBVZeroBubble", V),
+        ]
+    },
+    "cp_allgather": cp("allgather"),
+    "cp_alltoall": cp("alltoall"),
+    "fsdp_accumulate_2": Layout(
+        2, (*local_batch(1), *ACCUMULATE_TO_4), {"grad_accum_steps": 2, "fsdp": True}
+    ),
+    "pp_accumulate_2": Layout(2, (*pp("1F1B"), *local_batch(2), *ACCUMULATE_TO_4), {"grad_accum_steps": 2}),
+    "hsdp": Layout(
+        4,
+        (REPLICATE, "2", *local_batch(1)),
+        {"degrees": {"dp_replicate": 2, "dp_shard": 2}, "wq_placements": ["R", "S(0)"]},
+    ),
+    "tp_fsdp": Layout(4, (TP, "2", *local_batch(2)), {"degrees": {"dp_shard": 2, "tp": 2}, "fsdp": True}),
+    "pp_fsdp": Layout(4, (*pp("1F1B"), *local_batch(2)), {"degrees": {"pp": 2, "dp_shard": 2}, "fsdp": True}),
+    "pp_tp": Layout(4, pp("1F1B", TP, "2"), {"degrees": {"pp": 2, "tp": 2}, "wq_placements": ["S(0)"]}),
+    "cp_fsdp": Layout(4, (CP, "2", *local_batch(2)), {"degrees": {"dp_shard": 2, "cp": 2}, "fsdp": True}),
+}
+
+# Each Pipeline.step ends with torch's schedule dividing every parameter's whole .grad by the number of
+# microbatches (scale_grads=True), so under accumulation the earlier micro-batches are divided again.
+KNOWN_BUGS = {
+    "pp_accumulate_2": "PP + gradient accumulation: earlier micro-batches' gradients are divided by the "
+    "microbatch count once per later Pipeline.step (grad_norm 21% low); fix in titan_parallel/pipeline.py: "
+    "scale_grads=False with the loss divided by n_microbatches",
 }
 
 
+class Matrix:
+    """Launches the worker once per world size, on first use, and reads what each layout wrote."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.results = folder, {}
+
+    def _launch(self, nproc: int) -> None:
+        out = self.folder / f"ranks_{nproc}"
+        out.mkdir()
+        layouts = {name: [*BASE, *layout.flags] for name, layout in LAYOUTS.items() if layout.nproc == nproc}
+        (out / "layouts.json").write_text(json.dumps(layouts))
+        torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+        rendezvous = ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0"]
+        cmd = [*torchrun, *rendezvous, str(WORKER), str(out / "layouts.json"), str(out)]
+        # One thread per rank, and inductor compiling in the rank itself: worker pools on 2 cores cost
+        # more than they save (the one-rank launch takes 10x longer with 2 threads on a busy machine).
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+        for name, value in json.loads((out / "results.json").read_text()).items():
+            self.results[name] = {**value, "dump": out / name}
+
+    def __getitem__(self, name: str) -> dict:
+        if name not in self.results:
+            self._launch(LAYOUTS[name].nproc)
+        return self.results[name]
+
+    def metrics(self, name: str) -> dict[str, list[float]]:
+        records = [
+            json.loads(line) for line in (self[name]["dump"] / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        return {key: [r[key] for r in records] for key in ("loss", "grad_norm")}
+
+    def weights(self, name: str) -> dict[str, torch.Tensor]:
+        """The whole model after the last step, put together from the ranks that wrote a piece."""
+        merged = {}
+        for path in sorted(self[name]["dump"].glob("weights_rank*.pt")):
+            merged.update(torch.load(path))
+        return merged
+
+
+def seen(result: dict, layout: Layout) -> dict:
+    """The facts of a run that the layout names."""
+    return {key: result["facts"][key] for key in layout.facts}
+
+
+def largest_relative_difference(got: list[float], want: list[float]) -> float:
+    return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, train):
-    return train(tmp_path_factory.mktemp("one_process"), *SHAPE)
+def matrix(tmp_path_factory):
+    return Matrix(tmp_path_factory.mktemp("layout_matrix"))
+
+
+def _trained() -> list:
+    names = [name for name, layout in LAYOUTS.items() if layout.refused is None and name != layout.reference]
+    return [
+        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name]))
+        if name in KNOWN_BUGS
+        else name
+        for name in names
+    ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_on_two_ranks_matches_one_process(layout, reference, tmp_path, train):
-    losses = train(tmp_path, *SHAPE, *LAYOUTS[layout], nproc=2)
-    assert sorted(losses) == [1, 2, 3]
-    for step in (1, 2, 3):
-        assert losses[step] == pytest.approx(reference[step], rel=1e-4)
+@pytest.mark.parametrize("name", ["one_process", "one_process_4_layers"])
+def test_one_process_reference_trains_five_distinct_clipped_steps(matrix, name):
+    run = matrix.metrics(name)
+    assert len(set(run["loss"])) == STEPS and len(set(run["grad_norm"])) == STEPS
+    assert max(run["grad_norm"]) > 1.0  # above max_norm: clipping takes part in the comparison
+    assert seen(matrix[name], LAYOUTS[name]) == LAYOUTS[name].facts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _trained())
+def test_layout_trains_the_one_process_run_by_loss_grad_norm_and_weights(matrix, name):
+    layout = LAYOUTS[name]
+    result = matrix[name]
+    assert "refused" not in result, result["refused"]
+    assert seen(result, layout) == layout.facts
+    run, reference = matrix.metrics(name), matrix.metrics(layout.reference)
+    for key in ("loss", "grad_norm"):
+        difference = largest_relative_difference(run[key], reference[key])
+        assert difference <= layout.rel, f"{key}: {run[key]} against one process {reference[key]}"
+    if layout.weights_atol is not None:
+        got, want = matrix.weights(name), matrix.weights(layout.reference)
+        assert sorted(got) == sorted(want)
+        differences = {key: (got[key] - want[key]).abs().max().item() for key in want}
+        worst = max(differences, key=differences.get)
+        assert differences[worst] <= layout.weights_atol, f"{worst} differs by {differences[worst]:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name, layout in LAYOUTS.items() if layout.refused])
+def test_layout_the_trainer_cannot_run_is_refused_with_the_reason(matrix, name):
+    assert LAYOUTS[name].refused in matrix[name].get("refused", "accepted")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_each_layout_leaves_no_process_group_behind(matrix, nproc):
+    names = [name for name, layout in LAYOUTS.items() if layout.nproc == nproc]
+    assert [matrix[name]["groups_after"] for name in names] == [1] * len(names)

@@ -1,0 +1,120 @@
+"""torchrun worker: titan-train's Trainer once per layout, one after another in one process group.
+
+`layout_matrix.py LAYOUTS.json OUT`: LAYOUTS.json maps layout names to `titan-train` CLI overrides.
+The group is joined once, as `titan-train` joins it. Each layout is then parsed and trained as the
+CLI does it (config, seq_len check, Trainer with its refusals, collective timeout, train), writing
+OUT/NAME/metrics.jsonl. After its last step, each rank holding a distinct piece of the model
+(coordinate 0 on every mesh dim but pp) writes those parameters, gathered whole, to
+OUT/NAME/weights_rank<R>.pt. Then the process groups its device mesh created are destroyed, with
+DTensor's sharding caches (they hand an equal mesh's cached results, and so its groups, to the next
+layout) and compiled graphs. A layout refused with a user error records its one-line message.
+Rank 0 writes OUT/results.json: per layout, the refusal or facts showing the layout took effect, the
+process groups alive after it, and its seconds.
+"""
+
+import gc
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+from titan_models import LLAMA3_FLAVORS
+from titan_train.cli import USER_ERRORS
+from titan_train.config import load_job_config
+from titan_train.distributed import init_distributed, set_collective_timeout, shutdown
+from titan_train.sequence_limit import check_seq_len
+from titan_train.trainer import Trainer
+
+# The Llama 3 debug model cut to 2 layers, and to 4 for schedules with two stages per pipeline rank.
+LLAMA3_FLAVORS["debug_2_layers"] = replace(LLAMA3_FLAVORS["debugmodel"], n_layers=2)
+LLAMA3_FLAVORS["debug_4_layers"] = replace(LLAMA3_FLAVORS["debugmodel"], n_layers=4)
+
+
+def train_layout(argv: list[str], info) -> Trainer:
+    """What `titan-train` does between joining the group and leaving it."""
+    config = load_job_config(argv)
+    check_seq_len(config)
+    trainer = Trainer(config, info)
+    set_collective_timeout(config.comm.train_timeout_seconds)
+    trainer.train()
+    return trainer
+
+
+def write_weights(trainer: Trainer, path: Path) -> None:
+    """The parameters this rank holds, whole, if no rank before it in its pipeline stage holds them too."""
+    state = {}
+    for part in trainer.model_parts:
+        state.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)))
+    mesh = trainer.dims.mesh
+    coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True))
+    if all(c == 0 for name, c in coordinate.items() if name != "pp"):
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, path)
+
+
+def release_groups_since(groups_before: set) -> None:
+    """Destroy the process groups created since `groups_before`, and every cache that may hold them."""
+    for group in set(dist.distributed_c10d._world.pg_map) - groups_before:
+        dist.destroy_process_group(group)
+    _clear_sharding_prop_cache()
+    torch._dynamo.reset()
+
+
+def facts(trainer: Trainer) -> dict:
+    """What rank 0 sees of the layout: degrees, stages, sharding, wrapped blocks, linear types."""
+    parts = trainer.model_parts
+    blocks = [block for part in parts for block in part.layers.values()]
+    wq = blocks[0].attention.wq.weight
+    linear_types = {
+        type(m).__name__ for part in parts for m in part.modules() if "Linear" in type(m).__name__
+    }
+    return {
+        "degrees": {k: v for k, v in trainer.dims.degrees.items() if v > 1},
+        "grad_accum_steps": trainer.grad_accum_steps,
+        "schedule": type(trainer.pipeline.schedule).__name__ if trainer.pipeline else None,
+        "stage_blocks": [sorted(part.layers.keys()) for part in parts],
+        "fsdp": isinstance(parts[0], FSDPModule),
+        "loss_parallel": trainer.dims.tp > 1 and trainer.parallel_options.loss_parallel,
+        "cp_rotate_method": trainer.parallel_options.cp_rotate_method if trainer.dims.cp > 1 else None,
+        "wq_placements": [str(p) for p in wq.placements] if isinstance(wq, DTensor) else None,
+        "checkpointed_blocks": sum("forward" in vars(block) for block in blocks),
+        "compiled_blocks": sum(getattr(block, "_compiled_call_impl", None) is not None for block in blocks),
+        "linear_types": sorted(linear_types),
+    }
+
+
+def main(layouts_json: Path, out: Path) -> None:
+    info = init_distributed(300)
+    results = {}
+    for name, overrides in json.loads(layouts_json.read_text()).items():
+        dump = out / name
+        groups_before = set(dist.distributed_c10d._world.pg_map)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        try:
+            trainer = train_layout([*overrides, "--job.dump_folder", str(dump)], info)
+            write_weights(trainer, dump / f"weights_rank{info.rank}.pt")
+            result = {"facts": facts(trainer)}
+        except USER_ERRORS as err:
+            result = {"refused": f"{type(err).__name__}: {err}"}
+        trainer = None
+        gc.collect()
+        dist.barrier()
+        release_groups_since(groups_before)
+        result["groups_after"] = len(dist.distributed_c10d._world.pg_map)
+        result["seconds"] = time.perf_counter() - start
+        result["cpu_seconds"] = time.process_time() - cpu_start
+        results[name] = result
+    if info.rank == 0:
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
