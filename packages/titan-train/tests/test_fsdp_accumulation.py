@@ -32,6 +32,8 @@ def test_fsdp_accumulation_matches_the_whole_batch_and_reduces_gradients_once_pe
     assert (whole["grad_accum_steps"], accumulated["grad_accum_steps"]) == (1, 2)
     assert len(set(whole["losses"])) == 3
     assert accumulated["losses"] == pytest.approx(whole["losses"], rel=1e-5)
+    # The norm before clipping sees a wrongly scaled gradient that AdamW and clipping hide from the losses.
+    assert accumulated["grad_norms"] == pytest.approx(whole["grad_norms"], rel=1e-5)
     # One reduction per FSDP group per step in both runs: the first micro-batch's gradients stayed local.
     assert whole["reductions"] > 0
     assert accumulated["reductions"] == whole["reductions"]

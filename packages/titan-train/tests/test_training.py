@@ -18,7 +18,9 @@ def _jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_gradient_accumulation_2x4_gives_the_losses_of_local_batch_8(tmp_path, one_rank, small_config):
+def test_gradient_accumulation_2x4_gives_the_losses_and_grad_norms_of_batch_8(
+    tmp_path, one_rank, small_config
+):
     whole = Trainer(small_config(tmp_path / "b8", "--training.local_batch_size", "8"), one_rank)
     accumulated = Trainer(
         small_config(
@@ -30,9 +32,12 @@ def test_gradient_accumulation_2x4_gives_the_losses_of_local_batch_8(tmp_path, o
     losses_whole, losses_accumulated = whole.train(), accumulated.train()
     assert len(set(losses_whole)) == 3  # three different steps, not one state compared three times
     assert losses_accumulated == pytest.approx(losses_whole, rel=1e-5)
+    # AdamW and clipping hide a wrongly scaled gradient from the losses; the norm before clipping does not.
+    logged = {run: _jsonl(tmp_path / run / "metrics.jsonl") for run in ("b8", "b2x4")}
+    norms = {run: [r["grad_norm"] for r in records] for run, records in logged.items()}
+    assert norms["b2x4"] == pytest.approx(norms["b8"], rel=1e-5)
     # Each optimizer step saw 8 sequences of 32 tokens either way.
-    seen = [r["tokens_seen"] for r in _jsonl(tmp_path / "b2x4" / "metrics.jsonl")]
-    assert seen == [256, 512, 768]
+    assert [r["tokens_seen"] for r in logged["b2x4"]] == [256, 512, 768]
 
 
 PROFILED = (

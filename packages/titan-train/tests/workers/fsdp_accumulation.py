@@ -49,6 +49,10 @@ def uneven_validation_set(folder: Path) -> Path:
     return path
 
 
+def _logged(metrics: Path, key: str) -> list[float]:
+    return [json.loads(line)[key] for line in metrics.read_text().splitlines()]
+
+
 def _read_if_written(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
@@ -75,6 +79,7 @@ def main(out: Path) -> None:
         losses = trainer.train()
         results[name] = {
             "losses": losses,
+            "grad_norms": _logged(out.parent / name / "metrics.jsonl", "grad_norm"),
             "reductions": calls[0] - before,
             "grad_accum_steps": trainer.grad_accum_steps,
             "fsdp": isinstance(trainer.model_parts[0], FSDPModule),
