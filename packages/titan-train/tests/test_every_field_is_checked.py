@@ -238,11 +238,10 @@ def _titan_train(dump: Path, *flags: str) -> subprocess.CompletedProcess:
 
 # (name, flags, the error line's fragment; None: the run must train to the end)
 RUNS = [
-    ("negative_lr", ("--optimizer.lr", "-1"), "config: optimizer.lr must be above 0, got -1.0"),
     (
-        "bad_retention_with_a_checkpoint_in_the_folder",
-        ("--checkpoint.enable", "--checkpoint.keep_latest_k", "-1"),
-        "config: checkpoint.keep_latest_k must be at least 0, got -1",
+        "negative_lr_resuming_from_a_checkpoint",
+        ("--optimizer.lr", "-1", "--checkpoint.enable"),
+        "config: optimizer.lr must be above 0, got -1.0",
     ),
     (
         "validation_longer_than_training",
