@@ -139,7 +139,7 @@ LAYOUTS = {
 # microbatches (scale_grads=True), so under accumulation the earlier micro-batches are divided again.
 KNOWN_BUGS = {
     "pp_accumulate_2": "PP + gradient accumulation: earlier micro-batches' gradients are divided by the "
-    "microbatch count once per later Pipeline.step (grad_norm 21% low); fix in titan_parallel/pipeline.py: "
+    "microbatch count once per later Pipeline.step (grad_norm 20-23% low); fix in titan_parallel/pipeline.py: "
     "scale_grads=False with the loss divided by n_microbatches",
 }
 
