@@ -7,6 +7,7 @@ import torch
 from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
 
 from titan_parallel import ParallelConfigError, ParallelOptions, UnsupportedDeviceError, apply_float8
+from titan_parallel import float8 as titan_float8
 from titan_parallel.float8 import check_float8_device
 
 
@@ -31,7 +32,8 @@ def fp32_run():
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_float8_converts_block_linears_and_trains_like_float32(fp32_run, recipe):
+def test_float8_converts_block_linears_and_trains_like_float32(fp32_run, recipe, skip_unless_cpu_runs_float8):
+    skip_unless_cpu_runs_float8(recipe)
     model, fp32_losses = fp32_run
     model = copy.deepcopy(model)
     apply_float8(model, recipe=recipe)
@@ -64,3 +66,15 @@ def test_float8_is_refused_on_devices_without_float8_matmuls():
         check_float8_device("cuda", capability=(8, 0))
     with pytest.raises(UnsupportedDeviceError, match="not 'mps'"):
         check_float8_device("mps")
+
+
+def test_float8_rowwise_is_refused_at_setup_where_cpu_matmuls_lack_row_scales(monkeypatch):
+    monkeypatch.setattr(titan_float8, "_cpu_scaled_mm_takes_row_scales", lambda: False)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48))
+    with pytest.raises(
+        UnsupportedDeviceError, match=r"'rowwise' on CPU needs torch._scaled_mm with per-row scales"
+    ):
+        apply_float8(model, recipe="rowwise", skip_fqns=())
+    assert type(model[0]).__name__ == "Linear"  # refused before any layer was swapped
+    apply_float8(model, recipe="tensorwise", skip_fqns=())  # the suggested recipe runs on this CPU
+    assert type(model[0]).__name__ == "Float8Linear"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 
@@ -42,7 +43,7 @@ def apply_float8(
             f"parallelism: float8 FSDP all-gather needs the 'tensorwise' recipe, got {recipe!r}; torchao "
             "casts a sharded weight with one scale per tensor only"
         )
-    check_float8_device(device_type)
+    check_float8_device(device_type, recipe=recipe)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
@@ -73,10 +74,22 @@ def precompute_float8_scales(model: nn.Module) -> None:
     precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def check_float8_device(device_type: str, capability: tuple[int, int] | None = None) -> None:
-    """Refuse a device without float8 matmuls: CUDA before compute capability 8.9, or not CPU/CUDA."""
+def check_float8_device(
+    device_type: str, capability: tuple[int, int] | None = None, *, recipe: str = "tensorwise"
+) -> None:
+    """Refuse a device without float8 matmuls for `recipe`.
+
+    Refused: CUDA before compute capability 8.9, devices other than CPU and CUDA, and "rowwise" on
+    a CPU whose torch has no per-row scales in its CPU `torch._scaled_mm` (torch 2.11).
+    """
     if device_type == "cpu":
-        return  # torch._scaled_mm has a CPU float8 path
+        if recipe == "rowwise" and not _cpu_scaled_mm_takes_row_scales():
+            raise UnsupportedDeviceError(
+                f"parallelism: float8 'rowwise' on CPU needs torch._scaled_mm with per-row scales on CPU; torch "
+                f"{torch.__version__} supports only per-tensor scales there. Use float8 = 'tensorwise' on CPU, "
+                "run rowwise on a CUDA GPU, or use a newer torch (2.15 has it)"
+            )
+        return
     if device_type != "cuda":
         raise UnsupportedDeviceError(
             f"parallelism: float8 training needs a CPU or a CUDA GPU with float8 matmuls, not {device_type!r}; "
@@ -89,3 +102,15 @@ def check_float8_device(device_type: str, capability: tuple[int, int] | None = N
             f"parallelism: float8 training needs a CUDA GPU of compute capability 8.9 or newer (H100, L4, "
             f"RTX 4090); this one is {capability[0]}.{capability[1]}. Remove the float8 setting here"
         )
+
+
+@functools.cache
+def _cpu_scaled_mm_takes_row_scales() -> bool:
+    """Whether this torch's CPU float8 matmul accepts one scale per row, as the rowwise recipe uses."""
+    a = torch.ones(_FLOAT8_ALIGNMENT, _FLOAT8_ALIGNMENT, dtype=torch.float8_e4m3fn)
+    rows, cols = torch.ones(_FLOAT8_ALIGNMENT, 1), torch.ones(1, _FLOAT8_ALIGNMENT)
+    try:
+        out = torch._scaled_mm(a, a.t(), scale_a=rows, scale_b=cols, out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return bool((out == _FLOAT8_ALIGNMENT).all())
