@@ -53,12 +53,14 @@ def context_parallel_ctx(
         )
     set_rotate_method(rotate_method)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(
-            context_parallel(
-                cp_mesh, buffers=list(buffers), buffer_seq_dims=list(seq_dims),
-                no_restore_buffers=set(no_restore_buffers or ()),
-            )
+        sharded = context_parallel(
+            cp_mesh, buffers=list(buffers), buffer_seq_dims=list(seq_dims),
+            no_restore_buffers=set(no_restore_buffers or ()),
         )  # fmt: skip
+        sharded.__enter__()
+        # Always exit as if cleanly: torch 2.11's context_parallel restores SDPA and the buffers only
+        # then, so an exception in the step would leave every later SDPA call patched for ring attention.
+        stack.callback(sharded.__exit__, None, None, None)
         if device == "cpu":
             # Entered after context_parallel, which resets the handler table on entry.
             stack.enter_context(cpu_ring_attention())

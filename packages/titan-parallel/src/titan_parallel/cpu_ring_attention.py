@@ -28,16 +28,45 @@ _BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 def check_cpu_ring_attention_support() -> None:
     """Raise a clear error if this torch lacks the pieces CPU context parallelism is built from."""
     try:
-        from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder  # noqa: F401
-        from torch.distributed.tensor.experimental._context_parallel import _attention  # noqa: F401
-        from torch.distributed.tensor.experimental._context_parallel._sharding_rules import (  # noqa: F401
-            _single_dim_strategy_context,
+        from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: F401
+            _ShardingPlaceholder,
+            register_single_dim_strategy,
+        )
+        from torch.distributed.tensor.experimental._context_parallel._attention import (  # noqa: F401
+            _templated_ring_attention,
+            _templated_ring_attention_backward,
         )
     except ImportError as e:
         raise UnsupportedDeviceError(
             f"parallelism: context parallel on CPU needs torch's ring-attention internals, missing here ({e}); "
-            f"this torch is {torch.__version__}. Use torch 2.15 or run context parallel on CUDA"
+            f"this torch is {torch.__version__}, titan-parallel is tested on 2.11 and 2.15. Use one of those, or run "
+            "context parallel on CUDA"
         ) from e
+
+
+@contextlib.contextmanager
+def _single_dim_strategy(op, strategy, schema_info) -> Iterator[None]:
+    """Install a sharding strategy for `op` while open, then put back whatever was there before.
+
+    torch's own `_single_dim_strategy_context` (2.15) is missing in 2.11 and leaves the schema
+    info behind; both torches register through `register_single_dim_strategy` into the two tables
+    restored here.
+    """
+    from torch.distributed.tensor._ops.single_dim_strategy import register_single_dim_strategy
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    tables = (propagator.op_single_dim_strategy_funcs, propagator.op_to_schema_info_for_single_dim_strategy)
+    missing = object()
+    saved = [table.get(op, missing) for table in tables]
+    try:
+        register_single_dim_strategy(op, schema_info=schema_info)(strategy)
+        yield
+    finally:
+        for table, value in zip(tables, saved, strict=True):
+            if value is missing:
+                table.pop(op, None)
+            else:
+                table[op] = value
 
 
 def _forward_strategy(op, args_schema, kwargs_schema):
@@ -108,16 +137,13 @@ def cpu_ring_attention() -> Iterator[None]:
     """Route the CPU flash SDPA kernel through ring attention while open (inside `context_parallel`)."""
     check_cpu_ring_attention_support()
     from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-    from torch.distributed.tensor.experimental._context_parallel._sharding_rules import (
-        _single_dim_strategy_context,
-    )
 
     dispatcher = DTensor._op_dispatcher
     previous = dict(dispatcher._custom_op_handlers)
     with contextlib.ExitStack() as stack:
         # is_causal (arg 4) changes which kernel the ring runs, so it is part of the cache key.
-        stack.enter_context(_single_dim_strategy_context(_FORWARD, _forward_strategy, RuntimeSchemaInfo(3)))
-        stack.enter_context(_single_dim_strategy_context(_BACKWARD, _backward_strategy, RuntimeSchemaInfo(6)))
+        stack.enter_context(_single_dim_strategy(_FORWARD, _forward_strategy, RuntimeSchemaInfo(3)))
+        stack.enter_context(_single_dim_strategy(_BACKWARD, _backward_strategy, RuntimeSchemaInfo(6)))
         dispatcher._custom_op_handlers = {**previous, _FORWARD: _handler, _BACKWARD: _handler}
         try:
             yield

@@ -67,6 +67,19 @@ class Pipeline:
         return loss
 
 
+class _PipelineStage(PipelineStage):
+    """A `PipelineStage` whose start-up handshake leaves out sends to its own rank.
+
+    torch 2.11's multi-stage schedules first exchange a dummy tensor with each neighbouring stage's
+    rank. In a V (ZBVZeroBubble) two neighbouring stages sit on one rank, and gloo cannot send to
+    itself ("Pair is not connected"); the schedule passes those stages' tensors in memory anyway.
+    Later torches have no such handshake and never call this.
+    """
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+
 def stages_per_rank(options: ParallelOptions, pp: int, n_layers: int) -> int:
     """How many stages each rank runs: 1 for single-stage schedules, else from the split settings (default 2)."""
     single = options.pp_schedule in SINGLE_STAGE_SCHEDULES
@@ -149,7 +162,7 @@ def build_pipeline(
         part = stage_module(model, stage_units[stage_id], units)
         part = parallelize_fn(part) if parallelize_fn is not None else parallelize(part, dims, options)
         parts.append(part)
-        stages.append(PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+        stages.append(_PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
         logger.info("pipeline rank %d holds stage %d: %s", rank, stage_id, stage_units[stage_id])
     schedule_class = get_schedule_class(options.pp_schedule)
     try:

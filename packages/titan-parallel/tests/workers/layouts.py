@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
@@ -187,6 +188,24 @@ def refusals() -> dict:
     return {"facts": messages}
 
 
+def cp_failed_step() -> dict:
+    """A step that raises inside context parallelism: SDPA and the sharded buffers come back all the same."""
+    cp = ParallelDims(dp_shard=1, cp=2, world_size=2)
+    cp.build_mesh("cpu")
+    sdpa, rope = F.scaled_dot_product_attention, torch.arange(8.0)
+    try:
+        with context_parallel_ctx(cp.submesh("cp"), [rope], [0]):
+            raise RuntimeError("step failed")
+    except RuntimeError:
+        pass
+    return {
+        "facts": {
+            "sdpa_restored": F.scaled_dot_product_attention is sdpa,
+            "buffer_restored": rope.tolist() == [float(i) for i in range(8)],
+        }
+    }
+
+
 def schedule(name: str, **extra) -> ParallelOptions:
     return ParallelOptions(pp_schedule=name, **extra)
 
@@ -231,6 +250,7 @@ CASES = {
         {"dp_shard": 2}, ParallelOptions(float8="rowwise"), ref_chunks=2
     ),
     "refusals": refusals,
+    "cp_failed_step": cp_failed_step,
     # 4 ranks
     "hsdp": lambda: run_layout({"dp_replicate": 2, "dp_shard": 2}, ParallelOptions()),
     "fsdp_tp": lambda: run_layout({"dp_shard": 2, "tp": 2}, ParallelOptions()),
