@@ -2,7 +2,7 @@
 
 - `disabled`: `dcp.save`; training waits until the files are written.
 - `async`: the state is copied into host staging buffers (kept and reused from one save to the
-  next), then written by a background thread; training waits only for the copy.
+  next where torch allows it), then written by a background thread; training waits only for the copy.
 - `async_with_pinned_mem`: the copy itself runs in the background too, into pinned memory on CUDA;
   training waits only if it reaches its next optimizer step before the copy is done.
 """
@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -61,6 +62,32 @@ def build_stager(mode: str, *, warn: bool = True) -> DefaultStager | None:
             use_non_blocking_copy=pinned,
         )
     )
+
+
+def stager_for_next_save(stager: DefaultStager, mode: str) -> DefaultStager:
+    """`stager` itself, or a fresh one for `mode` (closing `stager`) where a stager cannot stage twice.
+
+    torch 2.11's `DefaultStager` empties its copier after each stage, so a second save through it
+    fails (`KeyError: <class 'type'>`); there every save gets a new stager and no buffers are reused.
+    Call it only once the previous save's staging has finished.
+    """
+    if _stager_stages_twice():
+        return stager
+    stager.close()
+    return build_stager(mode, warn=False)
+
+
+@functools.cache
+def _stager_stages_twice() -> bool:
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        for _ in range(2):
+            stager.stage({"step": torch.zeros(1), "kind": int})
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+    return True
 
 
 def snapshot_objects(state: Any) -> Any:

@@ -21,7 +21,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titan_ckpt.async_save import PendingSave, SaveTiming, build_stager, check_async_mode, snapshot_objects
+from titan_ckpt.async_save import (
+    PendingSave,
+    SaveTiming,
+    build_stager,
+    check_async_mode,
+    snapshot_objects,
+    stager_for_next_save,
+)
 from titan_ckpt.collectives import barrier, decide_on_rank0, group_rank, raise_on_every_rank
 from titan_ckpt.errors import CheckpointError
 from titan_ckpt.hf_safetensors import (
@@ -297,6 +304,7 @@ class Checkpointer:
             elapsed = time.perf_counter() - started
             self._commit(step, partial, final, blocked_s=elapsed, total_s=elapsed)
             return
+        self._stager = stager_for_next_save(self._stager, self.async_mode)
         response = dcp.async_save(
             snapshot_objects(state) if self.async_mode == "async_with_pinned_mem" else state,
             checkpoint_id=str(partial),
