@@ -60,7 +60,8 @@ class Pipeline:
         device = inputs.device
         if self.has_last_stage:
             parts = [x.full_tensor() if isinstance(x, DTensor) else x for x in losses]
-            loss = torch.stack([x.detach().float() for x in parts]).mean()
+            # Each microbatch loss is already divided by the microbatch count (see build_pipeline).
+            loss = torch.stack([x.detach().float() for x in parts]).sum()
         else:
             loss = torch.empty((), device=device)
         dist.broadcast(loss, group=self.pp_mesh.get_group(), group_src=self.last_stage_rank)
@@ -136,8 +137,10 @@ def build_pipeline(
 
     `model` is best built on the meta device (stages are deep copies); materialise and initialise
     `Pipeline.model_parts` afterwards. `loss_fn(logits, labels)` is a mean over tokens; each
-    microbatch of `options.pp_microbatch_size` sequences gets its own loss and gradients are
-    divided by the number of microbatches, which equals the full-batch mean.
+    microbatch of `options.pp_microbatch_size` sequences gets its own loss, divided by the number
+    of microbatches, so the gradients add up to those of the full-batch mean. The loss is divided,
+    not the gradients afterwards (torch's `scale_grads`): that rescales every gradient the
+    parameters hold, which under gradient accumulation includes earlier micro-batches' share.
     """
     pp_mesh = dims.submesh("pp")
     if pp_mesh is None:
@@ -165,11 +168,16 @@ def build_pipeline(
         stages.append(_PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
         logger.info("pipeline rank %d holds stage %d: %s", rank, stage_id, stage_units[stage_id])
     schedule_class = get_schedule_class(options.pp_schedule)
+
+    def microbatch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_fn(logits, labels) / n_microbatches
+
+    kwargs = {"n_microbatches": n_microbatches, "loss_fn": microbatch_loss, "scale_grads": False}
     try:
         if issubclass(schedule_class, PipelineScheduleSingle):
-            schedule = schedule_class(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+            schedule = schedule_class(stages[0], **kwargs)
         else:
-            schedule = schedule_class(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+            schedule = schedule_class(stages, **kwargs)
     except ValueError as e:
         raise ParallelConfigError(
             f"parallelism: schedule {options.pp_schedule} with {num_stages} stages and {n_microbatches} microbatches "
