@@ -1,4 +1,4 @@
-"""The package dependency rule of ARCHITECTURE.md: libraries never import siblings, and each one
+"""The package dependency rule (README, "The packages"): libraries never import siblings, and each one
 installs and passes its own tests alone in a fresh environment."""
 
 import ast
