@@ -22,13 +22,13 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+from train_throughput import _torchrun  # bench/ is the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
@@ -100,11 +100,6 @@ def measured_matmul_peak() -> float:
     return 2 * n**3 / statistics.median(times)
 
 
-def _torchrun(python: str = sys.executable) -> list[str]:
-    return [python, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv_backend=c10d",
-            "--rdzv_endpoint=localhost:0"]  # fmt: skip
-
-
 def _env() -> dict[str, str]:
     path = os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1",
@@ -140,7 +135,7 @@ def run_titan(c: Config, args, run: Run, dump: Path) -> None:
     if args.profile and c.mode != "eager":
         flags += ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps),
                   "--profiling.save_traces_folder", "traces"]  # fmt: skip
-    proc = subprocess.run([*_torchrun(), "-m", "titan_train.cli", *flags], capture_output=True, text=True,
+    proc = subprocess.run([*_torchrun(1), "-m", "titan_train.cli", *flags], capture_output=True, text=True,
                           cwd=REPO, env=_env())  # fmt: skip
     (dump / "log.txt").write_text(proc.stdout + proc.stderr)
     read_titan_metrics(dump / "metrics.jsonl", args.log_freq, run)
@@ -177,7 +172,7 @@ def run_torchtitan(c: Config, args, run: Run, dump: Path) -> None:
             "--quantize.linear.float8.filter_fqns",
             "output",
         ]
-    proc = subprocess.run([*_torchrun(), "-m", "torchtitan.train", *flags], capture_output=True, text=True,
+    proc = subprocess.run([*_torchrun(1), "-m", "torchtitan.train", *flags], capture_output=True, text=True,
                           cwd=dump, env=_env())  # fmt: skip
     text = proc.stdout + proc.stderr
     (dump / "log.txt").write_text(text)
