@@ -27,7 +27,8 @@ TWO_RANKS = {
     "ddp": {"wq_placements": ["R"], "wq_local_shape": [32, 32]},
     "tp_sp_loss_parallel": {"wq_placements": ["S(0)"], "wq_local_shape": [16, 32], "fsdp_module": False},
     "tp_plain": {"wq_placements": ["S(0)"], "wq_local_shape": [16, 32]},
-    "cp_allgather": {"local_seq_len": 8},
+    "cp_allgather": {"local_seq_len": 8, "holds_sequence_head": False},
+    "cp_no_load_balance": {"local_seq_len": 8, "holds_sequence_head": True},
     "cp_alltoall": {"local_seq_len": 8},
     "pp_1F1B": {"stage_blocks": [["0", "1"]]},
     "pp_GPipe": {"stage_blocks": [["0", "1"]]},
@@ -129,7 +130,7 @@ def test_a_step_that_fails_under_context_parallel_leaves_sdpa_and_buffers_restor
         ("float8_with_tp", r"float8 with tp\(2\) needs torchao's float8 tensor-parallel styles"),
         ("pipeline_without_pp", "build_pipeline needs pp > 1"),
         ("cp_without_buffers", r"cp\(2\) > 1 but no cp_buffers were given"),
-        ("cp_seq_not_divisible", r"sequence length 6 on dim 1, not divisible by 2\*cp = 4"),
+        ("cp_seq_not_divisible", r"sequence length 6 on dim 1, not divisible by 4, the number of chunks"),
         ("cpu_offload_without_sharding", "cpu_offload needs sharded parameters"),
     ],
 )

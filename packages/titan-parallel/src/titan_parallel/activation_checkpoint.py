@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,12 +39,19 @@ def apply_ac(
     *,
     mode: str = "full",
     selective: str | int = "op",
+    force_recompute_mm_fqns: tuple[str, ...] = (),
+    checkpoint_kwargs: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Recompute block activations in backward instead of storing them.
 
     `mode`: "none", "full" (keep only each block's inputs), or "selective": with `selective="op"`
     every block keeps matmul and attention outputs and recomputes the cheap element-wise ops; with an
     integer N, every N-th block is checkpointed fully and the others keep everything.
+    `force_recompute_mm_fqns` (per-op mode): linear layers, named as inside a block (a name matches
+    any module whose name contains it), whose matmul outputs are recomputed rather than kept; found
+    by their weight shapes, as the policy sees only ops. `checkpoint_kwargs` go to
+    `torch.utils.checkpoint.checkpoint` as they are (preserve_rng_state, determinism_check,
+    early_stop, debug).
 
     The block's `forward` is wrapped in place rather than the block in a wrapper module, so
     parameter names (and so checkpoints) stay the same with and without checkpointing.
@@ -55,7 +63,9 @@ def apply_ac(
     if mode == "full":
         chosen, context_fn = list(blocks.values()), None
     elif selective == "op":
-        chosen, context_fn = list(blocks.values()), _keep_matmuls_context
+        shapes = _recompute_shapes(blocks, force_recompute_mm_fqns)
+        policy = functools.partial(_keep_matmuls_policy, recompute_shapes=shapes)
+        chosen, context_fn = list(blocks.values()), functools.partial(create_selective_checkpoint_contexts, policy)
     else:
         every = int(selective)
         if every < 1:
@@ -64,28 +74,43 @@ def apply_ac(
             )
         chosen, context_fn = [b for i, b in enumerate(blocks.values()) if i % every == 0], None
     for block in chosen:
-        _checkpoint_forward(block, context_fn)
+        block.forward = CheckpointedForward(block.forward, context_fn, dict(checkpoint_kwargs or {}))
     logger.info(
         "activation checkpointing %s (%s): %d of %d blocks", mode, selective, len(chosen), len(blocks)
     )
     return model
 
 
-def _checkpoint_forward(block: nn.Module, context_fn: Callable | None) -> None:
-    forward = block.forward
-    kwargs = {"context_fn": context_fn} if context_fn is not None else {}
+class CheckpointedForward:
+    """A block's forward run under non-reentrant checkpointing, with the settings it was given.
 
-    @functools.wraps(forward)
-    def checkpointed(*args, **inputs):
-        # Non-reentrant: works with keyword inputs, DTensors, FSDP hooks and torch.compile.
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs, **inputs)
+    Replaces `block.forward` in place, so parameter names (and so checkpoints) stay the same with and
+    without checkpointing. Non-reentrant: works with keyword inputs, DTensors, FSDP hooks and compile.
+    """
 
-    block.forward = checkpointed
+    def __init__(self, forward: Callable, context_fn: Callable | None, kwargs: dict[str, Any]):
+        self.forward, self.kwargs = forward, kwargs
+        if context_fn is not None:
+            self.kwargs["context_fn"] = context_fn
+        functools.update_wrapper(self, forward)
+
+    def __call__(self, *args, **inputs):
+        return checkpoint(self.forward, *args, use_reentrant=False, **self.kwargs, **inputs)
 
 
-def _keep_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _recompute_shapes(blocks: dict[str, nn.Module], fqns: tuple[str, ...]) -> set[torch.Size]:
+    """The (in, out) shapes of the weights of the linear layers named in `fqns`, as `mm` sees them."""
+    shapes = set()
+    for block in blocks.values():
+        for name, module in block.named_modules():
+            if isinstance(module, nn.Linear) and any(fqn in name for fqn in fqns):
+                shapes.add(torch.Size(module.weight.shape[::-1]))
+    if fqns:
+        logger.info("per-op activation checkpointing recomputes matmuls of shape %s (%s)", sorted(shapes), fqns)
+    return shapes
+
+
+def _keep_matmuls_policy(ctx, op, *args, recompute_shapes: set[torch.Size], **kwargs) -> CheckpointPolicy:
+    if op is aten.mm.default and args[1].shape in recompute_shapes:
+        return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if op in _KEEP_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _keep_matmuls_context():
-    return create_selective_checkpoint_contexts(_keep_matmuls_policy)

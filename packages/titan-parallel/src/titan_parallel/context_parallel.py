@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.experimental import context_parallel
-from torch.distributed.tensor.experimental._attention import set_rotate_method
+from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
 
 from titan_parallel.cpu_ring_attention import cpu_ring_attention
 from titan_parallel.errors import ParallelConfigError, UnsupportedDeviceError
@@ -26,6 +26,7 @@ def context_parallel_ctx(
     *,
     no_restore_buffers: set[torch.Tensor] | None = None,
     rotate_method: str = "allgather",
+    load_balance: bool = True,
 ) -> Iterator[None]:
     """Run forward and backward with every tensor in `buffers` sharded on its sequence dim.
 
@@ -35,6 +36,8 @@ def context_parallel_ctx(
     through `torch.nn.functional.scaled_dot_product_attention` with `is_causal=True`, looked up at
     call time (`F.scaled_dot_product_attention`), since that is where torch routes to ring
     attention. `rotate_method` is how key/value shards travel: "allgather" or "alltoall".
+    `load_balance=False` gives each rank one contiguous chunk instead (the last rank then does the
+    most causal work).
     """
     if rotate_method not in ROTATE_METHODS:
         raise ParallelConfigError(
@@ -45,7 +48,7 @@ def context_parallel_ctx(
             f"parallelism: context parallel got {len(buffers)} buffers but {len(seq_dims)} sequence dims; "
             "give one sequence dim per buffer"
         )
-    _check_divisible(cp_mesh.size(), buffers, seq_dims)
+    _check_divisible(cp_mesh.size() * (2 if load_balance else 1), buffers, seq_dims)
     device = cp_mesh.device_type
     if device not in ("cpu", "cuda"):
         raise UnsupportedDeviceError(
@@ -53,6 +56,9 @@ def context_parallel_ctx(
         )
     set_rotate_method(rotate_method)
     with contextlib.ExitStack() as stack:
+        balance = _cp_options.enable_load_balance
+        _cp_options.enable_load_balance = load_balance
+        stack.callback(setattr, _cp_options, "enable_load_balance", balance)
         sharded = context_parallel(
             cp_mesh, buffers=list(buffers), buffer_seq_dims=list(seq_dims),
             no_restore_buffers=set(no_restore_buffers or ()),
@@ -67,12 +73,12 @@ def context_parallel_ctx(
         yield
 
 
-def _check_divisible(cp: int, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int]) -> None:
+def _check_divisible(chunks: int, buffers: Sequence[torch.Tensor], seq_dims: Sequence[int]) -> None:
     for i, (buffer, dim) in enumerate(zip(buffers, seq_dims, strict=True)):
         length = buffer.shape[dim]
-        if length % (2 * cp):
+        if length % chunks:
             raise ParallelConfigError(
                 f"parallelism: context parallel buffer {i} has sequence length {length} on dim {dim}, not "
-                f"divisible by 2*cp = {2 * cp}; causal load balancing cuts it into 2*cp chunks, so use a "
-                f"seq_len that is a multiple of {2 * cp}"
+                f"divisible by {chunks}, the number of chunks context parallelism cuts it into (2*cp with "
+                f"causal load balancing, cp without); use a seq_len that is a multiple of {chunks}"
             )

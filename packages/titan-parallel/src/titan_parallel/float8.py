@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Iterable
@@ -25,6 +26,7 @@ def apply_float8(
     fsdp_all_gather: bool = False,
     skip_fqns: Iterable[str] = ("output",),
     device_type: str = "cpu",
+    emulate: bool = False,
 ) -> nn.Module:
     """Replace each eligible `nn.Linear` by torchao's `Float8Linear`, in place, before TP and FSDP.
 
@@ -32,7 +34,8 @@ def apply_float8(
     `fsdp_all_gather` (tensorwise only) all-gathers weights already cast to float8, halving FSDP
     traffic; call `precompute_float8_scales` after each optimizer step to compute their scales in
     one all-reduce. Linears named in `skip_fqns` (and under them), or whose dims are not multiples
-    of 16, stay in high precision.
+    of 16, stay in high precision. `emulate` runs the matmuls in high precision on float8-rounded
+    values (torchao's emulation): float8 numerics on devices without float8 matmuls.
     """
     if recipe not in FLOAT8_RECIPES:
         raise ParallelConfigError(
@@ -43,12 +46,14 @@ def apply_float8(
             f"parallelism: float8 FSDP all-gather needs the 'tensorwise' recipe, got {recipe!r}; torchao "
             "casts a sharded weight with one scale per tensor only"
         )
-    check_float8_device(device_type, recipe=recipe)
+    if not emulate:
+        check_float8_device(device_type, recipe=recipe)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
     if fsdp_all_gather:
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    config = dataclasses.replace(config, emulate=emulate)
     skip = tuple(skip_fqns)
 
     def eligible(module: nn.Module, fqn: str) -> bool:
@@ -59,8 +64,9 @@ def apply_float8(
     convert_to_float8_training(model, config=config, module_filter_fn=eligible)
     n = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     logger.info(
-        "float8 %s: %d linear layers converted (FSDP float8 all-gather: %s)", recipe, n, fsdp_all_gather
-    )
+        "float8 %s: %d linear layers converted (FSDP float8 all-gather: %s, emulated: %s)",
+        recipe, n, fsdp_all_gather, emulate,
+    )  # fmt: skip
     return model
 
 

@@ -45,13 +45,22 @@ class ParallelOptions:
     # N checkpoints every N-th block fully.
     ac_mode: str = "none"
     ac_selective: str | int = "op"
-    # torch.compile of each block
+    # torch.utils.checkpoint's own switches, passed through as named there.
+    ac_preserve_rng_state: bool = False
+    ac_determinism_check: str = "default"
+    ac_early_stop: bool = False
+    ac_debug: bool = False
+    # Per-op mode: linear layers (by name, matched inside each block) whose matmuls are recomputed, not kept.
+    ac_force_recompute_mm_fqns: tuple[str, ...] = ()
+    # torch.compile of each block, with this backend
     compile: bool = False
     # float8 training through torchao
+    compile_backend: str = "inductor"
     float8: str | None = None  # None, "tensorwise" or "rowwise"
     float8_fsdp_all_gather: bool = False
     float8_skip_fqns: tuple[str, ...] = ("output",)
     # Pipeline parallel
+    float8_emulate: bool = False  # matmuls in high precision: float8 numerics where float8 kernels are missing
     pp_schedule: str = "1F1B"
     pp_microbatch_size: int = 1
     pp_layers_per_stage: int | None = None
@@ -64,6 +73,7 @@ class ParallelOptions:
         _choose("ac_mode", self.ac_mode, AC_MODES)
         _choose("cp_rotate_method", self.cp_rotate_method, ROTATE_METHODS)
         _choose("pp_schedule", self.pp_schedule, PIPELINE_SCHEDULES)
+    cp_load_balance: bool = True  # each rank holds chunks i and 2*cp-1-i of a causal sequence
         if self.float8 is not None:
             _choose("float8", self.float8, FLOAT8_RECIPES)
         if self.float8_fsdp_all_gather and self.float8 != "tensorwise":

@@ -43,7 +43,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
             )
         apply_float8(
             model, recipe=options.float8, fsdp_all_gather=options.float8_fsdp_all_gather,
-            skip_fqns=options.float8_skip_fqns, device_type=mesh.device_type,
+            skip_fqns=options.float8_skip_fqns, device_type=mesh.device_type, emulate=options.float8_emulate,
         )  # fmt: skip
     tp_mesh = dims.submesh("tp")
     if tp_mesh is not None:
@@ -51,9 +51,16 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
             model, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
         )
         apply_tp(model, tp_mesh, plan, async_tp=options.async_tp, compile_enabled=options.compile)
-    apply_ac(model, blocks, mode=options.ac_mode, selective=options.ac_selective)
+    apply_ac(
+        model, blocks, mode=options.ac_mode, selective=options.ac_selective,
+        force_recompute_mm_fqns=options.ac_force_recompute_mm_fqns,
+        checkpoint_kwargs={
+            "preserve_rng_state": options.ac_preserve_rng_state, "determinism_check": options.ac_determinism_check,
+            "early_stop": options.ac_early_stop, "debug": options.ac_debug,
+        },
+    )  # fmt: skip
     if options.compile:
-        apply_compile(model, blocks)
+        apply_compile(model, blocks, backend=options.compile_backend)
     if dims.fsdp_enabled:
         apply_fsdp(
             model, blocks, dims.submesh("fsdp"), param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
@@ -102,7 +109,7 @@ def training_context(
             stack.enter_context(
                 context_parallel_ctx(
                     dims.submesh("cp"), cp_buffers, cp_seq_dims, rotate_method=options.cp_rotate_method,
-                    no_restore_buffers=set(cp_no_restore),
+                    no_restore_buffers=set(cp_no_restore), load_balance=options.cp_load_balance,
                 )
             )  # fmt: skip
         yield

@@ -89,6 +89,7 @@ def run_layout(degrees: dict, options: ParallelOptions, n_layers: int = 2, ref_c
         local = tokens.chunk(dp_size)[dp_rank]
         x, y = local[:, :-1].clone(), local[:, 1:].clone()
         ropes = [part.rope for part in parts]
+        whole_x = x.clone()
         with training_context(
             dims,
             options,
@@ -102,6 +103,8 @@ def run_layout(degrees: dict, options: ParallelOptions, n_layers: int = 2, ref_c
                 logits = model(x)
                 if step == 0:
                     facts.update(after_forward_facts(model, logits, x))
+                    # Without load balancing, rank 0 holds the head of each sequence in one piece.
+                    facts["holds_sequence_head"] = torch.equal(x, whole_x[:, : x.shape[1]])
                 loss = cross_entropy(logits, y)
                 loss.backward()
         norm = clip_grad_norm_(params, MAX_NORM, pp_mesh=dims.submesh("pp"))
@@ -228,6 +231,7 @@ CASES = {
         {"dp_shard": 1, "cp": 2}, ParallelOptions(cp_rotate_method="allgather")
     ),
     "cp_alltoall": lambda: run_layout({"dp_shard": 1, "cp": 2}, ParallelOptions(cp_rotate_method="alltoall")),
+    "cp_no_load_balance": lambda: run_layout({"dp_shard": 1, "cp": 2}, ParallelOptions(cp_load_balance=False)),
     "pp_1F1B": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("1F1B"), n_layers=4),
     "pp_GPipe": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("GPipe"), n_layers=4),
     "pp_Interleaved1F1B": lambda: run_layout(

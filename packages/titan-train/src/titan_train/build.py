@@ -121,9 +121,24 @@ def build_loss_fn(config: JobConfig, spec: ModelSpec) -> Callable:
         raise ConfigError(
             f"config: compile.components {unknown} unknown; choose from {list(COMPILE_COMPONENTS)}"
         )
+    if c.enable:
+        check_compile_backend(c.backend)
     if c.enable and "loss" in c.components:
         return torch.compile(spec.loss_fn, backend=c.backend)
     return spec.loss_fn
+
+
+def check_compile_backend(backend: str) -> None:
+    """Refuse a `compile.backend` torch does not know before the first step, not at the first compile.
+
+    Checked when the run is built, after `experimental.custom_import`, which may register a backend.
+    """
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ConfigError(
+            f"config: compile.backend = {backend!r} is not a torch.compile backend; choose one of {', '.join(known)} "
+            "or register yours (torch._dynamo.register_backend) in an experimental.custom_import module"
+        )
 
 
 def _scaled(loss_fn: Callable, factor: float) -> Callable:

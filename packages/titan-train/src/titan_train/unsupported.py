@@ -72,6 +72,24 @@ _RULES = (
         "set num_workers = 0 (pre-tokenise with `titan-data tokenize` for speed)",
     ),
     _Rule(
+        lambda c: bool(c.quantize.grouped_mm.float8.fqns or c.quantize.grouped_mm.mx.fqns),
+        lambda c: "quantize.grouped_mm.float8/mx.fqns",
+        "grouped matmuls belong to experts, and the registered Llama models have none",
+        "leave both lists empty (quantize.linear.float8 converts the linear layers)",
+    ),
+    _Rule(
+        lambda c: c.activation_checkpoint.mode == "memory_budget",
+        lambda c: "activation_checkpoint.mode = 'memory_budget'",
+        "a memory budget is applied by torch.compile's min-cut partitioner, which Titan does not configure",
+        "use mode 'selective' (op or every N blocks) or 'full'; `titan-train dry-run` shows their memory",
+    ),
+    _Rule(
+        lambda c: c.parallelism.context_parallel_degree > 1 and c.parallelism.context_parallel_load_balancer == "ptrr",
+        lambda c: "parallelism.context_parallel_load_balancer = 'ptrr'",
+        "ptrr balances flex attention's block masks, and Titan's context parallelism runs SDPA ring attention",
+        "use 'headtail' (the default) or None (no balancing)",
+    ),
+    _Rule(
         lambda c: c.metrics.enable_wandb and importlib.util.find_spec("wandb") is None,
         lambda c: "metrics.enable_wandb = true",
         "the wandb package is not installed",
