@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from titan_ckpt import Checkpointer, ModelState
-from titan_models import llama3_args
+from titan_models import llama2_args, llama3_args
 from titan_train.config import load_job_config
 from titan_train.config.health_section import Health
 from titan_train.early_stop import NonFiniteError, Preempted
@@ -186,18 +186,22 @@ def test_kill_and_hang_drills_arm_only_on_the_first_torchrun_attempt(monkeypatch
     assert FaultDrills(Health(drill="hang", drill_step=2), rank=0, world_size=1).armed
 
 
-def test_context_limit_is_max_seq_len_or_the_128k_of_rope_scaled_flavors():
-    assert context_limit(llama3_args("debugmodel")) == 2048
+def test_context_limit_is_the_flavors_published_context():
+    assert context_limit(llama2_args("debugmodel")) == 2048
+    assert context_limit(llama2_args("7B")) == 4096
+    # Every llama3 flavor carries the Llama 3.1 rotary stretch (as in torchtitan 0.2): 128K tokens.
+    assert context_limit(llama3_args("debugmodel")) == 131_072
     assert context_limit(llama3_args("8B")) == 131_072
 
 
 def test_seq_len_beyond_the_flavor_is_refused_and_validation_counts_only_when_enabled():
+    llama2 = ["--model.name", "llama2", "--model.flavor", "debugmodel"]
     with pytest.raises(ConfigError, match="training.seq_len = 8192 is beyond the 2048-token context"):
-        check_seq_len(load_job_config(["--training.seq_len", "8192"]))
-    check_seq_len(load_job_config(["--training.seq_len", "2048", "--validation.seq_len", "4096"]))
+        check_seq_len(load_job_config([*llama2, "--training.seq_len", "8192"]))
+    check_seq_len(load_job_config([*llama2, "--training.seq_len", "2048", "--validation.seq_len", "4096"]))
     with pytest.raises(ConfigError, match="validation.seq_len = 4096 is beyond"):
         check_seq_len(
             load_job_config(
-                ["--training.seq_len", "2048", "--validation.enable", "--validation.seq_len", "4096"]
+                [*llama2, "--training.seq_len", "2048", "--validation.enable", "--validation.seq_len", "4096"]
             )
         )

@@ -6,6 +6,7 @@ from titan_models.errors import BackendUnavailableError, ModelConfigError, Model
 from titan_models.flavors import LLAMA2_FLAVORS, LLAMA3_FLAVORS, llama2_args, llama3_args
 from titan_models.flops import count_parameters, flops_per_token
 from titan_models.hf_adapter import LlamaStateDictAdapter
+from titan_models.hf_config import args_from_hf_config, hf_config_differences, to_hf_config
 from titan_models.safetensors_io import load_safetensors_sharded, save_safetensors_sharded
 from titan_models.transformer import Transformer
 
@@ -22,11 +23,14 @@ __all__ = [
     "RopeScaling",
     "Transformer",
     "WeightMappingError",
+    "args_from_hf_config",
     "count_parameters",
     "document_ids",
     "flops_per_token",
+    "hf_config_differences",
     "llama2_args",
     "llama3_args",
     "load_safetensors_sharded",
     "save_safetensors_sharded",
+    "to_hf_config",
 ]

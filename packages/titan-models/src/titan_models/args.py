@@ -48,7 +48,14 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Positions the rotary table is built for: a run sets it to its longest sequence.
     max_seq_len: int = 2048
+    # The longest sequence the flavor is published for (Hugging Face's max_position_embeddings), which
+    # a run's max_seq_len must not exceed; None: max_seq_len.
+    context_len: int | None = None
+    # The feed-forward width when it does not follow Llama's rule (a Hugging Face config's
+    # intermediate_size); None: the rule below.
+    ffn_hidden_dim_override: int | None = None
     # Llama 3.2 1B/3B share one matrix between the token embedding and the output projection.
     tie_word_embeddings: bool = False
     # Scaled init of output projections by depth, as in Llama pretraining.
@@ -58,6 +65,8 @@ class ModelArgs:
     eos_id: int | None = None
 
     def __post_init__(self) -> None:
+        if self.context_len is None:
+            self.context_len = self.max_seq_len
         if self.dim % self.n_heads:
             raise ModelConfigError(f"model: dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.kv_heads:
@@ -87,6 +96,8 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
+        if self.ffn_hidden_dim_override is not None:
+            return self.ffn_hidden_dim_override
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)

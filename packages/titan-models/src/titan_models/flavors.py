@@ -8,17 +8,24 @@ from titan_models.args import ModelArgs, RopeScaling
 from titan_models.errors import ModelConfigError
 
 # Llama 3.1 (8B, 70B, 405B) and 3.2 (1B, 3B) stretch rotary frequencies for 128k context.
+# torchtitan 0.2.x applies the 3.1 stretch to every llama3 flavor, its debug model included, and so
+# does Titan: a debug run computes the same function in both.
 LLAMA31_ROPE_SCALING = RopeScaling(
     factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192
 )
 LLAMA32_ROPE_SCALING = replace(LLAMA31_ROPE_SCALING, factor=32.0)
+LLAMA31_CONTEXT = 131_072  # the 128K tokens the rotary stretch is published for
 
-_LLAMA3 = dict(vocab_size=128256, rope_theta=500000, max_seq_len=8192)
+# max_seq_len is only the default size of the rotary table: a run builds it for its own seq_len.
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000, max_seq_len=8192, context_len=LLAMA31_CONTEXT)
 _LLAMA3_8B = ModelArgs(
     dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
     rope_scaling=LLAMA31_ROPE_SCALING, **_LLAMA3,
 )  # fmt: skip
-_LLAMA3_DEBUG = ModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000)
+_LLAMA3_DEBUG = ModelArgs(
+    dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000,
+    rope_scaling=LLAMA31_ROPE_SCALING, context_len=LLAMA31_CONTEXT,
+)  # fmt: skip
 _FLEX_BLOCK_CAUSAL = dict(attn_backend="flex", attn_mask_type="block_causal")
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
@@ -33,7 +40,8 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
         rope_scaling=LLAMA32_ROPE_SCALING, tie_word_embeddings=True, **_LLAMA3,
     ),
     "8B": _LLAMA3_8B,
-    "8B_flex_attn": replace(_LLAMA3_8B, **_FLEX_BLOCK_CAUSAL),
+    "8B_flex": replace(_LLAMA3_8B, **_FLEX_BLOCK_CAUSAL),  # torchtitan 0.2's name
+    "8B_flex_attn": replace(_LLAMA3_8B, **_FLEX_BLOCK_CAUSAL),  # torchtitan 0.1's name
     "70B": ModelArgs(
         dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
         rope_scaling=LLAMA31_ROPE_SCALING, **_LLAMA3,

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from titan_models.args import ModelArgs
 from titan_models.errors import WeightMappingError
+from titan_models.hf_config import to_hf_config
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -51,8 +52,9 @@ class LlamaStateDictAdapter:
     `lm_head.weight`, as Hugging Face's saved files do, and `from_hf` restores `output.weight`.
     """
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, *, bos_id: int | None = None, eos_id: int | None = None):
         self.args = args
+        self.bos_id, self.eos_id = bos_id, eos_id
         self._to_hf_names = dict(_TOP_LEVEL)
         for layer in range(args.n_layers):
             for ours, theirs in _IN_BLOCK.items():
@@ -108,36 +110,5 @@ class LlamaStateDictAdapter:
         return ours
 
     def hf_config(self) -> dict:
-        """The `config.json` of the equivalent `LlamaForCausalLM`, in the published checkpoints' format."""
-        a = self.args
-        config = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": a.dim,
-            "intermediate_size": a.ffn_hidden_dim,
-            "num_hidden_layers": a.n_layers,
-            "num_attention_heads": a.n_heads,
-            "num_key_value_heads": a.kv_heads,
-            "head_dim": a.head_dim,
-            "vocab_size": a.vocab_size,
-            "max_position_embeddings": a.max_seq_len,
-            "rms_norm_eps": a.norm_eps,
-            "rope_theta": float(a.rope_theta),
-            "rope_scaling": None,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": a.tie_word_embeddings,
-        }
-        if a.rope_scaling is not None:
-            s = a.rope_scaling
-            config["rope_scaling"] = {
-                "rope_type": "llama3",
-                "factor": s.factor,
-                "low_freq_factor": s.low_freq_factor,
-                "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_seq_len,
-            }
-        if a.eos_id is not None:
-            config["eos_token_id"] = a.eos_id
-        return config
+        """The `config.json` of the equivalent `LlamaForCausalLM` (see `titan_models.hf_config.to_hf_config`)."""
+        return to_hf_config(self.args, bos_id=self.bos_id, eos_id=self.eos_id)

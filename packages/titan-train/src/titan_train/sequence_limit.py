@@ -3,8 +3,8 @@ the model is built for.
 
 The trainer sizes the rotary table to the longest sequence the run feeds the model (`model_seq_len`),
 so nothing would fail: a model would train on positions its flavor was never built for (and a typo such
-as 81920 for 8192 would exhaust memory deep inside attention). The limit is the flavor's `max_seq_len`;
-for the rope-scaled Llama 3.1 / 3.2 flavors it is the 128K context their rope scaling was published for.
+as 81920 for 8192 would exhaust memory deep inside attention). The limit is the flavor's `context_len`
+(for the rope-scaled Llama 3 flavors, the 128K context their rope scaling was published for).
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.registry import get_model_spec
 
-ROPE_SCALED_CONTEXT = 131_072  # Llama 3.1 and 3.2 (rope-scaled): 128K tokens
-
 
 def context_limit(args: ModelArgs) -> int:
     """Tokens per sequence a flavor supports."""
-    return ROPE_SCALED_CONTEXT if args.rope_scaling is not None else args.max_seq_len
+    return args.context_len
 
 
 def check_seq_len(config: JobConfig) -> None:
