@@ -46,10 +46,20 @@ def apply_rotary(
     # Real arithmetic on (cos, sin) rather than a complex multiply: the same products, but compiled it
     # fuses with the casts around it, where a complex multiply runs as separate eager kernels.
     cos_sin = torch.view_as_real(freqs_cis[:seq_len]).view(1, seq_len, 1, -1, 2)
-    return _rotate(xq, cos_sin), _rotate(xk, cos_sin)
+    return rotate(xq, cos_sin), rotate(xk, cos_sin)
 
 
-def _rotate(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+def rotary_at(freqs_cis: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(cos, sin) rows of the table at per-row `positions` (batch, seq), shaped for `rotate`.
+
+    Generation looks them up once per step for all blocks; rows of a left-padded batch have their
+    own positions.
+    """
+    return torch.view_as_real(freqs_cis)[positions].unsqueeze(2)
+
+
+def rotate(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` (batch, seq, heads, head_dim) by `cos_sin` (1 or batch, seq, 1, head_dim / 2, 2)."""
     pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
     cos, sin = cos_sin[..., 0], cos_sin[..., 1]

@@ -1,0 +1,196 @@
+"""Text generation from token ids: prefill, then one token a step from the KV cache.
+
+Greedy decoding (temperature 0) or sampling with temperature, top-k and top-p from a seeded
+generator. A row stops at an end-of-sequence id, at a stop string (needs `decode`, since titan-models
+holds no tokenizer), or after `max_new_tokens`; the others go on. Prompts of different lengths run
+as one left-padded batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from titan_models.errors import ModelError
+from titan_models.kv_cache import KVCache, forward_cached
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. `temperature=0` is greedy; `top_k=0` and `top_p=1` are off."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    eos_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ModelError(f"generation: max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ModelError(f"generation: temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ModelError(f"generation: top_k must be >= 0 (0: off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ModelError(f"generation: top_p must be in (0, 1] (1: off), got {self.top_p}")
+        if any(not s for s in self.stop_strings):
+            raise ModelError("generation: stop strings must not be empty")
+
+
+@dataclass
+class Generation:
+    """What `generate` produced, per prompt, with its timing.
+
+    `tokens[i]`: the new ids of prompt i, ending before its end-of-sequence id or after the token
+    that completed a stop string. `texts[i]` (with `decode`): their text, cut before the first stop
+    string. `finish_reasons[i]`: "eos", "stop" or "length".
+    """
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    texts: list[str] | None = None
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    steps: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.new_tokens = sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens over the whole generation (prefill included)."""
+        seconds = self.prefill_seconds + self.decode_seconds
+        return self.new_tokens / seconds if seconds > 0 else float("inf")
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Next token ids (batch,) from last-position logits (batch, vocab)."""
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1:
+        # Keep the smallest set of most likely tokens whose probability reaches top_p.
+        ordered, order = torch.sort(scores, dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        ordered = ordered.masked_fill(before >= params.top_p, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, ordered)
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _left_padded(
+    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        if prompt:
+            tokens[row, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+            valid[row, width - len(prompt) :] = True
+    return tokens.to(device), valid.to(device)
+
+
+def _first_stop(text: str, stop_strings: Sequence[str]) -> int:
+    """Index of the earliest stop string in `text`, or -1."""
+    found = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+    return min(found) if found else -1
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams = SamplingParams(),
+    *,
+    decode: Callable[[list[int]], str] | None = None,
+    pad_id: int = 0,
+) -> Generation:
+    """Continue each prompt (a list of token ids) with `model`, a whole `Transformer` in eval mode.
+
+    `decode` turns ids into text: needed for `stop_strings`, and gives `Generation.texts`. `pad_id`
+    fills the left padding (any id: padding is masked out).
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ModelError("generation: every prompt needs at least one token (e.g. the BOS id)")
+    if params.stop_strings and decode is None:
+        raise ModelError("generation: stop_strings need a decode function (token ids -> text)")
+    device = model.tok_embeddings.weight.device
+    tokens, valid = _left_padded(prompts, pad_id, device)
+    batch, width = tokens.shape
+    cache = KVCache.for_model(model, batch, width + params.max_new_tokens)
+    generator = None
+    if params.seed is not None and params.temperature > 0:
+        generator = torch.Generator(device=device).manual_seed(params.seed)
+    eos = torch.tensor(params.eos_ids, dtype=torch.long, device=device)
+    must_check = bool(params.eos_ids or params.stop_strings)
+
+    started = time.perf_counter()
+    logits = forward_cached(model, tokens, cache, valid)
+    _sync(device)
+    prefill_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    out = torch.full((batch, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    kept = [params.max_new_tokens] * batch  # new tokens of each row, before any cut
+    reasons = ["length"] * batch
+    steps = 0
+    for step in range(params.max_new_tokens):
+        nxt = torch.where(finished, pad_id, sample_next(logits, params, generator))
+        out[:, step] = nxt
+        steps = step + 1
+        if must_check:
+            hit_eos = torch.isin(nxt, eos) & ~finished
+            for row in hit_eos.nonzero().flatten().tolist():
+                kept[row], reasons[row] = step, "eos"
+            finished |= hit_eos
+            if params.stop_strings:
+                for row in (~finished).nonzero().flatten().tolist():
+                    if _first_stop(decode(out[row, :steps].tolist()), params.stop_strings) >= 0:
+                        kept[row], reasons[row] = steps, "stop"
+                        finished[row] = True
+            if bool(finished.all()):
+                break
+        if step + 1 < params.max_new_tokens:
+            logits = forward_cached(model, nxt[:, None], cache)
+    _sync(device)
+    decode_seconds = time.perf_counter() - started
+
+    rows = out[:, :steps].tolist()
+    new = [row[: kept[i]] for i, row in enumerate(rows)]
+    texts = None
+    if decode is not None:
+        texts = []
+        for ids in new:
+            text = decode(ids)
+            cut = _first_stop(text, params.stop_strings) if params.stop_strings else -1
+            texts.append(text if cut < 0 else text[:cut])
+    return Generation(
+        new,
+        reasons,
+        texts,
+        prefill_seconds=prefill_seconds,
+        decode_seconds=decode_seconds,
+        steps=steps,
+        prompt_tokens=int(valid.sum()),
+    )
