@@ -140,8 +140,8 @@ def test_exclude_from_loading_leaves_that_state_as_it_is(tmp_path, single_proces
     assert same(fresh.weights(), run.weights())
 
 
-def test_last_save_model_only_writes_weights_alone_in_the_export_dtype(
-    tmp_path, single_process_group, toy_run
+def test_the_last_save_is_full_and_the_model_only_export_in_the_export_dtype_lies_beside_it(
+    tmp_path, single_process_group, toy_run, same
 ):
     run = toy_run()
     run.train(2)
@@ -149,30 +149,80 @@ def test_last_save_model_only_writes_weights_alone_in_the_export_dtype(
         tmp_path, run.states(), interval=100, last_save_model_only=True, export_dtype="bfloat16"
     )
     ckpt.maybe_save(2, last_step=True)
-    metadata = dcp.FileSystemReader(str(tmp_path / "step-2")).read_metadata().state_dict_metadata
+    assert ckpt.export_folder(2) == tmp_path / "export" / "step-2"
+    metadata = dcp.FileSystemReader(str(ckpt.export_folder(2))).read_metadata().state_dict_metadata
     assert set(metadata) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert {m.properties.dtype for m in metadata.values()} == {torch.bfloat16}
     saved = {k: torch.empty(m.size, dtype=torch.bfloat16) for k, m in metadata.items()}
-    dcp.load(saved, checkpoint_id=str(tmp_path / "step-2"))
+    dcp.load(saved, checkpoint_id=str(ckpt.export_folder(2)))
     assert all(torch.equal(saved[k], v.to(torch.bfloat16)) for k, v in run.weights().items())
+    # step-2 itself is full: a longer run resumes from it, optimizer and data position included.
+    fresh = toy_run(seed=1)
+    result = Checkpointer(tmp_path, fresh.states(), interval=100, keep_latest_k=1).load()
+    assert (result.kind, result.step) == ("resumed", 2)
+    assert same(fresh.optimizer_tensors(), run.optimizer_tensors()) and fresh.data.value == 2
+    assert run.train(1) == fresh.train(1)
 
 
 def test_a_newest_model_only_checkpoint_is_passed_over_for_the_newest_full_one(
     tmp_path, single_process_group, toy_run, same, caplog
 ):
     run = toy_run()
-    ckpt = Checkpointer(tmp_path, run.states(), interval=2, last_save_model_only=True)
+    ckpt = Checkpointer(tmp_path, run.states(), interval=2)
     run.train(2)
     ckpt.maybe_save(2)
     at_step_2 = run.weights()
     run.train(1)
-    ckpt.maybe_save(3, last_step=True)
+    ckpt.save(3, model_only=True)  # as a seed checkpoint or an older Titan's last save leaves it
     fresh = toy_run(seed=1)
     with caplog.at_level(logging.WARNING):
         result = Checkpointer(tmp_path, fresh.states(), interval=2).load()
     assert (result.kind, result.step) == ("resumed", 2)
     assert "step-3 holds only model weights" in caplog.text
     assert same(fresh.weights(), at_step_2) and fresh.progress.value == 2
+
+
+class _SplitPosition:
+    """A progress counter whose newer versions save one key more, which older checkpoints lack."""
+
+    optional_keys = ("planned",)
+
+    def __init__(self):
+        self.value, self.planned = 0, None
+
+    def state_dict(self):
+        return {"value": self.value, "planned": self.planned if self.planned is not None else -1}
+
+    def load_state_dict(self, state):
+        self.value, self.planned = state["value"], state.get("planned")
+
+
+def test_optional_keys_may_be_missing_and_a_state_in_another_format_is_named(
+    tmp_path, single_process_group, toy_run
+):
+    run = toy_run()
+    run.train(1)
+    Checkpointer(tmp_path, run.states(), interval=1).save(1)
+    fresh = toy_run(seed=1)
+    states = {**fresh.states(), "train_state": _SplitPosition()}
+    Checkpointer(tmp_path, states, interval=1).load()
+    assert (states["train_state"].value, states["train_state"].planned) == (1, None)
+
+    class OtherLoader:
+        def state_dict(self):
+            return {"dp_rank_0": b"", "world_size": 1}
+
+        def load_state_dict(self, state):
+            raise AssertionError("never loaded")
+
+    states = {**toy_run(seed=1).states(), "dataloader": OtherLoader()}
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(tmp_path, states, interval=1).load()
+    assert str(err.value).startswith("checkpoint: the 'dataloader' state in")
+    assert "another format than this run's (saved keys value; this run reads dp_rank_0, world_size)" in str(
+        err.value
+    )
+    assert "add 'dataloader' to checkpoint.exclude_from_loading" in str(err.value)
 
 
 def test_seed_checkpoint_loads_model_weights_only(tmp_path, single_process_group, toy_run, same):

@@ -85,7 +85,7 @@ def test_last_save_in_hf_loads_in_transformers_with_the_same_logits(tmp_path, sm
     )  # fmt: skip
     trainer = Trainer(config, one_rank)
     trainer.train()
-    folder = tmp_path / "checkpoint" / "step-2"
+    folder = tmp_path / "checkpoint" / "export" / "step-2"
     assert (folder / "model.safetensors.index.json").is_file()
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     hf = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()

@@ -2,7 +2,11 @@
 
 Layout (torchtitan's): the model's parameters are stored at the top level under their own names
 and every other state under its name (`optimizer.*`, `dataloader.*`, ...), so full checkpoints,
-model-only checkpoints and seed checkpoints share weight names and load into each other.
+model-only checkpoints and seed checkpoints share weight names and load into each other, and
+checkpoints torchtitan wrote load here (a state it keeps in another format is named, not misread).
+
+The last step's save is a full checkpoint, so a run started again with more steps continues; the
+model-only export that `last_save_model_only` asks for is written beside it, in `export/step-N`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from titan_ckpt.integrity import find_problem, flatten_state_dict, read_metadata
 from titan_ckpt.load_source import MODEL, InitialLoad, LoadResult, choose_source
 from titan_ckpt.stateful import OptimizerState
 from titan_ckpt.step_folders import (
+    EXPORT_DIR,
     folder_bytes,
     partial_folder,
     publish,
@@ -69,8 +74,11 @@ class Checkpointer:
 
     `states` maps names to DCP Statefuls; the entry named "model" is the model (see the module
     docstring). Every argument after `interval` mirrors the torchtitan `[checkpoint]` option of the
-    same name. `hf_adapter` is needed only for the Hugging Face options. All ranks must construct
-    the Checkpointer and call `load`, `maybe_save` and `close` together.
+    same name. `hf_adapter` is needed only for the Hugging Face options; `hf_extra_files` (name ->
+    bytes, or a file to copy) are written into a Hugging Face export beside the weights. A state may
+    list `optional_keys`: keys of its state dict that a checkpoint may lack (its load_state_dict then
+    gets the dict without them). All ranks must construct the Checkpointer and call `load`,
+    `maybe_save` and `close` together.
     """
 
     def __init__(
@@ -92,6 +100,7 @@ class Checkpointer:
         enable_first_step_checkpoint: bool = False,
         load_only: bool = False,
         hf_adapter: HFStateDictAdapter | None = None,
+        hf_extra_files: Mapping[str, bytes | Path] | None = None,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
         process_group: dist.ProcessGroup | None = None,
     ):
@@ -152,6 +161,7 @@ class Checkpointer:
         self.enable_first_step_checkpoint = enable_first_step_checkpoint
         self.load_only = load_only
         self.hf_adapter = hf_adapter
+        self.hf_extra_files = dict(hf_extra_files or {})
         self.max_shard_bytes = max_shard_bytes
         self.timings: list[SaveTiming] = []
         # A gloo group of our own: async writes run collectives from a background thread, which must
@@ -176,22 +186,39 @@ class Checkpointer:
     def step_folder(self, step: int) -> Path:
         return step_folder(self.folder, step)
 
-    def load(self) -> LoadResult:
-        """Restore the run: its newest complete checkpoint, else `initial_load_path`, else nothing.
+    def export_folder(self, step: int) -> Path:
+        """Where the last save's model-only export of step N goes (`export/step-N`)."""
+        return step_folder(self.folder / EXPORT_DIR, step)
 
-        Interrupted saves are removed first; the decision is logged ("resuming from step-N", "no
-        checkpoint; loading initial weights from X", "no checkpoint; fresh start").
+    def plan_load(self) -> LoadResult:
+        """Decide what `load` restores (the same decision on every rank), without loading or logging it.
+
+        Interrupted saves are removed first. A caller may adapt to the decision (a state rebuilt to
+        match the checkpoint, say) and add a note to it before passing it to `load`.
         """
         if self._rank() == 0:
             remove_partial_folders(self.folder)
+            remove_partial_folders(self.folder / EXPORT_DIR)
         barrier(self._group)
         wanted = [name for name in self.states if name not in self.exclude_from_loading]
-        result = decide_on_rank0(
+        return decide_on_rank0(
             lambda: choose_source(
                 self.folder, wanted, self._present_states, load_step=self.load_step, initial=self.initial
             ),
             self._group,
         )
+
+    def saved_keys(self, path: Path) -> set[str]:
+        """The flattened keys a DCP checkpoint folder holds (`optimizer.state.<fqn>.exp_avg`, ...)."""
+        return saved_keys(read_metadata(path))
+
+    def load(self, plan: LoadResult | None = None) -> LoadResult:
+        """Restore the run: its newest complete checkpoint, else `initial_load_path`, else nothing.
+
+        `plan` is a decision from `plan_load` (made here when None). It is logged ("resuming from
+        step-N", "no checkpoint; loading initial weights from X", "no checkpoint; fresh start").
+        """
+        result = self.plan_load() if plan is None else plan
         if self._rank() == 0:
             logger.info("checkpoint: %s", result.message)
         if result.kind == "fresh":
@@ -223,11 +250,21 @@ class Checkpointer:
                 merged[name] = self.states[name].state_dict()
         return merged
 
+    def _drop_unsaved_optional_keys(self, state: dict[str, Any], names: list[str], saved: set[str]) -> None:
+        for name in names:
+            for key in getattr(self.states[name], "optional_keys", ()) if name != MODEL else ():
+                prefix = f"{name}.{key}"
+                if key in state[name] and not any(k == prefix or k.startswith(prefix + ".") for k in saved):
+                    del state[name][key]
+
     def _load_dcp(self, path: Path, names: Iterable[str]) -> None:
         names = list(names)
         state = self._state_dicts(names)
         try:
-            problem = find_problem(path, read_metadata(path), flatten_state_dict(state))
+            metadata = read_metadata(path)
+            self._drop_unsaved_optional_keys(state, names, saved_keys(metadata))
+            others = [name for name in names if name != MODEL]
+            problem = find_problem(path, metadata, flatten_state_dict(state), others)
         except CheckpointError as err:
             problem = str(err)
         raise_on_every_rank(problem, self._group)
@@ -263,17 +300,20 @@ class Checkpointer:
     def maybe_save(self, step: int, *, last_step: bool = False) -> bool:
         """Save if `step` is due (every `interval`, step 1 with enable_first_step_checkpoint, the last step).
 
-        The last step's save is synchronous and follows last_save_model_only / last_save_in_hf.
-        Returns whether a save started. With `load_only` nothing is ever saved.
+        The last step's save is a synchronous full checkpoint (what a longer run resumes from); with
+        last_save_model_only the model-only export (DCP in export_dtype, or Hugging Face safetensors
+        with last_save_in_hf) is written beside it, in `export/step-N`. Returns whether a save
+        started. With `load_only` nothing is ever saved.
         """
         self._commit_if_done()
         if self.load_only:
             return False
         if last_step:
+            self.save(step, wait=True)
             if self.last_save_in_hf:
                 self.save_hf(step)
-            else:
-                self.save(step, model_only=self.last_save_model_only, in_export_dtype=True, wait=True)
+            elif self.last_save_model_only:
+                self.save(step, model_only=True, in_export_dtype=True, export=True)
             return True
         if step % self.interval == 0 or (step == 1 and self.enable_first_step_checkpoint):
             self.save(step)
@@ -281,16 +321,22 @@ class Checkpointer:
         return False
 
     def save(
-        self, step: int, *, model_only: bool = False, in_export_dtype: bool = False, wait: bool = False
+        self,
+        step: int,
+        *,
+        model_only: bool = False,
+        in_export_dtype: bool = False,
+        wait: bool = False,
+        export: bool = False,
     ) -> None:
         """Write `step-N`: in the background per `async_mode`, or synchronously with `wait`.
 
-        `model_only` writes the model alone (a seed or final checkpoint), in `export_dtype` when
-        `in_export_dtype`; model-only saves are always synchronous.
+        `model_only` writes the model alone (a seed checkpoint or an export), in `export_dtype` when
+        `in_export_dtype`; model-only saves are always synchronous. `export` writes `export/step-N`.
         """
         self._finish_pending()
         started = time.perf_counter()
-        partial, final = self._prepare(step)
+        partial, final = self._prepare(step, export=export)
         if model_only:
             cast = self._export if in_export_dtype else (lambda value: value)
             state = {k: cast(v) for k, v in self.states[MODEL].state_dict().items()}
@@ -318,19 +364,22 @@ class Checkpointer:
         upload.add_done_callback(self._pending.mark_finished)
 
     def save_hf(self, step: int) -> None:
-        """Write the model as Hugging Face sharded safetensors (in `export_dtype`) into `step-N`."""
+        """Write the model as Hugging Face sharded safetensors (in `export_dtype`) into `export/step-N`,
+        with `config.json` (its `torch_dtype` the export dtype) and `hf_extra_files`."""
         if self.hf_adapter is None:
             raise CheckpointError("checkpoint: saving in Hugging Face format needs an hf_adapter")
         self._finish_pending()
         started = time.perf_counter()
-        partial, final = self._prepare(step)
+        partial, final = self._prepare(step, export=True)
         full = gather_full_tensors(self.states[MODEL].state_dict(), self._group)
         problem = None
         if self._rank() == 0:
             try:
                 hf = {k: v.to(self.export_dtype) for k, v in self.hf_adapter.to_hf(full).items()}
+                dtype_name = str(self.export_dtype).removeprefix("torch.")
+                config = {**self.hf_adapter.hf_config(), "torch_dtype": dtype_name}
                 write_hf_folder(
-                    partial, hf, self.hf_adapter.hf_config(), max_shard_bytes=self.max_shard_bytes
+                    partial, hf, config, max_shard_bytes=self.max_shard_bytes, extra_files=self.hf_extra_files
                 )
             except Exception as err:
                 problem = f"checkpoint: Hugging Face export to {partial} failed: {err}"
@@ -344,10 +393,11 @@ class Checkpointer:
             return value.detach().to(self.export_dtype)
         return value
 
-    def _prepare(self, step: int) -> tuple[Path, Path]:
-        partial, final = partial_folder(self.folder, step), self.step_folder(step)
+    def _prepare(self, step: int, *, export: bool = False) -> tuple[Path, Path]:
+        root = self.folder / EXPORT_DIR if export else self.folder
+        partial, final = partial_folder(root, step), step_folder(root, step)
         if self._rank() == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier failed attempt at this step
         barrier(self._group)
         return partial, final
@@ -363,7 +413,8 @@ class Checkpointer:
                 "checkpoint: saved %s (%.1f MB) in %.2f s; training blocked %.2f s",
                 final, written / 1e6, total_s, blocked_s,
             )  # fmt: skip
-            purge_old(self.folder, self.keep_latest_k)
+            if final.parent == self.folder:  # exports are the run's results: never purged
+                purge_old(self.folder, self.keep_latest_k)
         self.timings.append(SaveTiming(step, blocked_s, total_s, written))
 
     def _wait_before_optimizer_step(self, *_: Any) -> None:

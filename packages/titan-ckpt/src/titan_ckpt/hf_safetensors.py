@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -81,8 +82,13 @@ def write_hf_folder(
     config: dict,
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    extra_files: Mapping[str, bytes | Path] | None = None,
 ) -> list[Path]:
-    """Write `hf_state` as sharded safetensors with its index and `config.json`; return the shard files."""
+    """Write `hf_state` as sharded safetensors with its index and `config.json`; return the shard files.
+
+    `extra_files` are written beside them (name -> bytes, or a file to copy): the tokenizer files and
+    `generation_config.json` that make the folder load with `AutoTokenizer` and `generate`.
+    """
     if max_shard_bytes < 1:
         raise CheckpointError(f"checkpoint: max_shard_bytes must be >= 1, got {max_shard_bytes}")
     tensors = _unshare(hf_state)
@@ -103,6 +109,11 @@ def write_hf_folder(
         weight_map.update(dict.fromkeys(names, file.name))
         files.append(file)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for name, content in (extra_files or {}).items():
+        if isinstance(content, Path):
+            shutil.copyfile(content, folder / name)
+        else:
+            (folder / name).write_bytes(content)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     # The index is written last: it is what marks the folder as a complete Hugging Face checkpoint.
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

@@ -7,7 +7,8 @@ mismatch fail on every rank with a message naming the file and the key, before t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,16 +64,41 @@ def saved_keys(metadata: Metadata) -> set[str]:
     return set(metadata.state_dict_metadata)
 
 
-def find_problem(path: Path, metadata: Metadata, flat_state: Mapping[str, Any]) -> str | None:
-    """The first reason `flat_state` cannot be loaded from the checkpoint in `path`, or None."""
+def _other_format(path: Path, metadata: Metadata, flat_state: Mapping[str, Any], top: str) -> str | None:
+    """A message when the checkpoint holds state `top`, but under none of the keys this run's `top` has."""
+    prefix = f"{top}."
+    saved = sorted(k[len(prefix) :] for k in metadata.state_dict_metadata if k.startswith(prefix))
+    wanted = sorted(k[len(prefix) :] for k in flat_state if k.startswith(prefix))
+    shape = lambda key: re.sub(r"\d+", "N", key)  # noqa: E731  (stream_5 is stream_0's format)
+    if not saved or {shape(k) for k in saved} & {shape(k) for k in wanted}:
+        return None
+    return (
+        f"checkpoint: the '{top}' state in {path} has another format than this run's (saved keys "
+        f"{', '.join(saved[:3])}{', ...' if len(saved) > 3 else ''}; this run reads {', '.join(wanted[:3])}"
+        f"{', ...' if len(wanted) > 3 else ''}): it was written by another program or data pipeline "
+        f"(such as torchtitan); add '{top}' to checkpoint.exclude_from_loading to start that state fresh"
+    )
+
+
+def find_problem(
+    path: Path, metadata: Metadata, flat_state: Mapping[str, Any], state_names: Iterable[str] = ()
+) -> str | None:
+    """The first reason `flat_state` cannot be loaded from the checkpoint in `path`, or None.
+
+    `state_names` are the non-model states: one saved in another format is named as such.
+    """
     storage: dict[str, list[Any]] = {}
     for index, info in metadata.storage_data.items():
         storage.setdefault(index.fqn, []).append(info)
     file_sizes: dict[str, int | None] = {}
+    state_names = set(state_names)
     for key, value in flat_state.items():
         saved = metadata.state_dict_metadata.get(key)
         if saved is None:
             top = key.split(".", 1)[0]
+            other = _other_format(path, metadata, flat_state, top) if top in state_names else None
+            if other:
+                return other
             return (
                 f"checkpoint: {path / DCP_METADATA} has no key '{key}' (saved from a different model, or "
                 f"without that state); load it into a matching model, or add '{top}' to exclude_from_loading "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from titan_ckpt.errors import CheckpointError
@@ -31,6 +31,10 @@ class LoadResult:
     path: Path | None = None
     states: tuple[str, ...] = ()
     hf: bool = False
+
+    def with_note(self, note: str) -> LoadResult:
+        """The same decision, its message extended by `note` (what the caller adapted to it)."""
+        return replace(self, message=f"{self.message}; {note}")
 
 
 @dataclass(frozen=True)
