@@ -59,7 +59,21 @@ SELECTIVE = ("--activation_checkpoint.mode", "selective", "--activation_checkpoi
 ACCUMULATE_TO_4 = ("--training.global_batch_size", "4")
 FLOAT8 = ("--model.converters", "float8", "--quantize.linear.float8.recipe_name")
 LINEAR_TYPES = {"linear_types": ["Float8Linear", "Linear"]}
-ONE_STAGE, LOOPED, V = [["0"]], [["0"], ["2"]], [["0"], ["3"]]  # the blocks rank 0 holds, per stage
+# The blocks rank 0 holds, per stage. torchtitan's split counts the embedding and the output as a layer
+# each: 4 layers over 4 stages are [emb, 0] [1, 2] [3] [norm, output], and 2 layers over 4 stages one unit each.
+ONE_STAGE, LOOPED, V, ONE_UNIT_LOOPED = [["0"]], [["0"], ["3"]], [["0"], []], [[], ["1"]]
+CSV_SCHEDULE = Path(__file__).parent / "assets" / "pp_two_stages_per_rank_4_microbatches.csv"
+# Validation at step 5 on 2 batches of the bundled corpus, dealt like the training data.
+VALIDATION = ("--validation.enable", "--validation.dataset", "c4_test", "--validation.seq_len", "64",
+              "--validation.local_batch_size", "4", "--validation.freq", "5", "--validation.steps", "2",
+              "--validation.dataloader.num_streams", "4")  # fmt: skip
+BLOCK_CAUSAL, VARLEN = (
+    ("--model.flavor", "debug_2_layers_block_causal"),
+    ("--model.flavor", "debug_2_layers_varlen"),
+)
+IN_BACKWARD = ("--optimizer.early_step_in_backward",)
+LOADER_WORKERS = ("--training.dataloader.num_workers", "2", "--training.dataloader.pin_memory",
+                  "--training.dataloader.persistent_workers", "--training.dataloader.prefetch_factor", "4")  # fmt: skip
 
 
 def local_batch(n: int) -> tuple[str, ...]:
@@ -83,7 +97,10 @@ def cp(rotate_method: str) -> Layout:
 
 LAYOUTS = {
     "one_process": Layout(
-        1, (), {"degrees": {}, "fsdp": False, "checkpointed_blocks": 0, "compiled_blocks": 0}
+        1, VALIDATION, {"degrees": {}, "fsdp": False, "checkpointed_blocks": 0, "compiled_blocks": 0}
+    ),
+    "one_process_block_causal": Layout(
+        1, BLOCK_CAUSAL, {"attn_backend": "sdpa"}, reference="one_process_block_causal"
     ),
     "one_process_4_layers": Layout(
         1, FOUR_LAYERS, {"stage_blocks": [["0", "1", "2", "3"]]}, reference="one_process_4_layers"
@@ -118,6 +135,34 @@ LAYOUTS = {
             ("ZBVZeroBubble", V),
         ]
     },
+    "pp_Interleaved1F1B_layers_per_stage_1": pp_schedule(
+        "Interleaved1F1B", ONE_UNIT_LOOPED, f"{P}pipeline_parallel_layers_per_stage", "1"
+    ),
+    "pp_csv_schedule": Layout(
+        2,
+        pp("PipelineScheduleMulti", f"{P}pipeline_parallel_schedule_csv", str(CSV_SCHEDULE)),
+        {"schedule": "_PipelineScheduleRuntime", "stage_blocks": ONE_UNIT_LOOPED},
+    ),
+    "pp_1F1B_validation": pp_schedule("1F1B", ONE_STAGE, *VALIDATION),
+    "early_step_in_backward": Layout(1, IN_BACKWARD, {"optimizer_in_backward": True}),
+    "early_step_in_backward_accumulate_2": Layout(
+        1,
+        (*IN_BACKWARD, *local_batch(2), *ACCUMULATE_TO_4),
+        refused="early_step_in_backward: gradient accumulation (2 micro-batches) needs every micro-batch",
+    ),
+    "varlen": Layout(1, VARLEN, {"attn_backend": "varlen"}, reference="one_process_block_causal"),
+    "fsdp_varlen_ac_selective_op": Layout(
+        2,
+        (*VARLEN, *local_batch(2), *SELECTIVE, "op"),
+        {"attn_backend": "varlen", "fsdp": True, "checkpointed_blocks": 2},
+        reference="one_process_block_causal",
+    ),
+    "fsdp_cpu_offload_early_step_in_backward": Layout(
+        2,
+        (*local_batch(2), "--training.enable_cpu_offload", *IN_BACKWARD),
+        {"fsdp": True, "optimizer_in_backward": True},
+    ),
+    "fsdp_loader_workers": Layout(2, (*local_batch(2), *LOADER_WORKERS), {"fsdp": True, "loader_workers": 2}),
     "cp_allgather": cp("allgather"),
     "cp_alltoall": cp("alltoall"),
     "fsdp_accumulate_2": Layout(
@@ -131,7 +176,9 @@ LAYOUTS = {
     ),
     "tp_fsdp": Layout(4, (TP, "2", *local_batch(2)), {"degrees": {"dp_shard": 2, "tp": 2}, "fsdp": True}),
     "pp_fsdp": Layout(4, (*pp("1F1B"), *local_batch(2)), {"degrees": {"pp": 2, "dp_shard": 2}, "fsdp": True}),
-    "pp_tp": Layout(4, pp("1F1B", TP, "2"), {"degrees": {"pp": 2, "tp": 2}, "wq_placements": ["S(0)"]}),
+    "pp_tp": Layout(
+        4, pp("1F1B", TP, "2", *VALIDATION), {"degrees": {"pp": 2, "tp": 2}, "wq_placements": ["S(0)"]}
+    ),
     "cp_fsdp": Layout(4, (CP, "2", *local_batch(2)), {"degrees": {"dp_shard": 2, "cp": 2}, "fsdp": True}),
 }
 
@@ -222,6 +269,19 @@ def test_layout_trains_the_one_process_run_by_loss_grad_norm_and_weights(matrix,
         differences = {key: (got[key] - want[key]).abs().max().item() for key in want}
         worst = max(differences, key=differences.get)
         assert differences[worst] <= layout.weights_atol, f"{worst} differs by {differences[worst]:.2e}"
+
+
+def _validation_losses(matrix, name: str) -> list[float]:
+    lines = (matrix[name]["dump"] / "validation.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pp_1F1B_validation", "pp_tp"])
+def test_validation_under_pipeline_parallelism_measures_the_loss_of_one_process(matrix, name):
+    """The schedule's forward-only path, on the pipeline's last stage, gives the validation loss of one process."""
+    got, want = _validation_losses(matrix, name), _validation_losses(matrix, "one_process")
+    assert len(want) == 1 and largest_relative_difference(got, want) <= EXACT, (got, want)
 
 
 @pytest.mark.slow

@@ -166,6 +166,19 @@ def test_flash_attn_matches_float32_math_forward_and_backward(kv_heads, report, 
     _check_against_math(kernel, kv_heads, _causal_mask(), full, report, rel_error)
 
 
+@pytest.mark.parametrize("kv_heads", [HEADS, 4])
+def test_varlen_attention_matches_float32_block_causal_math_forward_and_backward(kv_heads, report, rel_error):
+    args = replace(
+        llama3_args("debugmodel"), attn_backend="varlen", attn_mask_type="block_causal", eos_id=EOS
+    )
+    mask = build_attention_mask(args, document_ids(_packed_tokens(), EOS), "cuda")
+
+    def kernel(q, k, v):
+        return attend(q, k, v, "varlen", mask)  # torch's varlen kernel over cu_seqlens
+
+    _check_against_math(kernel, kv_heads, _block_causal_mask(), _causal_mask(), report, rel_error)
+
+
 # -- the whole Transformer with each backend, against the same model on SDPA's math kernel -----------
 
 # Both runs under bf16 autocast; on an H100 (torch 2.11) the logits differed by about 1e-3 and the
@@ -183,7 +196,13 @@ def _forward_backward(model, tokens):
 
 @pytest.mark.parametrize(
     "backend, mask_type",
-    [("sdpa", "causal"), ("flex", "block_causal"), ("flex", "causal"), ("flash", "causal")],
+    [
+        ("sdpa", "causal"),
+        ("flex", "block_causal"),
+        ("flex", "causal"),
+        ("flash", "causal"),
+        ("varlen", "block_causal"),
+    ],
 )
 def test_transformer_with_each_attention_backend_matches_the_sdpa_math_run(
     backend, mask_type, build_model, report, rel_error

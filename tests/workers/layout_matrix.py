@@ -1,6 +1,8 @@
 """torchrun worker: titan-train's Trainer once per layout, one after another in one process group.
 
-`layout_matrix.py LAYOUTS.json OUT`: LAYOUTS.json maps layout names to `titan-train` CLI overrides.
+`layout_matrix.py LAYOUTS.json OUT`: LAYOUTS.json maps layout names to `titan-train` CLI overrides
+(or to {"argv": overrides, "dump": folder}, for runs in order on one dump folder, as a torchtitan
+feature case makes them: see tests/test_torchtitan_features.py).
 The group is joined once, as `titan-train` joins it. Each layout is then parsed and trained as the
 CLI does it (config, seq_len check, Trainer with its refusals, collective timeout, train), writing
 OUT/NAME/metrics.jsonl. After its last step, each rank holding a distinct piece of the model
@@ -36,6 +38,11 @@ from titan_train.trainer import Trainer
 # The Llama 3 debug model cut to 2 layers, and to 4 for schedules with two stages per pipeline rank.
 LLAMA3_FLAVORS["debug_2_layers"] = replace(LLAMA3_FLAVORS["debugmodel"], n_layers=2)
 LLAMA3_FLAVORS["debug_4_layers"] = replace(LLAMA3_FLAVORS["debugmodel"], n_layers=4)
+# Block-causal attention over the packed documents, by SDPA's boolean mask and by variable-length attention.
+LLAMA3_FLAVORS["debug_2_layers_block_causal"] = replace(
+    LLAMA3_FLAVORS["debugmodel"], n_layers=2, attn_mask_type="block_causal"
+)
+LLAMA3_FLAVORS["debug_2_layers_varlen"] = replace(LLAMA3_FLAVORS["debugmodel_varlen_attn"], n_layers=2)
 
 
 def train_layout(argv: list[str], info) -> Trainer:
@@ -87,6 +94,9 @@ def facts(trainer: Trainer) -> dict:
         "checkpointed_blocks": sum("forward" in vars(block) for block in blocks),
         "compiled_blocks": sum(getattr(block, "_compiled_call_impl", None) is not None for block in blocks),
         "linear_types": sorted(linear_types),
+        "attn_backend": trainer.model_parts[0].args.attn_backend,
+        "optimizer_in_backward": type(trainer.optimizers).__name__ == "BackwardStepOptimizers",
+        "loader_workers": trainer.loader.num_workers,
     }
 
 
@@ -95,6 +105,8 @@ def main(layouts_json: Path, out: Path) -> None:
     results = {}
     for name, overrides in json.loads(layouts_json.read_text()).items():
         dump = out / name
+        if isinstance(overrides, dict):  # a run with its own dump folder (runs of one case share it)
+            overrides, dump = overrides["argv"], Path(overrides["dump"])
         groups_before = set(dist.distributed_c10d._world.pg_map)
         start, cpu_start = time.perf_counter(), time.process_time()
         try:

@@ -15,7 +15,7 @@ from titan_models import (
     document_ids,
     llama3_args,
 )
-from titan_models.attention_masks import build_attention_mask
+from titan_models.attention_masks import VarlenMask, build_attention_mask, varlen_mask
 
 EOS = 1
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, rope_theta=500000,
@@ -92,6 +92,43 @@ def test_flex_flavors_are_block_causal_and_train_on_cpu():
     loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
     loss.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_varlen_mask_gives_each_document_of_the_flattened_batch_its_start():
+    tokens = torch.tensor([[5, EOS, 6, 7], [8, 9, EOS, EOS]])
+    mask = varlen_mask(document_ids(tokens, EOS))
+    # Row 0: [5 EOS] [6 7]; row 1 starts a document at flat index 4: [8 9 EOS] [EOS].
+    assert mask.cu_seqlens.tolist() == [0, 2, 4, 7, 8] and mask.cu_seqlens.dtype == torch.int32
+    assert (mask.max_seqlen, mask.seq_len) == (3, 4)
+
+
+def test_varlen_attention_equals_block_causal_attention_forward_and_backward():
+    """The varlen flavor trains exactly as block-causal SDPA: logits and every gradient, batch of 3 rows."""
+    flavor = llama3_args("debugmodel_varlen_attn")
+    assert (flavor.attn_backend, flavor.attn_mask_type) == ("varlen", "block_causal")
+    args = replace(ARGS, attn_backend="varlen")
+    rows = [
+        _packed_documents(lengths, seed)[0] for seed, lengths in enumerate([[9, 14, 5, 4], [32], [1, 30, 1]])
+    ]
+    tokens = torch.cat(rows)
+    assert isinstance(build_attention_mask(args, document_ids(tokens, EOS), "cpu"), VarlenMask)
+    results = []
+    for model in (_model(args), _model(replace(ARGS, attn_backend="sdpa"))):
+        logits = model(tokens)
+        logits.square().sum().backward()
+        results.append((logits.detach(), [p.grad for p in model.parameters()]))
+    (varlen, varlen_grads), (block_causal, block_causal_grads) = results
+    torch.testing.assert_close(varlen, block_causal, rtol=1e-6, atol=1e-6)
+    for got, expected in zip(varlen_grads, block_causal_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    # Plain causal attention crosses the documents: far from what varlen gives.
+    causal = _model(replace(ARGS, attn_mask_type="causal"))(tokens).detach()
+    assert (causal - varlen).abs().max().item() > 1e-3
+
+
+def test_varlen_attention_needs_block_causal_documents():
+    with pytest.raises(ModelConfigError, match="attn_mask_type='block_causal'"):
+        _model(replace(ARGS, attn_backend="varlen", attn_mask_type="causal"))
 
 
 def test_a_pipeline_stage_without_embeddings_takes_document_ids_from_the_caller():

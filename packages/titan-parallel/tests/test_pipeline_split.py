@@ -22,8 +22,23 @@ def test_even_split_puts_embedding_first_head_last_and_extra_layers_in_the_middl
     ]
 
 
-def test_layers_per_stage_and_split_points_decide_where_stages_begin():
-    assert [len(s) for s in split_units(UNITS, BLOCKS, 3, layers_per_stage=2)] == [3, 2, 4]
+def test_embedding_and_output_count_as_layers_as_torchtitan_counts_them():
+    # 6 layers + embedding + output over 8 stages: one unit each, the embedding and the head alone.
+    assert split_units(UNITS, BLOCKS, 8) == [["tok_embeddings"], *[[b] for b in BLOCKS], ["norm", "output"]]
+    # pp 2 with pipeline_parallel_layers_per_stage 4: ceil(8 / 4) = 2 stages of 4 weighted layers.
+    assert split_units(UNITS, BLOCKS, 2) == [UNITS[:4], UNITS[4:]]
+    # 8 units over 3 stages: 3, 3, 2 weighted layers; the first stages take the extra ones.
+    assert split_units(UNITS, BLOCKS, 3) == [UNITS[:3], UNITS[3:6], UNITS[6:]]
+    # Heavier embedding and head (pipeline_parallel_first/last_stage_less_layers = 2).
+    stages = split_units(UNITS, BLOCKS, 2, first_stage_less_layers=2, last_stage_less_layers=2)
+    assert stages == [UNITS[:4], UNITS[4:]]
+    assert split_units(UNITS, BLOCKS, 2, first_stage_less_layers=0, last_stage_less_layers=2) == [
+        UNITS[:5],
+        UNITS[5:],
+    ]
+
+
+def test_split_points_decide_where_stages_begin():
     stages = split_units(UNITS, BLOCKS, 2, split_points=["layers.4"])
     assert stages == [UNITS[:5], UNITS[5:]]
 
@@ -31,10 +46,10 @@ def test_layers_per_stage_and_split_points_decide_where_stages_begin():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_stages": 8}, "8 pipeline stages but the model has only 6 layers"),
+        ({"num_stages": 9}, "9 pipeline stages but the model has only 8 layers counting the embedding"),
         (
-            {"num_stages": 4, "layers_per_stage": 2},
-            r"pp_layers_per_stage \(2\) \* 4 stages = 8, but the model has 6",
+            {"num_stages": 4, "first_stage_less_layers": 3},
+            r"first_stage_less_layers \(3\) exceeds the 2 layers",
         ),
         ({"num_stages": 2, "split_points": ["layers.9"]}, r"\['layers.9'\] are not pipeline units"),
         ({"num_stages": 3, "split_points": ["layers.4", "layers.2"]}, "distinct units in forward order"),
@@ -89,7 +104,8 @@ def test_v_schedules_place_two_stages_per_rank_in_a_v_and_loops_interleave():
     [
         (ParallelOptions(pp_schedule="1F1B"), 1),
         (ParallelOptions(pp_schedule="Interleaved1F1B"), 2),
-        (ParallelOptions(pp_schedule="LoopedBFS", pp_layers_per_stage=1), 4),
+        (ParallelOptions(pp_schedule="LoopedBFS", pp_layers_per_stage=1), 5),  # (8 + 2) / 1 / pp
+        (ParallelOptions(pp_schedule="1F1B", pp_layers_per_stage=5), 1),  # 1F1B runs one: (8 + 2) / 5 / pp
         (
             ParallelOptions(
                 pp_schedule="InterleavedZeroBubble", pp_split_points=("layers.2", "layers.4", "layers.6")
@@ -106,17 +122,21 @@ def test_stages_per_rank_follow_the_schedule_and_split(options, per_rank):
     ("options", "message"),
     [
         (
-            ParallelOptions(pp_schedule="GPipe", pp_layers_per_stage=2),
-            "GPipe runs one stage per rank, but the split gives 2",
+            ParallelOptions(pp_schedule="GPipe", pp_layers_per_stage=1),
+            "GPipe runs one stage per rank, but the split gives 5",
         ),
         (ParallelOptions(pp_schedule="ZBVZeroBubble", pp_layers_per_stage=1), "exactly 2 stages per rank"),
         (
-            ParallelOptions(pp_schedule="1F1B", pp_layers_per_stage=3),
-            r"pp_layers_per_stage \(3\) does not divide",
+            ParallelOptions(pp_schedule="Interleaved1F1B", pp_layers_per_stage=5),
+            "runs several stages per rank, but the split gives 1",
+        ),
+        (
+            ParallelOptions(pp_schedule="1F1B", pp_layers_per_stage=4),
+            r"3 pipeline stages \(ceil\(\(8 layers \+ embedding \+ output = 10\) / pp_layers_per_stage\)\) cannot",
         ),
         (
             ParallelOptions(pp_schedule="1F1B", pp_split_points=("layers.3", "layers.5")),
-            "3 pipeline stages cannot be spread",
+            "3 pipeline stages",
         ),
     ],
 )

@@ -18,9 +18,7 @@ RUNNABLE = ("--activation_checkpoint.mode", "none")
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--optimizer.early_step_in_backward"], "stepping the optimizer in backward is not wired"),
         (["--fault_tolerance.enable"], "torchft fault tolerance is not supported"),
-        (["--training.dataloader.num_workers", "2"], "set num_workers = 0"),
         (["--comm.mode", "local_tensor"], "simulating every rank in one process is not supported"),
         (["--parallelism.expert_parallel_degree", "2"], "the registered Llama models have no experts"),
         (["--profiling.enable_memory_snapshot"], "memory snapshots record the CUDA caching allocator"),

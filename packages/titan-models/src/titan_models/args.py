@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from titan_models.errors import ModelConfigError
 
-ATTENTION_BACKENDS = ("sdpa", "flex", "flash")
+ATTENTION_BACKENDS = ("sdpa", "flex", "flash", "varlen")
 MASK_TYPES = ("causal", "block_causal")
 
 

@@ -1,4 +1,4 @@
-"""Grouped-query self-attention and its kernels: SDPA, flex attention and flash-attn."""
+"""Grouped-query self-attention and its kernels: SDPA, flex attention, flash-attn and variable-length."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from titan_models.args import ModelArgs
-from titan_models.attention_masks import AttentionMask, causal_block_mask, flex_can_run
+from titan_models.attention_masks import AttentionMask, VarlenMask, causal_block_mask, flex_can_run
 from titan_models.errors import BackendUnavailableError, ModelConfigError
 from titan_models.rope import apply_rotary
 
@@ -23,6 +23,11 @@ def check_attention_backend(args: ModelArgs) -> None:
         raise ModelConfigError(
             "model: attn_mask_type='block_causal' needs eos_id, the end-of-text token that separates "
             "packed documents; set ModelArgs.eos_id (the trainer passes the tokenizer's)"
+        )
+    if args.attn_backend == "varlen" and args.attn_mask_type != "block_causal":
+        raise ModelConfigError(
+            "model: attn_backend='varlen' attends within the packed documents of a sequence; set "
+            "attn_mask_type='block_causal' (or use attn_backend='sdpa' for plain causal attention)"
         )
     if args.attn_backend != "flash":
         return
@@ -75,10 +80,41 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask) -> torch.Tensor:
+    """Causal attention within each packed document, the batch flattened to (tokens, heads, head_dim).
+
+    On CUDA torch's variable-length kernel (flash or cuDNN) runs over `cu_seqlens`; elsewhere SDPA runs
+    with the mask those lengths describe (a document's tokens see its earlier tokens), the same attention.
+    """
+    b, h, s, d = q.shape
+    n_rep = h // k.shape[1]
+    k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)  # torch 2.11's varlen kernel has no GQA switch
+    if q.device.type == "cuda":
+        from torch.nn.attention.varlen import varlen_attn
+
+        packed = [t.transpose(1, 2).reshape(b * s, h, d) for t in (q, k, v)]
+        cu, longest = mask.cu_seqlens, mask.max_seqlen
+        out = varlen_attn(*packed, cu, cu, longest, longest, window_size=(-1, 0))
+        return out.view(b, s, h, d).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_varlen_bool_mask(mask, b))
+
+
+def _varlen_bool_mask(mask: VarlenMask, batch: int) -> torch.Tensor:
+    """(batch, 1, seq, seq): position i sees j <= i of the same document, documents read from cu_seqlens."""
+    total = batch * mask.seq_len
+    positions = torch.arange(total, device=mask.cu_seqlens.device)
+    document = torch.searchsorted(mask.cu_seqlens[1:], positions, right=True).view(batch, mask.seq_len)
+    pos = positions[: mask.seq_len]
+    causal = pos[:, None] >= pos[None, :]
+    return (causal & (document[:, :, None] == document[:, None, :]))[:, None]
+
+
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, mask: AttentionMask
 ) -> torch.Tensor:
     """Attention of (batch, heads, seq, head_dim) queries over fewer or equal key/value heads."""
+    if isinstance(mask, VarlenMask):
+        return _varlen(q, k, v, mask)
     if mask is None and backend == "flex" and flex_can_run(q.device):
         mask = causal_block_mask(q.shape[2], str(q.device))
     if isinstance(mask, BlockMask):

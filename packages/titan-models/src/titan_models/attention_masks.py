@@ -2,14 +2,16 @@
 
 A mask is built once per forward and handed to every block: `None` means plain causal (SDPA's and
 flash-attn's built-in path), a boolean tensor is an explicit SDPA mask, and a flex-attention
-`BlockMask` drives flex attention. Flex attention has a backward only on CUDA, so elsewhere a
-training forward falls back to the boolean mask, which gives the same attention.
+`BlockMask` drives flex attention, and a `VarlenMask` (documents as cumulative lengths over the
+flattened batch) drives variable-length attention. Flex attention has a backward only on CUDA, so
+elsewhere a training forward falls back to the boolean mask, which gives the same attention.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
@@ -19,7 +21,19 @@ from titan_models.errors import ModelConfigError
 
 logger = logging.getLogger(__name__)
 
-AttentionMask = torch.Tensor | BlockMask | None
+
+@dataclass(frozen=True)
+class VarlenMask:
+    """Packed documents as variable-length kernels take them: the batch flattened to one row of
+    `batch * seq_len` tokens, `cu_seqlens[i]` the start of document i (int32, ending with the total),
+    and the longest document. A row's start always starts a document: documents never cross rows."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    seq_len: int
+
+
+AttentionMask = torch.Tensor | BlockMask | VarlenMask | None
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -38,6 +52,17 @@ def block_causal_bool_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     causal = positions[None, :, None] >= positions[None, None, :]
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
     return (causal & same_doc)[:, None]
+
+
+def varlen_mask(doc_ids: torch.Tensor) -> VarlenMask:
+    """The documents of (batch, seq) `doc_ids` as cumulative lengths over the flattened batch."""
+    batch, seq_len = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = starts.flatten().nonzero().flatten()
+    total = torch.tensor([batch * seq_len], device=doc_ids.device)
+    cu_seqlens = torch.cat([first, total]).to(torch.int32)
+    return VarlenMask(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), seq_len)
 
 
 def block_causal_block_mask(doc_ids: torch.Tensor) -> BlockMask:
@@ -89,4 +114,6 @@ def build_attention_mask(args: ModelArgs, doc_ids: torch.Tensor | None, device) 
         raise ModelConfigError(
             "model: attn_mask_type='block_causal' needs document ids (see titan_models.document_ids)"
         )
+    if args.attn_backend == "varlen":
+        return varlen_mask(doc_ids)
     return block_causal_block_mask(doc_ids) if use_flex else block_causal_bool_mask(doc_ids)

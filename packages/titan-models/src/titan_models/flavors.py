@@ -27,10 +27,12 @@ _LLAMA3_DEBUG = ModelArgs(
     rope_scaling=LLAMA31_ROPE_SCALING, context_len=LLAMA31_CONTEXT,
 )  # fmt: skip
 _FLEX_BLOCK_CAUSAL = dict(attn_backend="flex", attn_mask_type="block_causal")
+_VARLEN_BLOCK_CAUSAL = dict(attn_backend="varlen", attn_mask_type="block_causal")
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     "debugmodel": _LLAMA3_DEBUG,
     "debugmodel_flex_attn": replace(_LLAMA3_DEBUG, **_FLEX_BLOCK_CAUSAL),
+    "debugmodel_varlen_attn": replace(_LLAMA3_DEBUG, **_VARLEN_BLOCK_CAUSAL),
     "1B": ModelArgs(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
         rope_scaling=LLAMA32_ROPE_SCALING, tie_word_embeddings=True, **_LLAMA3,
@@ -42,6 +44,7 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     "8B": _LLAMA3_8B,
     "8B_flex": replace(_LLAMA3_8B, **_FLEX_BLOCK_CAUSAL),  # torchtitan 0.2's name
     "8B_flex_attn": replace(_LLAMA3_8B, **_FLEX_BLOCK_CAUSAL),  # torchtitan 0.1's name
+    "8B_varlen": replace(_LLAMA3_8B, **_VARLEN_BLOCK_CAUSAL),
     "70B": ModelArgs(
         dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
         rope_scaling=LLAMA31_ROPE_SCALING, **_LLAMA3,

@@ -11,7 +11,7 @@ from titan_parallel.grad_norm import clip_grad_norm_
 from titan_parallel.options import ParallelOptions
 from titan_parallel.parallel_dims import ParallelDims
 from titan_parallel.parallelize import parallelize, training_context
-from titan_parallel.pipeline import Pipeline, build_pipeline
+from titan_parallel.pipeline import Pipeline, build_pipeline, pipeline_stages
 from titan_parallel.protocols import (
     HasParallelBlocks,
     HasPipelineUnits,
@@ -43,6 +43,7 @@ __all__ = [
     "context_parallel_ctx",
     "loss_parallel_ctx",
     "parallelize",
+    "pipeline_stages",
     "precompute_float8_scales",
     "training_context",
 ]

@@ -19,6 +19,7 @@ PIPELINE_SCHEDULES = (
     "LoopedBFS",
     "InterleavedZeroBubble",
     "ZBVZeroBubble",
+    "PipelineScheduleMulti",  # a multi-stage schedule read from pp_schedule_csv
 )
 SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
 V_SCHEDULES = ("ZBVZeroBubble",)
@@ -54,26 +55,31 @@ class ParallelOptions:
     ac_force_recompute_mm_fqns: tuple[str, ...] = ()
     # torch.compile of each block, with this backend
     compile: bool = False
-    # float8 training through torchao
     compile_backend: str = "inductor"
+    # float8 training through torchao
     float8: str | None = None  # None, "tensorwise" or "rowwise"
     float8_fsdp_all_gather: bool = False
     float8_skip_fqns: tuple[str, ...] = ("output",)
-    # Pipeline parallel
     float8_emulate: bool = False  # matmuls in high precision: float8 numerics where float8 kernels are missing
+    # Pipeline parallel
     pp_schedule: str = "1F1B"
     pp_microbatch_size: int = 1
     pp_layers_per_stage: int | None = None
     pp_split_points: tuple[str, ...] = ()
+    # The embedding and the output head count as this many layers when stages are cut (torchtitan's
+    # pipeline_parallel_first/last_stage_less_layers): the first and last stages get fewer blocks.
+    pp_first_stage_less_layers: int = 1
+    pp_last_stage_less_layers: int = 1
+    pp_schedule_csv: str | None = None  # a schedule of F/I/W/B actions per rank, one CSV row per rank
     # Context parallel
     cp_rotate_method: str = "allgather"
+    cp_load_balance: bool = True  # each rank holds chunks i and 2*cp-1-i of a causal sequence
 
     def __post_init__(self) -> None:
         _choose("reshard_after_forward", self.reshard_after_forward, RESHARD_POLICIES)
         _choose("ac_mode", self.ac_mode, AC_MODES)
         _choose("cp_rotate_method", self.cp_rotate_method, ROTATE_METHODS)
         _choose("pp_schedule", self.pp_schedule, PIPELINE_SCHEDULES)
-    cp_load_balance: bool = True  # each rank holds chunks i and 2*cp-1-i of a causal sequence
         if self.float8 is not None:
             _choose("float8", self.float8, FLOAT8_RECIPES)
         if self.float8_fsdp_all_gather and self.float8 != "tensorwise":
@@ -94,6 +100,16 @@ class ParallelOptions:
         if self.pp_microbatch_size < 1:
             raise ParallelConfigError(
                 f"parallelism: pp_microbatch_size must be >= 1, got {self.pp_microbatch_size}"
+            )
+        if self.pp_schedule == "PipelineScheduleMulti" and not self.pp_schedule_csv:
+            raise ParallelConfigError(
+                "parallelism: pp_schedule='PipelineScheduleMulti' runs the actions of a CSV file; give "
+                "pp_schedule_csv, or name a built-in schedule such as Interleaved1F1B"
+            )
+        if min(self.pp_first_stage_less_layers, self.pp_last_stage_less_layers) < 0:
+            raise ParallelConfigError(
+                "parallelism: pp_first_stage_less_layers and pp_last_stage_less_layers must be >= 0, got "
+                f"{self.pp_first_stage_less_layers} and {self.pp_last_stage_less_layers}"
             )
         if self.pp_layers_per_stage is not None and self.pp_split_points:
             raise ParallelConfigError(

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    _PipelineScheduleRuntime,
+    get_schedule_class,
+)
 from torch.distributed.tensor import DTensor
 
 from titan_parallel.errors import ParallelConfigError
@@ -29,7 +35,7 @@ class Pipeline:
     """The stages this rank runs and the schedule that drives them.
 
     `model_parts` are the stage modules (for the optimizer, checkpointing, weight init and
-    gradient clipping); `step` runs forward and backward over all microbatches.
+    gradient clipping); `step` runs forward and backward over all microbatches, `evaluate` forward only.
     """
 
     schedule: object
@@ -37,6 +43,8 @@ class Pipeline:
     model_parts: list[nn.Module]
     pp_mesh: DeviceMesh
     last_stage_rank: int  # rank within pp_mesh that owns the last stage
+    # What each microbatch loss is divided by, in training and in evaluation (see build_pipeline).
+    loss_divisor: dict[str, float] = field(default_factory=lambda: {"now": 1.0, "train": 1.0, "eval": 1.0})
 
     @property
     def has_first_stage(self) -> bool:
@@ -53,17 +61,34 @@ class Pipeline:
         so what a trainer logs on any rank is the real loss. Run it inside `loss_parallel_ctx` /
         `context_parallel_ctx` when those are enabled, as for a non-pipelined step.
         """
+        return self._run(self.schedule.step, inputs, labels, "train", return_outputs=False)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one batch through the schedule's forward-only path, on every pipeline rank.
+
+        Not divided for gradient accumulation: it is the loss of this batch, as one process computes it.
+        """
+        for part in self.model_parts:
+            part.eval()
+        try:
+            return self._run(self.schedule.eval, inputs, labels, "eval")
+        finally:
+            for part in self.model_parts:
+                part.train()
+
+    def _run(self, run, inputs: torch.Tensor, labels: torch.Tensor, mode: str, **kwargs) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-        device = inputs.device
+        self.loss_divisor["now"] = self.loss_divisor[mode]
+        run(*args, target=target, losses=losses, **kwargs)
         if self.has_last_stage:
             parts = [x.full_tensor() if isinstance(x, DTensor) else x for x in losses]
             # Each microbatch loss is already divided by the microbatch count (see build_pipeline).
             loss = torch.stack([x.detach().float() for x in parts]).sum()
         else:
-            loss = torch.empty((), device=device)
+            loss = torch.empty((), device=inputs.device)
         dist.broadcast(loss, group=self.pp_mesh.get_group(), group_src=self.last_stage_rank)
         return loss
 
@@ -82,23 +107,26 @@ class _PipelineStage(PipelineStage):
 
 
 def stages_per_rank(options: ParallelOptions, pp: int, n_layers: int) -> int:
-    """How many stages each rank runs: 1 for single-stage schedules, else from the split settings (default 2)."""
+    """How many stages each rank runs: 1 for single-stage schedules, 2 for the others, unless the split
+    settings say otherwise.
+
+    With `pp_layers_per_stage`, the stage count is the model's layers plus the embedding and output
+    weights (`pp_first/last_stage_less_layers`) divided by it, rounded up, as torchtitan counts it.
+    """
     single = options.pp_schedule in SINGLE_STAGE_SCHEDULES
     if options.pp_split_points:
         total = len(options.pp_split_points) + 1
+        what = "split points + 1"
     elif options.pp_layers_per_stage is not None:
-        if n_layers % options.pp_layers_per_stage:
-            raise ParallelConfigError(
-                f"parallelism: pp_layers_per_stage ({options.pp_layers_per_stage}) does not divide the "
-                f"model's {n_layers} layers; choose a divisor of {n_layers}"
-            )
-        total = n_layers // options.pp_layers_per_stage
+        effective = n_layers + options.pp_first_stage_less_layers + options.pp_last_stage_less_layers
+        total = math.ceil(effective / options.pp_layers_per_stage)
+        what = f"ceil(({n_layers} layers + embedding + output = {effective}) / pp_layers_per_stage)"
     else:
         return 1 if single else 2
     if total % pp:
         raise ParallelConfigError(
-            f"parallelism: {total} pipeline stages cannot be spread evenly over pp({pp}) ranks; make the number "
-            "of stages (split points + 1, or layers / pp_layers_per_stage) a multiple of pp"
+            f"parallelism: {total} pipeline stages ({what}) cannot be spread evenly over pp({pp}) ranks; "
+            "choose a split whose number of stages is a multiple of pp"
         )
     per_rank = total // pp
     if single and per_rank != 1:
@@ -106,12 +134,36 @@ def stages_per_rank(options: ParallelOptions, pp: int, n_layers: int) -> int:
             f"parallelism: schedule {options.pp_schedule} runs one stage per rank, but the split gives {per_rank}; "
             "use Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble, or fewer stages"
         )
+    if not single and per_rank < 2:
+        raise ParallelConfigError(
+            f"parallelism: schedule {options.pp_schedule} runs several stages per rank, but the split gives "
+            f"{per_rank}; use 1F1B or GPipe, or more stages (a smaller pp_layers_per_stage)"
+        )
     if options.pp_schedule in V_SCHEDULES and per_rank != 2:
         raise ParallelConfigError(
             f"parallelism: schedule {options.pp_schedule} runs exactly 2 stages per rank (a V), but the split "
             f"gives {per_rank}; choose a split with 2 * pp stages"
         )
     return per_rank
+
+
+def pipeline_stages(
+    units: list[str], blocks: list[str], pp: int, options: ParallelOptions
+) -> list[list[str]]:
+    """The units of every stage (pp * stages per rank, in stage order) as `build_pipeline` cuts them.
+
+    Raises ParallelConfigError for a split the schedule cannot run, so a dry run can check a layout
+    without building it.
+    """
+    per_rank = stages_per_rank(options, pp, len(blocks))
+    return split_units(
+        units,
+        blocks,
+        pp * per_rank,
+        first_stage_less_layers=options.pp_first_stage_less_layers,
+        last_stage_less_layers=options.pp_last_stage_less_layers,
+        split_points=options.pp_split_points,
+    )
 
 
 def stage_ids_of_rank(rank: int, pp: int, per_rank: int, v_shape: bool) -> list[int]:
@@ -129,6 +181,7 @@ def build_pipeline(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     local_batch_size: int,
+    accumulation_steps: int = 1,
     parallelize_fn: Callable[[nn.Module], nn.Module] | None = None,
 ) -> Pipeline:
     """Cut `model` into stages, keep this rank's, parallelize each, and build the schedule.
@@ -138,7 +191,8 @@ def build_pipeline(
     `model` is best built on the meta device (stages are deep copies); materialise and initialise
     `Pipeline.model_parts` afterwards. `loss_fn(logits, labels)` is a mean over tokens; each
     microbatch of `options.pp_microbatch_size` sequences gets its own loss, divided by the number
-    of microbatches, so the gradients add up to those of the full-batch mean. The loss is divided,
+    of microbatches (times `accumulation_steps` in training), so the gradients add up to those of the
+    full-batch mean. The loss is divided,
     not the gradients afterwards (torch's `scale_grads`): that rescales every gradient the
     parameters hold, which under gradient accumulation includes earlier micro-batches' share.
     """
@@ -148,16 +202,9 @@ def build_pipeline(
     pp, rank = dims.pp, pp_mesh.get_local_rank()
     units = pipeline_units_of(model)
     blocks = list(blocks_of(model))
-    per_rank = stages_per_rank(options, pp, len(blocks))
-    num_stages = pp * per_rank
-    dims.check_model(n_layers=len(blocks), stages_per_rank=per_rank)
-    stage_units = split_units(
-        units,
-        blocks,
-        num_stages,
-        layers_per_stage=options.pp_layers_per_stage,
-        split_points=options.pp_split_points,
-    )
+    stage_units = pipeline_stages(units, blocks, pp, options)
+    num_stages = len(stage_units)
+    per_rank = num_stages // pp
     n_microbatches = _microbatches(local_batch_size, options.pp_microbatch_size)
     v_shape = options.pp_schedule in V_SCHEDULES
     stages, parts = [], []
@@ -167,24 +214,47 @@ def build_pipeline(
         parts.append(part)
         stages.append(_PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
         logger.info("pipeline rank %d holds stage %d: %s", rank, stage_id, stage_units[stage_id])
-    schedule_class = get_schedule_class(options.pp_schedule)
+    divisor = {"train": n_microbatches * accumulation_steps, "eval": n_microbatches}
+    divisor["now"] = divisor["train"]
 
     def microbatch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return loss_fn(logits, labels) / n_microbatches
+        return loss_fn(logits, labels) / divisor["now"]
 
-    kwargs = {"n_microbatches": n_microbatches, "loss_fn": microbatch_loss, "scale_grads": False}
+    schedule = _schedule(options, stages, n_microbatches, microbatch_loss, num_stages, local_batch_size)
+    last_rank = next(r for r in range(pp) if num_stages - 1 in stage_ids_of_rank(r, pp, per_rank, v_shape))
+    return Pipeline(schedule, stages, parts, pp_mesh, last_rank, divisor)
+
+
+def _schedule(
+    options: ParallelOptions,
+    stages: list[PipelineStage],
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    num_stages: int,
+    local_batch_size: int,
+) -> object:
+    """The named schedule, or with `pp_schedule_csv` torch's runtime schedule running that file's actions."""
+    csv = options.pp_schedule_csv
+    if csv and not Path(csv).is_file():
+        raise ParallelConfigError(
+            f"parallelism: pipeline schedule CSV {csv} is not a file; give an existing path"
+        )
+    schedule_class = _PipelineScheduleRuntime if csv else get_schedule_class(options.pp_schedule)
+    kwargs = {"n_microbatches": n_microbatches, "loss_fn": loss_fn, "scale_grads": False}
+    what = f"{csv if csv else options.pp_schedule} with {num_stages} stages and {n_microbatches} microbatches"
     try:
         if issubclass(schedule_class, PipelineScheduleSingle):
             schedule = schedule_class(stages[0], **kwargs)
         else:
             schedule = schedule_class(stages, **kwargs)
-    except ValueError as e:
+        if csv:
+            schedule._load_csv(csv)
+    except (ValueError, AssertionError, RuntimeError) as e:
         raise ParallelConfigError(
-            f"parallelism: schedule {options.pp_schedule} with {num_stages} stages and {n_microbatches} microbatches "
-            f"(local batch {local_batch_size} / microbatch {options.pp_microbatch_size}) is refused by torch: {e}"
+            f"parallelism: schedule {what} (local batch {local_batch_size} / microbatch "
+            f"{options.pp_microbatch_size}) is refused by torch: {str(e).splitlines()[0]}"
         ) from e
-    last_rank = next(r for r in range(pp) if num_stages - 1 in stage_ids_of_rank(r, pp, per_rank, v_shape))
-    return Pipeline(schedule, stages, parts, pp_mesh, last_rank)
+    return schedule
 
 
 def _microbatches(local_batch_size: int, microbatch_size: int) -> int:

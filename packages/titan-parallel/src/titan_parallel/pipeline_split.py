@@ -25,53 +25,55 @@ def split_units(
     blocks: list[str],
     num_stages: int,
     *,
-    layers_per_stage: int | None = None,
+    first_stage_less_layers: int = 1,
+    last_stage_less_layers: int = 1,
     split_points: tuple[str, ...] | list[str] = (),
 ) -> list[list[str]]:
-    """Assign contiguous runs of `units` to `num_stages` stages.
+    """Assign contiguous runs of `units` to `num_stages` stages, as torchtitan cuts them.
 
-    With `split_points`, a new stage begins at each named unit. Otherwise the blocks are spread
-    evenly (or `layers_per_stage` each), the units before the first block join the first stage
-    and every other non-block unit joins the stage of the block before it.
+    With `split_points`, a new stage begins at each named unit. Otherwise the units before the first
+    block (the embedding) count as `first_stage_less_layers` layers and those after the last block
+    (norm and output head) as `last_stage_less_layers`; these weighted layers are spread evenly over
+    the stages, the first stages taking one more when they do not divide. So the same settings give
+    the same stages, with the same module names, as torchtitan; a stage may hold no block at all.
     """
     if split_points:
         return _split_at(units, list(split_points), num_stages)
     block_set = set(blocks)
     ordered_blocks = [u for u in units if u in block_set]
-    n = len(ordered_blocks)
-    if layers_per_stage is not None:
-        if layers_per_stage * num_stages != n:
-            raise ParallelConfigError(
-                f"parallelism: pp_layers_per_stage ({layers_per_stage}) * {num_stages} stages = "
-                f"{layers_per_stage * num_stages}, but the model has {n} layers; choose a divisor of {n}"
-            )
-    if num_stages > n:
+    if num_stages == 1:
+        return [list(units)]
+    n, first, last = len(ordered_blocks), first_stage_less_layers, last_stage_less_layers
+    effective = n + first + last
+    if num_stages > effective:
         raise ParallelConfigError(
-            f"parallelism: {num_stages} pipeline stages but the model has only {n} layers; every stage needs "
-            "at least one, so lower pp or use a single-stage schedule (1F1B, GPipe)"
+            f"parallelism: {num_stages} pipeline stages but the model has only {effective} layers counting the "
+            f"embedding as {first} and the output as {last} (pipeline_parallel_first/last_stage_less_layers); "
+            "lower pp or the stages per rank"
         )
-    sizes = _even_sizes(n, num_stages)
+    per_stage, extra = divmod(effective, num_stages)
+    for name, weight in (("first", first), ("last", last)):
+        if weight > per_stage:
+            raise ParallelConfigError(
+                f"parallelism: pipeline_parallel_{name}_stage_less_layers ({weight}) exceeds the {per_stage} "
+                f"layers each of {num_stages} stages gets ({n} layers + {first} + {last}); lower it"
+            )
+    sizes = [per_stage + (stage < extra) for stage in range(num_stages)]
+    sizes[0] -= first
+    sizes[-1] -= last
     stage_of_block, b = {}, 0
     for stage, size in enumerate(sizes):
         for name in ordered_blocks[b : b + size]:
             stage_of_block[name] = stage
         b += size
+    after_last = units.index(ordered_blocks[-1]) + 1 if ordered_blocks else len(units)
     stages: list[list[str]] = [[] for _ in range(num_stages)]
     current = 0
-    for unit in units:
-        current = stage_of_block.get(unit, current)
+    for i, unit in enumerate(units):
+        # Units before the first block stay on the first stage, those after the last go to the last.
+        current = num_stages - 1 if i >= after_last else stage_of_block.get(unit, current)
         stages[current].append(unit)
     return stages
-
-
-def _even_sizes(n: int, parts: int) -> list[int]:
-    # The first stage also runs the embedding and the last the output head and loss (the heavier of
-    # the two), so the extra blocks of an uneven split go to the middle stages, then the first.
-    sizes = [n // parts] * parts
-    order = [*range(1, parts - 1), 0, parts - 1]
-    for i in order[: n % parts]:
-        sizes[i] += 1
-    return sizes
 
 
 def _split_at(units: list[str], points: list[str], num_stages: int) -> list[list[str]]:

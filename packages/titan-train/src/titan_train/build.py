@@ -90,16 +90,15 @@ def build_model(
         n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.kv_heads, seq_len=config.training.seq_len,
         vocab_size=args.vocab_size, sequence_parallel=options.sequence_parallel,
     )  # fmt: skip
-    # Under gradient accumulation each micro-batch's loss counts 1/N of the step's.
-    loss_fn = build_loss_fn(config, spec)
-    loss_fn = loss_fn if grad_accum_steps == 1 else _scaled(loss_fn, 1 / grad_accum_steps)
+    # Under gradient accumulation each micro-batch's loss counts 1/N of the step's (the pipeline divides).
     wrapped = split_and_wrap(
         model,
         dims,
         options,
-        loss_fn=loss_fn,
+        loss_fn=build_loss_fn(config, spec),
         device=device,
         local_batch_size=config.training.local_batch_size,
+        accumulation_steps=grad_accum_steps,
     )
     for part in wrapped.parts:
         part.to_empty(device=device)
@@ -141,18 +140,16 @@ def check_compile_backend(backend: str) -> None:
         )
 
 
-def _scaled(loss_fn: Callable, factor: float) -> Callable:
-    return lambda logits, labels: loss_fn(logits, labels) * factor
-
-
-def build_optimizer(config: JobConfig, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(config: JobConfig, model: nn.Module | list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The configured optimizer over a model part's parameters (or a list of them)."""
     o = config.optimizer
     cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[o.name]
     impl = o.implementation
     kwargs = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
     kwargs["fused"] = impl == "fused"  # CUDA and CPU both have fused Adam kernels
     kwargs["foreach"] = impl == "foreach"
-    return cls(model.parameters(), **kwargs)
+    params = list(model.parameters()) if isinstance(model, nn.Module) else model
+    return cls(params, **kwargs)
 
 
 def build_lr_schedule(config: JobConfig, optimizer: torch.optim.Optimizer):
@@ -192,7 +189,25 @@ def _token_loader(
         num_streams=section.dataloader.num_streams,
         infinite=infinite,
     )
-    return TokenLoader(dataset, batch_size=section.local_batch_size)
+    d = section.dataloader
+    return TokenLoader(
+        dataset, batch_size=section.local_batch_size, num_workers=d.num_workers,
+        pin_memory=d.pin_memory and _pinning_applies(section), persistent_workers=d.persistent_workers,
+        prefetch_factor=d.prefetch_factor,
+    )  # fmt: skip
+
+
+def _pinning_applies(section) -> bool:
+    """Pinned (page-locked) batches speed up copies to an accelerator; without one, batches already sit in
+    the memory the CPU trains from, so there is nothing to pin: said once, at start."""
+    if torch.accelerator.is_available():
+        return True
+    logger.warning(
+        "%s.dataloader.pin_memory: no accelerator here, so batches stay in ordinary host memory, which the "
+        "CPU reads directly (pinning only speeds up copies to a GPU)",
+        "validation" if hasattr(section, "freq") else "training",
+    )
+    return False
 
 
 def compute_dtype(config: JobConfig, device: torch.device) -> torch.dtype:

@@ -8,7 +8,6 @@ nothing is allocated. What this cannot check is the GPUs themselves: kernels, ba
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,24 +16,16 @@ import torch
 import torch.distributed as dist
 
 from titan_models import count_parameters
-from titan_parallel import ParallelConfigError, ParallelDims, blocks_of
+from titan_parallel import ParallelConfigError, ParallelDims, blocks_of, pipeline_stages
 from titan_train import build
 from titan_train.errors import ConfigError
 from titan_train.memory_estimate import MemoryEstimate, ParamCounts, estimate_memory_per_rank
+from titan_train.parallelism import parallel_options
 from titan_train.registry import get_model_spec
 from titan_train.sequence_limit import model_seq_len
 from titan_train.unsupported import UnsupportedConfigError, refuse_unsupported
 
 logger = logging.getLogger(__name__)
-
-# Schedules that place more than one stage on each rank.
-MULTI_STAGE_SCHEDULES = (
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
-)
 
 
 @dataclass
@@ -66,13 +57,6 @@ class DryRunReport:
         return out
 
 
-def _stages_per_rank(config: Any, n_layers: int, pp: int) -> int:
-    p = config.parallelism
-    if p.pipeline_parallel_layers_per_stage:
-        return max(math.ceil(n_layers / p.pipeline_parallel_layers_per_stage) // pp, 1)
-    return 2 if p.pipeline_parallel_schedule in MULTI_STAGE_SCHEDULES else 1
-
-
 def _layout_problems(config: Any, dims: ParallelDims, args: Any) -> list[str]:
     """Everything wrong with this layout for this model, so a user fixes them all in one go."""
     t = config.training
@@ -84,9 +68,12 @@ def _layout_problems(config: Any, dims: ParallelDims, args: Any) -> list[str]:
             n_kv_heads=args.kv_heads,
             seq_len=t.seq_len,
             vocab_size=args.vocab_size,
-            stages_per_rank=_stages_per_rank(config, args.n_layers, dims.pp) if dims.pp > 1 else 1,
         )
-    except ParallelConfigError as err:
+        if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
+            blocks = [f"layers.{i}" for i in range(args.n_layers)]
+            options = parallel_options(config, torch.float32, torch.float32)
+            pipeline_stages(["tok_embeddings", *blocks, "norm", "output"], blocks, dims.pp, options)
+    except (ParallelConfigError, ConfigError) as err:
         problems.append(str(err))
     try:
         build.gradient_accumulation_steps(config, dims.dp_degree)

@@ -71,10 +71,10 @@ class PartOptimizers:
         return True
 
     def schedule_state(self) -> Stateful:
-        return _SchedulesState(self.schedules)
+        return SchedulesState(self.schedules)
 
 
-class _SchedulesState(Stateful):
+class SchedulesState(Stateful):
     """Checkpoint view of the schedules: saved once, restored into every part's schedule."""
 
     def __init__(self, schedules: list[LRScheduler]):

@@ -33,44 +33,40 @@ def parallel_options(
     float8 = None
     if config.model.converters:
         float8 = config.quantize.linear.float8.recipe_name or "tensorwise"
-    if p.pipeline_parallel_degree > 1 and (
-        p.pipeline_parallel_first_stage_less_layers or p.pipeline_parallel_last_stage_less_layers
-    ):
-        logger.warning(
-            "parallelism.pipeline_parallel_first/last_stage_less_layers are not applied: Titan splits the "
-            "blocks evenly (or at module_fqns_per_model_part / pipeline_parallel_layers_per_stage)"
-        )
     split_points: tuple[str, ...] = ()
     if p.module_fqns_per_model_part:
         split_points = tuple(part[0] for part in p.module_fqns_per_model_part[1:] if part)
     return ParallelOptions(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
+        reshard_after_forward=p.fsdp_reshard_after_forward,
+        cpu_offload=config.training.enable_cpu_offload,
+        sequence_parallel=True,
+        loss_parallel=not p.disable_loss_parallel,
+        async_tp=p.enable_async_tensor_parallel,
+        ac_mode=ac.mode,
+        ac_selective=ac.selective_ac_option,
         ac_preserve_rng_state=ac.preserve_rng_state,
         ac_determinism_check=ac.determinism_check,
         ac_early_stop=ac.early_stop,
         ac_debug=ac.debug,
         ac_force_recompute_mm_fqns=tuple(ac.per_op_sac_force_recompute_mm_shapes_by_fqns),
-        reshard_after_forward=p.fsdp_reshard_after_forward,
-        compile_backend=config.compile.backend,
-        cpu_offload=config.training.enable_cpu_offload,
-        sequence_parallel=True,
-        loss_parallel=not p.disable_loss_parallel,
-        async_tp=p.enable_async_tensor_parallel,
-        float8_emulate=config.quantize.linear.float8.emulate,
-        ac_mode=ac.mode,
-        ac_selective=ac.selective_ac_option,
         compile=config.compile.enable and "model" in config.compile.components,
+        compile_backend=config.compile.backend,
         float8=float8,
         float8_fsdp_all_gather=float8 is not None
         and config.quantize.linear.float8.enable_fsdp_float8_all_gather,
         float8_skip_fqns=tuple(dict.fromkeys(["output", *config.quantize.linear.float8.filter_fqns])),
+        float8_emulate=config.quantize.linear.float8.emulate,
         pp_schedule=p.pipeline_parallel_schedule,
-        cp_load_balance=p.context_parallel_load_balancer is not None,
         pp_microbatch_size=p.pipeline_parallel_microbatch_size,
         pp_layers_per_stage=p.pipeline_parallel_layers_per_stage,
         pp_split_points=split_points,
+        pp_first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+        pp_last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+        pp_schedule_csv=p.pipeline_parallel_schedule_csv or None,
         cp_rotate_method=p.context_parallel_rotate_method,
+        cp_load_balance=p.context_parallel_load_balancer is not None,
     )
 
 
@@ -90,11 +86,13 @@ def split_and_wrap(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     local_batch_size: int,
+    accumulation_steps: int = 1,
 ) -> ModelParts:
     """Apply every enabled parallelism to a meta-device model; pipeline stages when pp > 1."""
     if dims.pp > 1:
         pipeline = build_pipeline(
-            model, dims, options, loss_fn=loss_fn, device=device, local_batch_size=local_batch_size
-        )
+            model, dims, options, loss_fn=loss_fn, device=device, local_batch_size=local_batch_size,
+            accumulation_steps=accumulation_steps,
+        )  # fmt: skip
         return ModelParts(pipeline.model_parts, pipeline)
     return ModelParts([parallelize(model, dims, options)], None)

@@ -27,6 +27,7 @@ from titan_train.gc_schedule import GarbageCollection
 from titan_train.host_memory import keep_freed_host_memory
 from titan_train.memory_estimate import estimate_memory_per_rank
 from titan_train.metrics import MetricsLogger, StepMetrics, device_memory
+from titan_train.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.optimizers import PartOptimizers
 from titan_train.profiling import MemorySnapshots, maybe_profile
 from titan_train.registry import get_model_spec
@@ -83,7 +84,11 @@ class Trainer:
             logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
         self.forward_context = build.forward_context(config, self.dims, self.device)
         self.loss_fn = build.build_loss_fn(config, spec)
-        self.optimizers = PartOptimizers(
+        optimizers_class = PartOptimizers
+        if config.optimizer.early_step_in_backward:
+            check_step_in_backward(config, self.grad_accum_steps)
+            optimizers_class = BackwardStepOptimizers
+        self.optimizers = optimizers_class(
             self.model_parts,
             lambda part: build.build_optimizer(config, part),
             lambda optimizer: build.build_lr_schedule(config, optimizer),
@@ -135,11 +140,10 @@ class Trainer:
             v = config.validation
             self.validator = Validator(
                 lambda: build.build_validation_loader(config, self.tokenizer, dp_rank, dp_degree),
-                self.loss_fn,
+                self._validation_loss,
                 device=self.device,
                 freq=v.freq,
                 steps=v.steps,
-                forward_context=self.forward_context,
             )
         self.guard = StepGuard(
             config.health, rank=info.rank, world_size=info.world_size, device=self.device,
@@ -173,6 +177,8 @@ class Trainer:
         Under FSDP, gradients of all but the last micro-batch accumulate unsharded on each rank and are
         reduce-scattered once, after the last.
         """
+        if isinstance(self.optimizers, BackwardStepOptimizers):
+            return self._train_step_in_backward(batches)
         self.optimizers.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
         tokens, data_seconds = 0, 0.0
@@ -204,13 +210,45 @@ class Trainer:
                 precompute_float8_scales(part)
         return loss_sum, grad_norm, tokens, data_seconds
 
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Loss of one micro-batch (already divided by the accumulation steps), gradients accumulated."""
+    def _train_step_in_backward(
+        self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+        """`train_step` with the optimizer stepping in backward; with clipping, a first backward measures
+        the norm (see optimizer_in_backward). Context parallelism shards the batch it is given: each
+        pass gets its own copy."""
+        start = time.perf_counter()
+        inputs, labels = next(batches)
+        data_seconds = time.perf_counter() - start
+        max_norm = self.config.training.max_norm
+        coef = 1.0
+        if max_norm > 0:
+            norm = self.optimizers.measure(lambda: self._forward_backward(inputs.clone(), labels.clone()))
+            coef = min(1.0, max_norm / (norm.item() + 1e-6))  # torch's clip_grads_with_norm_
+        self.step_lr = self.optimizers.lr
+        loss, grad_norm = self.optimizers.step(lambda: self._forward_backward(inputs, labels), coef)
+        self.guard.decide(self.state.step + 1, self.guard.agree(loss, grad_norm))
+        return loss, grad_norm, labels.numel(), data_seconds
+
+    def _layout_context(self, inputs: torch.Tensor, labels: torch.Tensor):
+        """Loss and context parallelism around a forward pass, as the layout enables them."""
         cp_buffers = [inputs, labels, *(part.freqs_cis for part in self.model_parts)]
-        with training_context(
+        return training_context(
             self.dims, self.parallel_options, cp_buffers=cp_buffers,
             cp_seq_dims=[1, 1, *[0] * len(self.model_parts)], cp_no_restore=[inputs, labels],
-        ):  # fmt: skip
+        )  # fmt: skip
+
+    def _validation_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean loss of one validation batch, forward only, through the same layout as training."""
+        with self._layout_context(inputs, labels):
+            if self.pipeline is not None:
+                return self.pipeline.evaluate(inputs, labels)
+            with self.forward_context():
+                loss = self.loss_fn(self.model_parts[0](inputs), labels)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Loss of one micro-batch (already divided by the accumulation steps), gradients accumulated."""
+        with self._layout_context(inputs, labels):
             if self.pipeline is not None:
                 # The pipeline's loss function is already scaled for accumulation (see build_model).
                 return self.pipeline.step(inputs, labels).detach()
@@ -262,7 +300,7 @@ class Trainer:
                         window = _Window()
                     if self.validator is not None and self.validator.should_validate(self.state.step):
                         self.metrics.log_validation(
-                            self.state.step, *self.validator.validate(self.model_parts[0])
+                            self.state.step, *self.validator.validate(self.model_parts)
                         )
                     if self.checkpointer is not None:
                         self.checkpointer.maybe_save(

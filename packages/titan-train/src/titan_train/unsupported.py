@@ -26,14 +26,20 @@ class _Rule:
     fix: str
 
 
-_NOT_WIRED = "is not wired into the trainer yet"
-
 _RULES = (
     _Rule(
-        lambda c: c.validation.enable and c.parallelism.pipeline_parallel_degree > 1,
-        lambda c: "validation.enable = true with pipeline_parallel_degree > 1",
-        "validation runs the whole model on each rank, which a pipeline stage does not hold",
-        "set validation.enable = false for pipeline-parallel runs",
+        lambda c: (
+            c.validation.enable
+            and c.parallelism.pipeline_parallel_degree > 1
+            and (c.validation.local_batch_size, c.validation.seq_len)
+            != (c.training.local_batch_size, c.training.seq_len)
+        ),
+        lambda c: (
+            f"validation.local_batch_size/seq_len ({c.validation.local_batch_size}, {c.validation.seq_len}) "
+            "with pipeline_parallel_degree > 1"
+        ),
+        "pipeline stages exchange activations in buffers shaped by the training batch, which validation reuses",
+        "set validation.local_batch_size and validation.seq_len to training's",
     ),
     _Rule(
         lambda c: c.parallelism.expert_parallel_degree > 1 or c.parallelism.expert_tensor_parallel_degree > 1,
@@ -45,12 +51,6 @@ _RULES = (
         lambda c: c.debug.moe_force_load_balance,
         lambda c: "debug.moe_force_load_balance = true",
         "the registered Llama models have no experts",
-        "set it to false",
-    ),
-    _Rule(
-        lambda c: c.optimizer.early_step_in_backward,
-        lambda c: "optimizer.early_step_in_backward = true",
-        f"stepping the optimizer in backward {_NOT_WIRED}",
         "set it to false",
     ),
     _Rule(
@@ -66,12 +66,6 @@ _RULES = (
         "use comm.mode = 'fake_backend' (a dry run) or run the ranks with torchrun on CPU",
     ),
     _Rule(
-        lambda c: c.training.dataloader.num_workers > 0 or c.validation.dataloader.num_workers > 0,
-        lambda c: "training/validation.dataloader.num_workers > 0",
-        "Titan tokenises in the training process so that a checkpoint records the exact data position",
-        "set num_workers = 0 (pre-tokenise with `titan-data tokenize` for speed)",
-    ),
-    _Rule(
         lambda c: bool(c.quantize.grouped_mm.float8.fqns or c.quantize.grouped_mm.mx.fqns),
         lambda c: "quantize.grouped_mm.float8/mx.fqns",
         "grouped matmuls belong to experts, and the registered Llama models have none",
@@ -84,7 +78,10 @@ _RULES = (
         "use mode 'selective' (op or every N blocks) or 'full'; `titan-train dry-run` shows their memory",
     ),
     _Rule(
-        lambda c: c.parallelism.context_parallel_degree > 1 and c.parallelism.context_parallel_load_balancer == "ptrr",
+        lambda c: (
+            c.parallelism.context_parallel_degree > 1
+            and c.parallelism.context_parallel_load_balancer == "ptrr"
+        ),
         lambda c: "parallelism.context_parallel_load_balancer = 'ptrr'",
         "ptrr balances flex attention's block masks, and Titan's context parallelism runs SDPA ring attention",
         "use 'headtail' (the default) or None (no balancing)",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterable
 
@@ -28,29 +27,31 @@ class Validator:
     """Runs `steps` validation batches (-1: until some rank's data ends) from a fresh loader each time.
 
     `make_batches` builds that loader, so every validation sees the same data and comparisons across
-    steps are fair.
+    steps are fair. `batch_loss(inputs, labels)` is the mean loss of one batch as the trainer's layout
+    computes it (a pipeline schedule's forward-only path, context parallelism, loss parallelism), the
+    same number on every rank of a replica.
     """
 
     def __init__(
         self,
         make_batches: Callable[[], Batches],
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        batch_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
         device: torch.device,
         freq: int,
         steps: int,
-        forward_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
-        self.make_batches, self.loss_fn, self.device = make_batches, loss_fn, device
-        self.freq, self.steps, self.forward_context = freq, steps, forward_context
+        self.make_batches, self.batch_loss, self.device = make_batches, batch_loss, device
+        self.freq, self.steps = freq, steps
 
     def should_validate(self, step: int) -> bool:
         return step % self.freq == 0
 
     @torch.no_grad()
-    def validate(self, model: nn.Module) -> tuple[float, float]:
+    def validate(self, model_parts: list[nn.Module]) -> tuple[float, float]:
         """(mean loss over batches and ranks, its perplexity)."""
-        model.eval()
+        for part in model_parts:
+            part.eval()
         total = torch.zeros((), device=self.device)
         count = 0
         batches = iter(self.make_batches())
@@ -60,11 +61,11 @@ class Validator:
                 if not _every_rank_has_a_batch(batch is not None, self.device):
                     break
                 inputs, labels = (t.to(self.device) for t in batch)
-                with self.forward_context():
-                    total += self.loss_fn(model(inputs), labels).float()
+                total += self.batch_loss(inputs, labels).float()
                 count += 1
         finally:
-            model.train()
+            for part in model_parts:
+                part.train()
         if count == 0:
             raise ConfigError(
                 "validation: the validation dataset yields no full batch; use a larger dataset or a smaller "

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from titan_data.datasets.streams import StreamState, load_streams, save_streams
+from titan_data.datasets.streams import StreamState, load_streams, save_streams, stream_key
 from titan_data.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,10 @@ class WindowDataset(IterableDataset):
 
     def windows(self) -> Iterator[np.ndarray]:
         """Every window of this rank, in round-robin order over its streams."""
+        return (window for _, window in self.tagged_windows())
+
+    def tagged_windows(self) -> Iterator[tuple[int, np.ndarray]]:
+        """(stream, window) for every window of this rank, in round-robin order over its streams."""
         self._start()
         active = list(self.owned)
         while active:
@@ -73,7 +77,11 @@ class WindowDataset(IterableDataset):
                 active.remove(j)
                 continue
             self.streams[j].windows_emitted += 1
-            yield window
+            yield j, window
+
+    def stream_entry(self, stream: int) -> bytes:
+        """One stream's entry of `state_dict()`, as it stands now."""
+        return save_streams({stream: self.streams[stream]}, self.layout)[stream_key(stream)]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for window in self.windows():

@@ -133,12 +133,12 @@ class LRScheduler:
 class DataLoader:
     num_workers: int = opt(
         0,
-        "Loader worker processes (Titan tokenises in-process for exact resume: keep 0)",
+        "Loader worker processes that tokenise and pack (the batches and the saved position are those of 0)",
         minimum=0,
         maximum=1024,
     )
     persistent_workers: bool = opt(False, "Keep workers between epochs (only with num_workers > 0)")
-    pin_memory: bool = opt(False, "Copy batches to pinned memory first (CUDA)")
+    pin_memory: bool = opt(False, "Page-lock batches for asynchronous copies to the GPU (no effect on CPU)")
     prefetch_factor: int | None = opt(
         None, "Batches each worker loads ahead (only with num_workers > 0)", minimum=1, maximum=1024
     )

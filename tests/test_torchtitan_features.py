@@ -1,0 +1,111 @@
+"""torchtitan 0.2.2's own integration feature cases pass through Titan, flags unchanged.
+
+The cases (tests/torchtitan_features/cases.py, transcribed from torchtitan's features.py) run on
+torchtitan's integration base config cut for CPU (seq 64, 2 sequences per rank, Titan's bundled
+tokenizer), every run of a case on the case's dump folder in order, each on its number of processes.
+A case passes when every run trains to its last step (torchtitan's runner asks only that the command
+succeeds); the second run of `test_generate` is torchtitan's generation script, not a training run.
+
+Two ways to run them:
+- In CI (`test_every_case_trains`): one torchrun launch per process count (2, 4, 8) runs all the cases
+  of that count one after another in the same processes through titan-train's Trainer, as the CLI
+  does (tests/workers/layout_matrix.py), so start-up is paid three times, not 49.
+- `TITAN_TORCHTITAN_FEATURES=run_train uv run pytest tests/test_torchtitan_features.py -k run_train`:
+  each run through `apps/run_train.sh` exactly as torchtitan's runner calls its own script
+  (CONFIG_FILE, NGPU, LOG_RANK, --job.dump_folder, then the flags); it writes each case's seconds to
+  the file named by TITAN_TORCHTITAN_FEATURES_TIMES (default: the test's temporary folder). About 25
+  minutes on a 2-core CPU, so not in CI.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(
+    0, str(Path(__file__).parent)
+)  # tests/ is not a package: the cases' folder is found from here
+from torchtitan_features.cases import BASE_CONFIG, ENABLED, GENERATE, REPO  # noqa: E402
+
+WORKER = Path(__file__).parent / "workers" / "layout_matrix.py"
+TRAINING_RUNS = [(case, i) for case in ENABLED for i, run in enumerate(case.runs) if run != GENERATE]
+
+
+def _last_step(dump: Path) -> int:
+    lines = (dump / "metrics.jsonl").read_text().splitlines()
+    return json.loads(lines[-1])["step"]
+
+
+def _steps_asked(argv: list[str]) -> int:
+    return (
+        int(argv[len(argv) - 1 - argv[::-1].index("--training.steps") + 1])
+        if "--training.steps" in argv
+        else 10
+    )
+
+
+@pytest.fixture(scope="module")
+def amortised(tmp_path_factory):
+    """Every case's runs, one torchrun per process count; returns {run name: worker result}."""
+    out = tmp_path_factory.mktemp("torchtitan_features")
+    results = {}
+    for nproc in sorted({case.ngpu for case, _ in TRAINING_RUNS}):
+        runs = {
+            f"{case.name}#{i}": {"argv": ["--job.config_file", str(BASE_CONFIG), *case.argv(i, out)],
+                                 "dump": str(out / case.name)}
+            for case, i in TRAINING_RUNS if case.ngpu == nproc
+        }  # fmt: skip
+        folder = out / f"ranks_{nproc}"
+        folder.mkdir()
+        (folder / "runs.json").write_text(json.dumps(runs))
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+               "--rdzv_endpoint=localhost:0", str(WORKER), str(folder / "runs.json"), str(folder)]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=REPO)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+        for name, value in json.loads((folder / "results.json").read_text()).items():
+            results[name] = {**value, "argv": runs[name]["argv"], "dump": Path(runs[name]["dump"])}
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ENABLED, ids=[case.name for case in ENABLED])
+def test_every_case_trains(amortised, case):
+    for i, run in enumerate(case.runs):
+        if run == GENERATE:
+            continue
+        result = amortised[f"{case.name}#{i}"]
+        assert "refused" not in result, f"run {i + 1}: {result['refused']}"
+        assert _last_step(result["dump"]) == _steps_asked(result["argv"]), f"run {i + 1} stopped early"
+
+
+@pytest.mark.skipif(
+    os.environ.get("TITAN_TORCHTITAN_FEATURES") != "run_train",
+    reason="about 25 minutes: see the module docstring",
+)
+@pytest.mark.parametrize("case", ENABLED, ids=[case.name for case in ENABLED])
+def test_run_train(case, tmp_path):
+    """One case through apps/run_train.sh, as torchtitan's runner launches its own."""
+    times = Path(os.environ.get("TITAN_TORCHTITAN_FEATURES_TIMES", tmp_path / "times.jsonl"))
+    env = {**os.environ, "CONFIG_FILE": str(BASE_CONFIG), "NGPU": str(case.ngpu),
+           "LOG_RANK": ",".join(map(str, range(case.ngpu))), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
+    start = time.perf_counter()
+    for i, run in enumerate(case.runs):
+        if run == GENERATE:
+            continue
+        argv = case.argv(i, tmp_path)
+        result = subprocess.run([str(REPO / "apps" / "run_train.sh"), *argv], capture_output=True, text=True,
+                                env=env, cwd=REPO, timeout=1800)  # fmt: skip
+        assert result.returncode == 0, f"run {i + 1}: " + (result.stdout + result.stderr)[-4000:]
+        assert _last_step(tmp_path / case.name) == _steps_asked(argv)
+    with times.open("a") as f:
+        f.write(
+            json.dumps(
+                {"case": case.name, "ngpu": case.ngpu, "seconds": round(time.perf_counter() - start, 1)}
+            )
+            + "\n"
+        )
