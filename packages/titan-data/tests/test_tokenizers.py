@@ -62,6 +62,14 @@ def test_tokenizer_json_gives_the_same_ids_as_the_tiktoken_file_of_the_same_fold
         assert hf.encode(text, bos=True, eos=True) == llama3_tokenizer.encode(text, bos=True, eos=True)
 
 
+def test_special_ids_are_the_control_tokens_of_each_format(llama3_tokenizer):
+    reserved = set(range(1792, 2048))  # Llama 3's 256 special tokens follow the 1,792 BPE ranks here
+    assert llama3_tokenizer.special_ids == reserved
+    assert build_tokenizer(LLAMA3 / "tokenizer.json").special_ids == reserved
+    llama2 = build_tokenizer(LLAMA2)
+    assert {llama2.bos_id, llama2.eos_id} <= llama2.special_ids and len(llama2.special_ids) == 3  # and <unk>
+
+
 @pytest.mark.parametrize(
     "path", [LLAMA3, LLAMA3 / "tokenizer.json", LLAMA2], ids=["llama3", "tokenizer.json", "llama2"]
 )

@@ -26,6 +26,12 @@ class Tokenizer(ABC):
     def decode(self, ids: list[int]) -> str:
         """Text of token ids."""
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of control tokens (BOS, EOS and any others the tokenizer reserves): what readable text,
+        such as an evaluation's answers, leaves out."""
+        return frozenset({self.bos_id, self.eos_id})
+
     def encode_array(self, text: str, *, bos: bool = False, eos: bool = False) -> np.ndarray:
         """`encode` as a uint32 array: what packing and preprocessing consume. Tokenizers that can
         write ids straight into an array override this to skip making a Python int per token."""

@@ -81,6 +81,11 @@ class HuggingFaceTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._model.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        added = self._model.get_added_tokens_decoder()
+        return frozenset({i for i, token in added.items() if token.special} | {self.bos_id, self.eos_id})
+
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         # add_special_tokens=False: the file's post-processor may prepend BOS; framing is ours to decide.
         ids = self._model.encode(text, add_special_tokens=False).ids

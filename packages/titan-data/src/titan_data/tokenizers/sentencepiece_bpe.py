@@ -35,6 +35,11 @@ class SentencePieceTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._model.GetPieceSize()
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        model = self._model
+        return frozenset(i for i in range(model.GetPieceSize()) if model.IsControl(i) or model.IsUnknown(i))
+
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         # sentencepiece never parses control pieces such as "<s>" out of input text.
         ids = self._model.EncodeAsIds(text)

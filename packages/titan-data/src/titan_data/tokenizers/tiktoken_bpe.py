@@ -93,6 +93,10 @@ class TikTokenTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._model.n_vocab
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self.special_tokens.values())
+
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         # Special-token text inside documents is encoded as plain text, never as control tokens.
         ids = self._model.encode_ordinary(text)
