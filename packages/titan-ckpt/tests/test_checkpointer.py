@@ -149,7 +149,7 @@ def test_the_last_save_is_full_and_the_model_only_export_in_the_export_dtype_lie
         tmp_path, run.states(), interval=100, last_save_model_only=True, export_dtype="bfloat16"
     )
     ckpt.maybe_save(2, last_step=True)
-    assert ckpt.export_folder(2) == tmp_path / "export" / "step-2"
+    assert ckpt.export_folder(2) == tmp_path / "step-2" / "model_only"
     metadata = dcp.FileSystemReader(str(ckpt.export_folder(2))).read_metadata().state_dict_metadata
     assert set(metadata) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert {m.properties.dtype for m in metadata.values()} == {torch.bfloat16}

@@ -46,7 +46,7 @@ def test_last_save_in_hf_writes_sharded_safetensors_an_index_and_config(
     ckpt = _hf_checkpointer(tmp_path, run, export_dtype="bfloat16", max_shard_bytes=200)
     ckpt.hf_extra_files = {"tokenizer.json": b'{"toy": 1}'}
     ckpt.maybe_save(2, last_step=True)
-    folder = tmp_path / "export" / "step-2"
+    folder = tmp_path / "step-2"
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in folder.glob("*.safetensors"))
     assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
@@ -56,7 +56,7 @@ def test_last_save_in_hf_writes_sharded_safetensors_an_index_and_config(
         "torch_dtype": "bfloat16",
     }
     assert (folder / "tokenizer.json").read_bytes() == b'{"toy": 1}'
-    assert (tmp_path / "step-2" / ".metadata").is_file()  # the full checkpoint, beside the export
+    assert (folder / ".metadata").is_file()  # the full checkpoint, beside the Hugging Face files
 
     expected = {k: v.to(torch.bfloat16) for k, v in ToyAdapter().to_hf(run.weights()).items()}
     assert set(index["weight_map"]) == set(expected)
@@ -75,7 +75,7 @@ def test_hf_export_then_import_as_initial_weights_is_exact(
     _hf_checkpointer(tmp_path / "first", run, max_shard_bytes=200).maybe_save(2, last_step=True)
     fresh = toy_run(seed=5)
     ckpt = Checkpointer(
-        tmp_path / "run", fresh.states(), interval=1, initial_load_path=tmp_path / "first" / "export" / "step-2",
+        tmp_path / "run", fresh.states(), interval=1, initial_load_path=tmp_path / "first" / "step-2",
         initial_load_in_hf=True, hf_adapter=ToyAdapter(),
     )  # fmt: skip
     with caplog.at_level("INFO"):
@@ -101,14 +101,14 @@ def test_a_single_file_hf_model_without_index_loads(tmp_path, single_process_gro
 def test_a_hf_step_folder_resumes_as_model_weights_when_nothing_else_exists(
     tmp_path, single_process_group, toy_run, same
 ):
-    """torchtitan's last_save_in_hf writes its Hugging Face files as `step-N` itself."""
+    """torchtitan's last_save_in_hf writes its Hugging Face files alone as `step-N`."""
     run = toy_run()
     run.train(1)
-    _hf_checkpointer(tmp_path / "first", run).maybe_save(1, last_step=True)
-    (tmp_path / "run").mkdir()
-    (tmp_path / "first" / "export" / "step-1").rename(tmp_path / "run" / "step-1")
+    _hf_checkpointer(tmp_path, run).maybe_save(1, last_step=True)
+    for dcp_file in [*(tmp_path / "step-1").glob("*.distcp"), tmp_path / "step-1" / ".metadata"]:
+        dcp_file.unlink()
     fresh = toy_run(seed=2)
-    result = _hf_checkpointer(tmp_path / "run", fresh).load()
+    result = _hf_checkpointer(tmp_path, fresh).load()
     assert (result.kind, result.step, result.hf) == ("model_only", 1, True)
     assert same(fresh.weights(), run.weights())
 
@@ -116,7 +116,7 @@ def test_a_hf_step_folder_resumes_as_model_weights_when_nothing_else_exists(
 def _exported(tmp_path, toy_run):
     run = toy_run()
     _hf_checkpointer(tmp_path / "first", run, max_shard_bytes=200).maybe_save(1, last_step=True)
-    return tmp_path / "first" / "export" / "step-1"
+    return tmp_path / "first" / "step-1"
 
 
 def _import_fails(tmp_path, toy_run, folder, match, **run_kwargs):

@@ -60,7 +60,10 @@ def test_a_key_missing_on_one_rank_fails_on_every_rank_with_its_name(report):
 
 @pytest.mark.slow
 def test_hf_export_from_fsdp_imports_into_tensor_parallel_exactly(report):
-    assert report["hf_files"] == [
+    assert report["hf_files"] == [  # beside the full DCP state of the last step
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
         "config.json",
         "model-00001-of-00001.safetensors",
         "model.safetensors.index.json",

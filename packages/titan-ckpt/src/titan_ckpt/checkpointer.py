@@ -5,8 +5,11 @@ and every other state under its name (`optimizer.*`, `dataloader.*`, ...), so fu
 model-only checkpoints and seed checkpoints share weight names and load into each other, and
 checkpoints torchtitan wrote load here (a state it keeps in another format is named, not misread).
 
-The last step's save is a full checkpoint, so a run started again with more steps continues; the
-model-only export that `last_save_model_only` asks for is written beside it, in `export/step-N`.
+The last step's save is a full checkpoint, so a run started again with more steps continues. The
+export that `last_save_model_only` asks for is written beside the full state in the same `step-N`,
+published with it in one rename: Hugging Face files (`last_save_in_hf`) next to the DCP files, where
+torchtitan's users and `from_pretrained` look for them, or a model-only DCP checkpoint in
+`export_dtype` in `step-N/model_only`.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from titan_ckpt.integrity import find_problem, flatten_state_dict, read_metadata
 from titan_ckpt.load_source import MODEL, InitialLoad, LoadResult, choose_source
 from titan_ckpt.stateful import OptimizerState
 from titan_ckpt.step_folders import (
-    EXPORT_DIR,
+    MODEL_ONLY_DIR,
     folder_bytes,
     partial_folder,
     publish,
@@ -187,8 +190,10 @@ class Checkpointer:
         return step_folder(self.folder, step)
 
     def export_folder(self, step: int) -> Path:
-        """Where the last save's model-only export of step N goes (`export/step-N`)."""
-        return step_folder(self.folder / EXPORT_DIR, step)
+        """Where the last save's export of step N lies: `step-N` itself for Hugging Face files (beside
+        the DCP files), else `step-N/model_only`."""
+        folder = self.step_folder(step)
+        return folder if self.last_save_in_hf else folder / MODEL_ONLY_DIR
 
     def plan_load(self) -> LoadResult:
         """Decide what `load` restores (the same decision on every rank), without loading or logging it.
@@ -198,7 +203,6 @@ class Checkpointer:
         """
         if self._rank() == 0:
             remove_partial_folders(self.folder)
-            remove_partial_folders(self.folder / EXPORT_DIR)
         barrier(self._group)
         wanted = [name for name in self.states if name not in self.exclude_from_loading]
         return decide_on_rank0(
@@ -300,20 +304,15 @@ class Checkpointer:
     def maybe_save(self, step: int, *, last_step: bool = False) -> bool:
         """Save if `step` is due (every `interval`, step 1 with enable_first_step_checkpoint, the last step).
 
-        The last step's save is a synchronous full checkpoint (what a longer run resumes from); with
-        last_save_model_only the model-only export (DCP in export_dtype, or Hugging Face safetensors
-        with last_save_in_hf) is written beside it, in `export/step-N`. Returns whether a save
-        started. With `load_only` nothing is ever saved.
+        The last step's save is a synchronous full checkpoint (what a longer run resumes from), with
+        the export of last_save_model_only beside it (see the module docstring). Returns whether a
+        save started. With `load_only` nothing is ever saved.
         """
         self._commit_if_done()
         if self.load_only:
             return False
         if last_step:
-            self.save(step, wait=True)
-            if self.last_save_in_hf:
-                self.save_hf(step)
-            elif self.last_save_model_only:
-                self.save(step, model_only=True, in_export_dtype=True, export=True)
+            self._save_last(step)
             return True
         if step % self.interval == 0 or (step == 1 and self.enable_first_step_checkpoint):
             self.save(step)
@@ -327,26 +326,22 @@ class Checkpointer:
         model_only: bool = False,
         in_export_dtype: bool = False,
         wait: bool = False,
-        export: bool = False,
     ) -> None:
         """Write `step-N`: in the background per `async_mode`, or synchronously with `wait`.
 
-        `model_only` writes the model alone (a seed checkpoint or an export), in `export_dtype` when
-        `in_export_dtype`; model-only saves are always synchronous. `export` writes `export/step-N`.
+        `model_only` writes the model alone (a seed checkpoint), in `export_dtype` when
+        `in_export_dtype`; model-only saves are always synchronous.
         """
         self._finish_pending()
         started = time.perf_counter()
-        partial, final = self._prepare(step, export=export)
+        partial, final = self._prepare(step)
         if model_only:
             cast = self._export if in_export_dtype else (lambda value: value)
             state = {k: cast(v) for k, v in self.states[MODEL].state_dict().items()}
         else:
             state = self._state_dicts(self.states)
         if self._stager is None or wait or model_only:
-            try:
-                dcp.save(state, checkpoint_id=str(partial), process_group=self._group)
-            except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-                raise CheckpointError(f"checkpoint: saving {partial} failed: {_describe(err)}") from err
+            self._dcp_save(state, partial)
             elapsed = time.perf_counter() - started
             self._commit(step, partial, final, blocked_s=elapsed, total_s=elapsed)
             return
@@ -363,14 +358,31 @@ class Checkpointer:
         )
         upload.add_done_callback(self._pending.mark_finished)
 
-    def save_hf(self, step: int) -> None:
-        """Write the model as Hugging Face sharded safetensors (in `export_dtype`) into `export/step-N`,
-        with `config.json` (its `torch_dtype` the export dtype) and `hf_extra_files`."""
-        if self.hf_adapter is None:
-            raise CheckpointError("checkpoint: saving in Hugging Face format needs an hf_adapter")
+    def _save_last(self, step: int) -> None:
+        """The full state and, with last_save_model_only, its export, published together as `step-N`."""
         self._finish_pending()
         started = time.perf_counter()
-        partial, final = self._prepare(step, export=True)
+        partial, final = self._prepare(step)
+        self._dcp_save(self._state_dicts(self.states), partial)
+        if self.last_save_in_hf:
+            self._write_hf(partial)
+        elif self.last_save_model_only:
+            model = {k: self._export(v) for k, v in self.states[MODEL].state_dict().items()}
+            self._dcp_save(model, partial / MODEL_ONLY_DIR)
+        elapsed = time.perf_counter() - started
+        self._commit(step, partial, final, blocked_s=elapsed, total_s=elapsed)
+
+    def _dcp_save(self, state: dict[str, Any], path: Path) -> None:
+        try:
+            dcp.save(state, checkpoint_id=str(path), process_group=self._group)
+        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+            raise CheckpointError(f"checkpoint: saving {path} failed: {_describe(err)}") from err
+
+    def _write_hf(self, folder: Path) -> None:
+        """The model as Hugging Face sharded safetensors in `export_dtype`, with `config.json` (its
+        `torch_dtype` the export dtype) and `hf_extra_files`, into `folder`."""
+        if self.hf_adapter is None:
+            raise CheckpointError("checkpoint: saving in Hugging Face format needs an hf_adapter")
         full = gather_full_tensors(self.states[MODEL].state_dict(), self._group)
         problem = None
         if self._rank() == 0:
@@ -379,25 +391,22 @@ class Checkpointer:
                 dtype_name = str(self.export_dtype).removeprefix("torch.")
                 config = {**self.hf_adapter.hf_config(), "torch_dtype": dtype_name}
                 write_hf_folder(
-                    partial, hf, config, max_shard_bytes=self.max_shard_bytes, extra_files=self.hf_extra_files
+                    folder, hf, config, max_shard_bytes=self.max_shard_bytes, extra_files=self.hf_extra_files
                 )
             except Exception as err:
-                problem = f"checkpoint: Hugging Face export to {partial} failed: {err}"
+                problem = f"checkpoint: Hugging Face export to {folder} failed: {err}"
         del full
         raise_on_every_rank(problem, self._group)
-        elapsed = time.perf_counter() - started
-        self._commit(step, partial, final, blocked_s=elapsed, total_s=elapsed)
 
     def _export(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.detach().to(self.export_dtype)
         return value
 
-    def _prepare(self, step: int, *, export: bool = False) -> tuple[Path, Path]:
-        root = self.folder / EXPORT_DIR if export else self.folder
-        partial, final = partial_folder(root, step), step_folder(root, step)
+    def _prepare(self, step: int) -> tuple[Path, Path]:
+        partial, final = partial_folder(self.folder, step), self.step_folder(step)
         if self._rank() == 0:
-            root.mkdir(parents=True, exist_ok=True)
+            self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier failed attempt at this step
         barrier(self._group)
         return partial, final
@@ -413,8 +422,7 @@ class Checkpointer:
                 "checkpoint: saved %s (%.1f MB) in %.2f s; training blocked %.2f s",
                 final, written / 1e6, total_s, blocked_s,
             )  # fmt: skip
-            if final.parent == self.folder:  # exports are the run's results: never purged
-                purge_old(self.folder, self.keep_latest_k)
+            purge_old(self.folder, self.keep_latest_k)
         self.timings.append(SaveTiming(step, blocked_s, total_s, written))
 
     def _wait_before_optimizer_step(self, *_: Any) -> None:

@@ -19,8 +19,8 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
 DCP_METADATA = ".metadata"
 HF_INDEX = "model.safetensors.index.json"
-# The model-only exports of finished runs (`export/step-N`), beside the full checkpoints that resume them.
-EXPORT_DIR = "export"
+# A last save's model-only export in export_dtype, inside its step folder, beside the full state.
+MODEL_ONLY_DIR = "model_only"
 
 
 def step_folder(folder: Path, step: int) -> Path:

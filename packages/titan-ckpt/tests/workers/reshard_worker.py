@@ -223,10 +223,10 @@ def main(out_path: str) -> None:
     tp_hf = tp_model(mesh, seed=6)
     tp_hf_optimizer = torch.optim.AdamW(tp_hf.parameters(), lr=1e-2)
     Checkpointer(
-        root / "g_run", states(tp_hf, tp_hf_optimizer, [rank]), interval=1, initial_load_path=root / "g" / "export" / "step-6",
+        root / "g_run", states(tp_hf, tp_hf_optimizer, [rank]), interval=1, initial_load_path=root / "g" / "step-6",
         initial_load_in_hf=True, hf_adapter=RenameAdapter(),
     ).load()  # fmt: skip
-    report["hf_files"] = sorted(p.name for p in (root / "g" / "export" / "step-6").iterdir())
+    report["hf_files"] = sorted(p.name for p in (root / "g" / "step-6").iterdir())
     report["hf_tp_max_diff"] = max_diff(get_model_state_dict(tp_hf, options=FULL), exported)
 
     if rank == 0:
