@@ -18,6 +18,7 @@ from titan_parallel import ParallelDims, ParallelOptions, Pipeline, blocks_of
 from titan_train.config import JobConfig
 from titan_train.config.parallel_sections import COMPILE_COMPONENTS
 from titan_train.errors import ConfigError
+from titan_train.hf_interop import model_args
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.memory_estimate import ParamCounts
 from titan_train.parallelism import parallel_options, split_and_wrap
@@ -69,7 +70,7 @@ def build_model(
 ) -> BuiltModel:
     """The model on the meta device, parallelised (or cut into pipeline stages), then materialised on
     `device` and initialised: the initial weights are the same for every layout."""
-    args = spec.args_for(config.model.flavor, max_seq_len=model_seq_len(config), eos_id=tokenizer.eos_id)
+    args = model_args(config, max_seq_len=model_seq_len(config), eos_id=tokenizer.eos_id)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
             f"config: the tokenizer has {tokenizer.vocab_size} tokens but {spec.name} {config.model.flavor} has a "

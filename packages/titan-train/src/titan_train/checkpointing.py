@@ -3,19 +3,28 @@
 A switch that would be silently ignored is refused here instead: an `initial_load_path` (or
 `load_step`, `load_only`, `create_seed_checkpoint`) with `checkpoint.enable = false` would load
 nothing, and a week-long run would quietly start from scratch.
+
+At start, the run adapts to the checkpoint it resumes rather than refusing it: with
+`training.dataloader.num_streams` unset, the saved number of data streams is adopted (so a run
+resumes on another number of ranks with default settings), and a finished run started again with
+more steps continues from its last step, its learning-rate schedule rebuilt for the new total. Both
+are said in the log.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from titan_ckpt import Checkpointer, HFStateDictAdapter
+from titan_ckpt import Checkpointer, HFStateDictAdapter, LoadResult
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
+from titan_train.train_state import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +61,28 @@ def check_checkpoint_config(config: JobConfig, world_size: int) -> None:
         )
 
 
-def hf_adapter_for(model: nn.Module) -> HFStateDictAdapter:
+def hf_adapter_for(
+    model: nn.Module, *, bos_id: int | None = None, eos_id: int | None = None
+) -> HFStateDictAdapter:
     """The Hugging Face weight mapping of a Titan model (every registered family has the Llama layout)."""
     from titan_models import LlamaStateDictAdapter
 
-    return LlamaStateDictAdapter(model.args)
+    return LlamaStateDictAdapter(model.args, bos_id=bos_id, eos_id=eos_id)
+
+
+def _hf_export(config: JobConfig, model: nn.Module | None) -> tuple[HFStateDictAdapter | None, dict]:
+    """The weight mapping, with the tokenizer's bos/eos, and the files a Hugging Face export carries."""
+    c = config.checkpoint
+    if model is None or not (c.initial_load_in_hf or c.last_save_in_hf):
+        return None, {}
+    if not c.last_save_in_hf:
+        return hf_adapter_for(model), {}
+    from titan_train.build import build_tokenizer_for
+    from titan_train.hf_interop import hf_export_files
+
+    tokenizer = build_tokenizer_for(config)
+    adapter = hf_adapter_for(model, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    return adapter, hf_export_files(config, tokenizer.bos_id, tokenizer.eos_id)
 
 
 def build_checkpointer(
@@ -74,7 +100,7 @@ def build_checkpointer(
             "checkpoint: initial_load_in_hf with no initial_load_path: using model.hf_assets_path %s",
             initial_load_path,
         )
-    needs_hf = c.initial_load_in_hf or c.last_save_in_hf
+    hf_adapter, hf_files = _hf_export(config, model)
     return Checkpointer(
         Path(config.job.dump_folder) / c.folder,
         states,
@@ -91,17 +117,72 @@ def build_checkpointer(
         exclude_from_loading=c.exclude_from_loading,
         enable_first_step_checkpoint=c.enable_first_step_checkpoint,
         load_only=c.load_only,
-        hf_adapter=hf_adapter_for(model) if needs_hf and model is not None else None,
+        hf_adapter=hf_adapter,
+        hf_extra_files=hf_files,
     )
 
 
-def restore_or_write_seed(checkpointer: Checkpointer | None, config: JobConfig) -> bool:
-    """At the start of training: restore the run, or write the seed checkpoint and return True (stop)."""
+def restore_run(
+    checkpointer: Checkpointer | None,
+    config: JobConfig,
+    state: TrainState,
+    use_num_streams: Callable[[int], Any],
+) -> bool:
+    """At the start of training: restore the run, or write the seed checkpoint and return True (stop).
+
+    `use_num_streams(n)` rebuilds the run's data loader with n streams and returns it; it is called
+    when the checkpoint to resume was saved with another number of streams than this run's default.
+    """
+    state.training_steps = config.training.steps
     if checkpointer is None:
         return False
     if config.checkpoint.create_seed_checkpoint:
         checkpointer.save(0, model_only=True, wait=True)
         logger.info("checkpoint: seed checkpoint written to %s; exiting", checkpointer.step_folder(0))
         return True
-    checkpointer.load()
+    plan = _adopt_saved_streams(checkpointer, config, checkpointer.plan_load(), use_num_streams)
+    result = checkpointer.load(plan)
+    if result.kind == "resumed" or (result.kind == "initial" and "train_state" in result.states):
+        _say_where_training_continues(state, config.training.steps)
     return False
+
+
+_STREAM_KEY = re.compile(r"^dataloader\.stream_(\d+)$")
+
+
+def _adopt_saved_streams(
+    checkpointer: Checkpointer, config: JobConfig, plan: LoadResult, use_num_streams: Callable[[int], Any]
+) -> LoadResult:
+    """With num_streams unset, take the number of streams the checkpoint's data position was saved with."""
+    if (
+        "dataloader" not in plan.states
+        or plan.hf
+        or plan.path is None
+        or config.training.dataloader.num_streams
+    ):
+        return plan
+    streams = [int(m.group(1)) for key in checkpointer.saved_keys(plan.path) if (m := _STREAM_KEY.match(key))]
+    loader = checkpointer.states["dataloader"]
+    default = getattr(getattr(loader, "packed", None), "num_streams", None)
+    if not streams or default is None or max(streams) + 1 == default:
+        return plan
+    saved = max(streams) + 1
+    checkpointer.states["dataloader"] = use_num_streams(saved)
+    return plan.with_note(
+        f"data: {saved} streams, as saved (training.dataloader.num_streams is unset; {default} would be this "
+        f"run's default); set it to {saved} to keep it so"
+    )
+
+
+def _say_where_training_continues(state: TrainState, steps: int) -> None:
+    saved = state.saved_training_steps
+    if state.step >= steps:
+        logger.info("checkpoint: step %d is training.steps (%d): nothing left to train", state.step, steps)
+    elif saved is not None and state.step == saved:
+        logger.info(
+            "checkpoint: extending the run: step-%d ended a %d-step run; training continues at step %d of %d "
+            "with its optimizer and data stream, the learning-rate schedule rebuilt for %d steps",
+            state.step, saved, state.step + 1, steps, steps,
+        )  # fmt: skip
+    else:
+        logger.info("checkpoint: training continues at step %d of %d", state.step + 1, steps)

@@ -19,6 +19,7 @@ from titan_models import count_parameters
 from titan_parallel import ParallelConfigError, ParallelDims, blocks_of, pipeline_stages
 from titan_train import build
 from titan_train.errors import ConfigError
+from titan_train.hf_interop import model_args
 from titan_train.memory_estimate import MemoryEstimate, ParamCounts, estimate_memory_per_rank
 from titan_train.parallelism import parallel_options
 from titan_train.registry import get_model_spec
@@ -114,7 +115,7 @@ def dry_run(config: Any, world_size: int) -> DryRunReport:
     """Validate `config` for `world_size` ranks, build its mesh and meta model, and log the layout and memory."""
     dims = build.build_parallel_dims(config, world_size)
     spec = get_model_spec(config.model.name)
-    args = spec.args_for(config.model.flavor, max_seq_len=model_seq_len(config))
+    args = model_args(config, max_seq_len=model_seq_len(config))
     problems = _layout_problems(config, dims, args)
     if problems:
         raise ConfigError("dry run: the layout does not work:\n  - " + "\n  - ".join(problems))

@@ -75,7 +75,13 @@ class PartOptimizers:
 
 
 class SchedulesState(Stateful):
-    """Checkpoint view of the schedules: saved once, restored into every part's schedule."""
+    """Checkpoint view of the schedules: saved once, restored into every part's schedule.
+
+    What is restored is the position (steps taken); the learning rate of the next step is then
+    computed from this run's schedule, not taken from the checkpoint, so a run extended to more steps
+    (or resumed with another schedule) follows its own schedule from where it stands. Unchanged, it
+    is the saved value to the bit: the same product the schedule's step computed.
+    """
 
     def __init__(self, schedules: list[LRScheduler]):
         self.schedules = schedules
@@ -86,3 +92,7 @@ class SchedulesState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for schedule in self.schedules:
             schedule.load_state_dict(state_dict)
+            rates = schedule.get_lr()
+            for group, lr in zip(schedule.optimizer.param_groups, rates, strict=True):
+                group["lr"] = lr
+            schedule._last_lr = list(rates)

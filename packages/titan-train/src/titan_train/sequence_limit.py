@@ -12,7 +12,7 @@ from __future__ import annotations
 from titan_models import ModelArgs
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.registry import get_model_spec
+from titan_train.hf_interop import model_args
 
 
 def context_limit(args: ModelArgs) -> int:
@@ -23,7 +23,7 @@ def context_limit(args: ModelArgs) -> int:
 def check_seq_len(config: JobConfig) -> None:
     """Refuse a training (or validation) seq_len beyond the model's context, naming the limit and the fix."""
     m = config.model
-    limit = context_limit(get_model_spec(m.name).args_for(m.flavor))
+    limit = context_limit(model_args(config))
     lengths = [("training.seq_len", config.training.seq_len)]
     if config.validation.enable:
         lengths.append(("validation.seq_len", config.validation.seq_len))

@@ -19,7 +19,7 @@ from titan_ckpt import ModelState, OptimizerState
 from titan_models import flops_per_token
 from titan_parallel import clip_grad_norm_, precompute_float8_scales, training_context
 from titan_train import build
-from titan_train.checkpointing import build_checkpointer, restore_or_write_seed
+from titan_train.checkpointing import build_checkpointer, restore_run
 from titan_train.config import JobConfig, config_to_dict
 from titan_train.device_peaks import peak_flops
 from titan_train.distributed import DistInfo
@@ -75,6 +75,7 @@ class Trainer:
 
         spec = get_model_spec(config.model.name)
         self.tokenizer = build.build_tokenizer_for(config)
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.loader = build.build_loader(config, self.tokenizer, dp_rank, dp_degree)
         built = build.build_model(
             config, spec, self.tokenizer, self.dims, self.device, seed, self.grad_accum_steps
@@ -149,6 +150,12 @@ class Trainer:
             config.health, rank=info.rank, world_size=info.world_size, device=self.device,
             named_parameters=lambda: (named for part in self.model_parts for named in part.named_parameters()),
         )  # fmt: skip
+
+    def _use_num_streams(self, num_streams: int):
+        """The data loader rebuilt with `num_streams` (those of the checkpoint being resumed)."""
+        self.config.training.dataloader.num_streams = num_streams
+        self.loader = build.build_loader(self.config, self.tokenizer, self.dp_rank, self.dp_degree)
+        return self.loader
 
     def _write_config(self, dump: Path) -> None:
         resolved = json.dumps(config_to_dict(self.config), indent=2)
@@ -261,7 +268,7 @@ class Trainer:
 
     def train(self) -> list[float]:
         """Train to `training.steps`, resuming from a checkpoint if there is one; return the logged losses."""
-        if restore_or_write_seed(self.checkpointer, self.config):
+        if restore_run(self.checkpointer, self.config, self.state, self._use_num_streams):
             self.metrics.close()
             return []
         c, rank, dump = self.config, self.info.rank, Path(self.config.job.dump_folder)

@@ -1,0 +1,95 @@
+"""Hugging Face checkpoints in and out: the model shape a run uses, and the files an export carries.
+
+Import: weights load by shape, so a checkpoint whose rotary scaling, rope theta, norm epsilon or tied
+embeddings differ from the flavor would train another function without a word. Its `config.json` is
+therefore compared with the flavor before any work, and every differing field is named; the flavor
+`from_hf` takes the shape from that `config.json` instead.
+
+Export: besides the weights and `config.json`, the folder gets `generation_config.json` and the
+tokenizer files of `model.hf_assets_path`, so `AutoModelForCausalLM` and `AutoTokenizer` load it as
+it is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from titan_models import ModelArgs, args_from_hf_config, hf_config_differences
+from titan_train.config import JobConfig
+from titan_train.errors import ConfigError
+from titan_train.registry import get_model_spec
+
+FROM_HF = "from_hf"  # model.flavor: the shape the Hugging Face checkpoint's config.json states
+HF_CONFIG = "config.json"
+# Files of a Hugging Face tokenizer folder that AutoTokenizer reads (those present are copied).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def hf_checkpoint_folder(config: JobConfig) -> Path | None:
+    """The Hugging Face folder whose weights the run loads at start, or None."""
+    c = config.checkpoint
+    folder = c.initial_load_path or config.model.hf_assets_path
+    if not (c.enable and c.initial_load_in_hf and folder):
+        return None  # (checkpoint.initial_load_in_hf without a folder is refused on its own)
+    return Path(folder)
+
+
+def _read_hf_config(folder: Path, why: str) -> dict:
+    path = folder / HF_CONFIG
+    if not path.is_file():
+        raise ConfigError(
+            f"config: {why}, but {folder} has no {HF_CONFIG}; put the checkpoint's {HF_CONFIG} there "
+            "(apps/scripts/download_hf_assets.py --assets config fetches it)"
+        )
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:
+        raise ConfigError(f"config: {path} is not valid JSON ({err})") from err
+
+
+def model_args(config: JobConfig, **overrides) -> ModelArgs:
+    """The ModelArgs of the run's model: its flavor (or, for `from_hf`, the Hugging Face config.json),
+    with `overrides`. Refuses a Hugging Face checkpoint to load whose config.json differs from the flavor."""
+    m = config.model
+    folder = hf_checkpoint_folder(config)
+    if m.flavor == FROM_HF:
+        source = folder or (Path(m.hf_assets_path) if m.hf_assets_path else None)
+        if source is None:
+            raise ConfigError(
+                f"config: model.flavor = '{FROM_HF}' reads the shape from a Hugging Face {HF_CONFIG}: set "
+                "model.hf_assets_path (or checkpoint.initial_load_path with initial_load_in_hf) to its folder"
+            )
+        hf = _read_hf_config(
+            source, f"model.flavor = '{FROM_HF}' reads the model shape from {source / HF_CONFIG}"
+        )
+        return args_from_hf_config(hf, **overrides)
+    spec = get_model_spec(m.name)
+    args = spec.args_for(m.flavor, **overrides)
+    if folder is not None:
+        hf = _read_hf_config(
+            folder, "checkpoint.initial_load_in_hf checks the checkpoint's shape against the flavor"
+        )
+        differences = hf_config_differences(spec.args_for(m.flavor), hf)
+        if differences:
+            raise ConfigError(
+                f"config: the Hugging Face checkpoint in {folder} is not {m.name} {m.flavor}: "
+                f"{'; '.join(differences)}; set model.flavor = '{FROM_HF}' to train the checkpoint's own shape, "
+                "or pick the flavor it was trained as"
+            )
+    return args
+
+
+def hf_export_files(config: JobConfig, bos_id: int, eos_id: int) -> dict[str, bytes | Path]:
+    """`generation_config.json` and the tokenizer files of `model.hf_assets_path`, for an export folder."""
+    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False}
+    files: dict[str, bytes | Path] = {"generation_config.json": json.dumps(generation, indent=2).encode()}
+    assets = Path(config.model.hf_assets_path) if config.model.hf_assets_path else None
+    if assets is None:
+        from titan_train.build import BUNDLED_TOKENIZER
+
+        assets = BUNDLED_TOKENIZER
+    for name in TOKENIZER_FILES:
+        if (assets / name).is_file():
+            files[name] = assets / name
+    return files
