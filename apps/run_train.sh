@@ -5,7 +5,9 @@
 # NGPU: processes (GPUs, or CPU processes with gloo where there is no GPU); LOG_RANK: comma-separated
 # ranks whose output is shown (default 0); DRY_RUN=1: check the config and the layout for NGPU ranks
 # in one process without GPUs (a fake process group), print the mesh and the memory per rank, and stop.
-# Extra arguments are passed on as config overrides.
+# Extra arguments are passed on as config overrides. Before torchrun starts, `titan-train check` checks
+# the config and the layout for NGPU ranks: a mistake is one line and exit status 2 (not the same line
+# from every rank and torchrun's traceback); SKIP_CHECK=1 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +29,9 @@ export PYTHONUNBUFFERED=1
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 if [ "${DRY_RUN}" = "1" ]; then
     exec "${PYTHON[@]}" -m titan_train.cli dry-run --ngpu "${NGPU}" --job.config_file "${CONFIG_FILE}" "$@"
+fi
+if [ "${SKIP_CHECK:-0}" != "1" ]; then
+    "${PYTHON[@]}" -m titan_train.cli check --ngpu "${NGPU}" --job.config_file "${CONFIG_FILE}" "$@" || exit $?
 fi
 exec "${TORCHRUN[@]}" --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \

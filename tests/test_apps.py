@@ -57,6 +57,22 @@ def test_dry_run_of_the_8b_config_for_64_gpus_through_run_train_sh():
     assert "llama3 8B on 64 ranks" in out and "mesh: (dp_shard=64)" in out
 
 
+@pytest.mark.slow
+def test_a_layout_error_under_run_train_sh_is_one_line_and_exit_status_2_before_torchrun():
+    env = {**os.environ, "NGPU": "2", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    result = subprocess.run(
+        [str(REPO / "apps" / "run_train.sh"), "--parallelism.tensor_parallel_degree", "3"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 2, lines
+    assert len(lines) == 1, lines  # no rank repeats it, no launcher traceback follows
+    assert lines[0].endswith(
+        "parallelism: dp_replicate(1) * cp(1) * tp(3) * pp(1) = 3 does not divide WORLD_SIZE 2; choose degrees "
+        "whose product divides the number of processes"
+    )
+
+
 def test_slurm_script_is_valid_bash_and_uses_torchrun_c10d_rendezvous():
     script = REPO / "apps" / "multinode_trainer.slurm"
     subprocess.run(["bash", "-n", str(script)], check=True)

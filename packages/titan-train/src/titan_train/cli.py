@@ -130,6 +130,10 @@ def run(argv: list[str]) -> int:
         if argv[:1] == ["dry-run"]:
             world_size, rest = _dry_run_args(argv[1:])
             return train(rest, world_size)
+        if argv[:1] == ["check"]:
+            from titan_train.launch_check import check_main
+
+            return check_main(argv[1:])
         return train(argv)
     except USER_ERRORS as err:
         log.error("%s", err)

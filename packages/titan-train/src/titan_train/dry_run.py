@@ -58,7 +58,7 @@ class DryRunReport:
         return out
 
 
-def _layout_problems(config: Any, dims: ParallelDims, args: Any) -> list[str]:
+def layout_problems(config: Any, dims: ParallelDims, args: Any) -> list[str]:
     """Everything wrong with this layout for this model, so a user fixes them all in one go."""
     t = config.training
     problems = []
@@ -116,7 +116,7 @@ def dry_run(config: Any, world_size: int) -> DryRunReport:
     dims = build.build_parallel_dims(config, world_size)
     spec = get_model_spec(config.model.name)
     args = model_args(config, max_seq_len=model_seq_len(config))
-    problems = _layout_problems(config, dims, args)
+    problems = layout_problems(config, dims, args)
     if problems:
         raise ConfigError("dry run: the layout does not work:\n  - " + "\n  - ".join(problems))
 

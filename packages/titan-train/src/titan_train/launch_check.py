@@ -1,0 +1,53 @@
+"""`titan-train check --ngpu N`: a config and its layout checked for N ranks before a launcher starts.
+
+torchrun starts N processes that each find the same mistake, print it, and exit; torchrun then adds
+its own ChildFailedError traceback and exits 1. Checked once, in one process, before any launcher
+runs, a config or layout error is one line and exit status 2. `apps/run_train.sh` runs it before
+torchrun; any launch script can (with N the job's total number of ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+
+from titan_train import build
+from titan_train.config import load_job_config
+from titan_train.dry_run import layout_problems
+from titan_train.errors import ConfigError
+from titan_train.hf_interop import model_args
+from titan_train.sequence_limit import model_seq_len
+from titan_train.unsupported import refuse_unsupported
+
+logger = logging.getLogger(__name__)
+
+DESCRIPTION = (
+    "Check a config and its parallel layout for N ranks without starting them: every config field, the "
+    "degrees against N, the model against the degrees (heads, layers, sequence), the batch, settings "
+    "this machine's device cannot run, and a Hugging Face checkpoint to load against the flavor. A "
+    "problem is one line and exit status 2; a good config exits 0. apps/run_train.sh runs it before "
+    "torchrun; in another launch script (SLURM, say) run it once before the launcher with N = nodes * "
+    "GPUs per node. Other flags are config overrides."
+)
+
+
+def check_launch(config, world_size: int) -> None:
+    """Raise the user error (one line) that would stop `world_size` ranks at start, if any."""
+    refuse_unsupported(config, "cuda" if torch.cuda.is_available() else "cpu")
+    dims = build.build_parallel_dims(config, world_size)
+    problems = layout_problems(config, dims, model_args(config, max_seq_len=model_seq_len(config)))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def check_main(argv: list[str]) -> int:
+    """`titan-train check --ngpu N [overrides]`: 0 when the config and layout fit N ranks; errors raise."""
+    parser = argparse.ArgumentParser(prog="titan-train check", description=DESCRIPTION)
+    parser.add_argument("--ngpu", type=int, required=True, help="ranks the job will run (all nodes)")
+    args, rest = parser.parse_known_args(argv)
+    config = load_job_config(rest, check_paths=True)
+    check_launch(config, args.ngpu)
+    logger.info("check: the config and its layout fit %d rank%s", args.ngpu, "" if args.ngpu == 1 else "s")
+    return 0
