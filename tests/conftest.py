@@ -40,3 +40,9 @@ def train_and_read_losses(dump: Path, *overrides: str, nproc: int = 1) -> dict[i
 @pytest.fixture(scope="session")
 def train():
     return train_and_read_losses
+
+
+@pytest.fixture(scope="session")
+def launch():
+    """`launch(dump, *overrides, nproc=1)`: run titan-train and return the finished process (output included)."""
+    return run_train

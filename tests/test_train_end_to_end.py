@@ -1,5 +1,6 @@
 """The whole stack through `titan-train`: training, multi-process parity and exact resume."""
 
+import json
 import shutil
 
 import pytest
@@ -31,7 +32,37 @@ def test_resume_from_step_10_equals_an_uninterrupted_20_step_run(tmp_path, train
     full = train(tmp_path / "full", *SMALL, *ckpt, "--training.steps", "20")
     # A run that stopped right after saving step 10: only that checkpoint is on disk.
     (tmp_path / "resumed" / "checkpoint").mkdir(parents=True)
-    shutil.copytree(tmp_path / "full" / "checkpoint" / "step-10", tmp_path / "resumed" / "checkpoint" / "step-10")
+    shutil.copytree(
+        tmp_path / "full" / "checkpoint" / "step-10", tmp_path / "resumed" / "checkpoint" / "step-10"
+    )
     resumed = train(tmp_path / "resumed", *SMALL, *ckpt, "--training.steps", "20")
     assert sorted(resumed) == list(range(11, 21))
     assert [resumed[s] for s in range(11, 21)] == [full[s] for s in range(11, 21)]
+
+
+def _metrics(dump) -> dict[int, tuple[float, float]]:
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records}
+
+
+@pytest.mark.slow
+def test_two_ranks_resumed_on_one_with_default_settings_match_the_uninterrupted_run(tmp_path, launch):
+    # The same command at both world sizes: the global batch is fixed (1 rank accumulates 2 micro-batches),
+    # training.dataloader.num_streams is left unset.
+    same = ("--training.steps", "10", "--training.seq_len", "64", "--training.local_batch_size", "2",
+            "--training.global_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "6",
+            "--checkpoint.keep_latest_k", "0", *SMALL)  # fmt: skip
+    two = launch(tmp_path / "two", *same, nproc=2)
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    # A 2-rank run that stopped after its step-6 save, started again on one rank.
+    (tmp_path / "one" / "checkpoint").mkdir(parents=True)
+    shutil.copytree(tmp_path / "two" / "checkpoint" / "step-6", tmp_path / "one" / "checkpoint" / "step-6")
+    one = launch(tmp_path / "one", *same)
+    assert one.returncode == 0, (one.stdout + one.stderr)[-3000:]
+    assert "resuming from step-6 in" in one.stdout
+    assert "data: 2 streams, as saved (training.dataloader.num_streams is unset; 1 would be" in one.stdout
+    uninterrupted, resumed = _metrics(tmp_path / "two"), _metrics(tmp_path / "one")
+    assert sorted(resumed) == [7, 8, 9, 10]
+    for step in range(7, 11):
+        assert resumed[step][0] == pytest.approx(uninterrupted[step][0], rel=1e-4, abs=1e-4)
+        assert resumed[step][1] == pytest.approx(uninterrupted[step][1], rel=1e-4, abs=1e-4)

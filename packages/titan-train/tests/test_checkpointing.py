@@ -1,14 +1,17 @@
 """The [checkpoint] section through the real trainer: refusals, seed checkpoints, background saves
 (Hugging Face import and export: test_hf_interop.py)."""
 
+import json
+import logging
 import shutil
 
 import pytest
 import torch
 
 from titan_ckpt import ModelState, OptimizerState, complete_steps
-from titan_train.checkpointing import build_checkpointer, check_checkpoint_config
+from titan_train.checkpointing import build_checkpointer, check_checkpoint_config, restore_run
 from titan_train.errors import ConfigError
+from titan_train.lr_schedule import lr_factor
 from titan_train.trainer import Trainer
 
 
@@ -88,3 +91,43 @@ def test_resume_from_a_background_save_equals_the_uninterrupted_run(tmp_path, sm
     )
     resumed = Trainer(small_config(tmp_path / "resumed", *flags), one_rank).train()
     assert resumed == full[2:]
+
+
+def test_a_finished_run_started_with_more_steps_continues_from_its_full_last_save(
+    tmp_path, small_config, one_rank, caplog
+):
+    flags = ("--checkpoint.enable", "--checkpoint.interval", "100", "--lr_scheduler.warmup_steps", "2")
+    first = Trainer(small_config(tmp_path, *flags, "--training.steps", "6"), one_rank)
+    first.train()
+    # The last save is full (resumable), the model-only export of last_save_model_only beside it.
+    assert (tmp_path / "checkpoint" / "step-6" / "model_only" / ".metadata").is_file()
+    ended = {p: dict(s) for p, s in first.optimizers.optimizers[0].state.items()}
+    data_position = first.loader.state_dict()
+
+    extended = Trainer(small_config(tmp_path, *flags, "--training.steps", "12"), one_rank)
+    restore_run(extended.checkpointer, extended.config, extended.state, extended._use_num_streams)
+    assert extended.state.step == 6 and extended.loader.state_dict() == data_position
+    optimizer = extended.optimizers.optimizers[0]
+    params = {name: p for name, p in extended.model_parts[0].named_parameters()}
+    names = {id(p): name for name, p in first.model_parts[0].named_parameters()}
+    for param, state in ended.items():
+        for kind, value in state.items():
+            assert torch.equal(optimizer.state[params[names[id(param)]]][kind], value), (
+                names[id(param)],
+                kind,
+            )
+    # The schedule is this run's: step 7 of 12 (linear decay after 2 warmup steps), not step 7 of 6.
+    factor = lr_factor(
+        7, total_steps=12, warmup_steps=2, decay_ratio=None, decay_type="linear", min_lr_factor=0.0
+    )
+    assert factor == 0.5 and extended.optimizers.lr == pytest.approx(3e-3 * factor, rel=1e-12)
+
+    with caplog.at_level(logging.INFO):
+        assert len(extended.train()) == 6
+    assert extended.state.step == 12
+    assert (
+        "extending the run: step-6 ended a 6-step run; training continues at step 7 of 12 with its optimizer "
+        "and data stream, the learning-rate schedule rebuilt for 12 steps" in caplog.text
+    )
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]

@@ -83,6 +83,10 @@ class SchedulesState(Stateful):
     is the saved value to the bit: the same product the schedule's step computed.
     """
 
+    # Kept by some torch versions only (torchtitan's checkpoints written under torch 2.11 lack them);
+    # a LambdaLR's lambdas are code, never restored from a checkpoint.
+    optional_keys = ("lr_lambdas", "_is_initial", "_get_lr_called_within_step")
+
     def __init__(self, schedules: list[LRScheduler]):
         self.schedules = schedules
 
@@ -91,7 +95,9 @@ class SchedulesState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         for schedule in self.schedules:
-            schedule.load_state_dict(state_dict)
+            schedule.load_state_dict(
+                {"lr_lambdas": [None] * len(schedule.optimizer.param_groups), **state_dict}
+            )
             rates = schedule.get_lr()
             for group, lr in zip(schedule.optimizer.param_groups, rates, strict=True):
                 group["lr"] = lr
