@@ -76,7 +76,10 @@ class Metrics:
 class Model:
     name: str = opt("llama3", "Model family, as registered in titan_train.registry", nonempty=True)
     flavor: str = opt(
-        "debugmodel", "Model shape within the family (debugmodel, 8B, 70B, 405B, ...)", nonempty=True
+        "debugmodel",
+        "Model shape within the family (debugmodel, 8B, 70B, 405B, ...); from_hf: as the Hugging Face config.json "
+        "of the checkpoint to load (or of hf_assets_path) states it",
+        nonempty=True,
     )
     hf_assets_path: str = opt(
         "",
@@ -144,8 +147,8 @@ class DataLoader:
     )
     num_streams: int = opt(
         0,
-        "(Titan) document streams the data is dealt into (0: one per data-parallel rank); keep it fixed to get "
-        "the same batches at any world size",
+        "(Titan) document streams the data is dealt into (0: one per data-parallel rank, or as many as the "
+        "resumed checkpoint was saved with); keep it fixed to get the same batches at any world size",
         minimum=0,
         maximum=MAX_RANKS,
     )
@@ -226,13 +229,15 @@ class Checkpoint:
         False, "initial_load_path holds Hugging Face safetensors (empty path: model.hf_assets_path)"
     )
     last_save_model_only: bool = opt(
-        True, "The final save holds only the model (not resumable); false: a full one"
+        True, "Also write the model alone (in export_dtype) beside the final, full save: step-N/model_only"
     )
     last_save_in_hf: bool = opt(
-        False, "Write the final save as Hugging Face sharded safetensors (needs last_save_model_only)"
+        False,
+        "Write that export as Hugging Face safetensors with config.json, generation_config.json and the "
+        "tokenizer files, in step-N beside the DCP files (needs last_save_model_only)",
     )
     export_dtype: str = opt(
-        "float32", "Dtype of the model-only final save", choices=("float16", "bfloat16", "float32")
+        "float32", "Dtype of the model-only export", choices=("float16", "bfloat16", "float32")
     )
     async_mode: str = opt(
         "disabled",
