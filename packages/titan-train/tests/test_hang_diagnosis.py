@@ -74,6 +74,13 @@ def test_lost_peer_and_init_failures_read_as_one_line_with_a_fix(monkeypatch):
     assert line.startswith(
         "peer lost: rank 0 lost the connection to a peer process during a collective at step 4"
     )
+    # Asked where they are, ranks 2 and 3 (on a node that went down) never answered; rank 1 did.
+    states.update({1: states[0], 2: None, 3: None})
+    assert (
+        "ranks 2, 3 are gone (their processes died or were killed, or their node is down)"
+        in describe_hang(0, "peer lost", states, None)
+    )
+    assert "rank 3 is gone" in describe_hang(0, "peer lost", {**states, 2: states[0]}, None)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("MASTER_ADDR", "node0")

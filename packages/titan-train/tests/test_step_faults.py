@@ -186,6 +186,22 @@ def test_kill_and_hang_drills_arm_only_on_the_first_torchrun_attempt(monkeypatch
     assert FaultDrills(Health(drill="hang", drill_step=2), rank=0, world_size=1).armed
 
 
+def test_stall_drill_holds_its_rank_before_the_step_until_a_preemption_signal_arrives(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    drills = FaultDrills(Health(drill="stall", drill_step=3, drill_rank=1), rank=1, world_size=2)
+    polls = []
+
+    def signalled() -> bool:
+        polls.append(1)
+        return len(polls) == 3  # the signal arrives while the rank waits
+
+    drills.before_step(2, signalled)
+    assert polls == []  # other steps pass
+    drills.before_step(3, signalled)
+    assert len(polls) == 3
+    assert not FaultDrills(Health(drill="stall", drill_step=3, drill_rank=1), rank=0, world_size=2).armed
+
+
 def test_context_limit_is_the_flavors_published_context():
     assert context_limit(llama2_args("debugmodel")) == 2048
     assert context_limit(llama2_args("7B")) == 4096

@@ -29,6 +29,7 @@ from titan_train.errors import ConfigError
 from titan_train.hang_diagnosis import describe_init_failure
 from titan_train.peer_watch import watching_peers
 from titan_train.report import build_report
+from titan_train.status_file import leave_exit_status
 from titan_train.trainer import Trainer
 from titan_train.unsupported import refuse_unsupported
 
@@ -142,6 +143,7 @@ def run(argv: list[str]) -> int:
         log.log(stop.log_level, "%s", stop)
         if isinstance(stop, CollectiveHang):
             # After a timed-out collective, gloo's threads abort the interpreter's exit; leave at once.
+            leave_exit_status(stop.exit_code)
             logging.shutdown()
             os._exit(stop.exit_code)
         return stop.exit_code
@@ -150,7 +152,9 @@ def run(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The console entry point: rank-prefixed logging to stdout, then `run`."""
     setup_logging()
-    return run(list(sys.argv[1:] if argv is None else argv))
+    code = run(list(sys.argv[1:] if argv is None else argv))
+    leave_exit_status(code)
+    return code
 
 
 if __name__ == "__main__":

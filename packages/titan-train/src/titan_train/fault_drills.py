@@ -2,8 +2,10 @@
 
 `[health] drill = kill` SIGKILLs the rank after the step (as an out-of-memory kill or a lost node would),
 `nan` turns its loss into NaN at the step, `hang` makes it stop responding before the step's
-collectives. Under torchrun, kill and hang fire only on the first attempt (TORCHELASTIC_RESTART_COUNT
-0), so the restarted group can show that it recovers.
+collectives, `stall` holds it before the step until a preemption signal arrives (a run waiting for its
+time limit, without spending the steps: the signal then stops every rank after that step, with a
+checkpoint). Under torchrun, kill, hang and stall fire only on the first attempt
+(TORCHELASTIC_RESTART_COUNT 0), so the restarted group can show that it recovers.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -50,11 +53,16 @@ class FaultDrills:
             return loss * float("nan")
         return loss
 
-    def before_step(self, step: int) -> None:
+    def before_step(self, step: int, signalled: Callable[[], bool] = lambda: False) -> None:
+        """Run a hang or stall drill; `signalled()` tells whether a preemption signal has come."""
         if self.armed and self.kind == "hang" and step == self.step:
             logger.warning("fault drill: stopping to respond before step %d", step)
             while True:  # as a rank stuck in a driver call would; only a signal or a kill ends it
                 time.sleep(60)
+        if self.armed and self.kind == "stall" and step == self.step:
+            logger.warning("fault drill: waiting before step %d until a preemption signal arrives", step)
+            while not signalled():  # the other ranks wait in the step's first collective meanwhile
+                time.sleep(0.1)
 
     def after_step(self, step: int) -> None:
         if self.armed and self.kind == "kill" and step == self.step:

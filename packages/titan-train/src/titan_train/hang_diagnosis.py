@@ -147,9 +147,18 @@ def describe_hang(rank: int, kind: str, states: dict[int, dict[str, Any] | None]
             if waiting
             else " a collective"
         )
+        gone = [other for other, state in sorted(states.items()) if other != rank and state is None]
+        if gone:  # the ranks asked where they are that did not answer: dead, or on a node that is down
+            if len(gone) == 1:
+                cause = f"rank {gone[0]} is gone (its process died or was killed, or its node is down)"
+            else:
+                ranks = ", ".join(map(str, gone))
+                cause = f"ranks {ranks} are gone (their processes died or were killed, or their node is down)"
+        else:
+            cause = "that process died or was killed"
         return (
             f"peer lost: rank {rank} lost the connection to a peer process during{during} at "
-            f"{mine.get('position', '?')}: that process died or was killed{where}. Fix: read the log of the rank "
+            f"{mine.get('position', '?')}: {cause}{where}. Fix: read the log of the rank "
             "that failed first (torchrun names it); with torchrun --max-restarts the job restarts from its newest "
             "checkpoint"
         )

@@ -37,11 +37,13 @@ from titan_train.hang_diagnosis import (
     flight_record,
     rank_state,
 )
+from titan_train.status_file import leave_exit_status
 
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 1.0
 ANSWER_SECONDS = 15.0  # how long a reporting rank waits for its peers' states
+LOST_ANSWER_SECONDS = 4 * POLL_SECONDS + 1.0  # the same after a lost peer: live ranks answer within a poll
 ACK_SECONDS = 2 * POLL_SECONDS + 3.0  # how long a failing rank waits for its peers to read its line
 
 
@@ -62,6 +64,7 @@ class PeerWatch:
             timeout=dt.timedelta(seconds=30),
         )
         self.failing = False  # this rank's main thread reports its own failure: ignore peers'
+        self.gone: set[int] = set()  # ranks that did not answer after a lost peer: no one to wait for
         self._answered = False
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="titan-peer-watch", daemon=True)
@@ -100,6 +103,7 @@ class PeerWatch:
         logging.getLogger("titan_train").error("%s", fault["line"])
         for handler in logging.getLogger().handlers:
             handler.flush()
+        leave_exit_status(int(fault["code"]))
         os._exit(int(fault["code"]))
 
     # -- called by the main thread of a failing rank ----------------------------------------------
@@ -118,7 +122,7 @@ class PeerWatch:
                 self.store.add(self.prefix + "fault_seen", 1)
             deadline = time.monotonic() + ACK_SECONDS
             while time.monotonic() < deadline:
-                if self.store.add(self.prefix + "fault_seen", 0) >= self.world_size - 1:
+                if self.store.add(self.prefix + "fault_seen", 0) >= self.world_size - 1 - len(self.gone):
                     break
                 time.sleep(0.1)
         except Exception as err:
@@ -135,18 +139,22 @@ class PeerWatch:
         traces = None
         if self.traces is not None and dump_flight_record(record, self.traces, self.traces_prefix, self.rank):
             traces = self.traces
-        if kind == "timeout":  # a lost peer is dead: there is no one to ask
-            try:
-                states.update(self._gather_states(states[self.rank]))
-            except Exception as store_err:
-                logger.debug("could not gather the peers' states: %s", store_err)
+        # After a timeout every rank is asked where it is; after a lost peer, the ranks that do not
+        # answer within a few polls are the lost ones (the live ones answer from their watch thread).
+        try:
+            seconds = ANSWER_SECONDS if kind == "timeout" else LOST_ANSWER_SECONDS
+            states.update(self._gather_states(states[self.rank], seconds))
+        except Exception as store_err:
+            logger.debug("could not gather the peers' states: %s", store_err)
+        if kind == "peer lost":
+            self.gone = {r for r, state in states.items() if state is None}
         return CollectiveHang(describe_hang(self.rank, kind, states, traces))
 
-    def _gather_states(self, mine: dict[str, Any]) -> dict[int, dict[str, Any] | None]:
+    def _gather_states(self, mine: dict[str, Any], seconds: float) -> dict[int, dict[str, Any] | None]:
         self._answered = True  # this rank's state is in hand; the thread need not answer
         self._set(f"state/{self.rank}", json.dumps(mine))
         self._set("query", str(self.rank))
-        deadline = time.monotonic() + ANSWER_SECONDS
+        deadline = time.monotonic() + seconds
         waiting = [r for r in range(self.world_size) if r != self.rank]
         while waiting and time.monotonic() < deadline:
             waiting = [r for r in waiting if not self._has(f"state/{r}")]

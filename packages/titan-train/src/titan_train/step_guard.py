@@ -81,7 +81,7 @@ class StepGuard:
 
     def begin_step(self, step: int) -> None:
         self.step, self.phase = step, "forward/backward"
-        self.drills.before_step(step)
+        self.drills.before_step(step, signalled=lambda: self.signals.received is not None)
 
     def poison_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The micro-batch loss, or NaN in its place where a nan drill hits this rank and step."""

@@ -48,8 +48,9 @@ class Health:
         "none",
         "(Titan) Fault drill on drill_rank at drill_step, to rehearse recovery: kill (SIGKILL after the step, "
         "first attempt only), nan (the loss becomes NaN), hang (stops responding before the step, first "
-        "attempt only)",
-        choices=("none", "kill", "nan", "hang"),
+        "attempt only), stall (waits before the step until a preemption signal such as the time-limit "
+        "warning arrives, first attempt only)",
+        choices=("none", "kill", "nan", "hang", "stall"),
     )
     drill_step: int = opt(
         0,
