@@ -1,31 +1,21 @@
-"""Titan against torchtitan 0.2.2's own output: its llama3 flavors, and checkpoints its trainer wrote.
+"""Titan's llama3 flavors against torchtitan 0.2.2's own facts about them.
 
 `tests/fixtures/torchtitan/` was written by `make_fixture.py` there, which runs torchtitan's trainer in a
 separate environment (torchtitan 0.2.2, torch 2.11): facts.json holds torchtitan's parameter counts,
-rotary settings and rotary table rows; checkpoint/step-1 is its full checkpoint after one step of a
-tiny llama3, checkpoint/step-2 its model-only last save.
+rotary settings and rotary table rows (its checkpoints there are loaded in
+packages/titan-train/tests/test_torchtitan_checkpoints.py).
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import shutil
-import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from titan_ckpt import CheckpointError
-from titan_models import LLAMA3_FLAVORS, Transformer, count_parameters, llama3_args
+from titan_models import Transformer, count_parameters, llama3_args
 from titan_models.rope import rotary_frequencies
-from titan_train.config import load_job_config
-from titan_train.distributed import DistInfo
-from titan_train.trainer import Trainer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "torchtitan"
 FACTS = json.loads((FIXTURE / "facts.json").read_text())
@@ -52,85 +42,3 @@ def test_llama3_flavors_match_torchtitan_parameter_counts_and_rotary_settings(fl
         for position, row in theirs["rotary_rows"].items():
             expected = torch.view_as_complex(torch.tensor(row, dtype=torch.float32))
             assert torch.equal(table[int(position)], expected), (flavor, position)
-
-
-# torchtitan's tiny fixture model as a Titan flavor (torchtitan gives every llama3 the 3.1 rotary stretch).
-LLAMA3_FLAVORS["torchtitan_tiny"] = replace(llama3_args("debugmodel"), **FACTS["tiny"])
-RUN = FACTS["run"]
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def saved():
-    """Every value torchtitan's step-1 and step-2 hold, read with torch's own converter."""
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for step in (1, 2):
-            dcp_to_torch_save(FIXTURE / "checkpoint" / f"step-{step}", f"{tmp}/{step}.pt")
-            out[step] = torch.load(f"{tmp}/{step}.pt", weights_only=False)
-    return out
-
-
-def _trainer(dump: Path, one_rank, *flags: str) -> Trainer:
-    config = load_job_config([
-        "--job.dump_folder", str(dump), "--model.flavor", "torchtitan_tiny", "--metrics.log_freq", "1",
-        "--training.seq_len", str(RUN["seq_len"]), "--training.local_batch_size", str(RUN["local_batch_size"]),
-        "--optimizer.lr", str(RUN["lr"]), "--lr_scheduler.warmup_steps", str(RUN["warmup_steps"]),
-        "--checkpoint.enable", *flags,
-    ])  # fmt: skip
-    return Trainer(config, one_rank)
-
-
-def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in trainer.model_parts[0].state_dict().items() if k != "freqs_cis"}
-
-
-def test_a_torchtitan_model_only_checkpoint_is_an_initial_load_path(tmp_path, one_rank, saved):
-    trainer = _trainer(tmp_path, one_rank, "--training.steps", "0",
-                       "--checkpoint.initial_load_path", str(FIXTURE / "checkpoint" / "step-2"))  # fmt: skip
-    trainer.train()
-    weights = _weights(trainer)
-    assert weights.keys() == {k for k in saved[2] if "." in k}
-    assert max((weights[k] - saved[2][k]).abs().max().item() for k in weights) == 0.0
-
-
-def test_a_torchtitan_full_checkpoint_resumes_with_its_optimizer_schedule_and_step(
-    tmp_path, one_rank, saved, caplog
-):
-    shutil.copytree(FIXTURE / "checkpoint" / "step-1", tmp_path / "checkpoint" / "step-1")
-    with pytest.raises(CheckpointError) as refused:
-        _trainer(tmp_path, one_rank, "--training.steps", "4").train()
-    assert str(refused.value).startswith("checkpoint: the 'dataloader' state in")
-    assert "saved keys dp_rank_0, world_size; this run reads stream_0)" in str(refused.value)
-    assert str(refused.value).endswith(
-        "add 'dataloader' to checkpoint.exclude_from_loading to start that state fresh"
-    )
-
-    exclude = ("--checkpoint.exclude_from_loading", "dataloader")
-    resumed = _trainer(tmp_path, one_rank, "--training.steps", "1", *exclude)
-    with caplog.at_level(logging.INFO):
-        resumed.train()
-    assert "resuming from step-1" in caplog.text and "nothing left to train" in caplog.text
-    assert resumed.state.step == 1 and resumed.state.tokens_seen == saved[1]["train_state"]["ntokens_seen"]
-    assert max((w - saved[1][k]).abs().max().item() for k, w in _weights(resumed).items()) == 0.0
-    model, optimizer = resumed.model_parts[0], resumed.optimizers.optimizers[0]
-    theirs = saved[1]["optimizer"]
-    differences = [
-        (optimizer.state[p][kind] - theirs[f"state.{name}.{kind}"]).abs().max().item()
-        for name, p in model.named_parameters()
-        for kind in ("step", "exp_avg", "exp_avg_sq")
-    ]
-    assert len(differences) == 3 * len(list(model.parameters())) and max(differences) == 0.0
-    assert resumed.optimizers.schedules[0].last_epoch == saved[1]["lr_scheduler"]["last_epoch"] == 1
-
-    continued = _trainer(tmp_path, one_rank, "--training.steps", "4", *exclude)
-    continued.train()
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [2, 3, 4] and continued.state.step == 4
