@@ -1,9 +1,8 @@
-"""Preemption on a 2-rank torchrun job, by hand and through the SLURM script: every rank saves and stops, and
-the rerun ends with the losses of an uninterrupted run. (A SIGKILLed rank: see test_fault_multinode.py.)"""
+"""Preemption on a 2-rank torchrun job: every rank saves and stops, and the rerun ends with the losses of an
+uninterrupted run. (A SIGKILLed rank: see test_fault_multinode.py; the SLURM script under a real SLURM
+cluster: tests/slurm/test_slurm_jobs.py.)"""
 
-import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,10 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fault_runs import (  # noqa: E402
-    DEBUG_CONFIG,
-    REPO,
     cli_args,
-    environment,
     free_port,
     logged_losses,
     rank_lines,
@@ -68,45 +64,3 @@ def test_sigterm_to_one_rank_stops_every_rank_after_one_step_with_a_checkpoint_a
     assert f"resuming from step-{stopped_at}" in resumed.stdout
     losses = logged_losses(tmp_path)
     assert [losses[s] for s in range(1, STEPS + 1)] == [uninterrupted[s] for s in range(1, STEPS + 1)]
-
-
-def _slurm_stubs(folder: Path) -> Path:
-    """`srun` and `scontrol` for one node: srun runs its command here; scontrol records a requeue."""
-    folder.mkdir()
-    (folder / "srun").write_text(
-        '#!/bin/bash\nwhile [[ "$1" == -* ]]; do [[ "$1" == -w ]] && shift; shift; done\nexec "$@"\n'
-    )
-    (folder / "scontrol").write_text(
-        '#!/bin/bash\ncase "$1" in show) echo localhost;; requeue) echo "requeue $2" >> "$REQUEUE_LOG";; esac\n'
-    )
-    for stub in ("srun", "scontrol"):
-        (folder / stub).chmod(0o755)
-    return folder
-
-
-@pytest.mark.slow
-def test_slurm_script_turns_the_time_limit_warning_into_a_checkpoint_and_a_requeue(tmp_path):
-    stubs = _slurm_stubs(tmp_path / "bin")
-    env = {**environment(), "PATH": f"{stubs}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "SLURM_JOB_NODELIST": "localhost", "SLURM_NNODES": "1", "SLURM_JOB_ID": "4242",
-           "GPUS_PER_NODE": "2", "LOG_RANK": "0,1", "RDZV_PORT": str(free_port()), "CONFIG_FILE": str(DEBUG_CONFIG),
-           "REQUEUE_LOG": str(tmp_path / "requeued")}  # fmt: skip
-    dump = tmp_path / "dump"
-    overrides = cli_args(dump, *JOB)[2:]  # the script passes the config file itself
-    batch = subprocess.Popen(
-        ["bash", str(REPO / "apps" / "multinode_trainer.slurm"), *overrides],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-    )  # fmt: skip
-    wait_for_step(dump, 1, batch)
-    batch.send_signal(signal.SIGUSR1)  # what `#SBATCH --signal=B:USR1@300` delivers to the batch script
-    output, _ = batch.communicate(timeout=300)
-
-    assert batch.returncode == 0, output[-4000:]
-    assert (tmp_path / "requeued").read_text() == "requeue 4242\n"
-    for rank in (0, 1):
-        stops = [
-            line for line in rank_lines(output, rank) if "preempted: SIGUSR1 received; finished step" in line
-        ]
-        assert len(stops) == 1, output[-4000:]
-    stopped_at = max(logged_losses(dump))
-    assert (dump / "checkpoint" / f"step-{stopped_at}").is_dir() and stopped_at < STEPS
