@@ -107,10 +107,10 @@ class Trainer:
             config.model.name, config.model.flavor, f"{n_params:,}", self.dims.degrees,
             self.device.type, info.world_size, self.grad_accum_steps,
         )  # fmt: skip
-        if config.memory_estimation.enable and info.rank == 0:
-            how = "real" if config.memory_estimation.disable_fake_mode else "fake"
-            logger.info("memory estimate: tracing one step on %s tensors in a child process", how)
-            log_estimate_in_child(config, info.world_size)
+        if config.memory_estimation.enable:
+            estimate = estimate_memory_per_rank(config, built.args, self.dims.degrees, built.counts)
+            for name, size in estimate.rows():
+                logger.info("memory estimate per rank: %-40s %8.2f GiB", name, size / 2**30)
 
         dump = Path(config.job.dump_folder)
         self._write_config(dump)
