@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from titan_train.config import load_job_config
-from titan_train.memory_estimate import MemoryEstimate
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "apps" / "configs").glob("*.toml"))
@@ -47,14 +46,15 @@ def test_dry_run_of_the_405b_config_for_512_gpus_through_run_train_sh():
     assert "llama3 405B on 512 ranks" in out
     assert "mesh: (pp=8, dp_shard=8, tp=8)" in out
     assert "parameters: 405,853,388,800" in out
-    for row, _ in MemoryEstimate(0, 0, 0, 0, 0).rows():  # every row of the estimate is reported
-        assert row in out
+    assert "memory is not traced for pipeline + tensor parallel layouts" in out  # a known gap, said
 
 
 @pytest.mark.slow
 def test_dry_run_of_the_8b_config_for_64_gpus_through_run_train_sh():
     out = _dry_run("apps/configs/llama3_8b.toml", 64)
     assert "llama3 8B on 64 ranks" in out and "mesh: (dp_shard=64)" in out
+    for row in ("memory per rank, traced", "peak allocated", "expected peak reserved", "headroom on H100"):
+        assert row in out
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ from titan_train.cli import run
 from titan_train.config import load_job_config
 from titan_train.dry_run import dry_run
 from titan_train.errors import ConfigError
-from titan_train.memory_estimate import MemoryEstimate
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GIB = 2**30
@@ -35,7 +34,9 @@ def test_torchtitan_llama3_8b_for_64_gpus(caplog):
     assert "llama3 8B on 64 ranks" in text
     assert "mesh: (dp_shard=64)" in text
     assert "parameters: 8,030,261,248" in text
-    for row, _ in MemoryEstimate(0, 0, 0, 0, 0).rows():  # every row of the estimate is reported
+    # Traced memory: the step's peak, where it happens, what it holds, and the headroom on an H100.
+    for row in ("memory per rank, traced", "peak allocated", "expected peak reserved", "activations",
+                "loss and logits", "headroom on H100"):  # fmt: skip
         assert row in text
     # The tokenizer is not needed to size the job, but training will need it: said, not hidden.
     assert "model.hf_assets_path ./assets/hf/Llama-3.1-8B does not exist here" in text
@@ -55,8 +56,9 @@ def test_405b_3d_layout_for_512_gpus(caplog):
     assert report.mesh.startswith("(pp=8, dp_shard=8, tp=8)")
     assert report.params.total == 405_853_388_800
     # 405B over tp 8 x pp 8 x FSDP 8: about 1/512th of the float32 weights, plus a stage's extra layers.
-    assert report.memory.parameters / GIB == pytest.approx(405.85e9 * 4 / 512 / GIB, rel=0.1)
-    assert 10 * GIB < report.memory.total < 80 * GIB
+    # Pipeline + tensor parallel is not traced yet (a known gap): said, not guessed.
+    assert report.memory is None
+    assert "memory is not traced for pipeline + tensor parallel layouts" in _logged(caplog)
     assert report.tokens_per_step == 16 * 8192 * 8
     assert "pp=8, dp_shard=8, tp=8" in _logged(caplog)
 

@@ -17,12 +17,13 @@ from titan_models import count_parameters
 from titan_parallel import ParallelDims, ParallelOptions, Pipeline, blocks_of
 from titan_train.config import JobConfig
 from titan_train.config.parallel_sections import COMPILE_COMPONENTS
+from titan_train.chunked_loss import chunked_cross_entropy
 from titan_train.errors import ConfigError
 from titan_train.hf_interop import model_args
 from titan_train.lr_schedule import build_lr_scheduler
 from titan_train.memory_estimate import ParamCounts
 from titan_train.parallelism import parallel_options, split_and_wrap
-from titan_train.registry import ModelSpec
+from titan_train.registry import ModelSpec, cross_entropy_loss
 from titan_train.sequence_limit import model_seq_len
 
 logger = logging.getLogger(__name__)
@@ -67,10 +68,19 @@ def build_model(
     device: torch.device,
     seed: int,
     grad_accum_steps: int = 1,
+    *,
+    n_layers: int | None = None,
+    dtype_device: torch.device | None = None,
+    materialize: bool = True,
 ) -> BuiltModel:
     """The model on the meta device, parallelised (or cut into pipeline stages), then materialised on
-    `device` and initialised: the initial weights are the same for every layout."""
-    args = model_args(config, max_seq_len=model_seq_len(config), eos_id=tokenizer.eos_id)
+    `device` and initialised: the initial weights are the same for every layout.
+
+    A memory trace builds it with fewer blocks (`n_layers`) and chooses dtypes as on the GPU it plans
+    for (`dtype_device`), and without `materialize` leaves it on the meta device, to be moved onto
+    fake tensors under torch's `FakeTensorMode`."""
+    overrides = {} if n_layers is None else {"n_layers": n_layers}
+    args = model_args(config, max_seq_len=model_seq_len(config), eos_id=tokenizer.eos_id, **overrides)
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
             f"config: the tokenizer has {tokenizer.vocab_size} tokens but {spec.name} {config.model.flavor} has a "
@@ -84,7 +94,7 @@ def build_model(
     n_embedding = n_params - count_parameters(model, exclude_embedding=True)
     counts = ParamCounts.of(model, blocks_of(model), n_embedding)
     options = parallel_options(
-        config, compute_dtype(config, device) if dims.fsdp_enabled else torch.float32,
+        config, compute_dtype(config, dtype_device or device) if dims.fsdp_enabled else torch.float32,
         _dtype(config.training.mixed_precision_reduce),
     )  # fmt: skip
     dims.check_model(
@@ -102,14 +112,16 @@ def build_model(
         accumulation_steps=grad_accum_steps,
     )
     for part in wrapped.parts:
-        part.to_empty(device=device)
-        part.init_weights(buffer_device=device, seed=seed)
+        if materialize:
+            part.to_empty(device=device)
+            part.init_weights(buffer_device=device, seed=seed)
         part.train()
     return BuiltModel(args, wrapped.parts, wrapped.pipeline, options, n_params, n_embedding, counts)
 
 
 def build_loss_fn(config: JobConfig, spec: ModelSpec) -> Callable:
-    """The model's loss, compiled when `[compile] components` names "loss".
+    """The model's loss, compiled when `[compile] components` names "loss", else chunked over tokens
+    (`training.chunked_loss`, see `chunked_loss`) where it is the plain cross-entropy.
 
     Compiled, the float32 upcast, log-softmax and gather over the vocabulary fuse into a few kernels
     that never hold the float32 logits: at seq 8192 and a 128K vocabulary, 4 GiB less per sequence
@@ -125,6 +137,8 @@ def build_loss_fn(config: JobConfig, spec: ModelSpec) -> Callable:
         check_compile_backend(c.backend)
     if c.enable and "loss" in c.components:
         return torch.compile(spec.loss_fn, backend=c.backend)
+    if config.training.chunked_loss and spec.loss_fn is cross_entropy_loss:
+        return chunked_cross_entropy
     return spec.loss_fn
 
 

@@ -17,6 +17,7 @@ from titan_data import DataError
 from titan_models import ModelError
 from titan_parallel import ParallelConfigError
 from titan_train.config import load_job_config
+from titan_train.device_peaks import DEVICE_MEMORY_GIB
 from titan_train.distributed import (
     configure_flight_recorder,
     init_distributed,
@@ -69,8 +70,16 @@ def _dry_run_args(argv: list[str]) -> tuple[int, list[str]]:
         description="Check a config and its layout for N GPUs without GPUs; other flags are config overrides.",
     )
     parser.add_argument("--ngpu", type=int, required=True, help="number of ranks (GPUs) the layout is for")
+    parser.add_argument(
+        "--device",
+        default="H100",
+        help=f"GPU whose memory the headroom is against: {', '.join(DEVICE_MEMORY_GIB)}",
+    )
+    parser.add_argument(
+        "--device-memory-gib", type=float, help="memory per GPU in GiB (instead of --device's)"
+    )
     args, rest = parser.parse_known_args(argv)
-    return args.ngpu, [*rest, "--comm.mode", "fake_backend"]
+    return args.ngpu, [*rest, "--comm.mode", "fake_backend"], (args.device, args.device_memory_gib)
 
 
 def exit_status(err: BaseException) -> tuple[int, str]:
@@ -82,12 +91,12 @@ def exit_status(err: BaseException) -> tuple[int, str]:
     return 1, f"rank {os.environ.get('RANK', '0')} failed: {type(err).__name__}: {err}"
 
 
-def train(argv: list[str], world_size: int | None = None) -> int:
+def train(argv: list[str], world_size: int | None = None, device: tuple = ("H100", None)) -> int:
     # Every field and combination is checked here, before any work (see titan_train.config.validate).
     config = load_job_config(argv, check_paths=True)
     if config.comm.mode == "fake_backend":
         world_size = world_size or int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or 1)
-        dry_run(config, world_size)
+        dry_run(config, world_size, *device)
         return 0
     refuse_unsupported(config, "cuda" if torch.cuda.is_available() else "cpu")
     c = config.comm
@@ -129,8 +138,8 @@ def run(argv: list[str]) -> int:
         if argv[:1] == ["report"]:
             return report_main(argv[1:])
         if argv[:1] == ["dry-run"]:
-            world_size, rest = _dry_run_args(argv[1:])
-            return train(rest, world_size)
+            world_size, rest, device = _dry_run_args(argv[1:])
+            return train(rest, world_size, device)
         if argv[:1] == ["check"]:
             from titan_train.launch_check import check_main
 

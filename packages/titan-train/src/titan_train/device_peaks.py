@@ -1,4 +1,4 @@
-"""Peak dense bf16 FLOP/s of common accelerators, from their datasheets, for MFU."""
+"""Peak dense bf16 FLOP/s of common accelerators, from their datasheets, for MFU; and their memory."""
 
 from __future__ import annotations
 
@@ -36,3 +36,18 @@ def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     return peak_flops_for_name(torch.cuda.get_device_name(device))
+
+
+# Memory per device in GiB as torch reports it (`total_memory`), for a dry run's headroom.
+DEVICE_MEMORY_GIB = {
+    "H100": 79.1,
+    "H100 NVL": 93.1,
+    "H200": 139.8,
+    "A100-40GB": 39.4,
+    "A100": 79.2,
+    "B200": 178.4,
+    "GB200": 184.0,
+    "MI250X": 64.0,
+    "MI300X": 192.0,
+    "MI325X": 256.0,
+}

@@ -1,14 +1,15 @@
-"""A dry run: check a config and its layout for N GPUs on any machine, and estimate memory per rank.
+"""A dry run: check a config and its layout for N GPUs on any machine, and trace its memory per rank.
 
 torch's fake process-group backend lets one CPU process build the real device mesh of a 512-rank job
-(it answers every collective without communicating), and the model is built on the meta device, so
-nothing is allocated. What this cannot check is the GPUs themselves: kernels, bandwidth, actual memory.
+(it answers every collective without communicating), and fake tensors let it run a training step of
+each distinct rank without memory or compute (see `memory_estimate`). What this cannot check is the
+GPUs themselves: kernels, bandwidth, the CUDA context and communication libraries' own buffers.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,10 @@ import torch.distributed as dist
 from titan_models import count_parameters
 from titan_parallel import ParallelConfigError, ParallelDims, blocks_of, pipeline_stages
 from titan_train import build
+from titan_train.device_peaks import DEVICE_MEMORY_GIB
 from titan_train.errors import ConfigError
 from titan_train.hf_interop import model_args
-from titan_train.memory_estimate import MemoryEstimate, ParamCounts, estimate_memory_per_rank
+from titan_train.memory_estimate import GIB, MemoryEstimate, ParamCounts, TraceUnavailable, estimate_memory
 from titan_train.parallelism import parallel_options
 from titan_train.registry import get_model_spec
 from titan_train.sequence_limit import model_seq_len
@@ -37,12 +39,14 @@ class DryRunReport:
     params: ParamCounts
     grad_accum_steps: int
     tokens_per_step: int
-    memory: MemoryEstimate
+    memory: MemoryEstimate | None
     notes: list[str] = field(default_factory=list)
+    device_name: str = ""
+    device_memory: int = 0
+    levers: list[str] = field(default_factory=list)
 
     def lines(self, config: Any) -> list[str]:
         t = config.training
-        gib = 2**30
         out = [
             f"dry run: {config.model.name} {config.model.flavor} on {self.world_size} ranks "
             "(fake process group: the layout is built, nothing is computed)",
@@ -51,10 +55,48 @@ class DryRunReport:
             f"{self.params.n_blocks} blocks of {self.params.per_block:,})",
             f"  batch: {t.local_batch_size} sequence{'s' if t.local_batch_size != 1 else ''} of {t.seq_len} tokens per data-parallel rank, "
             f"gradient accumulation {self.grad_accum_steps}: {self.tokens_per_step:,} tokens per step",
-            f"  memory per rank (estimate; activation checkpointing '{config.activation_checkpoint.mode}'):",
         ]
-        out += [f"    {name:<40}{size / gib:>9.2f} GiB" for name, size in self.memory.rows()]
+        out += self.memory_lines(config)
         out += [f"  note: {note}" for note in self.notes]
+        return out
+
+    def memory_lines(self, config: Any) -> list[str]:
+        m, gib = self.memory, 2**30
+        if m is None:
+            return []
+        ac = config.activation_checkpoint
+        how = "fake tensors" if m.fake else "real tensors (memory_estimation.disable_fake_mode)"
+        depth = f"{'/'.join(map(str, m.traced_blocks))} blocks per stage, scaled to {m.blocks_per_stage}"
+        if m.traced_blocks == (m.blocks_per_stage,):
+            depth = f"all {m.blocks_per_stage} blocks per stage"
+        out = [
+            f"  memory per rank, traced: one training step on {how}, {depth}, activation checkpointing "
+            f"'{ac.mode}'{'' if ac.mode != 'selective' else ' ' + ac.selective_ac_option}, {m.seconds:.1f} s:"
+        ]
+        for r in m.ranks:
+            out.append(
+                f"    rank {r.rank} (pp stage {r.pp_rank}): peak allocated {r.allocated / gib:.2f} GiB at {r.where}; "
+                f"expected peak reserved {r.reserved / gib:.2f} GiB (expandable segments), "
+                f"{r.reserved_fixed_segments / gib:.2f} GiB (fixed segments)"
+            )
+        out += [f"    ({note})" for note in m.notes]
+        out.append(f"    at the peak of rank {m.worst.rank}:")
+        out += [f"      {name:<46}{size / gib:>9.2f} GiB" for name, size in m.rows()]
+        if self.device_memory:
+            out += self.headroom_lines()
+        return out
+
+    def headroom_lines(self) -> list[str]:
+        m, gib, cap = self.memory, 2**30, self.device_memory
+        need = m.expected_reserved(m.worst)
+        mode = "expandable" if m.expandable_segments else "fixed"
+        out = [
+            f"  headroom on {self.device_name} ({cap / gib:.1f} GiB): {(cap - need) / gib:+.2f} GiB against the expected "
+            f"peak reserved ({mode} segments; the CUDA context and NCCL buffers, about 1-2 GiB, are not traced)"
+        ]
+        if need > cap:
+            out.append("  over budget; levers that would make it fit:" if self.levers else "  over budget.")
+            out += [f"    - {lever}" for lever in self.levers]
         return out
 
 
@@ -111,8 +153,23 @@ def _describe_mesh(dims: ParallelDims) -> str:
     return f"({shape}){flat}"
 
 
-def dry_run(config: Any, world_size: int) -> DryRunReport:
-    """Validate `config` for `world_size` ranks, build its mesh and meta model, and log the layout and memory."""
+def device_memory_of(device: str, memory_gib: float | None) -> tuple[str, int]:
+    """The device a dry run plans for and its memory in bytes (`--device-memory-gib` wins over the table)."""
+    if memory_gib is not None:
+        return (device or "the device"), int(memory_gib * GIB)
+    if device not in DEVICE_MEMORY_GIB:
+        raise ConfigError(
+            f"dry run: --device {device} is not in the table ({', '.join(DEVICE_MEMORY_GIB)}); "
+            "give its memory with --device-memory-gib"
+        )
+    return device, int(DEVICE_MEMORY_GIB[device] * GIB)
+
+
+def dry_run(
+    config: Any, world_size: int, device: str = "H100", device_memory_gib: float | None = None
+) -> DryRunReport:
+    """Validate `config` for `world_size` ranks, build its mesh, trace its memory per rank and log it all."""
+    device_name, capacity = device_memory_of(device, device_memory_gib)
     dims = build.build_parallel_dims(config, world_size)
     spec = get_model_spec(config.model.name)
     args = model_args(config, max_seq_len=model_seq_len(config))
@@ -132,6 +189,13 @@ def dry_run(config: Any, world_size: int) -> DryRunReport:
     finally:
         dist.destroy_process_group()
 
+    fake = not config.memory_estimation.disable_fake_mode
+    try:
+        memory = estimate_memory(config, world_size, fake=fake, capacity=capacity)
+    except TraceUnavailable as gap:
+        memory, notes = None, [str(gap)]
+    else:
+        notes = []
     accum = build.gradient_accumulation_steps(config, dims.dp_degree)
     t = config.training
     report = DryRunReport(
@@ -141,9 +205,50 @@ def dry_run(config: Any, world_size: int) -> DryRunReport:
         params=counts,
         grad_accum_steps=accum,
         tokens_per_step=t.local_batch_size * t.seq_len * dims.dp_degree * accum,
-        memory=estimate_memory_per_rank(config, args, dims.degrees, counts),
-        notes=_notes(config),
+        memory=memory,
+        notes=notes + _notes(config),
+        device_name=device_name,
+        device_memory=capacity,
     )
+    if memory is not None and memory.expected_reserved(memory.worst) > capacity:
+        report.levers = memory_levers(config, world_size, memory, capacity)
     for line in report.lines(config):
         logger.info("%s", line)
     return report
+
+
+def memory_levers(config: Any, world_size: int, memory: MemoryEstimate, capacity: int) -> list[str]:
+    """What would bring an over-budget layout under `capacity`, each re-traced or scaled from the breakdown."""
+    gib, levers = 2**30, []
+    worst = memory.worst
+    need = memory.expected_reserved(worst)
+    ac, t, p = config.activation_checkpoint, config.training, config.parallelism
+    tried = []
+    if ac.mode != "full":
+        tried.append(
+            (
+                "activation_checkpoint.mode full",
+                replace(config, activation_checkpoint=replace(ac, mode="full")),
+            )
+        )
+    if t.local_batch_size > 1 and p.pipeline_parallel_degree == 1:
+        half = t.local_batch_size // 2
+        tried.append(
+            (f"training.local_batch_size {half}", replace(config, training=replace(t, local_batch_size=half)))
+        )
+    for name, changed in tried:
+        try:
+            m = estimate_memory(changed, world_size, fake=memory.fake, capacity=capacity)
+        except Exception as err:  # a lever the layout refuses is no lever
+            logger.debug("lever %s: %s", name, err)
+            continue
+        got = m.expected_reserved(m.worst)
+        levers.append(f"{name}: {got / gib:.2f} GiB{' (fits)' if got <= capacity else ''}")
+    sharded = sum(worst.breakdown.get(k, 0) for k in ("parameters", "gradients", "optimizer state"))
+    if sharded:
+        doubled = need - sharded / 2
+        levers.append(
+            f"twice the FSDP shards (data_parallel_shard_degree x2, more GPUs or from replicate): about "
+            f"{doubled / gib:.2f} GiB{' (fits)' if doubled <= capacity else ''}"
+        )
+    return levers

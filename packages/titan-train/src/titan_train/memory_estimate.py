@@ -1,21 +1,40 @@
-"""An analytic estimate of memory per rank: parameters, gradients, optimizer state, activations.
+"""Memory per rank of a config, from traced training steps: peak allocated, expected peak reserved, breakdown.
 
-It is what a dry run prints for a layout that cannot be tried here (a 405B model on 512 GPUs), so it
-works from shapes and degrees alone. Activations count the tensors a Llama block keeps for backward
-(see `saved_elements_per_token`); the estimate ignores allocator fragmentation, communication buffers
-and the CUDA context, so treat it as a lower bound within a few GiB.
+Each distinct rank of the layout (the first, second and last pipeline stage; every rank of a stage holds
+the same shard shapes) runs one training step on fake tensors (see `traced_memory`). Blocks are
+identical, so a stage is traced with a few blocks and with a few more, and each phase's peak is
+extended to the real depth (`titan_parallel.memory_trace.scale_to_blocks`). The CUDA caching allocator
+is replayed on the traced allocations for the reserved bytes a training log reports as memory.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
 
-_ADAM_STATES = 2  # exp_avg and exp_avg_sq, in the parameter dtype
-_LOGIT_BYTES = 4 + 4  # the float32 copy of the logits the loss reads, and its gradient
+from titan_parallel.allocator_model import replay
+from titan_parallel.memory_trace import TraceResult, scale_to_blocks
+from titan_parallel.pipeline import stages_per_rank
+from titan_train import build
+from titan_train.parallelism import parallel_options
+from titan_train.registry import get_model_spec
+from titan_train.sequence_limit import model_seq_len
+from titan_train.traced_memory import trace_rank
+
+GIB = 2**30
+logger = logging.getLogger(__name__)
+
+
+class TraceUnavailable(Exception):
+    """A layout the memory trace cannot run yet; the dry run says so instead of printing a number."""
 
 
 @dataclass(frozen=True)
@@ -27,11 +46,6 @@ class ParamCounts:
     per_block: int
     n_blocks: int
 
-    @property
-    def head(self) -> int:
-        """Final norm and output projection (held by the last pipeline stage)."""
-        return self.total - self.embedding - self.per_block * self.n_blocks
-
     @classmethod
     def of(cls, model: nn.Module, blocks: dict[str, nn.Module], embedding: int) -> ParamCounts:
         """Counts read from a (meta-device) model and its repeated blocks."""
@@ -40,107 +54,210 @@ class ParamCounts:
         return cls(total=total, embedding=embedding, per_block=max(sizes, default=0), n_blocks=len(sizes))
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per rank, for the most loaded rank (the first pipeline stage, or the last with its logits)."""
+@dataclass
+class RankMemory:
+    """One traced rank: its peak live bytes, where it happens, what it holds then, and the allocator's view."""
 
-    parameters: int
-    gradients: int
-    optimizer_state: int
-    gathered_parameters: int
-    activations: int
+    rank: int
+    pp_rank: int
+    allocated: int  # peak of the allocator's block sizes (torch.cuda.max_memory_allocated)
+    reserved: int  # expected torch.cuda.max_memory_reserved with expandable segments
+    reserved_fixed_segments: int  # the same without expandable segments
+    where: str
+    breakdown: dict[str, int]
+
+
+@dataclass
+class MemoryEstimate:
+    """The traced ranks of a layout; `worst` is the one a job must fit."""
+
+    ranks: list[RankMemory]
+    blocks_per_stage: int
+    traced_blocks: tuple[int, ...]
+    fake: bool
+    expandable_segments: bool
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
     @property
-    def total(self) -> int:
-        return (
-            self.parameters
-            + self.gradients
-            + self.optimizer_state
-            + self.gathered_parameters
-            + self.activations
-        )
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: self.expected_reserved(r))
+
+    def expected_reserved(self, r: RankMemory) -> int:
+        return r.reserved if self.expandable_segments else r.reserved_fixed_segments
 
     def rows(self) -> list[tuple[str, int]]:
-        return [
-            ("parameters (sharded)", self.parameters),
-            ("gradients (sharded)", self.gradients),
-            ("optimizer state (Adam)", self.optimizer_state),
-            ("gathered parameters (FSDP, transient)", self.gathered_parameters),
-            ("activations", self.activations),
-            ("total", self.total),
+        """The worst rank's breakdown at its peak, then its peak allocated and expected reserved."""
+        w = self.worst
+        rows = [(name, size) for name, size in w.breakdown.items() if size]
+        rows += [
+            ("peak allocated", w.allocated),
+            ("expected peak reserved, expandable segments", w.reserved),
+            ("expected peak reserved, fixed segments", w.reserved_fixed_segments),
         ]
+        return rows
 
 
-def saved_elements_per_token(
-    dim: int, kv_dim: int, ffn_dim: int, mode: str, option: str, budget: float
-) -> float:
-    """Elements a Llama block saves for backward per token, under activation checkpointing `mode`.
-
-    Without checkpointing a block keeps: its input and the attention norm's output (2 dim), q/k/v
-    (dim + 2 kv_dim), rotated q/k (dim + kv_dim), the attention output (dim), the FFN input and norm
-    output (2 dim), and w1/w3 outputs, the SiLU and the product (4 ffn_dim). `full` keeps only the
-    block input; `selective` N checkpoints every Nth block; `op` keeps the block input, q/k/v, the
-    attention output and half of the FFN matmul outputs.
-    """
-    everything = 7 * dim + 3 * kv_dim + 4 * ffn_dim
-    if mode == "none":
-        return everything
-    if mode == "full":
-        return dim
-    if mode == "memory_budget":
-        return dim + budget * (everything - dim)
-    if option == "op":
-        return dim + (dim + 2 * kv_dim) + dim + ffn_dim
-    every = int(option)
-    return (1 - 1 / every) * everything + dim / every
+def expandable_segments_from_env() -> bool:
+    """Whether the allocator will run with expandable segments: the launch scripts set it unless the user did."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF"))
+    if conf is None:
+        return True
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
-def estimate_memory_per_rank(
-    config: Any, args: Any, degrees: dict[str, int], counts: ParamCounts
+def _period(config: Any) -> int:
+    ac = config.activation_checkpoint
+    if ac.mode == "selective" and ac.selective_ac_option.isdigit():
+        return int(ac.selective_ac_option)
+    return 1
+
+
+def _depths(blocks: int, period: int) -> tuple[int, ...]:
+    """Two traced depths that differ by the period, match `blocks` modulo it, and have a middle block."""
+    first = blocks % period or period
+    while first < 3:
+        first += period
+    if first + period >= blocks:
+        return (blocks,)
+    return (first, first + period)
+
+
+def _where(label: tuple, blocks: int) -> str:
+    if len(label) == 3:
+        phase, part, place = label
+        index = {"first": 0, "last": blocks - 1, "middle": blocks - 2}.get(place, place)
+        stage = f" of model part {part}" if part else ""
+        return f"{phase} of block {index}{stage}"
+    return " ".join(map(str, label))
+
+
+def estimate_memory(
+    config: Any,
+    world_size: int,
+    *,
+    fake: bool = True,
+    target_device: str = "cuda",
+    capacity: int | None = None,
 ) -> MemoryEstimate:
-    """Memory per rank for `config` (a JobConfig) training a model of `args` over `degrees`."""
-    t, p, ac = config.training, config.parallelism, config.activation_checkpoint
-    pp, tp, cp = degrees["pp"], degrees["tp"], degrees["cp"]
-    fsdp = degrees["dp_shard"] * cp
-    param_bytes = 2 if t.dtype == "bfloat16" else 4
-    compute_bytes = 2 if "bfloat16" in (t.dtype, t.mixed_precision_param) else 4
-
-    layers = math.ceil(counts.n_blocks / pp)
-    first_stage = layers * counts.per_block + counts.embedding + (counts.head if pp == 1 else 0)
-    last_stage = layers * counts.per_block + counts.head + (counts.embedding if pp == 1 else 0)
-    stage_params = max(first_stage, last_stage)
-    sharded = stage_params / (tp * fsdp)
-
-    gathered = 0.0
-    if fsdp > 1:
-        # Two blocks unsharded at a time (one computing, one prefetched) plus the root, which stays gathered.
-        root = counts.embedding + counts.head if pp == 1 else max(counts.embedding, counts.head)
-        gathered = (2 * counts.per_block + root) / tp * compute_bytes
-
-    micro = p.pipeline_parallel_microbatch_size if pp > 1 else t.local_batch_size
-    tokens = micro * t.seq_len / cp
-    kv_dim = args.kv_heads * args.head_dim
-    saved = saved_elements_per_token(
-        args.dim, kv_dim, args.ffn_hidden_dim, ac.mode, ac.selective_ac_option, ac.memory_budget
-    )
-    # Recomputing a checkpointed block briefly holds all of its activations again.
-    recompute = 7 * args.dim + 3 * kv_dim + 4 * args.ffn_hidden_dim if ac.mode != "none" else 0
-    per_token_blocks = (layers * saved + recompute) * compute_bytes / tp
-    vocab = args.vocab_size / (tp if tp > 1 and not p.disable_loss_parallel else 1)
-    per_token_logits = vocab * (compute_bytes + _LOGIT_BYTES)
-    if pp == 1:
-        activations = tokens * (per_token_blocks + per_token_logits)
-    else:
-        n_micro = max(t.local_batch_size // micro, 1)
-        in_flight = n_micro if p.pipeline_parallel_schedule == "GPipe" else min(pp, n_micro)
-        activations = max(
-            tokens * per_token_blocks * in_flight, tokens * (per_token_blocks + per_token_logits)
+    """Trace `config` on `world_size` ranks (in this process, on fake process groups) and size each rank."""
+    start = time.perf_counter()
+    notes = []
+    if config.compile.enable:
+        # Dynamo cannot trace under an outer fake mode; eager saves at least what inductor saves.
+        config = replace(config, compile=replace(config.compile, enable=False))
+        notes.append(
+            "compile is traced as eager (an upper bound: inductor fuses element-wise ops and saves less)"
         )
-
+    dims = build.build_parallel_dims(config, world_size)
+    if dims.pp > 1 and dims.tp > 1:
+        raise TraceUnavailable(
+            "memory is not traced for pipeline + tensor parallel layouts yet: a fake-tensor stage fails to "
+            "resolve a process group (known gap); trace pp and tp separately"
+        )
+    spec = get_model_spec(config.model.name)
+    n_layers = spec.args_for(config.model.flavor, max_seq_len=model_seq_len(config)).n_layers
+    p = config.parallelism
+    per_rank = 1
+    if dims.pp > 1:
+        per_rank = stages_per_rank(
+            parallel_options(config, *[build._dtype("float32")] * 2), dims.pp, n_layers
+        )
+    stages = dims.pp * per_rank
+    blocks = math.ceil(n_layers / stages)
+    fixed_split = p.module_fqns_per_model_part or p.pipeline_parallel_layers_per_stage
+    depths = (blocks,) if fixed_split else _depths(blocks, _period(config))
+    pp_ranks = sorted({0, min(1, dims.pp - 1), dims.pp - 1})
+    layer_counts = [None if d == blocks and fixed_split else d * stages for d in depths]
+    jobs = [
+        (config, world_size, pp_rank * (world_size // dims.pp), fake, target_device, n)
+        for pp_rank in pp_ranks
+        for n in layer_counts
+    ]
+    if dims.pp == 1:
+        traced = [_trace(*job) for job in jobs]
+    else:
+        # One process per trace: a pipeline keeps torch's group names cached across fake worlds.
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1), mp_context=spawn) as pool:
+            traced = list(pool.map(_trace, *zip(*jobs, strict=True)))
+    per_rank = [traced[i : i + len(depths)] for i in range(0, len(traced), len(depths))]
+    ranks = [
+        _rank_memory(pp_rank * (world_size // dims.pp), pp_rank, traces, depths, blocks, capacity)
+        for pp_rank, traces in zip(pp_ranks, per_rank, strict=True)
+    ]
     return MemoryEstimate(
-        parameters=round(sharded * param_bytes),
-        gradients=round(sharded * param_bytes),
-        optimizer_state=round(sharded * param_bytes * _ADAM_STATES),
-        gathered_parameters=round(gathered),
-        activations=round(activations),
+        ranks=ranks,
+        blocks_per_stage=blocks,
+        traced_blocks=depths,
+        fake=fake,
+        expandable_segments=expandable_segments_from_env(),
+        seconds=time.perf_counter() - start,
+        notes=notes,
     )
+
+
+def _trace(config, world_size, rank, fake, target_device, n_layers) -> TraceResult:
+    return trace_rank(config, world_size, rank, fake=fake, target_device=target_device, n_layers=n_layers)
+
+
+def _rank_memory(
+    rank: int,
+    pp_rank: int,
+    traces: list[TraceResult],
+    depths: tuple[int, ...],
+    blocks: int,
+    capacity: int | None,
+) -> RankMemory:
+    peaks = [
+        (replay(t.sizes, t.streams, capacity=capacity), replay(t.sizes, t.streams, expandable_segments=True, capacity=capacity))
+        for t in traces
+    ]  # fmt: skip
+    if len(traces) == 1:
+        result, (fixed, expandable) = traces[0], peaks[0]
+        allocated, reserved, reserved_fixed = expandable.allocated, expandable.reserved, fixed.reserved
+    else:
+        result = scale_to_blocks(traces[0], traces[1], depths[0], depths[1], blocks)
+        t = (blocks - depths[0]) / (depths[1] - depths[0])
+
+        def line(a: int, b: int) -> int:
+            return round(a + t * (b - a))
+
+        (fa, ea), (fb, eb) = peaks
+        allocated, reserved, reserved_fixed = (
+            line(ea.allocated, eb.allocated), line(ea.reserved, eb.reserved), line(fa.reserved, fb.reserved)
+        )  # fmt: skip
+    return RankMemory(
+        rank=rank,
+        pp_rank=pp_rank,
+        allocated=allocated,
+        reserved=reserved,
+        reserved_fixed_segments=reserved_fixed,
+        where=_where(result.label, blocks),
+        breakdown=result.breakdown,
+    )
+
+
+def log_estimate_in_child(config: Any, world_size: int) -> None:
+    """`[memory_estimation] enable`: trace this job's memory per rank in a child process and log it.
+
+    A child, because the trace needs a fake process group of its own beside this run's real one. With
+    `disable_fake_mode` it traces on real tensors, which takes one rank's memory on this host.
+    """
+    child = multiprocessing.get_context("spawn").Process(target=_log_estimate, args=(config, world_size))
+    child.start()
+    child.join()
+
+
+def _log_estimate(config: Any, world_size: int) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    fake = not config.memory_estimation.disable_fake_mode
+    estimate = estimate_memory(config, world_size, fake=fake)
+    how = "fake" if fake else "real"
+    for r in estimate.ranks:
+        logger.info(
+            "memory estimate (traced on %s tensors), rank %d: peak allocated %.2f GiB at %s, expected peak reserved %.2f GiB",
+            how, r.rank, r.allocated / GIB, r.where, estimate.expected_reserved(r) / GIB,
+        )  # fmt: skip
+    for name, size in estimate.rows():
+        logger.info("memory estimate per rank: %-46s %8.2f GiB", name, size / GIB)

@@ -25,7 +25,7 @@ from titan_train.device_peaks import peak_flops
 from titan_train.distributed import DistInfo
 from titan_train.gc_schedule import GarbageCollection
 from titan_train.host_memory import keep_freed_host_memory
-from titan_train.memory_estimate import estimate_memory_per_rank
+from titan_train.memory_estimate import log_estimate_in_child
 from titan_train.metrics import MetricsLogger, StepMetrics, device_memory
 from titan_train.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.optimizers import PartOptimizers
@@ -107,10 +107,10 @@ class Trainer:
             config.model.name, config.model.flavor, f"{n_params:,}", self.dims.degrees,
             self.device.type, info.world_size, self.grad_accum_steps,
         )  # fmt: skip
-        if config.memory_estimation.enable:
-            estimate = estimate_memory_per_rank(config, built.args, self.dims.degrees, built.counts)
-            for name, size in estimate.rows():
-                logger.info("memory estimate per rank: %-40s %8.2f GiB", name, size / 2**30)
+        if config.memory_estimation.enable and info.rank == 0:
+            how = "real" if config.memory_estimation.disable_fake_mode else "fake"
+            logger.info("memory estimate: tracing one step on %s tensors in a child process", how)
+            log_estimate_in_child(config, info.world_size)
 
         dump = Path(config.job.dump_folder)
         self._write_config(dump)

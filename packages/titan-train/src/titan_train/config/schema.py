@@ -163,6 +163,11 @@ class Training:
     local_batch_size: int = opt(
         8, "Sequences per data-parallel rank per micro-batch", minimum=1, maximum=MAX_SEQUENCES
     )
+    chunked_loss: bool = opt(
+        True,
+        "Cross-entropy in chunks of 1024 tokens, never holding the float32 [tokens x vocab] logits at once; "
+        "not used where the loss is compiled (compile.components has 'loss') or vocabulary-sharded (TP)",
+    )
     global_batch_size: int = opt(
         -1,
         "Sequences per optimizer step over all ranks; above local_batch_size * dp it accumulates gradients; "
@@ -287,7 +292,7 @@ class Comm:
 class MemoryEstimation:
     enable: bool = opt(False, "Log an estimate of memory per rank before training")
     disable_fake_mode: bool = opt(
-        False, "Estimate on real tensors instead of fake ones (Titan's estimate is analytic)"
+        False, "Trace the memory estimate's step on real tensors (real memory and compute), not fake ones"
     )
 
 

@@ -1,0 +1,60 @@
+"""MemoryTrace on a plain module: exact live bytes, fake equal to real, and the allocator model's rules."""
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from titan_parallel.allocator_model import replay, round_size
+from titan_parallel.memory_trace import MemoryTrace
+
+MIB = 2**20
+
+
+def _trace(fake: bool) -> tuple[int, dict]:
+    with torch._subclasses.FakeTensorMode() if fake else contextlib.nullcontext():
+        model = nn.Sequential(nn.Linear(64, 256, bias=False), nn.ReLU(), nn.Linear(256, 64, bias=False))
+        x = torch.randn(32, 64)
+        trace = MemoryTrace()
+        with trace:
+            trace.track(model.parameters(), "parameters")
+            trace.watch_blocks(0, list(model))
+            model(x).sum().backward()
+            trace.assign("gradients", [p.grad for p in model.parameters()])
+            trace.remove_hooks()
+        result = trace.result()
+    return result.peak, result.breakdown
+
+
+def test_traced_peak_is_the_live_bytes_and_fake_tensors_trace_the_same():
+    peak, breakdown = _trace(fake=False)
+    params = (64 * 256 + 256 * 64) * 4
+    assert breakdown["parameters"] == params
+    # At the peak: weights, the saved activations (x is tracked by nobody: not counted), gradients so far.
+    assert peak > params and peak < params * 3
+    assert _trace(fake=True) == (peak, breakdown)
+
+
+def test_allocator_rounds_reuses_and_grows_segments():
+    assert round_size(1) == 512 and round_size(513) == 1024
+    # Two small blocks share one 2 MiB segment; a large one takes a 20 MiB segment.
+    assert replay([(0, 1000), (1, 1000)]).reserved == 2 * MIB
+    assert replay([(0, 3 * MIB)]).reserved == 20 * MIB
+    assert replay([(0, 30 * MIB)]).reserved == 30 * MIB
+    # A freed block is reused by a request that fits.
+    assert replay([(0, 30 * MIB), (0, 0), (1, 25 * MIB)]).reserved == 30 * MIB
+    # Growing requests fragment fixed segments; an expandable segment grows in place instead.
+    growing = [(k, (k + 11) * MIB) for k in range(6)]
+    growing = [e for k, e in enumerate(growing) for e in ([e] if k == 0 else [(k - 1, 0), e])]
+    fixed, expandable = replay(growing), replay(growing, expandable_segments=True)
+    assert fixed.allocated == expandable.allocated == 16 * MIB
+    assert expandable.reserved == 20 * MIB < fixed.reserved
+    # A full device releases cached segments before it takes a new one.
+    assert replay(growing, capacity=40 * MIB).reserved <= 40 * MIB
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_allocated_peak_is_rounded_live_bytes(expandable):
+    peaks = replay([(0, 100), (1, 5000), (0, 0), (2, MIB + 1)], expandable_segments=expandable)
+    assert peaks.allocated == 5120 + round_size(MIB + 1)
