@@ -41,9 +41,10 @@ def test_float8_converts_block_linears_and_trains_like_float32(fp32_run, recipe,
     assert kinds.pop("output") == "Linear"  # skipped by default: the head is sensitive to precision
     assert set(kinds.values()) == {"Float8Linear"}
     losses = _overfit(model)
-    assert losses[0] == pytest.approx(fp32_losses[0], rel=1e-2)
     assert losses[-1] < 0.5 * losses[0]
-    assert losses[-1] == pytest.approx(fp32_losses[-1], rel=0.2)
+    # Measured over these 10 steps (torch 2.15, this CPU): at most 0.68% (tensorwise) and 0.55% (rowwise)
+    # from float32 at any step; the bound leaves 3x room.
+    assert losses == pytest.approx(fp32_losses, rel=0.02)
 
 
 def test_float8_leaves_linears_whose_dims_are_not_multiples_of_16_in_high_precision():

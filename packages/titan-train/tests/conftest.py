@@ -1,5 +1,6 @@
 """Shared set-up for titan-train's tests: a real one-rank process group and small training configs."""
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,9 @@ import torch
 import torch.distributed as dist
 
 from titan_train.config import load_job_config
+
+# Helpers shared by test modules (field_probes) import by name under --import-mode=importlib.
+sys.path.insert(0, str(Path(__file__).parent))
 from titan_train.distributed import DistInfo
 
 # The debug model at a CPU-friendly size: seq 32, three steps, logged every step.

@@ -1,0 +1,172 @@
+"""Run `titan-train` in this process and record what it did, for the field-coverage test.
+
+`launch` goes through the command's own entry point (`titan_train.cli.run`), so every setting takes
+the path it takes in a real run. One rank runs on a real gloo group; a larger layout runs as rank 0 of
+torch's fake process group, which builds the real mesh and answers collectives without peers. Spies
+on `Trainer.__init__` and `Trainer.train` record state at those two moments and pass through.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from titan_train import cli
+from titan_train.trainer import Trainer
+
+FR_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE")
+
+
+@dataclass
+class Seen:
+    """What one launch did: exit status, log lines, files, and the trainer at build and train time."""
+
+    root: Path
+    status: int = -1
+    lines: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    trainer: Trainer | None = None
+    at_build: dict[str, Any] = field(default_factory=dict)
+    at_train: dict[str, Any] = field(default_factory=dict)
+    collections: int = 0  # full garbage collections while it trained
+
+    @property
+    def dump(self) -> Path:
+        return self.root / "out"
+
+    def log(self, needle: str) -> bool:
+        return any(needle in line for line in self.lines)
+
+    def files(self) -> list[str]:
+        return sorted(str(p.relative_to(self.root)) for p in self.root.rglob("*") if p.is_file())
+
+    def jsonl(self, name: str, drop: tuple[str, ...] = ()) -> list[dict]:
+        path = self.dump / name
+        if not path.exists():
+            return []
+        timing = ("tps", "tflops", "mfu", "data_time_s", "data_time_pct", "step_time_s", "time", "memory")
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not k.startswith(timing) and k not in drop} for r in rows]
+
+    @property
+    def outcome(self) -> str | None:
+        """The one-line error a refused run stopped with (None when it ran)."""
+        return self.errors[0] if self.status == 2 and self.errors else None
+
+
+class _Lines(logging.Handler):
+    def __init__(self, seen: Seen):
+        super().__init__(logging.INFO)
+        self.seen = seen
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        self.seen.lines.append(message)
+        if record.levelno >= logging.ERROR:
+            self.seen.errors.append(message)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_timeout() -> float:
+    """The default group's collective timeout, as its backend holds it."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return backend.options._timeout.total_seconds()
+
+
+def launch(root: Path, argv: list[str], monkeypatch, *, world: int = 1, train: bool = False) -> Seen:
+    """`titan-train ARGV` as rank 0 of `world`; without `train`, it stops once the trainer is built."""
+    seen = Seen(root)
+    root.mkdir(parents=True, exist_ok=True)
+    assert not dist.is_initialized(), "a launch needs a process without a process group"
+    with monkeypatch.context() as patch:
+        for name in FR_VARIABLES:
+            patch.delenv(name, raising=False)
+        patch.setenv("RANK", "0")
+        patch.setenv("LOCAL_RANK", "0")
+        patch.setenv("WORLD_SIZE", str(world))
+        patch.setenv("WANDB_MODE", "offline")
+        patch.setenv("WANDB_SILENT", "true")
+        if world == 1:
+            patch.setenv("MASTER_ADDR", "127.0.0.1")
+            patch.setenv("MASTER_PORT", str(_free_port()))
+        else:  # no peers to watch: the fake group answers for them
+            patch.delenv("MASTER_ADDR", raising=False)
+            patch.delenv("MASTER_PORT", raising=False)
+        patch.chdir(root)
+        patch.syspath_prepend(str(root))  # modules a probe writes there (custom_import)
+        _spy(patch, seen, train)
+        if world > 1:
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        handler = _Lines(seen)
+        root_logger = logging.getLogger()
+        level = root_logger.level
+        root_logger.addHandler(handler)
+        root_logger.setLevel(logging.INFO)
+        modules = set(sys.modules)
+        try:
+            seen.status = cli.run(argv)
+        finally:
+            root_logger.removeHandler(handler)
+            root_logger.setLevel(level)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            torch.use_deterministic_algorithms(False)
+            for name in set(sys.modules) - modules:
+                if name.startswith("probe_"):
+                    del sys.modules[name]
+    return seen
+
+
+def _count_full_collections(seen: Seen) -> Callable:
+    def count(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            seen.collections += 1
+
+    return count
+
+
+def _spy(patch, seen: Seen, train: bool) -> None:
+    build, run = Trainer.__init__, Trainer.train
+
+    def built(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        seen.trainer = self
+        seen.at_build.update(
+            timeout=group_timeout() if dist.get_backend() == "gloo" else None,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+            modules=set(sys.modules),
+            env={name: os.environ.get(name) for name in FR_VARIABLES},
+        )
+
+    def trained(self):
+        seen.at_train.update(timeout=group_timeout() if dist.get_backend() == "gloo" else None)
+        if not train:
+            return []
+        counter = _count_full_collections(seen)
+        gc.callbacks.append(counter)
+        try:
+            return run(self)
+        finally:
+            gc.callbacks.remove(counter)
+
+    patch.setattr(Trainer, "__init__", built)
+    patch.setattr(Trainer, "train", trained)
