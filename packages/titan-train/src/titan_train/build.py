@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from titan_data import Tokenizer, TokenLoader, build_dataset, build_tokenizer
 from titan_models import count_parameters
 from titan_parallel import ParallelDims, ParallelOptions, Pipeline, blocks_of
+from titan_train.chunked_loss import chunked_cross_entropy
 from titan_train.config import JobConfig
 from titan_train.config.parallel_sections import COMPILE_COMPONENTS
-from titan_train.chunked_loss import chunked_cross_entropy
 from titan_train.errors import ConfigError
 from titan_train.hf_interop import model_args
 from titan_train.lr_schedule import build_lr_scheduler
@@ -164,7 +165,21 @@ def build_optimizer(config: JobConfig, model: nn.Module | list[nn.Parameter]) ->
     kwargs["fused"] = impl == "fused"  # CUDA and CPU both have fused Adam kernels
     kwargs["foreach"] = impl == "foreach"
     params = list(model.parameters()) if isinstance(model, nn.Module) else model
+    if impl == "fused":
+        _check_fused_kernel(o.name, {p.device.type for p in params})
     return cls(params, **kwargs)
+
+
+def _check_fused_kernel(name: str, device_types: set[str]) -> None:
+    """Refuse `implementation = "fused"` where torch has no fused kernel, rather than let the first
+    step fail or fall back to another implementation without a word."""
+    supported = _get_fused_kernels_supported_devices()
+    missing = sorted(device_types - set(supported))
+    if missing:
+        raise ConfigError(
+            f"config: optimizer.implementation = 'fused': torch has no fused {name} kernel on {', '.join(missing)} "
+            f"(it has one on {', '.join(supported)}); set optimizer.implementation = 'foreach' or 'for-loop'"
+        )
 
 
 def build_lr_schedule(config: JobConfig, optimizer: torch.optim.Optimizer):
