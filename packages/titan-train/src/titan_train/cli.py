@@ -1,4 +1,5 @@
-"""The `titan-train` command: train (the default), `report DUMP_FOLDER`, and `dry-run --ngpu N`."""
+"""The `titan-train` command: train (the default), `report DUMP_FOLDER`, `dry-run --ngpu N`,
+`generate --checkpoint PATH` and `eval --checkpoint PATH`."""
 
 from __future__ import annotations
 
@@ -144,6 +145,14 @@ def run(argv: list[str]) -> int:
             from titan_train.launch_check import check_main
 
             return check_main(argv[1:])
+        if argv[:1] == ["generate"]:
+            from titan_train.generate_cli import generate_main
+
+            return generate_main(argv[1:])
+        if argv[:1] == ["eval"]:
+            from titan_train.eval_cli import eval_main
+
+            return eval_main(argv[1:])
         return train(argv)
     except USER_ERRORS as err:
         log.error("%s", err)

@@ -1,0 +1,158 @@
+"""A trained model in one process, straight from a checkpoint folder, for generation and evaluation.
+
+The folder is a DCP step folder that a run wrote at any layout (FSDP, TP, PP: DCP reshards it into
+the one unsharded model here) or a Hugging Face safetensors folder. The run's config names the model
+and the tokenizer; a Hugging Face folder's `config.json` must describe the same function, field by
+field, or the load stops naming what differs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from titan_ckpt import Checkpointer, ModelState
+from titan_data import Tokenizer
+from titan_models import args_from_hf_config, hf_config_differences
+from titan_train.build import build_tokenizer_for
+from titan_train.checkpointing import hf_adapter_for
+from titan_train.config import JobConfig
+from titan_train.errors import ConfigError
+from titan_train.hf_interop import FROM_HF, model_args
+from titan_train.registry import get_model_spec
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STEP_FOLDER = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class CheckpointModel:
+    """The model in eval mode, its tokenizer, and the training step its weights come from (None if unknown)."""
+
+    model: nn.Module
+    tokenizer: Tokenizer
+    step: int | None
+    path: Path
+    device: torch.device
+    hf: bool = False
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """N for a folder named `step-N`, as Titan's checkpoints are."""
+    match = _STEP_FOLDER.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+CHECKPOINT_FORMATS = ("auto", "dcp", "hf")
+
+
+def _weights_format(path: Path, wanted: str) -> str:
+    """ "dcp" or "hf": what `path` holds, DCP first when a final save holds both (an export beside it)."""
+    if not path.is_dir():
+        raise ConfigError(
+            f"config: checkpoint {path} is not a folder; pass a step-N folder or a Hugging Face folder"
+        )
+    found = [
+        name
+        for name, present in (
+            ("dcp", (path / ".metadata").is_file()),
+            ("hf", (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))),
+        )
+        if present
+    ]
+    if wanted not in CHECKPOINT_FORMATS:
+        raise ConfigError(
+            f"config: checkpoint format '{wanted}' is not one of {', '.join(CHECKPOINT_FORMATS)}"
+        )
+    if wanted == "auto" and found:
+        return found[0]
+    if wanted in found:
+        return wanted
+    raise ConfigError(
+        f"config: {path} holds no {'DCP checkpoint (.metadata)' if wanted == 'dcp' else 'Hugging Face safetensors'}"
+        + (f" (it holds {found[0]})" if found else "")
+        + "; pass a checkpoint/step-N folder written by titan-train, or a Hugging Face model folder"
+    )
+
+
+def _model_args(config: JobConfig, path: Path, fmt: str, eos_id: int):
+    """The model shape: the run's flavor (a Hugging Face config.json must agree with it field by field),
+    or with model.flavor = from_hf the shape a Hugging Face folder's config.json states."""
+    config_file = path / "config.json"
+    hf_config = json.loads(config_file.read_text()) if fmt == "hf" and config_file.is_file() else None
+    if config.model.flavor == FROM_HF and hf_config is not None:
+        return args_from_hf_config(hf_config, eos_id=eos_id)
+    args = model_args(config, eos_id=eos_id)
+    differences = hf_config_differences(args, hf_config) if hf_config is not None else []
+    if differences:
+        raise ConfigError(
+            f"config: {config_file} describes another model than {config.model.name} {config.model.flavor}: "
+            f"{'; '.join(differences)}; pass the run's config, or model.flavor = '{FROM_HF}' to use the folder's shape"
+        )
+    return args
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_checkpoint_model(
+    config: JobConfig,
+    checkpoint: str | Path,
+    *,
+    device: torch.device | None = None,
+    dtype: str = "float32",
+    max_seq_len: int | None = None,
+    weights: str = "auto",
+) -> CheckpointModel:
+    """The model that `config` describes, with the weights of `checkpoint`, on `device` in `dtype`.
+
+    The rotary table covers `max_seq_len` positions (default: the flavor's context length). `weights`
+    picks "dcp" or "hf" where a folder holds both; "auto" prefers DCP.
+    """
+    path = Path(checkpoint)
+    fmt = _weights_format(path, weights)
+    if dtype not in DTYPES:
+        raise ConfigError(f"config: dtype '{dtype}' is not one of {', '.join(DTYPES)}")
+    device = device or default_device()
+    if config.experimental.custom_import:
+        importlib.import_module(config.experimental.custom_import)  # may register flavors
+    spec = get_model_spec(config.model.name)
+    tokenizer = build_tokenizer_for(config)
+    args = _model_args(config, path, fmt, tokenizer.eos_id)
+    args = replace(args, max_seq_len=max_seq_len or args.context_len)
+    with torch.device("meta"):
+        model = spec.build(args)
+    model.to_empty(device=device)
+    model.init_weights(
+        buffer_device=device, seed=0
+    )  # fills the rotary table; the weights come from the checkpoint
+    checkpointer = Checkpointer(
+        path,
+        {"model": ModelState([model])},
+        interval=1,
+        initial_load_path=path,
+        initial_load_in_hf=fmt == "hf",
+        load_only=True,
+        hf_adapter=hf_adapter_for(model) if fmt == "hf" else None,
+    )
+    checkpointer.load()
+    checkpointer.close()
+    table = model.freqs_cis  # the rotary table stays complex float32, as in training
+    model = model.to(DTYPES[dtype]).eval()
+    model.freqs_cis = table
+    step = checkpoint_step(path)
+    logger.info(
+        "loaded %s %s from %s (%s, step %s) on %s in %s",
+        config.model.name, config.model.flavor, path, fmt, "unknown" if step is None else step, device, dtype,
+    )  # fmt: skip
+    return CheckpointModel(model, tokenizer, step, path, device, fmt == "hf")
