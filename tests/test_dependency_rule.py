@@ -1,5 +1,5 @@
-"""The package dependency rule (README, "The packages"): libraries never import siblings, and each one
-installs and passes its own tests alone in a fresh environment."""
+"""The package dependency rule (docs/architecture.md, "The dependency rule"): libraries never import
+siblings, and each one installs and passes its own tests alone in a fresh environment."""
 
 import ast
 import os
