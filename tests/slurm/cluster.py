@@ -295,7 +295,7 @@ class Cluster:
             # by default), the scheduler looks at pending jobs every sched_interval (60 s), a node that
             # stops answering is down after SlurmdTimeout (300 s).
             "AuthInfo=cred_expire=5\nSchedulerType=sched/builtin\nSchedulerParameters=sched_interval=1\n"
-            "SlurmdTimeout=12\nMpiDefault=none\nReturnToService=2\nJobRequeue=1\nKillWait=10\n"
+            "SlurmdTimeout=10\nMpiDefault=none\nReturnToService=2\nJobRequeue=1\nKillWait=10\n"
             "MinJobAge=600\nInactiveLimit=0\n"
             f"{nodes}PartitionName=main Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP\n"
         )
