@@ -59,6 +59,9 @@ def unavailable_reason() -> str | None:
     if probe.returncode != 0:
         return f"network namespaces are not available here: {probe.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", "titan-slurm-probe"], capture_output=True)
+    probe = subprocess.run(["unshare", "--uts", "--mount", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:  # each node has its own hostname and /etc/hosts
+        return f"UTS and mount namespaces are not available here: {probe.stderr.strip()}"
     missing = [c for c in COMMANDS if shutil.which(c) is None]
     if missing and shutil.which("apt-get") is None:
         return f"SLURM is not installed ({', '.join(missing)} missing) and there is no apt-get to install it"
