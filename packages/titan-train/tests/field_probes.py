@@ -12,7 +12,6 @@ import gc
 import json
 import logging
 import os
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from titan_train import cli
+from titan_train.distributed import _free_port
 from titan_train.trainer import Trainer
 
 FR_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE")
@@ -75,12 +75,6 @@ class _Lines(logging.Handler):
         self.seen.lines.append(message)
         if record.levelno >= logging.ERROR:
             self.seen.errors.append(message)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def group_timeout() -> float:

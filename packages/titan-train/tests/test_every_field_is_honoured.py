@@ -40,6 +40,8 @@ VALIDATION = ("--validation.enable", "--validation.dataset", "c4_test", "--valid
 JSON_DATA = ("--training.dataset", "json", "--training.dataset_path", "docs.jsonl")
 DRILL = ("--health.drill", "nan", "--health.drill_step", "1")
 FLOAT8 = ("--model.converters", "float8")
+PP2 = ("--parallelism.pipeline_parallel_degree", "2")
+CP2 = ("--parallelism.context_parallel_degree", "2")
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,7 @@ def validation(s: Seen) -> list[dict]:
 
 
 def files(s: Seen) -> list[str]:
-    return [f for f in s.files() if not f.endswith("config.json") and "/.metadata" not in f] + [
-        f for f in s.files() if f.endswith(".metadata")
-    ]
+    return [f for f in s.files() if not f.endswith("config.json")]
 
 
 def logged(needle: str) -> Callable[[Seen], bool]:
@@ -441,19 +441,19 @@ PROBES: dict[str, Probe] = {
             '[["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "norm", "output"]]',
         ),
         options("pp_split_points"),
-        base=("--parallelism.pipeline_parallel_degree", "2"),
+        base=PP2,
         world=2,
     ),
     "parallelism.pipeline_parallel_first_stage_less_layers": Probe(
         ("--parallelism.pipeline_parallel_first_stage_less_layers", "0"),
         lambda s: [sorted(p.layers.keys()) for p in s.trainer.model_parts],
-        base=("--parallelism.pipeline_parallel_degree", "2"),
+        base=PP2,
         world=2,
     ),
     "parallelism.pipeline_parallel_last_stage_less_layers": Probe(
         ("--parallelism.pipeline_parallel_last_stage_less_layers", "0"),
         lambda s: [sorted(p.layers.keys()) for p in s.trainer.model_parts],
-        base=("--parallelism.pipeline_parallel_degree", "2"),
+        base=PP2,
         world=2,
     ),
     "parallelism.pipeline_parallel_layers_per_stage": Probe(
@@ -470,19 +470,19 @@ PROBES: dict[str, Probe] = {
     "parallelism.pipeline_parallel_schedule": Probe(
         ("--parallelism.pipeline_parallel_schedule", "GPipe"),
         options("pp_schedule"),
-        base=("--parallelism.pipeline_parallel_degree", "2"),
+        base=PP2,
         world=2,
     ),
     "parallelism.pipeline_parallel_schedule_csv": refused(
         ("--parallelism.pipeline_parallel_schedule_csv", "schedule.csv"),
         "schedule_csv",
-        base=("--parallelism.pipeline_parallel_degree", "2"),
+        base=PP2,
         world=2,
     ),
     "parallelism.pipeline_parallel_microbatch_size": Probe(
         ("--parallelism.pipeline_parallel_microbatch_size", "2"),
         options("pp_microbatch_size"),
-        base=("--parallelism.pipeline_parallel_degree", "2"),
+        base=PP2,
         world=2,
     ),
     "parallelism.pipeline_parallel_expert_parallel_overlap": refused(
@@ -499,13 +499,13 @@ PROBES: dict[str, Probe] = {
     "parallelism.context_parallel_load_balancer": Probe(
         ("--parallelism.context_parallel_load_balancer", "None"),
         options("cp_load_balance"),
-        base=("--parallelism.context_parallel_degree", "2"),
+        base=CP2,
         world=2,
     ),
     "parallelism.context_parallel_rotate_method": Probe(
         ("--parallelism.context_parallel_rotate_method", "alltoall"),
         options("cp_rotate_method"),
-        base=("--parallelism.context_parallel_degree", "2"),
+        base=CP2,
         world=2,
     ),
     "parallelism.expert_parallel_degree": refused(
