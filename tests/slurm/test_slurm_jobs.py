@@ -178,6 +178,8 @@ def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_lo
     phases["lost node"] = time.monotonic() - began
     assert f"checkpoint: resuming from step-{newest}" in text()
 
+    # slurmdbd records the end a moment after slurmctld reports it.
+    _wait(lambda: "COMPLETED" in cluster.sacct(job), "the accounting record of the finished job")
     runs = cluster.sacct(job)
     print(f"job {job} (seconds since submission: {phases}; CPU seconds of its processes: "
           f"{cluster.cpu_seconds(job):.0f}):\n{runs}")  # fmt: skip

@@ -41,8 +41,10 @@ def test_flavor_counts_published_parameters_on_meta_device(family, flavor, expec
 
 
 def test_families_have_their_published_vocabulary_and_rotary_base():
+    # The published sizes (1B ... 405B and their attention variants); other tests register small flavors
+    # of their own into the same table.
     for name, args in LLAMA3_FLAVORS.items():
-        if not name.startswith("debugmodel"):
+        if name[0].isdigit():
             assert (args.vocab_size, args.rope_theta) == (128256, 500000), name
     for name in ("7B", "13B", "70B"):
         assert (LLAMA2_FLAVORS[name].vocab_size, LLAMA2_FLAVORS[name].rope_theta) == (32000, 10000)

@@ -32,10 +32,10 @@ TWO_RANKS = {
     "cp_alltoall": {"local_seq_len": 8},
     "pp_1F1B": {"stage_blocks": [["0", "1"]]},
     "pp_GPipe": {"stage_blocks": [["0", "1"]]},
-    "pp_Interleaved1F1B": {"stage_blocks": [["0"], ["2"]]},
-    "pp_LoopedBFS": {"stage_blocks": [["0"], ["2"]]},
-    "pp_InterleavedZeroBubble": {"stage_blocks": [["0"], ["2"]]},
-    "pp_ZBVZeroBubble": {"stage_blocks": [["0"], ["3"]]},
+    "pp_Interleaved1F1B": {"stage_blocks": [["0"], ["3"]]},
+    "pp_LoopedBFS": {"stage_blocks": [["0"], ["3"]]},
+    "pp_InterleavedZeroBubble": {"stage_blocks": [["0"], ["3"]]},
+    "pp_ZBVZeroBubble": {"stage_blocks": [["0"], []]},
     "pp_split_points_microbatch_2": {"stage_blocks": [["0"]]},
     "float8_tensorwise_fsdp_all_gather": {
         "linear_types": ["Float8Linear", "Linear"],
@@ -48,7 +48,7 @@ FOUR_RANKS = {
     "fsdp_tp": {"wq_local_shape": [8, 32], "fsdp_mesh_ndim": 1},
     "fsdp_cp": {"local_seq_len": 8, "wq_local_shape": [8, 32], "fsdp_mesh_ndim": 1},
     "hsdp_cp": {"local_seq_len": 8, "wq_placements": ["R", "S(0)"], "fsdp_mesh_ndim": 2},
-    "pp_fsdp": {"stage_blocks": [["0"], ["2"]], "fsdp_module": True, "wq_local_shape": [16, 32]},
+    "pp_fsdp": {"stage_blocks": [["0"], ["3"]], "fsdp_module": True, "wq_local_shape": [16, 32]},
     "pp_tp": {"stage_blocks": [["0", "1"]], "wq_placements": ["S(0)"], "wq_local_shape": [16, 32]},
 }
 # bfloat16 parameters round every matmul input; the rest is float32.
