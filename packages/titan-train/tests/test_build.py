@@ -96,7 +96,9 @@ def test_loss_is_compiled_only_when_compile_components_name_it_and_gives_the_eag
     spec = get_model_spec("llama3")
     logits, labels = torch.randn(2, 16, 64, requires_grad=True), torch.randint(0, 64, (2, 16))
     plain = ["--training.no_chunked_loss"]  # the model's own loss, so `eager` is that function itself
-    eager = build.build_loss_fn(load_job_config([*plain, "--compile.enable", "--compile.components", "model"]), spec)
+    eager = build.build_loss_fn(
+        load_job_config([*plain, "--compile.enable", "--compile.components", "model"]), spec
+    )
     compiled = build.build_loss_fn(load_job_config([*plain, "--compile.enable"]), spec)
     assert eager is spec.loss_fn
     assert compiled is not spec.loss_fn  # [compile] components = ["model", "loss"] by default
