@@ -178,7 +178,7 @@ class MemoryTrace(TorchDispatchMode):
 
     def _kind_now(self) -> str:
         label = self._labels[self._current]
-        if label[0] in ("loss", "head"):
+        if label[0] in ("loss", "loss backward", "head"):
             return "loss and logits"
         if label[0] in ("forward", "after forward", "start", "forward start"):
             return "activations"

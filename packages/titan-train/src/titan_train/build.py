@@ -258,12 +258,18 @@ def forward_context(
     config: JobConfig, dims: ParallelDims, device: torch.device
 ) -> Callable[[], AbstractContextManager]:
     """Mixed precision without FSDP (one GPU): autocast around forward; FSDP casts parameters itself."""
-    if dims.fsdp_enabled or config.training.dtype != "float32" or device.type == "cpu":
-        return nullcontext
-    dtype = _dtype(config.training.mixed_precision_param)
-    if dtype == torch.float32:
+    dtype = autocast_dtype(config, dims, device)
+    if dtype is None:
         return nullcontext
     return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def autocast_dtype(config: JobConfig, dims: ParallelDims, device: torch.device) -> torch.dtype | None:
+    """The dtype forward passes autocast to on `device`, or None where they do not autocast."""
+    if dims.fsdp_enabled or config.training.dtype != "float32" or device.type == "cpu":
+        return None
+    dtype = _dtype(config.training.mixed_precision_param)
+    return None if dtype == torch.float32 else dtype
 
 
 def gradient_accumulation_steps(config: JobConfig, dp_degree: int) -> int:

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_parallel import blocks_of, clip_grad_norm_, precompute_float8_scales, training_context
+from titan_parallel.cuda_kernel_memory import use_cuda_kernel_memory
 from titan_parallel.memory_trace import MemoryTrace, TraceResult
 from titan_train import build
 from titan_train.registry import get_model_spec
@@ -55,8 +56,10 @@ def trace_step(
 
     `n_layers` builds the model with that many blocks (the estimate traces a few and scales);
     `target_device` picks the dtypes the real run would use (CPU keeps float32 where GPUs use bf16).
+    Fake tensors live on the CPU; real ones (`fake=False`) on `target_device`, so that on a GPU the
+    same tracker follows what the real step holds there.
     """
-    device = torch.device("cpu")
+    device = torch.device("cpu" if fake else target_device)
     spec = get_model_spec(config.model.name)
     dims = build.build_parallel_dims(config, world_size)
     dims.build_mesh(device.type)
@@ -83,6 +86,8 @@ def trace_step(
         if fake:  # meta -> fake; a fake model is built on meta first: deep copies of fake tensors lose their views' storage
             for part in parts:
                 part.to_empty(device=device)
+                if target_device == "cuda":  # fake tensors live on the CPU: ops keep what CUDA kernels keep
+                    use_cuda_kernel_memory(part)
         if pipeline is not None and dist.get_backend() == "fake":
             _declare_stage_shapes(pipeline, built, dims, config)
         optimizers = [build.build_optimizer(config, part) for part in parts]
@@ -98,14 +103,19 @@ def trace_step(
             trace.track([b for part in parts for b in part.buffers()] + [inputs, labels])
             for i, part in enumerate(parts):
                 trace.watch_blocks(i, blocks_of(part).values())
-            _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, labels)
+            _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, labels, target_device)
             trace.remove_hooks()
             trace.assign("parameters", params)
         return trace.result()
 
 
-def _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, labels) -> None:
+def _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, labels, target_device) -> None:
     parts, pipeline = built.parts, built.pipeline
+    # The trainer's autocast on the target device (one GPU without FSDP); on fake tensors, which live on
+    # the CPU, emulated by CPU autocast: both run matmuls and attention in the lower precision.
+    dtype = build.autocast_dtype(config, dims, torch.device(target_device))
+    on = inputs.device.type
+    autocast = torch.autocast(on, dtype=dtype) if dtype is not None else contextlib.nullcontext()
     trace.label(("zero_grad",))
     for optimizer in optimizers:
         optimizer.zero_grad()
@@ -119,7 +129,13 @@ def _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, la
             if pipeline is not None:
                 pipeline.step(inputs, labels)
             else:
-                loss_fn(parts[0](inputs), labels).backward()
+                with autocast:
+                    loss = loss_fn(parts[0](inputs), labels)
+                # Its own label: until the last block's backward starts, the loss's backward (the
+                # logits' gradient) runs beside what forward left, and its peak grows per block at
+                # another rate than the forward's, so the two must scale separately.
+                trace.label(("loss backward",))
+                loss.backward()
     params = [p for part in parts for p in part.parameters()]
     trace.assign("gradients", [p.grad for p in params if p.grad is not None])
     trace.label(("clip",))

@@ -1,0 +1,41 @@
+"""The memory estimate against what real runs held on a GPU: the H200 measurements in bench/results.
+
+bench/memory_vs_gpu.py ran each config through `titan-train` on an H200 and recorded the CUDA
+allocator's peaks (`max_memory_allocated`, `max_memory_reserved`). Here the estimate of the same
+configs is traced again, on this CPU, and must still agree with those measurements.
+"""
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from titan_train.config import load_job_config
+from titan_train.memory_estimate import estimate_memory
+
+REPO = Path(__file__).resolve().parents[3]
+MEASURED = REPO / "bench" / "results" / "2026-11-23-h200-memory-vs-gpu.jsonl"
+# Each exercises one thing the estimate must model: autocast on one GPU and CUDA's fused rms_norm (AC
+# none), checkpointing in full, the plain loss over the whole logits, and a peak that moves from the
+# loss's backward to its forward as blocks are added (3B, per-op checkpointing).
+CONFIGS = ["1B:none=1", "1B:full=4", "1B:none=1+nochunk", "3B:op=1"]
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, dict]:
+    return {r["config"]: r for r in map(json.loads, MEASURED.read_text().splitlines())}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", CONFIGS)
+def test_estimate_matches_the_peaks_measured_on_an_h200(text, measured, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # the bench's configs and its custom_import
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    bench = importlib.import_module("memory_vs_gpu")
+    config = load_job_config(bench.Config.parse(text).flags(seq_len=8192, steps=3))
+    estimate = estimate_memory(config, 1)
+    worst, real = estimate.worst, measured[text]
+    # Measured there: 0.998-0.999 of the allocated peak, 0.97-1.005 of the reserved one.
+    assert worst.allocated == pytest.approx(real["measured_allocated"], rel=0.01)
+    assert estimate.expected_reserved(worst) == pytest.approx(real["measured_reserved"], rel=0.05)
