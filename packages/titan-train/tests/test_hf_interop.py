@@ -63,6 +63,19 @@ def test_a_checkpoint_whose_rope_scaling_differs_from_the_flavor_is_refused_nami
     assert not (tmp_path / "checkpoint").exists()
 
 
+def test_the_dry_run_traces_the_memory_of_a_from_hf_model(tmp_path, hf_checkpoint, caplog):
+    """The memory estimate builds the checkpoint's own shape, as training does (before any process group:
+    the trace makes its own)."""
+    folder, hf = hf_checkpoint
+    argv = ["dry-run", "--ngpu", "2", "--job.dump_folder", str(tmp_path), "--training.seq_len", "32",
+            *_flags(folder, "--model.flavor", "from_hf")]  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        assert run(argv) == 0
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"blocks of {sum(p.numel() for p in hf.model.layers[0].parameters()):,}" in text
+    assert "memory per rank, traced" in text and "peak allocated" in text
+
+
 def test_from_hf_computes_transformers_logits_and_its_export_loads_with_auto_classes(
     tmp_path, hf_checkpoint, small_config, one_rank
 ):

@@ -24,8 +24,8 @@ from titan_parallel.allocator_model import replay
 from titan_parallel.memory_trace import TraceResult, scale_to_blocks
 from titan_parallel.pipeline import stages_per_rank
 from titan_train import build
+from titan_train.hf_interop import model_args
 from titan_train.parallelism import parallel_options
-from titan_train.registry import get_model_spec
 from titan_train.sequence_limit import model_seq_len
 from titan_train.traced_memory import trace_rank
 
@@ -158,13 +158,7 @@ def estimate_memory(
             "compile is traced as eager (an upper bound: inductor fuses element-wise ops and saves less)"
         )
     dims = build.build_parallel_dims(config, world_size)
-    if dims.pp > 1 and dims.tp > 1:
-        raise TraceUnavailable(
-            "memory is not traced for pipeline + tensor parallel layouts yet: a fake-tensor stage fails to "
-            "resolve a process group (known gap); trace pp and tp separately"
-        )
-    spec = get_model_spec(config.model.name)
-    n_layers = spec.args_for(config.model.flavor, max_seq_len=model_seq_len(config)).n_layers
+    n_layers = model_args(config, max_seq_len=model_seq_len(config)).n_layers
     p = config.parallelism
     per_rank = 1
     if dims.pp > 1:
@@ -187,7 +181,7 @@ def estimate_memory(
     else:
         # One process per trace: a pipeline keeps torch's group names cached across fake worlds.
         spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1), mp_context=spawn) as pool:
+        with ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1), mp_context=spawn, max_tasks_per_child=1) as pool:
             traced = list(pool.map(_trace, *zip(*jobs, strict=True)))
     per_rank = [traced[i : i + len(depths)] for i in range(0, len(traced), len(depths))]
     ranks = [

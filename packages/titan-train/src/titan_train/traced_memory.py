@@ -23,6 +23,7 @@ from titan_parallel import blocks_of, clip_grad_norm_, precompute_float8_scales,
 from titan_parallel.cuda_kernel_memory import use_cuda_kernel_memory
 from titan_parallel.memory_trace import MemoryTrace, TraceResult
 from titan_train import build
+from titan_train.hf_interop import model_args
 from titan_train.registry import get_model_spec
 
 
@@ -74,7 +75,7 @@ def trace_step(
         return configured_loss(logits, labels)
 
     spec = replace(spec, loss_fn=labelled_loss)
-    args = spec.args_for(config.model.flavor)
+    args = model_args(config)  # the flavor, or the checkpoint's config.json for `from_hf`
     tokenizer = SimpleNamespace(eos_id=args.eos_id, vocab_size=0)
     built = build.build_model(
         config, spec, tokenizer, dims, device, seed=0, grad_accum_steps=accum,
