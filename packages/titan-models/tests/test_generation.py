@@ -56,6 +56,7 @@ def _prompts(vocab: int, lengths: tuple[int, ...], seed: int = 1) -> list[list[i
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_greedy_32_tokens_equal_transformers_generate(shape):
     args = SHAPES[shape]
@@ -104,12 +105,14 @@ def _recompute_check(model: Transformer, prompts: list[list[int]], steps: int) -
     assert worst <= 5e-6 * scale, (worst, scale)  # float32 rounding: another summation order
 
 
+@pytest.mark.slow
 def test_cache_path_equals_recomputing_the_whole_sequence_each_step():
     args = SHAPES["tiny-gqa-rope-scaled"]
     _, model = _hf_and_ours(args)
     _recompute_check(model, _prompts(args.vocab_size, (5, 12, 1)), steps=16)
 
 
+@pytest.mark.slow
 def test_block_causal_cache_keeps_documents_apart_like_the_training_forward():
     args = ModelArgs(
         **{**SHAPES["tiny-gqa-rope-scaled"].__dict__, "attn_mask_type": "block_causal", "eos_id": 7}
@@ -119,6 +122,7 @@ def test_block_causal_cache_keeps_documents_apart_like_the_training_forward():
     _recompute_check(model, prompts, steps=12)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_repeats_and_top_k_top_p_limit_the_choice():
     args = SHAPES["tiny-gqa-rope-scaled"]
     _, model = _hf_and_ours(args)
