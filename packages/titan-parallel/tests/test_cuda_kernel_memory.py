@@ -4,9 +4,9 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
-from titan_parallel.activation_checkpoint import _keep_matmuls_policy
+from titan_parallel.activation_checkpoint import _per_op_contexts
 from titan_parallel.cuda_kernel_memory import use_cuda_kernel_memory
 
 
@@ -44,8 +44,7 @@ def test_the_emulated_norm_recomputes_under_selective_checkpointing():
     with torch._subclasses.FakeTensorMode():
         block = nn.Sequential(nn.RMSNorm(64), nn.Linear(64, 64, bias=False), nn.RMSNorm(64))
         use_cuda_kernel_memory(block)
-        policy = functools.partial(_keep_matmuls_policy, recompute_shapes=set())
-        context = functools.partial(create_selective_checkpoint_contexts, policy)
+        context = functools.partial(_per_op_contexts, set())
         x = torch.randn(4, 32, 64, requires_grad=True)
         checkpoint(block, x, use_reentrant=False, context_fn=context).sum().backward()
         assert x.grad.shape == x.shape and all(p.grad is not None for p in block.parameters())

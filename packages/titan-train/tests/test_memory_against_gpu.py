@@ -36,6 +36,6 @@ def test_estimate_matches_the_peaks_measured_on_an_h200(text, measured, monkeypa
     config = load_job_config(bench.Config.parse(text).flags(seq_len=8192, steps=3))
     estimate = estimate_memory(config, 1)
     worst, real = estimate.worst, measured[text]
-    # Measured there: 0.998-0.999 of the allocated peak, 0.97-1.005 of the reserved one.
+    # Measured there: 0.998-0.999 of the allocated peak, 0.970-1.013 of the reserved one.
     assert worst.allocated == pytest.approx(real["measured_allocated"], rel=0.01)
     assert estimate.expected_reserved(worst) == pytest.approx(real["measured_reserved"], rel=0.05)

@@ -1,4 +1,4 @@
-"""Activation checkpointing of blocks: none, full, every N-th block, or per op keeping matmul outputs."""
+"""Activation checkpointing of blocks: none, full, every N-th block, or per op keeping every other matmul output."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def apply_ac(
     """Recompute block activations in backward instead of storing them.
 
     `mode`: "none", "full" (keep only each block's inputs), or "selective": with `selective="op"`
-    every block keeps matmul and attention outputs and recomputes the cheap element-wise ops; with an
-    integer N, every N-th block is checkpointed fully and the others keep everything.
+    every block keeps attention outputs and every other matmul output (torchtitan's rule) and recomputes
+    the rest; with an integer N, every N-th block is checkpointed fully and the others keep everything.
     `force_recompute_mm_fqns` (per-op mode): linear layers, named as inside a block (a name matches
     any module whose name contains it), whose matmul outputs are recomputed rather than kept; found
     by their weight shapes, as the policy sees only ops. `checkpoint_kwargs` go to
@@ -64,8 +64,7 @@ def apply_ac(
         chosen, context_fn = list(blocks.values()), None
     elif selective == "op":
         shapes = _recompute_shapes(blocks, force_recompute_mm_fqns)
-        policy = functools.partial(_keep_matmuls_policy, recompute_shapes=shapes)
-        chosen, context_fn = list(blocks.values()), functools.partial(create_selective_checkpoint_contexts, policy)
+        chosen, context_fn = list(blocks.values()), functools.partial(_per_op_contexts, shapes)
     else:
         every = int(selective)
         if every < 1:
@@ -106,11 +105,26 @@ def _recompute_shapes(blocks: dict[str, nn.Module], fqns: tuple[str, ...]) -> se
             if isinstance(module, nn.Linear) and any(fqn in name for fqn in fqns):
                 shapes.add(torch.Size(module.weight.shape[::-1]))
     if fqns:
-        logger.info("per-op activation checkpointing recomputes matmuls of shape %s (%s)", sorted(shapes), fqns)
+        logger.info(
+            "per-op activation checkpointing recomputes matmuls of shape %s (%s)", sorted(shapes), fqns
+        )
     return shapes
 
 
-def _keep_matmuls_policy(ctx, op, *args, recompute_shapes: set[torch.Size], **kwargs) -> CheckpointPolicy:
-    if op is aten.mm.default and args[1].shape in recompute_shapes:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE if op in _KEEP_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _per_op_contexts(recompute_shapes: set[torch.Size]):
+    """Per-op checkpointing for one block call: keep attention and reduce-scatter outputs and every other
+    matmul's (the 1st, 3rd, ...; torchtitan's rule, so the same config holds the same memory), recompute
+    the rest. Matmuls named for recomputation are recomputed and not counted. The count restarts with each
+    call; forward and recompute count separately, and see the same matmuls in the same order."""
+    counts = {False: 0, True: 0}  # by ctx.is_recompute
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op is aten.mm.default:
+            if args[1].shape in recompute_shapes:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            counts[ctx.is_recompute] += 1
+            keep = counts[ctx.is_recompute] % 2 == 1
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _KEEP_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -77,7 +78,12 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     if isinstance(t, DTensor):
         t = t._local_tensor
     if is_traceable_wrapper_subclass(t) and not isinstance(t, torch._subclasses.FakeTensor):
-        inner, _ = t.__tensor_flatten__()
+        try:
+            inner, _ = t.__tensor_flatten__()
+        except DataDependentOutputException:
+            # torchao's float8 FSDP weight asks its precomputed scale for a truth value, which a fake
+            # tensor cannot give: its inner tensors are its tensor attributes.
+            inner = [name for name, value in vars(t).items() if isinstance(value, torch.Tensor)]
         return [s for name in inner for s in _storages(getattr(t, name))]
     return [t.untyped_storage()]
 

@@ -42,8 +42,8 @@ class ParallelOptions:
     sequence_parallel: bool = True
     loss_parallel: bool = True
     async_tp: bool = False
-    # Activation checkpointing: "selective" with ac_selective="op" keeps matmul outputs; an integer
-    # N checkpoints every N-th block fully.
+    # Activation checkpointing: "selective" with ac_selective="op" keeps every other matmul output; an
+    # integer N checkpoints every N-th block fully.
     ac_mode: str = "none"
     ac_selective: str | int = "op"
     # torch.utils.checkpoint's own switches, passed through as named there.
@@ -60,7 +60,9 @@ class ParallelOptions:
     float8: str | None = None  # None, "tensorwise" or "rowwise"
     float8_fsdp_all_gather: bool = False
     float8_skip_fqns: tuple[str, ...] = ("output",)
-    float8_emulate: bool = False  # matmuls in high precision: float8 numerics where float8 kernels are missing
+    float8_emulate: bool = (
+        False  # matmuls in high precision: float8 numerics where float8 kernels are missing
+    )
     # Pipeline parallel
     pp_schedule: str = "1F1B"
     pp_microbatch_size: int = 1
