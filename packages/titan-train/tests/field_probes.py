@@ -3,11 +3,14 @@
 `launch` goes through the command's own entry point (`titan_train.cli.run`), so every setting takes
 the path it takes in a real run. One rank runs on a real gloo group; a larger layout runs as rank 0 of
 torch's fake process group, which builds the real mesh and answers collectives without peers. Spies
-on `Trainer.__init__` and `Trainer.train` record state at those two moments and pass through.
+on `Trainer.__init__` and `Trainer.train` record state at those two moments and pass through, and one
+on the torch profiler's `step` records what it did in each step. `worker_counts` counts what data
+loaders do with worker processes while an observer reads from them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -18,8 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
+from torchdata.stateful_dataloader.stateful_dataloader import _StatefulMultiProcessingDataLoaderIter
 
 from titan_train import cli
 from titan_train.distributed import _free_port
@@ -40,6 +45,7 @@ class Seen:
     at_build: dict[str, Any] = field(default_factory=dict)
     at_train: dict[str, Any] = field(default_factory=dict)
     collections: int = 0  # full garbage collections while it trained
+    profiler_steps: list[str] = field(default_factory=list)  # what the torch profiler did in each step
 
     @property
     def dump(self) -> Path:
@@ -164,3 +170,42 @@ def _spy(patch, seen: Seen, train: bool) -> None:
 
     patch.setattr(Trainer, "__init__", built)
     patch.setattr(Trainer, "train", trained)
+    profiler_step = torch.profiler.profile.step
+
+    def stepped(self):
+        seen.profiler_steps.append(self.current_action.name)  # NONE, WARMUP, RECORD, RECORD_AND_SAVE
+        profiler_step(self)
+
+    patch.setattr(torch.profiler.profile, "step", stepped)
+
+
+def worker_counts(seen: Seen, read: Callable[[], Any]) -> dict[str, int]:
+    """What loaders did with worker processes while `read()` ran in the launch's folder: the workers
+    they started, and the windows they asked workers for (each one loaded ahead of the batch being
+    stacked). A loader without workers: both 0."""
+    counts = {"workers_started": 0, "windows_requested": 0}
+    iterators = []
+    workers = _StatefulMultiProcessingDataLoaderIter
+    start, put = workers.__init__, workers._try_put_index
+
+    def started(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        counts["workers_started"] += len(self._workers)
+        iterators.append(self)
+
+    def requested(self):
+        sent = self._send_idx
+        put(self)
+        counts["windows_requested"] += self._send_idx - sent
+
+    with pytest.MonkeyPatch.context() as patch, contextlib.chdir(seen.root):
+        patch.setattr(workers, "__init__", started)
+        patch.setattr(workers, "_try_put_index", requested)
+        try:
+            read()
+        finally:
+            # A loader keeps its last iterator, and the trainer's loader lives until garbage collection, where
+            # its workers would miss the shutdown and be waited for 5 s each: end them now.
+            for iterator in iterators:
+                iterator._shutdown_workers()
+    return counts

@@ -42,6 +42,13 @@ _RULES = (
         "set validation.local_batch_size and validation.seq_len to training's",
     ),
     _Rule(
+        lambda c: c.validation.enable and c.validation.dataloader.persistent_workers,
+        lambda c: "validation.dataloader.persistent_workers = true",
+        "each validation reads a fresh loader from the start (so every validation sees the same data), and "
+        "its workers end with it; there is no next pass of that loader for them to persist into",
+        "set it to false",
+    ),
+    _Rule(
         lambda c: c.parallelism.expert_parallel_degree > 1 or c.parallelism.expert_tensor_parallel_degree > 1,
         lambda c: "parallelism.expert_parallel_degree/expert_tensor_parallel_degree > 1",
         "the registered Llama models have no experts",
