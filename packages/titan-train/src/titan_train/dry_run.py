@@ -22,7 +22,7 @@ from titan_train import build
 from titan_train.device_peaks import DEVICE_MEMORY_GIB
 from titan_train.errors import ConfigError
 from titan_train.hf_interop import model_args
-from titan_train.memory_estimate import GIB, MemoryEstimate, ParamCounts, TraceUnavailable, estimate_memory
+from titan_train.memory_estimate import GIB, MemoryEstimate, ParamCounts, estimate_memory
 from titan_train.parallelism import parallel_options
 from titan_train.registry import get_model_spec
 from titan_train.sequence_limit import model_seq_len
@@ -39,7 +39,7 @@ class DryRunReport:
     params: ParamCounts
     grad_accum_steps: int
     tokens_per_step: int
-    memory: MemoryEstimate | None
+    memory: MemoryEstimate
     notes: list[str] = field(default_factory=list)
     device_name: str = ""
     device_memory: int = 0
@@ -62,8 +62,6 @@ class DryRunReport:
 
     def memory_lines(self, config: Any) -> list[str]:
         m, gib = self.memory, 2**30
-        if m is None:
-            return []
         ac = config.activation_checkpoint
         how = "fake tensors" if m.fake else "real tensors (memory_estimation.disable_fake_mode)"
         depth = f"{'/'.join(map(str, m.traced_blocks))} blocks per stage, scaled to {m.blocks_per_stage}"
@@ -190,12 +188,7 @@ def dry_run(
         dist.destroy_process_group()
 
     fake = not config.memory_estimation.disable_fake_mode
-    try:
-        memory = estimate_memory(config, world_size, fake=fake, capacity=capacity)
-    except TraceUnavailable as gap:
-        memory, notes = None, [str(gap)]
-    else:
-        notes = []
+    memory = estimate_memory(config, world_size, fake=fake, capacity=capacity)
     accum = build.gradient_accumulation_steps(config, dims.dp_degree)
     t = config.training
     report = DryRunReport(
@@ -206,11 +199,11 @@ def dry_run(
         grad_accum_steps=accum,
         tokens_per_step=t.local_batch_size * t.seq_len * dims.dp_degree * accum,
         memory=memory,
-        notes=notes + _notes(config),
+        notes=_notes(config),
         device_name=device_name,
         device_memory=capacity,
     )
-    if memory is not None and memory.expected_reserved(memory.worst) > capacity:
+    if memory.expected_reserved(memory.worst) > capacity:
         report.levers = memory_levers(config, world_size, memory, capacity)
     for line in report.lines(config):
         logger.info("%s", line)

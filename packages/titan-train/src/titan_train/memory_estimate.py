@@ -33,10 +33,6 @@ GIB = 2**30
 logger = logging.getLogger(__name__)
 
 
-class TraceUnavailable(Exception):
-    """A layout the memory trace cannot run yet; the dry run says so instead of printing a number."""
-
-
 @dataclass(frozen=True)
 class ParamCounts:
     """Parameter counts of a model split into what pipeline stages hold."""
@@ -181,7 +177,9 @@ def estimate_memory(
     else:
         # One process per trace: a pipeline keeps torch's group names cached across fake worlds.
         spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1), mp_context=spawn, max_tasks_per_child=1) as pool:
+        with ProcessPoolExecutor(
+            min(len(jobs), os.cpu_count() or 1), mp_context=spawn, max_tasks_per_child=1
+        ) as pool:
             traced = list(pool.map(_trace, *zip(*jobs, strict=True)))
     per_rank = [traced[i : i + len(depths)] for i in range(0, len(traced), len(depths))]
     ranks = [
