@@ -1,4 +1,5 @@
-"""Kill a training run with SIGKILL at random moments during saves; it must never lose or corrupt a run.
+"""Kill a training run with SIGKILL five times at random moments around saves, at least once while a save
+is being written; it must never lose or corrupt a run.
 
 The run is a real process (forked from a server that imported torch once, to keep start-up cheap on
 a small machine). After each kill the next start must resume from the newest complete checkpoint,
