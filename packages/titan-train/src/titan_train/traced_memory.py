@@ -115,8 +115,12 @@ def _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, la
     # The trainer's autocast on the target device (one GPU without FSDP); on fake tensors, which live on
     # the CPU, emulated by CPU autocast: both run matmuls and attention in the lower precision.
     dtype = build.autocast_dtype(config, dims, torch.device(target_device))
-    on = inputs.device.type
-    autocast = torch.autocast(on, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+    def autocast():
+        return (
+            torch.autocast(inputs.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        )
+
     trace.label(("zero_grad",))
     for optimizer in optimizers:
         optimizer.zero_grad()
@@ -130,7 +134,7 @@ def _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, la
             if pipeline is not None:
                 pipeline.step(inputs, labels)
             else:
-                with autocast:
+                with autocast():
                     loss = loss_fn(parts[0](inputs), labels)
                 # Its own label: until the last block's backward starts, the loss's backward (the
                 # logits' gradient) runs beside what forward left, and its peak grows per block at
