@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from train_throughput import _torchrun  # bench/ is the script's folder
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 GIB = 2**30
@@ -132,10 +134,8 @@ def measure(c: Config, args, row: Row, keep: Path | None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         peaks = Path(tmp) / "peaks.json"
         flags = [*c.flags(args.seq_len, args.steps), "--job.dump_folder", str(Path(tmp) / "dump")]
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
-                    "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0"]  # fmt: skip
         proc = subprocess.run(
-            [*torchrun, str(BENCH / "peak_memory_run.py"), *flags],
+            [*_torchrun(1), str(BENCH / "peak_memory_run.py"), *flags],
             capture_output=True, text=True, cwd=REPO, env={**c.env(), "TITAN_PEAK_OUT": str(peaks)},
         )  # fmt: skip
         text = proc.stdout + proc.stderr
