@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_ckpt import ASYNC_MODES, Checkpointer, ModelState, OptimizerState
+from titan_ckpt import ASYNC_MODES, Checkpointer, ModelState, OptimizerState, SavePolicy
 
 WIDTH = 2048
 ROOT = Path(tempfile.gettempdir())  # set by main()
@@ -54,8 +54,12 @@ def build(gb: float) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+def step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, ckpt: Checkpointer | None = None
+) -> None:
     model(batch).pow(2).mean().backward()
+    if ckpt is not None:
+        ckpt.wait_for_staging()  # a background copy must finish before the weights change
     optimizer.step()
     optimizer.zero_grad(set_to_none=False)
 
@@ -73,14 +77,18 @@ def run(mode: str | None, gb: float, saves: int, gap: int) -> dict:
         "train_state": progress,
     }
     # An interval that never comes due: maybe_save then only publishes finished background saves.
-    ckpt = None if mode is None else Checkpointer(ROOT / mode, states, interval=10**9, async_mode=mode)
+    ckpt = (
+        None
+        if mode is None
+        else Checkpointer(ROOT / mode, states, saving=SavePolicy(interval=10**9, async_mode=mode))
+    )
     state_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3
     step_seconds, started, last_save = [], 0, 0
     start = time.perf_counter()
     while True:
         progress.step += 1
         t = time.perf_counter()
-        step(model, optimizer, batch)
+        step(model, optimizer, batch, ckpt)
         step_seconds.append(time.perf_counter() - t)
         if ckpt is None:
             if progress.step >= (saves + 1) * gap:

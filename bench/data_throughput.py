@@ -32,6 +32,7 @@ from titan_data import (
     MemmapTokenDataset,
     PackedTokenDataset,
     ShardIndex,
+    StreamLayout,
     TokenLoader,
     build_tokenizer,
     get_source,
@@ -109,7 +110,9 @@ def main() -> None:
 
     def packed(world: int) -> Callable[[], TokenLoader]:
         def make() -> TokenLoader:
-            dataset = PackedTokenDataset(source, tokenizer, args.seq_len, dp_world_size=world, infinite=False)
+            dataset = PackedTokenDataset(
+                source, tokenizer, args.seq_len, streams=StreamLayout(world_size=world), infinite=False
+            )
             return TokenLoader(dataset, args.batch)
 
         return make

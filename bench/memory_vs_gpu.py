@@ -159,7 +159,7 @@ def trace_child(text: str, seq_len: int, steps: int) -> None:
     sys.path.insert(0, str(BENCH))
     from titan_parallel.allocator_model import replay
     from titan_train.config import load_job_config
-    from titan_train.traced_memory import trace_rank
+    from titan_train.reporting.traced_memory import trace_rank
 
     c = Config.parse(text)
     config = load_job_config(c.flags(seq_len, steps))

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from titan_train.torchrun import torchrun_command
+
 REPO = Path(__file__).resolve().parents[1]
 TORCHTITAN_ENV = REPO / "bench" / ".torchtitan-env"
 TORCHTITAN_ASSETS = REPO.parent / "shared" / "anchor-assets" / "torchtitan-test-tokenizer"
@@ -48,14 +50,8 @@ class Result:
 
 
 def _torchrun(nproc: int, python: str = sys.executable) -> list[str]:
-    return [
-        python,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--rdzv_backend=c10d",
-        "--rdzv_endpoint=localhost:0",
-    ]
+    """The torchrun launcher (`python -m torch.distributed.run ...`) for `nproc` ranks on this machine."""
+    return torchrun_command(nproc=nproc, python=python)
 
 
 def _last_error(text: str) -> str:

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from titan_train import torchrun
+
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = REPO / "apps" / "configs" / "debug_model.toml"
 
@@ -46,14 +48,12 @@ def torchrun_command(
     node_rank: int = 0,
     max_restarts: int = 0,
 ) -> list[str]:
-    """torchrun with a c10d rendezvous on localhost:`port`, every rank's output tagged `[rankN]:`."""
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
-        "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"titan-{port}",
-        "--max-restarts", str(max_restarts), "--monitor-interval", "0.5", "--role", "rank", "--tee", "3",
-        "-m", "titan_train.cli", *cli_args(dump, *overrides),
-    ]  # fmt: skip
+    """titan-train under torchrun with a c10d rendezvous on localhost:`port`, every rank's output tagged
+    `[rankN]:`."""
+    return torchrun.torchrun_command(
+        "-m", "titan_train.cli", *cli_args(dump, *overrides), nproc=nproc, port=port, nnodes=nnodes,
+        node_rank=node_rank, max_restarts=max_restarts, monitor_interval=0.5, tag_ranks=True,
+    )  # fmt: skip
 
 
 def environment() -> dict[str, str]:

@@ -70,7 +70,7 @@ def _write_checkpoint(folder: Path, args: ModelArgs) -> None:
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights(buffer_device=torch.device("cpu"), seed=0)
-    Checkpointer(folder, {"model": ModelState([model])}, interval=1).save(2, wait=True)
+    Checkpointer(folder, {"model": ModelState([model])}).save(2, wait=True)
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ def test_rank_that_stops_responding_is_named_with_the_collective_the_others_wait
     report = lines[0]
     assert "hang: rank 0 timed out in gloo:" in report and "at step 2 (forward/backward)" in report
     assert (
-        "rank 1 never reached it: at step 2 (forward/backward), is at titan_train/fault_drills.py" in report
-    )
+        "rank 1 never reached it: at step 2 (forward/backward), is at titan_train/faults/drills.py" in report
+    ), report
     assert "in before_step" in report
     assert f"flight-recorder dumps in {tmp_path / 'comm_traces'}" in report
     assert sorted(p.name for p in (tmp_path / "comm_traces").glob("rank_*.json")) == [

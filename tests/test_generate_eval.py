@@ -11,9 +11,6 @@ on the DCP files must give the same scores and the same generated answers.
 
 import json
 import math
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,9 +19,10 @@ import torch
 
 from titan_data.datasets.registry import ASSETS
 from titan_models import LLAMA3_FLAVORS, SamplingParams, Transformer, generate
-from titan_train.checkpoint_model import load_checkpoint_model
 from titan_train.cli import run
+from titan_train.commands.checkpoint_model import load_checkpoint_model
 from titan_train.config import load_job_config
+from titan_train.torchrun import run_torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -53,10 +51,7 @@ def runs(tmp_path_factory) -> Path:
 
 def train_both(out: Path) -> Path:
     (out / "layouts.json").write_text(json.dumps(LAYOUTS))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", str(WORKER), str(out / "layouts.json"), str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    result = run_torchrun(str(WORKER), str(out / "layouts.json"), str(out), nproc=2, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     results = json.loads((out / "results.json").read_text())
     assert results["fsdp"]["facts"]["fsdp"] and results["tp"]["facts"]["wq_placements"] == ["S(0)"]
@@ -169,7 +164,7 @@ def _evaluate(model, tasks: Path) -> dict:
 def test_lm_eval_hf_backend_on_the_export_and_titan_on_the_dcp_files_score_the_same(runs, tasks, monkeypatch):
     from lm_eval.models.huggingface import HFLM
 
-    from titan_train.lm_eval_model import TitanLM
+    from titan_train.commands.lm_eval_model import TitanLM
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     step = runs / "fsdp" / "checkpoint" / f"step-{STEPS}"
@@ -177,7 +172,9 @@ def test_lm_eval_hf_backend_on_the_export_and_titan_on_the_dcp_files_score_the_s
     loaded = load_checkpoint_model(
         _config(), step, device=torch.device("cpu"), weights="dcp", max_seq_len=256
     )
-    titan = _evaluate(TitanLM(loaded.model, loaded.tokenizer, batch_size=4), tasks)
+    titan = _evaluate(
+        TitanLM(loaded.model, loaded.tokenizer, batch_size=4, max_length=loaded.max_seq_len), tasks
+    )
     hf = _evaluate(
         HFLM(pretrained=str(step), max_length=256, batch_size=4, device="cpu", dtype="float32"), tasks
     )

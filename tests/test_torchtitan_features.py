@@ -4,7 +4,9 @@ The cases (tests/torchtitan_features/cases.py, transcribed from torchtitan's fea
 torchtitan's integration base config cut for CPU (seq 64, 2 sequences per rank, Titan's bundled
 tokenizer), every run of a case on the case's dump folder in order, each on its number of processes.
 A case passes when every run trains to its last step (torchtitan's runner asks only that the command
-succeeds); the second run of `test_generate` is torchtitan's generation script, not a training run.
+succeeds). The second run of `test_generate` is torchtitan's generation script on the checkpoint the
+first run wrote last (`checkpoint/step-10`, with the same config file): here `titan-train generate` on
+that folder, with the first run's config and overrides (model, tokenizer), which must print new tokens.
 
 Two ways to run them:
 - `test_every_case_trains`: one torchrun launch per process count runs all the cases of that count
@@ -21,6 +23,7 @@ Two ways to run them:
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -51,6 +54,18 @@ def _steps_asked(argv: list[str]) -> int:
         if "--training.steps" in argv
         else 10
     )
+
+
+def _generate(train_argv: list[str], dump: Path) -> None:
+    """torchtitan's generation step, by `titan-train generate`: the training run's last checkpoint,
+    loaded with that run's config and overrides, must give new tokens for torchtitan's prompt."""
+    checkpoint = dump / "checkpoint" / f"step-{_steps_asked(train_argv)}"
+    cmd = [str(Path(sys.executable).parent / "titan-train"), "generate", "--checkpoint", str(checkpoint),
+           "--prompt", "What is the meaning of life?", *train_argv]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, "generation: " + (result.stdout + result.stderr)[-4000:]
+    generated = re.search(r"generated (\d+) tokens for 1 prompts", result.stdout)
+    assert generated and int(generated[1]) > 0, result.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +101,8 @@ def amortised(tmp_path_factory):
 def test_every_case_trains(amortised, case):
     for i, run in enumerate(case.runs):
         if run == GENERATE:
+            trained = amortised[f"{case.name}#{i - 1}"]
+            _generate(trained["argv"], trained["dump"])
             continue
         result = amortised[f"{case.name}#{i}"]
         assert "refused" not in result, f"run {i + 1}: {result['refused']}"
@@ -105,6 +122,9 @@ def test_run_train(case, tmp_path):
     start = time.perf_counter()
     for i, run in enumerate(case.runs):
         if run == GENERATE:
+            _generate(
+                ["--job.config_file", str(BASE_CONFIG), *case.argv(i - 1, tmp_path)], tmp_path / case.name
+            )
             continue
         argv = case.argv(i, tmp_path)
         result = subprocess.run([str(REPO / "apps" / "run_train.sh"), *argv], capture_output=True, text=True,

@@ -9,20 +9,24 @@ before clipping: AdamW and clipping hide a uniformly wrong gradient scale from t
 being scale-invariant, from the weights), and by its final weights where the arithmetic is the same
 up to rounding.
 
+Loader worker processes keep exact resume: `fsdp_loader_workers` (torchtitan's dataloader_kwargs
+settings) and a 1-rank run with 2 workers taking 6 windows a step from 8 streams save at step 3, and
+2-rank runs resume from both saves (`checkpoint.load_step`). Steps 4 and 5 and the final weights must
+be those of the run resumed: bit for bit from 2 ranks, to the layouts' tolerance from 1 rank.
+
 Measured on a 2-core CPU with torch 2.15 (float32): every exact layout within 2.4e-7 relative of one
 process on loss and grad_norm at every step, weights within 4.8e-6 (compile; 4.2e-6 for CP + FSDP);
 float8 drifts up to 7.8e-5 (loss, rowwise) and 1.8e-4 (grad_norm, tensorwise).
 """
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
+
+from titan_train.torchrun import run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "layout_matrix.py"
 DEBUG_CONFIG = Path(__file__).parents[1] / "apps" / "configs" / "debug_model.toml"
@@ -47,6 +51,7 @@ class Layout:
     rel: float = EXACT
     weights_atol: float | None = WEIGHTS_ATOL  # None: not compared (float8 rounds every matmul)
     refused: str | None = None  # the trainer's refusal, instead of a run
+    resumed_at: int | None = None  # resumes `reference` from its save of this step; logs the steps after it
 
 
 P = "--parallelism."
@@ -78,6 +83,13 @@ LOADER_WORKERS = ("--training.dataloader.num_workers", "2", "--training.dataload
 
 def local_batch(n: int) -> tuple[str, ...]:
     return ("--training.local_batch_size", str(n))
+
+
+SAVE_AT_3 = ("--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0")
+# 6 windows a step from 8 streams: resumed on 2 ranks, each rank's workers start at window 9 of its 4
+# streams, mid-round and with the second worker's turn.
+WORKERS_8_STREAMS = (*LOADER_WORKERS, "--training.dataloader.num_streams", "8",
+                     "--training.global_batch_size", "6", *SAVE_AT_3)  # fmt: skip
 
 
 def pp(schedule: str, *flags: str) -> tuple[str, ...]:
@@ -162,7 +174,31 @@ LAYOUTS = {
         (*local_batch(2), "--training.enable_cpu_offload", *IN_BACKWARD),
         {"fsdp": True, "optimizer_in_backward": True},
     ),
-    "fsdp_loader_workers": Layout(2, (*local_batch(2), *LOADER_WORKERS), {"fsdp": True, "loader_workers": 2}),
+    "fsdp_loader_workers": Layout(
+        2, (*local_batch(2), *LOADER_WORKERS, *SAVE_AT_3), {"fsdp": True, "loader_workers": 2}
+    ),
+    "fsdp_loader_workers_resumed": Layout(
+        2,
+        (*local_batch(2), *LOADER_WORKERS, *SAVE_AT_3),
+        {"fsdp": True, "loader_workers": 2},
+        reference="fsdp_loader_workers",
+        rel=0.0,
+        weights_atol=0.0,
+        resumed_at=3,
+    ),
+    "one_process_loader_workers_8_streams": Layout(
+        1,
+        (*local_batch(6), *WORKERS_8_STREAMS),
+        {"loader_workers": 2},
+        reference="one_process_loader_workers_8_streams",
+    ),
+    "one_process_loader_workers_8_streams_resumed_on_2_ranks": Layout(
+        2,
+        (*local_batch(3), *WORKERS_8_STREAMS),
+        {"fsdp": True, "loader_workers": 2},
+        reference="one_process_loader_workers_8_streams",
+        resumed_at=3,
+    ),
     "cp_allgather": cp("allgather"),
     "cp_alltoall": cp("alltoall"),
     "fsdp_accumulate_2": Layout(
@@ -189,18 +225,29 @@ class Matrix:
     def __init__(self, folder: Path):
         self.folder, self.results = folder, {}
 
+    def _flags(self, layout: Layout) -> list[str]:
+        if layout.resumed_at is None:
+            return [*BASE, *layout.flags]
+        saved = self.folder / f"ranks_{LAYOUTS[layout.reference].nproc}" / layout.reference / "checkpoint"
+        resume = ["--checkpoint.folder", str(saved), "--checkpoint.load_step", str(layout.resumed_at)]
+        return [*BASE, *layout.flags, *resume, "--checkpoint.load_only"]
+
     def _launch(self, nproc: int) -> None:
+        # A run resumed here from another launch's save needs that launch first (one from this launch
+        # comes after it in LAYOUTS).
+        for layout in LAYOUTS.values():
+            if layout.nproc == nproc and layout.resumed_at and LAYOUTS[layout.reference].nproc != nproc:
+                self[layout.reference]
         out = self.folder / f"ranks_{nproc}"
         out.mkdir()
-        layouts = {name: [*BASE, *layout.flags] for name, layout in LAYOUTS.items() if layout.nproc == nproc}
+        layouts = {name: self._flags(layout) for name, layout in LAYOUTS.items() if layout.nproc == nproc}
         (out / "layouts.json").write_text(json.dumps(layouts))
-        torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-        rendezvous = ["--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0"]
-        cmd = [*torchrun, *rendezvous, str(WORKER), str(out / "layouts.json"), str(out)]
         # One thread per rank, and inductor compiling in the rank itself: worker pools on 2 cores cost
         # more than they save (the one-rank launch takes 10x longer with 2 threads on a busy machine).
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+        result = run_torchrun(
+            str(WORKER), str(out / "layouts.json"), str(out), nproc=nproc, timeout=900,
+            env={"TORCHINDUCTOR_COMPILE_THREADS": "1"},
+        )  # fmt: skip
         assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
         for name, value in json.loads((out / "results.json").read_text()).items():
             self.results[name] = {**value, "dump": out / name}
@@ -214,7 +261,7 @@ class Matrix:
         records = [
             json.loads(line) for line in (self[name]["dump"] / "metrics.jsonl").read_text().splitlines()
         ]
-        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        assert [r["step"] for r in records] == list(range((LAYOUTS[name].resumed_at or 0) + 1, STEPS + 1))
         return {key: [r[key] for r in records] for key in ("loss", "grad_norm")}
 
     def weights(self, name: str) -> dict[str, torch.Tensor]:
@@ -240,7 +287,11 @@ def matrix(tmp_path_factory):
 
 
 def _trained() -> list:
-    return [name for name, layout in LAYOUTS.items() if layout.refused is None and name != layout.reference]
+    return [
+        name
+        for name, layout in LAYOUTS.items()
+        if layout.refused is None and name != layout.reference and layout.resumed_at is None
+    ]
 
 
 @pytest.mark.slow
@@ -252,23 +303,39 @@ def test_one_process_reference_trains_five_distinct_clipped_steps(matrix, name):
     assert seen(matrix[name], LAYOUTS[name]) == LAYOUTS[name].facts
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", _trained())
-def test_layout_trains_the_one_process_run_by_loss_grad_norm_and_weights(matrix, name):
+def assert_trains_as_its_reference(matrix, name: str) -> None:
+    """The layout took effect and matches its reference run (from the step it resumed at) by loss,
+    grad_norm at every step, and final weights."""
     layout = LAYOUTS[name]
     result = matrix[name]
     assert "refused" not in result, result["refused"]
     assert seen(result, layout) == layout.facts
     run, reference = matrix.metrics(name), matrix.metrics(layout.reference)
     for key in ("loss", "grad_norm"):
-        difference = largest_relative_difference(run[key], reference[key])
-        assert difference <= layout.rel, f"{key}: {run[key]} against one process {reference[key]}"
+        want = reference[key][layout.resumed_at or 0 :]
+        difference = largest_relative_difference(run[key], want)
+        assert difference <= layout.rel, f"{key}: {run[key]} against {layout.reference} {want}"
     if layout.weights_atol is not None:
         got, want = matrix.weights(name), matrix.weights(layout.reference)
         assert sorted(got) == sorted(want)
         differences = {key: (got[key] - want[key]).abs().max().item() for key in want}
         worst = max(differences, key=differences.get)
         assert differences[worst] <= layout.weights_atol, f"{worst} differs by {differences[worst]:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _trained())
+def test_layout_trains_the_one_process_run_by_loss_grad_norm_and_weights(matrix, name):
+    assert_trains_as_its_reference(matrix, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name, layout in LAYOUTS.items() if layout.resumed_at])
+def test_run_resumed_with_loader_workers_continues_the_run_it_resumes(matrix, name):
+    """Workers read ahead of the step, yet a save holds the position of the batches trained on."""
+    saved_by = LAYOUTS[name].reference
+    assert seen(matrix[saved_by], LAYOUTS[saved_by]) == LAYOUTS[saved_by].facts  # it had workers too
+    assert_trains_as_its_reference(matrix, name)
 
 
 def _validation_losses(matrix, name: str) -> list[float]:

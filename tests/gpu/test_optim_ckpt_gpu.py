@@ -15,8 +15,8 @@ FUSED_TOLERANCE = 1e-6  # relative, float32
 
 
 def _model_and_optimizer(implementation: str):
-    from titan_train.build import build_optimizer
     from titan_train.config import load_job_config
+    from titan_train.wiring.optimizers import build_optimizer
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).cuda()
@@ -55,7 +55,7 @@ N_MATRICES, SIDE = 16, 4096
 def test_async_pinned_memory_save_blocks_less_than_a_sync_save_and_reloads_bit_exact(
     tmp_path, one_rank_nccl_group, report
 ):
-    from titan_ckpt import Checkpointer, ModelState
+    from titan_ckpt import Checkpointer, LoadPolicy, ModelState, SavePolicy
 
     with torch.device("cuda"):
         model = nn.ModuleList(nn.Linear(SIDE, SIDE, bias=False) for _ in range(N_MATRICES))
@@ -66,13 +66,15 @@ def test_async_pinned_memory_save_blocks_less_than_a_sync_save_and_reloads_bit_e
     states = {"model": ModelState([model])}
     saved = {k: v.clone() for k, v in model.state_dict().items()}
 
-    sync = Checkpointer(tmp_path / "sync", states, interval=1, async_mode="disabled")
+    sync = Checkpointer(tmp_path / "sync", states, saving=SavePolicy(interval=1, async_mode="disabled"))
     started = time.perf_counter()
     sync.save(1)
     sync_s = time.perf_counter() - started
     sync.close()
 
-    pinned = Checkpointer(tmp_path / "async", states, interval=1, async_mode="async_with_pinned_mem")
+    pinned = Checkpointer(
+        tmp_path / "async", states, saving=SavePolicy(interval=1, async_mode="async_with_pinned_mem")
+    )
     started = time.perf_counter()
     pinned.save(1)
     blocked_s = time.perf_counter() - started
@@ -95,7 +97,7 @@ def test_async_pinned_memory_save_blocks_less_than_a_sync_save_and_reloads_bit_e
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    loader = Checkpointer(tmp_path / "async", states, interval=1, load_step=1)
+    loader = Checkpointer(tmp_path / "async", states, loading=LoadPolicy(load_step=1))
     loader.load()
     loader.close()
     reloaded = model.state_dict()

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_train.torchrun import torchrun_command
+
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,13 +31,11 @@ LOGGED_EVERY_STEP = (
 
 def _titan_train(dump: Path, *overrides: str, torchrun: bool = False) -> tuple[str, list[dict]]:
     """Run titan-train to completion; its output and its metrics.jsonl records."""
-    launcher = [sys.executable]
-    if torchrun:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
-    command = [
-        *launcher, "-m", "titan_train.cli", "--job.config_file", str(DEBUG_CONFIG),
-        "--job.dump_folder", str(dump), *LOGGED_EVERY_STEP, *overrides,
+    target = [
+        "-m", "titan_train.cli", "--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump),
+        *LOGGED_EVERY_STEP, *overrides,
     ]  # fmt: skip
+    command = torchrun_command(*target, nproc=1) if torchrun else [sys.executable, *target]
     # At INFO, torch logs each ProcessGroupNCCL it creates ("ProcessGroupNCCL initialization options").
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "INFO"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
@@ -104,7 +104,7 @@ def test_titan_train_writes_a_loadable_cuda_memory_snapshot(tmp_path):
 
 
 def test_peak_flops_of_an_h100_sxm_is_its_dense_bf16_datasheet_value():
-    from titan_train.device_peaks import peak_flops
+    from titan_train.reporting.device_peaks import peak_flops
 
     name = torch.cuda.get_device_name()
     if name != "NVIDIA H100 80GB HBM3":
@@ -113,7 +113,7 @@ def test_peak_flops_of_an_h100_sxm_is_its_dense_bf16_datasheet_value():
 
 
 def test_titan_train_logs_mfu_against_the_device_peak(tmp_path, report):
-    from titan_train.device_peaks import peak_flops
+    from titan_train.reporting.device_peaks import peak_flops
 
     peak = peak_flops(torch.device("cuda"))
     if peak is None:

@@ -14,13 +14,13 @@ losses and gradient norms of one uninterrupted 4-rank run on one node:
 SLURM counts time limits in minutes and checks them every 30 s, so the job starts with a long limit and
 the test cuts it once training runs to what leaves 40 to 100 s (the signal then comes within 30 s, however
 long start-up took); the `stall` drill holds the run before step 3 until that signal comes instead of
-spending steps.
+spending steps. The check may come before the stall too, so the run stops after step 1, 2 or 3: whichever
+step it saved is the one the requeued job must resume from.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
@@ -100,11 +100,6 @@ def _veth_bytes(node: str) -> int:
     return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
 
 
-@pytest.mark.skipif(
-    os.environ.get("TITAN_SLURM_SCENARIOS") != "1",
-    reason="timing race, seen on this machine at low load: the time-limit signal can arrive before the stall "
-    "step, so the run is preempted one step early; run with TITAN_SLURM_SCENARIOS=1 until it is fixed",
-)
 def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_losses_of_one_node(
     cluster: Cluster, tmp_path: Path
 ):
@@ -151,20 +146,22 @@ def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_lo
     phases["time limit"] = time.monotonic() - began
     out = text()
     assert out.count("SIGUSR1: time limit near; every rank saves and stops") == 1, out[-4000:]
-    assert out.count(f"preempted: SIGUSR1 received; finished step {STALL_STEP} and saved") == 4, out[-4000:]
-    assert _complete_checkpoints(dump)[-1] == STALL_STEP
+    # SLURM sends the signal at its next time-limit check, which may come before the stall: at step 1 or 2.
+    limited = _complete_checkpoints(dump)[-1]
+    assert 1 <= limited <= STALL_STEP
+    assert out.count(f"preempted: SIGUSR1 received; finished step {limited} and saved") == 4, out[-4000:]
     assert _veth_bytes("n2") - n2_traffic > 10_000_000  # the ranks' traffic crossed n2's interface
 
     # 2. Preemption, once the requeued run has resumed from that checkpoint and trains.
-    _wait(lambda: max(_by_step(dump)) > STALL_STEP, "requeued run's first step")
-    assert f"checkpoint: resuming from step-{STALL_STEP}" in text()
+    _wait(lambda: max(_by_step(dump)) > limited, "requeued run's first step")
+    assert f"checkpoint: resuming from step-{limited}" in text()
     cluster.command("scancel", "--signal=TERM", str(job))
     _wait(lambda: state().get("JobState") == "FAILED", "job end after SIGTERM")
     assert state()["ExitCode"] == "3:0"  # the preempted status, not torchrun's 1
     preempted = _complete_checkpoints(dump)[-1]
     stops = text().count(f"preempted: SIGTERM received; finished step {preempted} and saved")
     assert stops == 4, text()[-4000:]
-    assert STALL_STEP < preempted < STEPS
+    assert limited < preempted < STEPS
     phases["preemption"] = time.monotonic() - began
     cluster.command("scontrol", "requeue", str(job))
 
@@ -197,6 +194,14 @@ def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_lo
     reference_run.join(timeout=WAIT)
     assert sorted(reference) == list(range(1, STEPS + 1))
     assert max(_by_step(dump)) == STEPS
+    print(
+        f"stops: time limit after step {limited}, preemption after step {preempted}, n2 lost after step {newest}"
+    )
+    print("step  2 nodes x 2 ranks (loss, grad_norm)   1 node x 4 ranks (loss, grad_norm)")
+    for step, numbers in sorted(_by_step(dump).items()):
+        print(
+            f"{step:4d}  {numbers[0]:.6f} {numbers[1]:.6f}                {reference[step][0]:.6f} {reference[step][1]:.6f}"
+        )
     assert _by_step(dump) == reference
 
 

@@ -6,7 +6,8 @@ case), its process count (torchtitan's default is 4) and whether torchtitan disa
 are torchtitan's, unchanged, as its runner joins them into a shell command line. Two values come
 from torchtitan's CI environment and are filled in when run: `{output_dir}` (its runner's output
 folder, where `model_only_hf_checkpoint` finds the first run's Hugging Face export) and the second
-run of `test_generate`, which is torchtitan's generation script, not a training run (GENERATE).
+run of `test_generate`, which is torchtitan's generation script, not a training run (GENERATE): the
+tests run `titan-train generate` in its place, on the checkpoint the first run wrote.
 
 The base config is `base_config.toml` beside this file. CUT shrinks it for CPU: sequences of 64
 tokens, 2 per data-parallel rank, Titan's bundled tokenizer. `pp_custom_csv` keeps torchtitan's 8

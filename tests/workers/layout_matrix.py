@@ -32,8 +32,8 @@ from titan_models import LLAMA3_FLAVORS
 from titan_train.cli import USER_ERRORS
 from titan_train.config import load_job_config
 from titan_train.distributed import init_distributed, set_collective_timeout, shutdown
-from titan_train.sequence_limit import check_seq_len
 from titan_train.trainer import Trainer
+from titan_train.wiring.sequence_limit import check_seq_len
 
 # The Llama 3 debug model cut to 2 layers, and to 4 for schedules with two stages per pipeline rank.
 LLAMA3_FLAVORS["debug_2_layers"] = replace(LLAMA3_FLAVORS["debugmodel"], n_layers=2)

@@ -1,3 +1,4 @@
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -48,13 +49,15 @@ class ToyRun:
             "train_state": self.progress,
         }
 
-    def train(self, steps: int) -> list[float]:
+    def train(self, steps: int, before_optimizer_step: Callable[[], None] = lambda: None) -> list[float]:
+        """`steps` steps; `before_optimizer_step` is a checkpointer's `wait_for_staging`, as a trainer calls it."""
         losses = []
         for _ in range(steps):
             gen = torch.Generator().manual_seed(self.data.value)
             self.data.value += 1
             loss = self.model(torch.randn(4, 8, generator=gen)).pow(2).mean()
             loss.backward()
+            before_optimizer_step()
             self.optimizer.step()
             self.optimizer.zero_grad()
             self.progress.value += 1

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_ckpt import Checkpointer, CheckpointError
+from titan_ckpt import Checkpointer, CheckpointError, LoadPolicy
 
 
 def _saved(tmp_path, toy_run, **run_kwargs):
     run = toy_run(**run_kwargs)
     run.train(1)
-    Checkpointer(tmp_path, run.states(), interval=1).save(1)
+    Checkpointer(tmp_path, run.states()).save(1)
     return tmp_path / "step-1"
 
 
@@ -26,7 +26,7 @@ def _load_fails(tmp_path, toy_run, same, match, **run_kwargs):
     target = toy_run(seed=9, **run_kwargs)
     before = target.weights()
     with pytest.raises(CheckpointError, match=match):
-        Checkpointer(tmp_path, target.states(), interval=1).load()
+        Checkpointer(tmp_path, target.states()).load()
     assert same(target.weights(), before), "a failed load must not have changed the model"
 
 
@@ -53,7 +53,7 @@ def test_missing_key_names_the_metadata_file_and_how_to_skip_that_state(
     run = toy_run()
     states = run.states()
     del states["dataloader"]
-    Checkpointer(tmp_path, states, interval=1).save(1)
+    Checkpointer(tmp_path, states).save(1)
     match = r"step-1/\.metadata has no key 'dataloader\.value'.*add 'dataloader' to exclude_from_loading"
     _load_fails(tmp_path, toy_run, same, match)
 
@@ -77,9 +77,9 @@ def test_loading_a_valid_checkpoint_into_a_lower_precision_model_casts(
     tmp_path, single_process_group, toy_run
 ):
     source = toy_run()
-    Checkpointer(tmp_path, source.states(), interval=1).save(1)
+    Checkpointer(tmp_path, source.states()).save(1)
     target = toy_run(seed=4)
     target.model.to(torch.bfloat16)
-    Checkpointer(tmp_path, target.states(), interval=1, exclude_from_loading=["optimizer"]).load()
+    Checkpointer(tmp_path, target.states(), loading=LoadPolicy(exclude_from_loading=["optimizer"])).load()
     for name, tensor in target.model.state_dict().items():
         assert torch.equal(tensor, source.model.state_dict()[name].to(torch.bfloat16))

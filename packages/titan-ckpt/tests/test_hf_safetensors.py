@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from titan_ckpt import Checkpointer, CheckpointError
+from titan_ckpt import Checkpointer, CheckpointError, LastSavePolicy, LoadPolicy, SavePolicy
 
 
 class ToyAdapter:
@@ -31,10 +31,10 @@ class ToyAdapter:
         return {"model_type": "toy", "hidden_size": 16, "architectures": ["ToyForCausalLM"]}
 
 
-def _hf_checkpointer(folder, run, **kwargs):
+def _hf_checkpointer(folder, run, **last_save):
     return Checkpointer(
-        folder, run.states(), interval=100, last_save_model_only=True, last_save_in_hf=True, hf_adapter=ToyAdapter(),
-        **kwargs,
+        folder, run.states(), saving=SavePolicy(interval=100),
+        last_save=LastSavePolicy(model_only=True, in_hf=True, **last_save), hf_adapter=ToyAdapter(),
     )  # fmt: skip
 
 
@@ -43,8 +43,13 @@ def test_last_save_in_hf_writes_sharded_safetensors_an_index_and_config(
 ):
     run = toy_run()
     run.train(2)
-    ckpt = _hf_checkpointer(tmp_path, run, export_dtype="bfloat16", max_shard_bytes=200)
-    ckpt.hf_extra_files = {"tokenizer.json": b'{"toy": 1}'}
+    ckpt = _hf_checkpointer(
+        tmp_path,
+        run,
+        export_dtype="bfloat16",
+        max_shard_bytes=200,
+        hf_extra_files={"tokenizer.json": b'{"toy": 1}'},
+    )
     ckpt.maybe_save(2, last_step=True)
     folder = tmp_path / "step-2"
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -75,9 +80,11 @@ def test_hf_export_then_import_as_initial_weights_is_exact(
     _hf_checkpointer(tmp_path / "first", run, max_shard_bytes=200).maybe_save(2, last_step=True)
     fresh = toy_run(seed=5)
     ckpt = Checkpointer(
-        tmp_path / "run", fresh.states(), interval=1, initial_load_path=tmp_path / "first" / "step-2",
-        initial_load_in_hf=True, hf_adapter=ToyAdapter(),
-    )  # fmt: skip
+        tmp_path / "run",
+        fresh.states(),
+        loading=LoadPolicy(initial_load_path=tmp_path / "first" / "step-2", initial_load_in_hf=True),
+        hf_adapter=ToyAdapter(),
+    )
     with caplog.at_level("INFO"):
         result = ckpt.load()
     assert (result.kind, result.hf) == ("initial", True)
@@ -92,9 +99,11 @@ def test_a_single_file_hf_model_without_index_loads(tmp_path, single_process_gro
     save_file(hf, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
     fresh = toy_run()
     Checkpointer(
-        tmp_path / "run", fresh.states(), interval=1, initial_load_path=tmp_path / "hf", initial_load_in_hf=True,
+        tmp_path / "run",
+        fresh.states(),
+        loading=LoadPolicy(initial_load_path=tmp_path / "hf", initial_load_in_hf=True),
         hf_adapter=ToyAdapter(),
-    ).load()  # fmt: skip
+    ).load()
     assert same(fresh.weights(), pretrained.weights())
 
 
@@ -121,9 +130,11 @@ def _exported(tmp_path, toy_run):
 
 def _import_fails(tmp_path, toy_run, folder, match, **run_kwargs):
     ckpt = Checkpointer(
-        tmp_path / "run", toy_run(**run_kwargs).states(), interval=1, initial_load_path=folder,
-        initial_load_in_hf=True, hf_adapter=ToyAdapter(),
-    )  # fmt: skip
+        tmp_path / "run",
+        toy_run(**run_kwargs).states(),
+        loading=LoadPolicy(initial_load_path=folder, initial_load_in_hf=True),
+        hf_adapter=ToyAdapter(),
+    )
     with pytest.raises(CheckpointError, match=match):
         ckpt.load()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_data import PackedTokenDataset, TokenLoader, get_source
+from titan_data import PackedTokenDataset, StreamLayout, TokenLoader, get_source
 
 WORKER = Path(__file__).parent / "workers" / "dcp_redeal.py"
 NUM_STREAMS, GLOBAL_BATCH, SEQ_LEN, SAVED_STEPS, RESUMED_STEPS = 12, 12, 32, 3, 4
@@ -32,7 +32,9 @@ def test_state_saved_by_two_ranks_resumes_on_three_and_on_one(tmp_path, llama3_t
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
-    dataset = PackedTokenDataset(get_source("c4_test"), llama3_tokenizer, SEQ_LEN, num_streams=NUM_STREAMS)
+    dataset = PackedTokenDataset(
+        get_source("c4_test"), llama3_tokenizer, SEQ_LEN, streams=StreamLayout(num_streams=NUM_STREAMS)
+    )
     it = iter(TokenLoader(dataset, GLOBAL_BATCH))
     expected = []
     for _ in range(SAVED_STEPS + RESUMED_STEPS):

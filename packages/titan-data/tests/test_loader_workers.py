@@ -1,16 +1,20 @@
 """Loader worker processes: the batches and the saved state of one process, and exact resume mid-round."""
 
+import multiprocessing
+
 import pytest
 import torch
 
-from titan_data import DataError, PackedTokenDataset, TokenLoader, get_source
+from titan_data import DataError, PackedTokenDataset, StreamLayout, TokenLoader, get_source
 from titan_data.loader import worker_streams
 
 SEQ, BATCH = 32, 3  # 3 windows per batch over 4 streams: batch boundaries fall mid-round
 
 
 def _loader(tokenizer, streams=4, **kwargs):
-    dataset = PackedTokenDataset(get_source("c4_test"), tokenizer, SEQ, num_streams=streams)
+    dataset = PackedTokenDataset(
+        get_source("c4_test"), tokenizer, SEQ, streams=StreamLayout(num_streams=streams)
+    )
     return TokenLoader(dataset, BATCH, **kwargs)
 
 
@@ -46,6 +50,18 @@ def test_two_workers_give_the_batches_and_state_of_one_process_and_resume_exactl
     in_process = _loader(llama3_tokenizer, streams)
     in_process.load_state_dict(state)
     assert torch.equal(next(iter(in_process))[0], expected[5][0])
+    del iterator
+
+
+def test_close_stops_the_worker_processes_persistent_ones_too(llama3_tokenizer):
+    loader = _loader(llama3_tokenizer, num_workers=2, persistent_workers=True)
+    _, _, iterator = _take(loader, 1)  # a training loop still holds its iterator when the run closes
+    assert len(multiprocessing.active_children()) == 2
+    loader.close()
+    assert multiprocessing.active_children() == []
+    _take(loader, 1)  # a later iteration starts new workers
+    loader.close()
+    assert multiprocessing.active_children() == []
     del iterator
 
 

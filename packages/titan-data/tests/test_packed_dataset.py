@@ -4,13 +4,21 @@ from itertools import islice
 import pytest
 import torch
 
-from titan_data import DataError, IterableSource, PackedTokenDataset, Tokenizer, TokenLoader, get_source
+from titan_data import (
+    DataError,
+    IterableSource,
+    PackedTokenDataset,
+    StreamLayout,
+    Tokenizer,
+    TokenLoader,
+    get_source,
+)
 
 
 def _loader(tokenizer, rank=0, world=1, streams=0, batch=4, seq_len=64, infinite=True, source=None):
     dataset = PackedTokenDataset(
-        source or get_source("c4_test"), tokenizer, seq_len, dp_rank=rank, dp_world_size=world,
-        num_streams=streams, infinite=infinite,
+        source or get_source("c4_test"), tokenizer, seq_len, streams=StreamLayout(rank, world, streams),
+        infinite=infinite,
     )  # fmt: skip
     return TokenLoader(dataset, batch)
 
@@ -54,7 +62,7 @@ def _shares(tokenizer, source, world, streams):
     for rank in range(world):
         recorder = RecordingTokenizer(tokenizer)
         dataset = PackedTokenDataset(
-            source, recorder, 8, dp_rank=rank, dp_world_size=world, num_streams=streams, infinite=False
+            source, recorder, 8, streams=StreamLayout(rank, world, streams), infinite=False
         )
         list(dataset)
         shares.append(recorder.seen)

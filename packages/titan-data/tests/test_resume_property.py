@@ -10,7 +10,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from titan_data import MemmapTokenDataset, PackedTokenDataset, TokenLoader, get_source, tokenize_to_shards
+from titan_data import (
+    MemmapTokenDataset,
+    PackedTokenDataset,
+    StreamLayout,
+    TokenLoader,
+    get_source,
+    tokenize_to_shards,
+)
 
 NUM_STREAMS = 12  # a multiple of every world size from 1 to 4
 STEPS = 8
@@ -34,11 +41,11 @@ def sources(tmp_path_factory, corpus, write_c4_layout, llama3_tokenizer):
 def _loaders(kind, sources, tokenizer, world, global_batch, seq_len):
     loaders = []
     for rank in range(world):
-        layout = {"dp_rank": rank, "dp_world_size": world, "num_streams": NUM_STREAMS}
+        streams = StreamLayout(rank, world, NUM_STREAMS)
         if kind == "memmap":
-            dataset = MemmapTokenDataset(sources[kind], seq_len, **layout)
+            dataset = MemmapTokenDataset(sources[kind], seq_len, streams=streams)
         else:
-            dataset = PackedTokenDataset(sources[kind], tokenizer, seq_len, **layout)
+            dataset = PackedTokenDataset(sources[kind], tokenizer, seq_len, streams=streams)
             assert dataset.dealing == kind
         loaders.append(TokenLoader(dataset, global_batch // world))
     return loaders

@@ -15,6 +15,7 @@ from titan_data import (
     MemmapTokenDataset,
     PackedTokenDataset,
     ShardIndex,
+    StreamLayout,
     TokenLoader,
     build_dataset,
     build_tokenizer,
@@ -189,16 +190,22 @@ def test_memory_mapped_windows_equal_the_windows_packed_on_the_fly(
 ):
     for infinite, batches in ((False, None), (True, 200)):  # 200 batches of 4 x 65 tokens: past two epochs
         on_the_fly = PackedTokenDataset(
-            get_source("json", docs_jsonl), llama3_tokenizer, 64, num_streams=streams, infinite=infinite
+            get_source("json", docs_jsonl),
+            llama3_tokenizer,
+            64,
+            streams=StreamLayout(num_streams=streams),
+            infinite=infinite,
         )
-        mapped = MemmapTokenDataset(shards, 64, num_streams=streams, infinite=infinite)
+        mapped = MemmapTokenDataset(shards, 64, streams=StreamLayout(num_streams=streams), infinite=infinite)
         a = [b[0] for b in islice(TokenLoader(on_the_fly, 4), batches)]
         b = [b[0] for b in islice(TokenLoader(mapped, 4), batches)]
         assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_token_shards_by_name_check_the_run_uses_the_same_tokenizer(shards, llama3_tokenizer):
-    dataset = build_dataset("token_shards", shards, llama3_tokenizer, 32, dp_rank=1, dp_world_size=2)
+    dataset = build_dataset(
+        "token_shards", shards, llama3_tokenizer, 32, streams=StreamLayout(rank=1, world_size=2)
+    )
     assert isinstance(dataset, MemmapTokenDataset) and dataset.owned == [1]
     with pytest.raises(
         DataError, match=r"tokenised with tokenizer.model \(vocab_size 2048, bos 1792, eos 1793\), but"

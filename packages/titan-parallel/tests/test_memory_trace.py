@@ -1,6 +1,7 @@
 """MemoryTrace on a plain module: exact live bytes, fake equal to real, and the allocator model's rules."""
 
 import contextlib
+import random
 
 import pytest
 import torch
@@ -58,3 +59,33 @@ def test_allocator_rounds_reuses_and_grows_segments():
 def test_allocated_peak_is_rounded_live_bytes(expandable):
     peaks = replay([(0, 100), (1, 5000), (0, 0), (2, MIB + 1)], expandable_segments=expandable)
     assert peaks.allocated == 5120 + round_size(MIB + 1)
+
+
+def _random_sequence(seed: int, events: int = 2000) -> tuple[list[tuple[int, int]], dict[int, int]]:
+    """Allocations of every size class (small pool, 20 MiB segments, rounded large ones) and frees of
+    random live ones, on two streams."""
+    rng = random.Random(seed)
+    live, sequence = [], []
+    for _ in range(events):
+        if live and rng.random() < 0.45:
+            sequence.append((live.pop(rng.randrange(len(live))), 0))
+            continue
+        size = rng.choice([rng.randint(1, 4096), rng.randint(1, MIB), rng.randint(MIB, 12 * MIB), rng.randint(10 * MIB, 64 * MIB)])  # fmt: skip
+        live.append(len(sequence))
+        sequence.append((len(sequence), size))
+    return sequence, {key: key % 2 for key, _ in sequence}
+
+
+@pytest.mark.parametrize(
+    "expandable,capacity,reserved_mib",
+    [(False, None, 3020), (True, None, 2912), (False, 2048, 2750), (True, 2048, 2912)],
+)
+def test_allocator_replay_of_a_long_random_sequence_keeps_its_peaks(expandable, capacity, reserved_mib):
+    """The peaks the first version of the model (which scanned every block for the best fit) gave on the same
+    sequence: a search that picks another block than the smallest fitting one, oldest segment and lowest
+    offset first, reserves other amounts."""
+    sequence, streams = _random_sequence(0)
+    cap = capacity and capacity * MIB
+    peaks = replay(sequence, streams, expandable_segments=expandable, capacity=cap)
+    assert peaks.allocated == 2599249920
+    assert peaks.reserved == reserved_mib * MIB

@@ -155,6 +155,8 @@ def _spy(patch, seen: Seen, train: bool) -> None:
             warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
             modules=set(sys.modules),
             env={name: os.environ.get(name) for name in FR_VARIABLES},
+            # The run's end closes the checkpointer and drops its staging buffers: seen here, as built.
+            checkpoint_stager=type(getattr(self.checkpointer, "_stager", None)).__name__,
         )
 
     def trained(self):

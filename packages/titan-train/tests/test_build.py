@@ -6,10 +6,14 @@ import weakref
 import pytest
 import torch
 
-from titan_train import build
 from titan_train.config import load_job_config
-from titan_train.gc_schedule import GarbageCollection
+from titan_train.errors import ConfigError
 from titan_train.registry import get_model_spec
+from titan_train.wiring.data import build_tokenizer_for
+from titan_train.wiring.gc_schedule import GarbageCollection
+from titan_train.wiring.model import build_loss_fn, build_model, compute_dtype
+from titan_train.wiring.optimizers import build_lr_schedule, build_optimizer
+from titan_train.wiring.parallelism import build_parallel_dims
 
 CPU = torch.device("cpu")
 
@@ -25,7 +29,7 @@ CPU = torch.device("cpu")
 def test_adam_and_adamw_with_each_implementation(name, implementation, cls, foreach, fused):
     config = load_job_config(["--optimizer.name", name, "--optimizer.implementation", implementation,
                               "--optimizer.weight_decay", "0.05", "--optimizer.beta2", "0.99"])  # fmt: skip
-    optimizer = build.build_optimizer(config, torch.nn.Linear(4, 4))
+    optimizer = build_optimizer(config, torch.nn.Linear(4, 4))
     assert type(optimizer) is cls
     group = optimizer.param_groups[0]
     assert (group["foreach"], group["fused"]) == (foreach, fused)
@@ -35,26 +39,26 @@ def test_adam_and_adamw_with_each_implementation(name, implementation, cls, fore
 def test_bfloat16_training_dtype_puts_parameters_in_bfloat16_and_keeps_buffers_float32(one_rank):
     config = load_job_config(["--training.dtype", "bfloat16", "--training.seq_len", "32"])
     spec = get_model_spec("llama3")
-    dims = build.build_parallel_dims(config, world_size=1)
+    dims = build_parallel_dims(config, world_size=1)
     dims.build_mesh("cpu")
-    (model,) = build.build_model(config, spec, build.build_tokenizer_for(config), dims, CPU, seed=0).parts
+    (model,) = build_model(config, spec, build_tokenizer_for(config), dims, CPU, seed=0).parts
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert all(b.dtype in (torch.float32, torch.complex64) for b in model.buffers())
-    optimizer = build.build_optimizer(config, model)
+    optimizer = build_optimizer(config, model)
     assert optimizer.param_groups[0]["params"][0].dtype == torch.bfloat16
 
 
 def test_float32_training_with_mixed_precision_on_cpu_computes_in_float32(caplog):
     config = load_job_config(["--training.mixed_precision_param", "bfloat16"])
-    assert build.compute_dtype(config, CPU) == torch.float32
+    assert compute_dtype(config, CPU) == torch.float32
     assert "kept as float32 on CPU" in caplog.text
 
 
 def test_lr_schedule_spans_total_steps_when_given():
     config = load_job_config(["--training.steps", "10", "--lr_scheduler.total_steps", "100",
                               "--lr_scheduler.warmup_steps", "0"])  # fmt: skip
-    optimizer = build.build_optimizer(config, torch.nn.Linear(2, 2))
-    schedule = build.build_lr_schedule(config, optimizer)
+    optimizer = build_optimizer(config, torch.nn.Linear(2, 2))
+    schedule = build_lr_schedule(config, optimizer)
     for _ in range(10):
         optimizer.step()
         schedule.step()
@@ -96,10 +100,10 @@ def test_loss_is_compiled_only_when_compile_components_name_it_and_gives_the_eag
     spec = get_model_spec("llama3")
     logits, labels = torch.randn(2, 16, 64, requires_grad=True), torch.randint(0, 64, (2, 16))
     plain = ["--training.no_chunked_loss"]  # the model's own loss, so `eager` is that function itself
-    eager = build.build_loss_fn(
+    eager = build_loss_fn(
         load_job_config([*plain, "--compile.enable", "--compile.components", "model"]), spec
     )
-    compiled = build.build_loss_fn(load_job_config([*plain, "--compile.enable"]), spec)
+    compiled = build_loss_fn(load_job_config([*plain, "--compile.enable"]), spec)
     assert eager is spec.loss_fn
     assert compiled is not spec.loss_fn  # [compile] components = ["model", "loss"] by default
     expected = eager(logits, labels)
@@ -112,9 +116,9 @@ def test_loss_is_compiled_only_when_compile_components_name_it_and_gives_the_eag
 
 def test_unknown_compile_component_is_refused_when_read_and_at_build():
     flags = ["--compile.enable", "--compile.components", "model,optimizer"]
-    with pytest.raises(build.ConfigError, match=r"compile.components has 'optimizer', which is not one of"):
+    with pytest.raises(ConfigError, match=r"compile.components has 'optimizer', which is not one of"):
         load_job_config(flags)
     config = load_job_config(flags[:1])
     config.compile.components = ["model", "optimizer"]  # a config built in code, never read
-    with pytest.raises(build.ConfigError, match=r"compile.components \['optimizer'\] unknown"):
-        build.build_loss_fn(config, get_model_spec("llama3"))
+    with pytest.raises(ConfigError, match=r"compile.components \['optimizer'\] unknown"):
+        build_loss_fn(config, get_model_spec("llama3"))

@@ -8,11 +8,12 @@ import shutil
 import pytest
 import torch
 
-from titan_ckpt import ModelState, OptimizerState, complete_steps
-from titan_train.checkpointing import build_checkpointer, check_checkpoint_config, restore_run
+from titan_ckpt import LoadPolicy, ModelState, OptimizerState, SavePolicy, complete_steps
+from titan_train.config.run_checks import check_checkpoint_config
 from titan_train.errors import ConfigError
-from titan_train.lr_schedule import lr_factor
 from titan_train.trainer import Trainer
+from titan_train.wiring.checkpointing import build_checkpointer, restore_run
+from titan_train.wiring.lr_schedule import lr_factor
 
 
 @pytest.mark.parametrize(
@@ -52,13 +53,18 @@ def test_every_checkpoint_field_reaches_the_checkpointer(tmp_path, small_config,
         "model": ModelState([model]),
         "dataloader": OptimizerState([model], [torch.optim.SGD(model.parameters())]),
     }
-    ckpt = build_checkpointer(config, states, world_size=1)
-    assert (ckpt.folder, ckpt.interval, ckpt.keep_latest_k, ckpt.async_mode, ckpt.load_step) == (
-        tmp_path / "ck", 7, 3, "async", 4,
-    )  # fmt: skip
-    assert (ckpt.initial.path, ckpt.initial.model_only, ckpt.last_save_model_only) == ("/w", False, False)
-    assert (ckpt.export_dtype, ckpt.exclude_from_loading) == (torch.bfloat16, ("dataloader",))
-    assert ckpt.enable_first_step_checkpoint and ckpt.load_only
+    ckpt = build_checkpointer(config, states)
+    assert ckpt.folder == tmp_path / "ck"
+    assert ckpt.saving == SavePolicy(
+        interval=7, keep_latest_k=3, async_mode="async", enable_first_step_checkpoint=True, load_only=True
+    )
+    assert ckpt.loading == LoadPolicy(
+        load_step=4,
+        initial_load_path="/w",
+        initial_load_model_only=False,
+        exclude_from_loading=("dataloader",),
+    )
+    assert (ckpt.last_save.model_only, ckpt.last_save.dtype) == (False, torch.bfloat16)
     ckpt.close()
 
 

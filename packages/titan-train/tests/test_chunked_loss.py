@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from titan_parallel.memory_trace import MemoryTrace
-from titan_train.build import build_loss_fn
-from titan_train.chunked_loss import chunked_cross_entropy
 from titan_train.config import load_job_config
 from titan_train.registry import cross_entropy_loss, get_model_spec
+from titan_train.wiring.chunked_loss import chunked_cross_entropy
+from titan_train.wiring.model import build_loss_fn
 
 
 def _loss_and_grad(loss_fn, logits, labels):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from titan_train.device_peaks import peak_flops, peak_flops_for_name
+from titan_train.reporting.device_peaks import peak_flops, peak_flops_for_name
 
 
 @pytest.mark.parametrize(

@@ -259,7 +259,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, dict,
     """Each run of RUNS in its own dump folder that already holds a checkpoint; hashes before and after."""
     root = tmp_path_factory.mktemp("field_runs")
     saved = root / "checkpoint"
-    Checkpointer(saved, {"model": ModelState([torch.nn.Linear(4, 4)])}, interval=1).save(2, wait=True)
+    Checkpointer(saved, {"model": ModelState([torch.nn.Linear(4, 4)])}).save(2, wait=True)
 
     def run(entry):
         name, flags, says = entry

@@ -620,7 +620,7 @@ PROBES: dict[str, Probe] = {
     ),
     "checkpoint.async_mode": Probe(
         ("--checkpoint.async_mode", "async"),
-        lambda s: type(s.trainer.checkpointer._stager).__name__,
+        lambda s: s.at_build["checkpoint_stager"],
         base=CKPT,
     ),
     "checkpoint.exclude_from_loading": Probe(

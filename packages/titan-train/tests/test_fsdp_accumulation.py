@@ -3,12 +3,11 @@ validation over a set the ranks hold unequal shares of stops on every rank toget
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from titan_train.torchrun import run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "fsdp_accumulation.py"
 
@@ -16,10 +15,7 @@ WORKER = Path(__file__).parent / "workers" / "fsdp_accumulation.py"
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp") / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", str(WORKER), str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    result = run_torchrun(str(WORKER), str(out), nproc=2, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
     return json.loads(out.read_text())
 

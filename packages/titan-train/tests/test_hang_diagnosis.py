@@ -2,7 +2,12 @@
 
 import pytest
 
-from titan_train.hang_diagnosis import collectives, comm_failure_kind, describe_hang, describe_init_failure
+from titan_train.faults.hang_diagnosis import (
+    collectives,
+    comm_failure_kind,
+    describe_hang,
+    describe_init_failure,
+)
 
 
 def _entry(seq: int, name: str, created: int, group: str = "default_pg") -> dict:

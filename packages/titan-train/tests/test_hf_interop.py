@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from titan_models import llama3_args, to_hf_config
-from titan_train.build import BUNDLED_TOKENIZER
 from titan_train.cli import run
 from titan_train.trainer import Trainer
+from titan_train.wiring.data import BUNDLED_TOKENIZER
 
 TEXT = "Return the number of items in a container, as the documentation says."
 

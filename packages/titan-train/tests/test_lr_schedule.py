@@ -1,6 +1,6 @@
 import pytest
 
-from titan_train.lr_schedule import lr_factor
+from titan_train.wiring.lr_schedule import lr_factor
 
 
 def _f(step, **kw):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from titan_train.config import load_job_config
-from titan_train.memory_estimate import estimate_memory
+from titan_train.reporting.memory_estimate import estimate_memory
 
 REPO = Path(__file__).resolve().parents[3]
 MEASURED = REPO / "bench" / "results" / "2026-11-23-h200-memory-vs-gpu.jsonl"

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from titan_train.lr_schedule import build_lr_scheduler
-from titan_train.optimizers import PartOptimizers
+from titan_train.wiring.lr_schedule import build_lr_scheduler
+from titan_train.wiring.optimizers import PartOptimizers
 
 
 def _parts(implementation: str) -> tuple[nn.Module, PartOptimizers]:

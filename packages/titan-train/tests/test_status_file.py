@@ -1,7 +1,7 @@
 """The exit status a rank leaves for its launcher (apps/multinode_trainer.slurm reads it)."""
 
 from titan_train.cli import main
-from titan_train.status_file import leave_exit_status
+from titan_train.faults.status_file import leave_exit_status
 
 
 def test_each_rank_leaves_its_exit_status_where_the_launcher_asks(tmp_path, monkeypatch):

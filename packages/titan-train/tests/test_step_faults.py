@@ -9,17 +9,17 @@ import pytest
 import torch
 from torch import nn
 
-from titan_ckpt import Checkpointer, ModelState
+from titan_ckpt import Checkpointer, ModelState, SavePolicy
 from titan_models import llama2_args, llama3_args
 from titan_train.config import load_job_config
 from titan_train.config.health_section import Health
-from titan_train.early_stop import NonFiniteError, Preempted
 from titan_train.errors import ConfigError
-from titan_train.fault_drills import FaultDrills
-from titan_train.numerics import NumericsGuard, RankNumbers, describe
-from titan_train.preemption import PreemptionSignals, parse_signals, save_and_stop
-from titan_train.sequence_limit import check_seq_len, context_limit
-from titan_train.step_guard import StepGuard
+from titan_train.faults.drills import FaultDrills
+from titan_train.faults.exit_status import NonFiniteError, Preempted
+from titan_train.faults.numerics import NumericsGuard, RankNumbers, describe
+from titan_train.faults.preemption import PreemptionSignals, parse_signals, save_and_stop
+from titan_train.faults.step_guard import StepGuard
+from titan_train.wiring.sequence_limit import check_seq_len, context_limit
 
 
 def _guard(**overrides) -> NumericsGuard:
@@ -111,7 +111,7 @@ def test_a_real_signal_is_recorded_while_active_and_the_old_handler_comes_back()
 
 def _checkpointer(folder) -> Checkpointer:
     model = nn.Linear(4, 4)
-    return Checkpointer(folder, {"model": ModelState([model])}, interval=10)
+    return Checkpointer(folder, {"model": ModelState([model])}, saving=SavePolicy(interval=10))
 
 
 def test_preemption_saves_the_step_once_and_says_how_to_resume(tmp_path):
@@ -156,7 +156,7 @@ def test_step_guard_skips_a_nan_drill_step_and_names_the_parameter_gradients_are
     guard = StepGuard(health, rank=0, world_size=1, device=torch.device("cpu"),
                       named_parameters=lambda: [("w", weight)])  # fmt: skip
     guard.begin_step(2)
-    loss = guard.poison_loss((weight * 3).sum())
+    loss = guard.drilled(lambda w: (w * 3).sum())(weight)
     loss.backward()
     assert not guard.update_allowed(2, loss.detach(), weight.grad.norm())
     assert guard.numerics.skipped_steps == [2]

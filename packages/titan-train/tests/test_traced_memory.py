@@ -1,16 +1,14 @@
 """The traced memory estimate: fake-tensor traces against real steps, and few-block traces against full ones."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from titan_parallel.memory_trace import scale_to_blocks
 from titan_train.config import load_job_config
-from titan_train.traced_memory import trace_rank
+from titan_train.reporting.traced_memory import trace_rank
+from titan_train.torchrun import run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "memory_trace_layouts.py"
 
@@ -18,10 +16,7 @@ WORKER = Path(__file__).parent / "workers" / "memory_trace_layouts.py"
 @pytest.fixture(scope="module")
 def traced_and_real(tmp_path_factory):
     out = tmp_path_factory.mktemp("memory_trace")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", str(WORKER), str(out)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    result = run_torchrun(str(WORKER), str(out), nproc=2, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -37,12 +32,18 @@ def test_fake_trace_peak_equals_the_real_step_for_each_layout_and_checkpointing_
             if not name.startswith("real/"):
                 continue
             fake = runs["fake/" + name[5:]]
-            # Pipeline stages: a fake stage holds its send/receive buffers about one micro-batch's hidden
-            # state longer or shorter than gloo does (measured 1.0-2.7%); the rest agree to the byte.
-            tolerance = 0.03 if "/pp2/" in name else 0.02
-            assert fake["peak"] == pytest.approx(real["peak"], rel=tolerance), name
-            if "/pp2/" not in name:
-                assert fake["breakdown"] == real["breakdown"], name
+            # The issue's bound is 2%; every layout agrees to a few KiB, what the peak holds included. A real
+            # step can differ by a gloo work buffer (4 KiB, seen once in 9 runs under tp2): 64 KiB of slack
+            # per kind, far below the megabytes a hidden state or a gradient would add.
+            assert fake["peak"] == pytest.approx(real["peak"], rel=0.02), name
+            assert fake["breakdown"].keys() == real["breakdown"].keys(), name
+            for kind, size in real["breakdown"].items():
+                assert abs(fake["breakdown"][kind] - size) <= 64 * 1024, (
+                    name,
+                    kind,
+                    fake["breakdown"][kind],
+                    size,
+                )
             peaks.add(real["peak"])
             checked += 1
     assert checked == 4 + 2 * 3 * 4

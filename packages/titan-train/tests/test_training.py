@@ -8,10 +8,10 @@ import matplotlib.image
 import pytest
 
 from titan_train.cli import run
-from titan_train.lr_schedule import lr_factor
-from titan_train.metrics import TB_TAGS, VALIDATION_TAGS
-from titan_train.report import build_report, find_event_folder, read_scalars
+from titan_train.reporting.metrics import TB_TAGS, VALIDATION_TAGS
+from titan_train.reporting.report import build_report, find_event_folder, read_scalars
 from titan_train.trainer import Trainer
+from titan_train.wiring.lr_schedule import lr_factor
 
 
 def _jsonl(path):
@@ -127,7 +127,7 @@ def test_report_draws_the_loss_curve_into_a_png_and_prints_a_summary(profiled_ru
 
 
 def test_report_figure_plots_the_logged_losses(profiled_run, tmp_path):
-    from titan_train.report import draw
+    from titan_train.reporting.report import draw
 
     dump, _ = profiled_run
     series = read_scalars(find_event_folder(dump))

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from titan_train.cli import run
 from titan_train.config import load_job_config
-from titan_train.unsupported import UnsupportedConfigError, refuse_unsupported
+from titan_train.config.unsupported import UnsupportedConfigError, refuse_unsupported
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RUNNABLE = ("--activation_checkpoint.mode", "none")

@@ -8,11 +8,12 @@ wandb's protobuf classes and compares the history with `metrics.jsonl`.
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
 
-from titan_train.metrics import TB_TAGS
+from titan_train.reporting.metrics import TB_TAGS
 from titan_train.trainer import Trainer
 
 wandb_internal_pb2 = pytest.importorskip(
@@ -45,6 +46,17 @@ def _records(path: Path) -> list:
     return records
 
 
+def _finished_records(path: Path, timeout: float = 60.0) -> list:
+    """The run file's records once it holds the run's `exit` record: wandb's service process writes the
+    file, and `finish()` can return before the service has written the last records."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = _records(path)
+        if any(r.HasField("exit") for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def test_offline_wandb_run_holds_the_logged_scalars_of_every_step(
     tmp_path, one_rank, small_config, monkeypatch
 ):
@@ -56,7 +68,7 @@ def test_offline_wandb_run_holds_the_logged_scalars_of_every_step(
     Trainer(config, one_rank).train()
 
     (run_file,) = (dump / "wandb").glob("offline-run-*/run-*.wandb")
-    records = _records(run_file)
+    records = _finished_records(run_file)
     (run,) = [r.run for r in records if r.HasField("run")]
     assert run.display_name == "wandb offline test"
     history = {}

@@ -1,10 +1,11 @@
 """Atomic, resumable, reshardable checkpoints on torch.distributed.checkpoint."""
 
 from titan_ckpt.async_save import ASYNC_MODES, SaveTiming
-from titan_ckpt.checkpointer import EXPORT_DTYPES, Checkpointer
+from titan_ckpt.checkpointer import Checkpointer
 from titan_ckpt.errors import CheckpointError
 from titan_ckpt.hf_safetensors import HFStateDictAdapter
 from titan_ckpt.load_source import LoadResult
+from titan_ckpt.policies import EXPORT_DTYPES, LastSavePolicy, LoadPolicy, SavePolicy
 from titan_ckpt.stateful import ModelState, OptimizerState
 from titan_ckpt.step_folders import complete_steps
 
@@ -14,9 +15,12 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "HFStateDictAdapter",
+    "LastSavePolicy",
+    "LoadPolicy",
     "LoadResult",
     "ModelState",
     "OptimizerState",
+    "SavePolicy",
     "SaveTiming",
     "complete_steps",
 ]

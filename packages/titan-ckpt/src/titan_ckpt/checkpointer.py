@@ -32,22 +32,20 @@ from titan_ckpt.async_save import (
     PendingSave,
     SaveTiming,
     build_stager,
-    check_async_mode,
     snapshot_objects,
     stager_for_next_save,
 )
 from titan_ckpt.collectives import barrier, decide_on_rank0, group_rank, raise_on_every_rank
 from titan_ckpt.errors import CheckpointError
 from titan_ckpt.hf_safetensors import (
-    DEFAULT_MAX_SHARD_BYTES,
     HFStateDictAdapter,
     gather_full_tensors,
     load_hf_weights,
     write_hf_folder,
 )
 from titan_ckpt.integrity import find_problem, flatten_state_dict, read_metadata, saved_keys
-from titan_ckpt.load_source import MODEL, InitialLoad, LoadResult, choose_source
-from titan_ckpt.stateful import OptimizerState
+from titan_ckpt.load_source import MODEL, LoadResult, choose_source
+from titan_ckpt.policies import LastSavePolicy, LoadPolicy, SavePolicy
 from titan_ckpt.step_folders import (
     MODEL_ONLY_DIR,
     folder_bytes,
@@ -60,8 +58,6 @@ from titan_ckpt.step_folders import (
 
 logger = logging.getLogger(__name__)
 
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def _describe(err: BaseException) -> str:
     """One line per failing rank instead of DCP's full tracebacks (they stay chained on the error)."""
@@ -73,15 +69,15 @@ def _describe(err: BaseException) -> str:
 
 
 class Checkpointer:
-    """Saves `states` into `folder/step-N` every `interval` steps and restores a run at start.
+    """Saves `states` into `folder/step-N` as `saving` says and restores a run at start as `loading` says.
 
     `states` maps names to DCP Statefuls; the entry named "model" is the model (see the module
-    docstring). Every argument after `interval` mirrors the torchtitan `[checkpoint]` option of the
-    same name. `hf_adapter` is needed only for the Hugging Face options; `hf_extra_files` (name ->
-    bytes, or a file to copy) are written into a Hugging Face export beside the weights. A state may
-    list `optional_keys`: keys of its state dict that a checkpoint may lack (its load_state_dict then
-    gets the dict without them). All ranks must construct the Checkpointer and call `load`,
-    `maybe_save` and `close` together.
+    docstring). The policies (`titan_ckpt.policies`; their defaults where not given) check their own
+    values; the Checkpointer checks them against the states. `hf_adapter` is needed only for Hugging
+    Face loads and exports. A state may list `optional_keys`: keys of its state dict that a checkpoint
+    may lack (its load_state_dict then gets the dict without them). All ranks must construct the
+    Checkpointer and call `load`, `maybe_save` and `close` together. Before each optimizer step, call
+    `wait_for_staging`.
     """
 
     def __init__(
@@ -89,97 +85,48 @@ class Checkpointer:
         folder: str | Path,
         states: Mapping[str, Stateful],
         *,
-        interval: int,
-        keep_latest_k: int = 0,
-        async_mode: str = "disabled",
-        load_step: int = -1,
-        initial_load_path: str | Path | None = None,
-        initial_load_model_only: bool = True,
-        initial_load_in_hf: bool = False,
-        last_save_model_only: bool = False,
-        last_save_in_hf: bool = False,
-        export_dtype: str = "float32",
-        exclude_from_loading: Iterable[str] = (),
-        enable_first_step_checkpoint: bool = False,
-        load_only: bool = False,
+        saving: SavePolicy | None = None,
+        loading: LoadPolicy | None = None,
+        last_save: LastSavePolicy | None = None,
         hf_adapter: HFStateDictAdapter | None = None,
-        hf_extra_files: Mapping[str, bytes | Path] | None = None,
-        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
         process_group: dist.ProcessGroup | None = None,
     ):
-        if interval < 1:
-            raise CheckpointError(f"checkpoint: interval must be >= 1, got {interval}")
-        if keep_latest_k < 0:
-            raise CheckpointError(
-                f"checkpoint: keep_latest_k must be >= 0 (0 keeps all), got {keep_latest_k}"
-            )
-        if load_step < -1:
-            raise CheckpointError(
-                f"checkpoint: load_step must be a step >= 0, or -1 for the newest; got {load_step}"
-            )
-        check_async_mode(async_mode)
-        if export_dtype not in EXPORT_DTYPES:
-            raise CheckpointError(
-                f"checkpoint: export_dtype '{export_dtype}' is not one of {', '.join(EXPORT_DTYPES)}"
-            )
+        saving, loading, last_save = (
+            saving or SavePolicy(),
+            loading or LoadPolicy(),
+            last_save or LastSavePolicy(),
+        )
         for name, state in states.items():
             if not isinstance(state, Stateful):
                 raise CheckpointError(
                     f"checkpoint: state '{name}' ({type(state).__name__}) needs state_dict() and load_state_dict()"
                 )
-        self.exclude_from_loading = tuple(exclude_from_loading)
-        unknown = [name for name in self.exclude_from_loading if name not in states]
+        unknown = [name for name in loading.exclude_from_loading if name not in states]
         if unknown:
             raise CheckpointError(
                 f"checkpoint: exclude_from_loading names {unknown}, which are not states; choose from {sorted(states)}"
             )
-        if last_save_in_hf and not last_save_model_only:
-            raise CheckpointError(
-                "checkpoint: last_save_in_hf saves only the model; set last_save_model_only = true"
-            )
-        if initial_load_in_hf and not initial_load_model_only:
-            raise CheckpointError(
-                "checkpoint: initial_load_in_hf loads model weights only; set initial_load_model_only = true"
-            )
-        needs_model = last_save_model_only or bool(initial_load_path)
-        if needs_model and MODEL not in states:
+        if (last_save.model_only or bool(loading.initial_load_path)) and MODEL not in states:
             raise CheckpointError(
                 f"checkpoint: model-only saves and initial loads need a state named '{MODEL}'"
             )
-        if (last_save_in_hf or initial_load_in_hf) and hf_adapter is None:
+        if (last_save.in_hf or loading.initial_load_in_hf) and hf_adapter is None:
             raise CheckpointError(
                 "checkpoint: last_save_in_hf / initial_load_in_hf need a Hugging Face weight mapping (hf_adapter) "
                 "for this model; none was given"
             )
         self.folder = Path(folder)
         self.states = dict(states)
-        self.interval = interval
-        self.keep_latest_k = keep_latest_k
-        self.async_mode = async_mode
-        self.load_step = load_step
-        self.initial = InitialLoad(str(initial_load_path) if initial_load_path else None, initial_load_model_only, initial_load_in_hf)  # fmt: skip
-        self.last_save_model_only = last_save_model_only
-        self.last_save_in_hf = last_save_in_hf
-        self.export_dtype = EXPORT_DTYPES[export_dtype]
-        self.enable_first_step_checkpoint = enable_first_step_checkpoint
-        self.load_only = load_only
+        self.saving, self.loading, self.last_save = saving, loading, last_save
         self.hf_adapter = hf_adapter
-        self.hf_extra_files = dict(hf_extra_files or {})
-        self.max_shard_bytes = max_shard_bytes
         self.timings: list[SaveTiming] = []
         # A gloo group of our own: async writes run collectives from a background thread, which must
         # not interleave with training's collectives, and DCP's async path needs a CPU backend.
         if process_group is None and dist.is_initialized():
             process_group = dist.new_group(backend="gloo")
         self._group = process_group
-        self._stager = build_stager(async_mode, warn=self._rank() == 0)
+        self._stager = build_stager(saving.async_mode, warn=self._rank() == 0)
         self._pending: PendingSave | None = None
-        self._hooks = [
-            optimizer.register_step_pre_hook(self._wait_before_optimizer_step)
-            for state in self.states.values()
-            if isinstance(state, OptimizerState)
-            for optimizer in state.optimizers
-        ]
 
     def _rank(self) -> int:
         return group_rank(self._group)
@@ -193,7 +140,7 @@ class Checkpointer:
         """Where the last save's export of step N lies: `step-N` itself for Hugging Face files (beside
         the DCP files), else `step-N/model_only`."""
         folder = self.step_folder(step)
-        return folder if self.last_save_in_hf else folder / MODEL_ONLY_DIR
+        return folder if self.last_save.in_hf else folder / MODEL_ONLY_DIR
 
     def plan_load(self) -> LoadResult:
         """Decide what `load` restores (the same decision on every rank), without loading or logging it.
@@ -204,10 +151,14 @@ class Checkpointer:
         if self._rank() == 0:
             remove_partial_folders(self.folder)
         barrier(self._group)
-        wanted = [name for name in self.states if name not in self.exclude_from_loading]
+        wanted = [name for name in self.states if name not in self.loading.exclude_from_loading]
         return decide_on_rank0(
             lambda: choose_source(
-                self.folder, wanted, self._present_states, load_step=self.load_step, initial=self.initial
+                self.folder,
+                wanted,
+                self._present_states,
+                load_step=self.loading.load_step,
+                initial=self.loading.initial,
             ),
             self._group,
         )
@@ -309,12 +260,12 @@ class Checkpointer:
         save started. With `load_only` nothing is ever saved.
         """
         self._commit_if_done()
-        if self.load_only:
+        if self.saving.load_only:
             return False
         if last_step:
             self._save_last(step)
             return True
-        if step % self.interval == 0 or (step == 1 and self.enable_first_step_checkpoint):
+        if step % self.saving.interval == 0 or (step == 1 and self.saving.enable_first_step_checkpoint):
             self.save(step)
             return True
         return False
@@ -345,9 +296,9 @@ class Checkpointer:
             elapsed = time.perf_counter() - started
             self._commit(step, partial, final, blocked_s=elapsed, total_s=elapsed)
             return
-        self._stager = stager_for_next_save(self._stager, self.async_mode)
+        self._stager = stager_for_next_save(self._stager, self.saving.async_mode)
         response = dcp.async_save(
-            snapshot_objects(state) if self.async_mode == "async_with_pinned_mem" else state,
+            snapshot_objects(state) if self.saving.async_mode == "async_with_pinned_mem" else state,
             checkpoint_id=str(partial),
             process_group=self._group,
             async_stager=self._stager,
@@ -364,9 +315,9 @@ class Checkpointer:
         started = time.perf_counter()
         partial, final = self._prepare(step)
         self._dcp_save(self._state_dicts(self.states), partial)
-        if self.last_save_in_hf:
+        if self.last_save.in_hf:
             self._write_hf(partial)
-        elif self.last_save_model_only:
+        elif self.last_save.model_only:
             model = {k: self._export(v) for k, v in self.states[MODEL].state_dict().items()}
             self._dcp_save(model, partial / MODEL_ONLY_DIR)
         elapsed = time.perf_counter() - started
@@ -387,11 +338,15 @@ class Checkpointer:
         problem = None
         if self._rank() == 0:
             try:
-                hf = {k: v.to(self.export_dtype) for k, v in self.hf_adapter.to_hf(full).items()}
-                dtype_name = str(self.export_dtype).removeprefix("torch.")
+                hf = {k: v.to(self.last_save.dtype) for k, v in self.hf_adapter.to_hf(full).items()}
+                dtype_name = self.last_save.export_dtype
                 config = {**self.hf_adapter.hf_config(), "torch_dtype": dtype_name}
                 write_hf_folder(
-                    folder, hf, config, max_shard_bytes=self.max_shard_bytes, extra_files=self.hf_extra_files
+                    folder,
+                    hf,
+                    config,
+                    max_shard_bytes=self.last_save.max_shard_bytes,
+                    extra_files=self.last_save.hf_extra_files,
                 )
             except Exception as err:
                 problem = f"checkpoint: Hugging Face export to {folder} failed: {err}"
@@ -400,7 +355,7 @@ class Checkpointer:
 
     def _export(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.detach().to(self.export_dtype)
+            return value.detach().to(self.last_save.dtype)
         return value
 
     def _prepare(self, step: int) -> tuple[Path, Path]:
@@ -422,14 +377,13 @@ class Checkpointer:
                 "checkpoint: saved %s (%.1f MB) in %.2f s; training blocked %.2f s",
                 final, written / 1e6, total_s, blocked_s,
             )  # fmt: skip
-            purge_old(self.folder, self.keep_latest_k)
+            purge_old(self.folder, self.saving.keep_latest_k)
         self.timings.append(SaveTiming(step, blocked_s, total_s, written))
 
-    def _wait_before_optimizer_step(self, *_: Any) -> None:
-        self.wait_for_staging()
-
     def wait_for_staging(self) -> None:
-        """Block until a background save has copied the state (called before every optimizer step)."""
+        """Block until a background save has copied the state. Call it before every optimizer step:
+        the copy of `async_with_pinned_mem` reads the tensors while training goes on, and a step
+        that changed them first would leak into the checkpoint."""
         if self._pending is not None:
             self._pending.wait_for_staging()
 
@@ -454,14 +408,21 @@ class Checkpointer:
         total = max((pending.finished or time.perf_counter()) - pending.started, pending.blocked_s)
         self._commit(pending.step, pending.partial, pending.final, blocked_s=pending.blocked_s, total_s=total)
 
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        """`close` after a clean exit. After an error a save still in flight is left unpublished, as a
+        kill would leave it: waiting for it could block on a rank that failed, and the next start
+        removes its partial folder."""
+        if exc_type is None:
+            self.close()
+
     def close(self) -> None:
-        """Finish and publish a save still in flight, and release staging memory and hooks."""
+        """Finish and publish a save still in flight, and release staging memory."""
         try:
             self._finish_pending()
         finally:
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks = []
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_ckpt import Checkpointer, ModelState, OptimizerState
+from titan_ckpt import Checkpointer, ModelState, OptimizerState, SavePolicy
 
 INTERVAL = 2
 
@@ -71,7 +71,9 @@ def main(folder: str, steps: int, async_mode: str, losses_file: str, events_file
         "dataloader": data,
         "train_state": progress,
     }
-    ckpt = Checkpointer(folder, states, interval=INTERVAL, keep_latest_k=3, async_mode=async_mode)
+    ckpt = Checkpointer(
+        folder, states, saving=SavePolicy(interval=INTERVAL, keep_latest_k=3, async_mode=async_mode)
+    )
     events = open(events_file, "a", buffering=1)  # line-buffered: each event reaches the file at once
     result = ckpt.load()
     entries = ",".join(sorted(os.listdir(folder))) if os.path.isdir(folder) else ""
@@ -82,6 +84,7 @@ def main(folder: str, steps: int, async_mode: str, losses_file: str, events_file
             inputs, targets = data.next_batch()
             loss = nn.functional.mse_loss(model(inputs), targets)
             loss.backward()
+            ckpt.wait_for_staging()
             optimizer.step()
             optimizer.zero_grad()
             progress.step += 1

@@ -24,7 +24,15 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from titan_ckpt import Checkpointer, CheckpointError, ModelState, OptimizerState
+from titan_ckpt import (
+    Checkpointer,
+    CheckpointError,
+    LastSavePolicy,
+    LoadPolicy,
+    ModelState,
+    OptimizerState,
+    SavePolicy,
+)
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_OPTIM = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
@@ -101,10 +109,14 @@ def states(model, optimizer, owned):
     }
 
 
-def train(model, optimizer, streams: Streams, steps: int, rank: int) -> None:
+def train(
+    model, optimizer, streams: Streams, steps: int, rank: int, ckpt: Checkpointer | None = None
+) -> None:
     for _ in range(steps):
         gen = torch.Generator().manual_seed(100 * rank + sum(streams.positions.values()))
         model(torch.randn(4, 16, generator=gen)).pow(2).mean().backward()
+        if ckpt is not None:
+            ckpt.wait_for_staging()
         optimizer.step()
         optimizer.zero_grad()
         for j in streams.positions:
@@ -146,7 +158,7 @@ def main(out_path: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     saved = states(model, optimizer, [rank])
     train(model, optimizer, saved["dataloader"], 3, rank)
-    Checkpointer(root / "a", saved, interval=1).save(3)
+    Checkpointer(root / "a", saved).save(3)
     reference = get_model_state_dict(model, options=FULL)
     reference_optim = optimizer_tensors(model, optimizer)
     report["fsdp_is_sharded"] = (
@@ -159,7 +171,7 @@ def main(out_path: str) -> None:
         plain = Toy()
         plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
         one = states(plain, plain_optimizer, [0, 1])
-        Checkpointer(root / "a", one, interval=1, process_group=alone).load()
+        Checkpointer(root / "a", one, process_group=alone).load()
         report["one_rank_weights_max_diff"] = max_diff(plain.state_dict(), reference)
         report["one_rank_optimizer_max_diff"] = max_diff(
             optimizer_tensors(plain, plain_optimizer), reference_optim
@@ -170,7 +182,7 @@ def main(out_path: str) -> None:
     # C: tensor parallel on 2 ranks loads the same files.
     tp = tp_model(mesh, seed=5)
     tp_optimizer = torch.optim.AdamW(tp.parameters(), lr=1e-2)
-    Checkpointer(root / "a", states(tp, tp_optimizer, [rank]), interval=1).load()
+    Checkpointer(root / "a", states(tp, tp_optimizer, [rank])).load()
     report["tp_is_sharded"] = tp.w1.weight.placements[0].is_shard(0) and tp.w2.weight.placements[0].is_shard(
         1
     )
@@ -180,42 +192,38 @@ def main(out_path: str) -> None:
     # D: async saves across ranks hold the state of their step while training continues.
     report["async_max_diff"] = {}
     for mode in ("async", "async_with_pinned_mem"):
-        ckpt = Checkpointer(root / mode, saved, interval=1, async_mode=mode)
+        ckpt = Checkpointer(root / mode, saved, saving=SavePolicy(interval=1, async_mode=mode))
         ckpt.save(4)
         at_save = get_model_state_dict(model, options=FULL)
-        train(model, optimizer, saved["dataloader"], 2, rank)
+        train(model, optimizer, saved["dataloader"], 2, rank, ckpt)
         ckpt.close()
         fresh = fsdp_model(mesh, seed=9)
         fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-        Checkpointer(root / mode, states(fresh, fresh_optimizer, [rank]), interval=1).load()
+        Checkpointer(root / mode, states(fresh, fresh_optimizer, [rank])).load()
         report["async_max_diff"][mode] = max_diff(get_model_state_dict(fresh, options=FULL), at_save)
 
     # E: rank 1 fails while writing: no rank publishes the step, and the next start skips it.
-    Checkpointer(root / "e", saved, interval=1).save(1)
-    failing = Checkpointer(root / "e", {**saved, "extra": Unpicklable(rank)}, interval=1)
+    Checkpointer(root / "e", saved).save(1)
+    failing = Checkpointer(root / "e", {**saved, "extra": Unpicklable(rank)})
     report["failed_save_errors"] = error_on_every_rank(lambda: failing.save(2))
     report["failed_save_folders"] = sorted(p.name for p in (root / "e").iterdir())
     dist.barrier()
     report["after_failure_load"] = (
-        Checkpointer(root / "e", saved, interval=1, exclude_from_loading=["dataloader"]).load().step
+        Checkpointer(root / "e", saved, loading=LoadPolicy(exclude_from_loading=["dataloader"])).load().step
     )
     report["after_failure_folders"] = sorted(p.name for p in (root / "e").iterdir())
 
     # F: a key only rank 1 asks for is missing: both ranks fail with the same message, none hangs.
     other = fsdp_model(mesh, seed=3)
     other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
-    mismatched = Checkpointer(
-        root / "a", states(other, other_optimizer, [rank if rank == 0 else 5]), interval=1
-    )
+    mismatched = Checkpointer(root / "a", states(other, other_optimizer, [rank if rank == 0 else 5]))
     report["mismatch_errors"] = error_on_every_rank(mismatched.load)
 
     # G: Hugging Face export from FSDP on 2 ranks, imported into tensor parallel.
     hf_ckpt = Checkpointer(
         root / "g",
         saved,
-        interval=1,
-        last_save_model_only=True,
-        last_save_in_hf=True,
+        last_save=LastSavePolicy(model_only=True, in_hf=True),
         hf_adapter=RenameAdapter(),
     )
     hf_ckpt.maybe_save(6, last_step=True)
@@ -223,9 +231,11 @@ def main(out_path: str) -> None:
     tp_hf = tp_model(mesh, seed=6)
     tp_hf_optimizer = torch.optim.AdamW(tp_hf.parameters(), lr=1e-2)
     Checkpointer(
-        root / "g_run", states(tp_hf, tp_hf_optimizer, [rank]), interval=1, initial_load_path=root / "g" / "step-6",
-        initial_load_in_hf=True, hf_adapter=RenameAdapter(),
-    ).load()  # fmt: skip
+        root / "g_run",
+        states(tp_hf, tp_hf_optimizer, [rank]),
+        loading=LoadPolicy(initial_load_path=root / "g" / "step-6", initial_load_in_hf=True),
+        hf_adapter=RenameAdapter(),
+    ).load()
     report["hf_files"] = sorted(p.name for p in (root / "g" / "step-6").iterdir())
     report["hf_tp_max_diff"] = max_diff(get_model_state_dict(tp_hf, options=FULL), exported)
 

@@ -18,6 +18,7 @@ _HOME = {
     "MemmapTokenDataset": "titan_data.datasets.memmap",
     "PackedTokenDataset": "titan_data.datasets.packed",
     "ShardIndex": "titan_data.shards.index",
+    "StreamLayout": "titan_data.datasets.windows",
     "TextSource": "titan_data.datasets.sources",
     "TokenLoader": "titan_data.loader",
     "Tokenizer": "titan_data.tokenizers.base",
@@ -37,6 +38,7 @@ __all__ = [
     "MemmapTokenDataset",
     "PackedTokenDataset",
     "ShardIndex",
+    "StreamLayout",
     "TextSource",
     "TokenLoader",
     "Tokenizer",
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from titan_data.datasets.packed import PackedTokenDataset
     from titan_data.datasets.registry import DATASETS, get_source, register_dataset
     from titan_data.datasets.sources import DocumentReader, IterableSource, TextSource
+    from titan_data.datasets.windows import StreamLayout
     from titan_data.errors import DataError
     from titan_data.loader import TokenLoader
     from titan_data.shards.index import ShardIndex

@@ -124,6 +124,16 @@ class TokenLoader(StatefulDataLoader):
     def state_dict(self) -> dict[str, Any]:
         return {**self.packed.state_dict(), **self._consumed}
 
+    def close(self) -> None:
+        """Stop the worker processes (persistent ones too) and wait for them; a later iteration starts
+        new ones. Without workers there is nothing to stop."""
+        iterator, self._iterator = self._iterator, None
+        # torch's multi-process iterator stops its workers in `_shutdown_workers`, otherwise only when
+        # it is garbage-collected.
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.packed.load_state_dict(state)
         self._consumed = {}

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from titan_data import PackedTokenDataset, TokenLoader, build_tokenizer, get_source
+from titan_data import PackedTokenDataset, StreamLayout, TokenLoader, build_tokenizer, get_source
 from titan_data.datasets.registry import ASSETS
 
 NUM_STREAMS, GLOBAL_BATCH, SEQ_LEN, SAVED_STEPS, RESUMED_STEPS = 12, 12, 32, 3, 4
@@ -18,7 +18,7 @@ NUM_STREAMS, GLOBAL_BATCH, SEQ_LEN, SAVED_STEPS, RESUMED_STEPS = 12, 12, 32, 3, 
 
 def loader(rank: int, world: int) -> TokenLoader:
     dataset = PackedTokenDataset(get_source("c4_test"), build_tokenizer(ASSETS / "tokenizer"), SEQ_LEN,
-                                 dp_rank=rank, dp_world_size=world, num_streams=NUM_STREAMS)  # fmt: skip
+                                 streams=StreamLayout(rank, world, NUM_STREAMS))  # fmt: skip
     return TokenLoader(dataset, GLOBAL_BATCH // world)
 
 

@@ -96,6 +96,10 @@ class Transformer(nn.Module):
             self.freqs_cis = self._rotary_table()
         init_parameters(self, self.args, torch.initial_seed() if seed is None else seed)
 
+    def sequence_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """The rotary table, indexed by position along dim 0: context parallelism shards it with the batch."""
+        return [(self.freqs_cis, 0)]
+
     def parallel_blocks(self) -> dict[str, nn.Module]:
         """The repeated blocks by fully-qualified name: the units that parallelisms wrap."""
         return {f"layers.{name}": block for name, block in self.layers.items()}

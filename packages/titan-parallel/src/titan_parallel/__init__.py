@@ -13,16 +13,21 @@ from titan_parallel.parallel_dims import ParallelDims
 from titan_parallel.parallelize import parallelize, training_context
 from titan_parallel.pipeline import Pipeline, build_pipeline, pipeline_stages
 from titan_parallel.protocols import (
+    HasInitWeights,
     HasParallelBlocks,
     HasPipelineUnits,
+    HasSequenceBuffers,
     HasTensorParallelPlan,
     ParallelizableModel,
+    TrainableModel,
 )
 from titan_parallel.tensor_parallel import apply_tp, loss_parallel_ctx
 
 __all__ = [
+    "HasInitWeights",
     "HasParallelBlocks",
     "HasPipelineUnits",
+    "HasSequenceBuffers",
     "HasTensorParallelPlan",
     "ModelDescriptionError",
     "ParallelConfigError",
@@ -30,6 +35,7 @@ __all__ = [
     "ParallelOptions",
     "ParallelizableModel",
     "Pipeline",
+    "TrainableModel",
     "UnsupportedDeviceError",
     "apply_ac",
     "apply_compile",

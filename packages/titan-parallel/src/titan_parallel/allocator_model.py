@@ -48,40 +48,61 @@ def _segment_size(size: int) -> int:
 
 
 class _Segment:
-    """Blocks of one segment as sorted offsets, each with its size and whether it is free."""
+    """Blocks of one segment as sorted offsets, each with its size and whether it is free.
 
-    def __init__(self, size: int):
-        self.size = size
-        self.offsets = [0]
-        self.blocks = {0: [size, True]}
+    Its free blocks are also entries (size, segment id, offset) of its pool's sorted `free` list, so
+    the best fit is found by bisection: the smallest block that fits, the oldest segment's first.
+    """
+
+    def __init__(self, size: int, free: list, ident: int):
+        self.size, self.free, self.id = size, free, ident
+        self.offsets: list[int] = []
+        self.blocks: dict[int, list] = {}
+        if size:
+            self._add(0, size)
+
+    def _add(self, offset: int, size: int) -> None:
+        bisect.insort(self.offsets, offset)
+        self.blocks[offset] = [size, True]
+        bisect.insort(self.free, (size, self.id, offset))
+
+    def _unfree(self, offset: int) -> None:
+        del self.free[bisect.bisect_left(self.free, (self.blocks[offset][0], self.id, offset))]
 
     def take(self, offset: int, size: int, small: bool) -> None:
+        self._unfree(offset)
         block_size = self.blocks[offset][0]
         rest = block_size - size
         if rest >= _MIN_BLOCK if small else rest > _SMALL_SIZE:
             self.blocks[offset] = [size, False]
-            self.blocks[offset + size] = [rest, True]
-            bisect.insort(self.offsets, offset + size)
+            self._add(offset + size, rest)
         else:
             self.blocks[offset][1] = False
 
     def give_back(self, offset: int) -> None:
-        self.blocks[offset][1] = True
+        size = self.blocks[offset][0]
         i = bisect.bisect_left(self.offsets, offset)
         if i + 1 < len(self.offsets) and self.blocks[self.offsets[i + 1]][1]:
             nxt = self.offsets.pop(i + 1)
-            self.blocks[offset][0] += self.blocks.pop(nxt)[0]
+            self._unfree(nxt)
+            size += self.blocks.pop(nxt)[0]
         if i > 0 and self.blocks[self.offsets[i - 1]][1]:
             prev = self.offsets[i - 1]
-            self.blocks[prev][0] += self.blocks.pop(self.offsets.pop(i))[0]
+            self._unfree(prev)
+            size += self.blocks[prev][0]
+            del self.blocks[self.offsets.pop(i)]
+            offset = prev
+        self.blocks[offset] = [size, True]
+        bisect.insort(self.free, (size, self.id, offset))
 
     def grow(self, by: int) -> None:
         last = self.offsets[-1] if self.offsets else None
         if last is not None and self.blocks[last][1] and last + self.blocks[last][0] == self.size:
+            self._unfree(last)
             self.blocks[last][0] += by
+            bisect.insort(self.free, (self.blocks[last][0], self.id, last))
         else:
-            self.offsets.append(self.size)
-            self.blocks[self.size] = [by, True]
+            self._add(self.size, by)
         self.size += by
 
     def tail_free(self) -> int:
@@ -94,6 +115,11 @@ class _Segment:
     def all_free(self) -> bool:
         return len(self.offsets) == 1 and self.blocks[0][1]
 
+    def release(self) -> None:
+        """Out of its pool (its memory goes back to the device): its free block leaves the pool's list."""
+        self._unfree(0)
+        self.free = [(self.blocks[0][0], self.id, 0)]
+
 
 def replay(
     sizes: list[tuple[int, int]],
@@ -105,6 +131,8 @@ def replay(
     """Peak allocated and reserved bytes for a sequence of (storage key, new size) events (0 frees)."""
     streams = streams or {}
     segments: dict[tuple[int, bool], list[_Segment]] = {}
+    free_blocks: dict[tuple[int, bool], list[tuple[int, int, int]]] = {}  # per pool: (size, segment, offset)
+    by_id: dict[int, _Segment] = {}
     where: dict[int, tuple[_Segment, int, bool, int]] = {}  # key -> (segment, offset, small, size)
     allocated = reserved = peak_allocated = peak_reserved = 0
 
@@ -113,24 +141,25 @@ def replay(
         for pool in segments.values():
             for seg in [s for s in pool if s.all_free()]:
                 pool.remove(seg)
+                seg.release()
                 reserved -= seg.size
+
+    def new_segment(pool_key: tuple[int, bool], size: int) -> _Segment:
+        seg = by_id[len(by_id)] = _Segment(size, free_blocks[pool_key], len(by_id))
+        return seg
 
     def allocate(key: int, size: int) -> None:
         nonlocal allocated, reserved
         size = round_size(size)
         small = size <= _SMALL_SIZE
-        pool = segments.setdefault((streams.get(key, 0), small), [])
-        best = None
-        for seg in pool:
-            for offset in seg.offsets:
-                block_size, free = seg.blocks[offset]
-                if free and block_size >= size and (best is None or block_size < best[2]):
-                    best = (seg, offset, block_size)
-        if best is None:
+        pool_key = (streams.get(key, 0), small)
+        pool = segments.setdefault(pool_key, [])
+        free_list = free_blocks.setdefault(pool_key, [])
+        i = bisect.bisect_left(free_list, (size,))
+        if i == len(free_list):
             if expandable_segments:
                 if not pool:
-                    pool.append(_Segment(0))
-                    pool[0].offsets, pool[0].blocks = [], {}
+                    pool.append(new_segment(pool_key, 0))
                 seg = pool[0]
                 page = _SMALL_SEGMENT if small else _LARGE_SEGMENT
                 grow = page * math.ceil((size - seg.tail_free()) / page)
@@ -140,14 +169,15 @@ def replay(
                 reserved += grow
                 offset = seg.offsets[-1]
             else:
-                seg = _Segment(_segment_size(size))
-                if capacity is not None and reserved + seg.size > capacity:
+                if capacity is not None and reserved + _segment_size(size) > capacity:
                     release_cached()
+                seg = new_segment(pool_key, _segment_size(size))
                 pool.append(seg)
                 reserved += seg.size
                 offset = 0
         else:
-            seg, offset, _ = best
+            _, ident, offset = free_list[i]
+            seg = by_id[ident]
         seg.take(offset, size, small)
         where[key] = (seg, offset, small, size)
         allocated += size

@@ -6,14 +6,16 @@ the phase and block running, what kind of op made it) and a weak reference tells
 that way. Under torch's `FakeTensorMode` the same step costs no memory and no compute, so a layout
 of 512 GPUs is traced on a CPU, one rank at a time. Nothing here knows a model: blocks come from
 the caller, and roles (parameters, gradients, optimizer state) are named by the caller at the end.
+What one piece of the step allocated (a span) can be captured and emitted again where the piece
+repeats, without running it (`titan_parallel.pipeline_replay`).
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -41,6 +43,7 @@ _FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.
 # FSDP2's packed all-gather input/output and reduce-scatter input.
 _COMM_OPS = {"fsdp::all_gather_copy_in", "fsdp::chunk_cat"}
 _PROPAGATE = "_propagate_tensor_meta_non_cached"  # where DTensor runs ops on fake tensors for shapes
+_DEVICE = torch.ops.prim.device.default
 
 Label = tuple  # ("forward", part, block), ("backward", part, block), ("after forward", part, block), (name,)
 
@@ -51,6 +54,16 @@ class _Record:
     kind: str
     stream: int  # 1 for communication buffers and gathered parameters (FSDP's own CUDA streams), else 0
     role: str | None = None
+    by_label: bool = False  # its kind comes from the label current when it was made
+
+
+@dataclass
+class Span:
+    """The allocation events between two points of a trace, to be emitted again (`MemoryTrace.replay`)."""
+
+    events: list[tuple[int, int, int | None]]  # (key, new size, label index; None: the label when replayed)
+    made: dict[int, _Record]  # the storages first allocated in the span
+    end_label: int | None  # the label current at its end, None where the span set no label
 
 
 @dataclass
@@ -106,6 +119,7 @@ class MemoryTrace(TorchDispatchMode):
         self._labels: list[Label] = [("start",)]
         self._label_index: dict[Label, int] = {("start",): 0}
         self._current = 0
+        self._switches: list[int] = []  # how many events there were at each change of label
         self._measure_from = 0
         self._orig_resize = None
         self._hooks: list = []
@@ -120,7 +134,7 @@ class MemoryTrace(TorchDispatchMode):
         if label not in self._label_index:
             self._label_index[label] = len(self._labels)
             self._labels.append(label)
-        self._current = self._label_index[label]
+        self._switch(self._label_index[label])
 
     @contextmanager
     def labelled(self, label: Label):
@@ -164,15 +178,69 @@ class MemoryTrace(TorchDispatchMode):
             h.remove()
         self._hooks = []
 
+    # -- spans: what a piece of the step allocated, emitted again where that piece repeats ---------
+
+    def key_of(self, t: torch.Tensor) -> int | None:
+        """The key of the storage `t` lives on (its local shard's, for a DTensor), if the trace knows it."""
+        return self._keys.get(_storages(t)[0])
+
+    def mark(self) -> tuple[int, int, int]:
+        """A point of the trace to `capture` a span from."""
+        return len(self._events), len(self._switches), len(self._records)
+
+    def capture(self, mark: tuple[int, int, int]) -> Span:
+        """The events since `mark`; those before the span's first change of label take the label current
+        where the span is replayed, as they took the one current when it ran."""
+        start, first_switch, first_key = mark
+        switches = self._switches[first_switch:]
+        inherit = switches[0] if switches else len(self._events)
+        events = [
+            (k, s, None if n < inherit else li) for n, (k, s, li) in enumerate(self._events[start:], start)
+        ]
+        made = {k: replace(self._records[k]) for k, _, _ in events if k >= first_key}
+        return Span(events, made, self._current if switches else None)
+
+    def replay(
+        self, span: Span, keys: dict[int, int], make: dict[int, Callable[[], torch.Tensor]]
+    ) -> dict[int, int]:
+        """Emit `span`'s events again, as if the piece of the step it captured ran once more.
+
+        A storage the span made gets a new key or, if it is in `make`, is the storage of the tensor that
+        `make[key]()` creates at that point (what the piece hands on: an output, a loss, a gradient). A
+        storage made before the span stands for the one `keys` gives. Returns the key each storage of
+        the span stands for now.
+        """
+        start_label, now = self._current, dict(keys)
+        for key, size, label in span.events:
+            self._switch(start_label if label is None else label)
+            if key not in now:
+                record = span.made[key]  # a KeyError: the span frees a storage the caller did not bind
+                record = replace(record, kind=self._kind_now() if record.by_label else record.kind)
+                if key in make:
+                    now[key] = self.key_of(make[key]())  # its allocation is traced as it happens
+                    self._records[now[key]] = record
+                    continue
+                now[key] = len(self._records)
+                self._records[now[key]] = record
+            self._events.append((now[key], size, self._current))
+        if span.end_label is not None:
+            self._switch(span.end_label)
+        return now
+
+    def _switch(self, label_index: int) -> None:
+        if label_index != self._current:
+            self._switches.append(len(self._events))
+            self._current = label_index
+
     # -- the tracking ----------------------------------------------------------------------------
 
-    def _note(self, st: torch.UntypedStorage, kind: str) -> None:
+    def _note(self, st: torch.UntypedStorage, kind: str, by_label: bool = False) -> None:
         if st in self._keys:
             return
         key = len(self._records)
         nbytes = st.nbytes()
         stream = 1 if kind in ("communication buffers", "gathered parameters") else 0
-        self._records[key] = _Record(nbytes, kind, stream)
+        self._records[key] = _Record(nbytes, kind, stream, by_label=by_label)
         self._keys[st] = key
         self._refs[key] = weakref.ref(st, lambda _, key=key: self._free(key))
         if nbytes:
@@ -199,7 +267,7 @@ class MemoryTrace(TorchDispatchMode):
             self._note(st, "gathered parameters")
             return
         # Only FSDP frees and re-allocates a storage in place: its gathered parameters.
-        self._records[key].kind = "gathered parameters"
+        self._records[key].kind, self._records[key].by_label = "gathered parameters", False
         self._records[key].stream = 1
         self._events.append((key, st.nbytes(), self._current))
 
@@ -233,6 +301,8 @@ class MemoryTrace(TorchDispatchMode):
         return super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # asked of every tensor by the autograd engine and DTensor: allocates nothing
+            return func(*args)
         # Let tensor subclasses (DTensor, float8 wrappers) unwrap first: their local ops come back here.
         if any(t is not torch._subclasses.FakeTensor and hasattr(t, "__tensor_flatten__") for t in types):
             return NotImplemented
@@ -245,11 +315,18 @@ class MemoryTrace(TorchDispatchMode):
             return out
         name = func._schema.name
         kind = "communication buffers" if name in _COMM_OPS or name.startswith("c10d") else None
-        for t in tree_flatten(out)[0]:
+        if name == "c10d::recv_":
+            # A pipeline stage's receive buffer: the stage allocated it (when depends on the schedule and,
+            # in a real run, on its shape inference), a receive fills it.
+            for st in (st for t in args[0] for st in _storages(t)):
+                key = self._keys.get(st)
+                if key is not None:
+                    self._records[key].kind, self._records[key].by_label = kind, False
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 k = "float8" if t.dtype in _FLOAT8 else kind or self._kind_now()
                 for st in _storages(t):
-                    self._note(st, k)
+                    self._note(st, k, by_label=k != "float8" and kind is None)
         return out
 
     # -- the result ------------------------------------------------------------------------------

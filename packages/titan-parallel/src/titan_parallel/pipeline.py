@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,8 +43,8 @@ class Pipeline:
     model_parts: list[nn.Module]
     pp_mesh: DeviceMesh
     last_stage_rank: int  # rank within pp_mesh that owns the last stage
-    # What each microbatch loss is divided by, in training and in evaluation (see build_pipeline).
-    loss_divisor: dict[str, float] = field(default_factory=lambda: {"now": 1.0, "train": 1.0, "eval": 1.0})
+    # The loss of training ("train") and of evaluation ("eval"); the schedule runs "now" (see build_pipeline).
+    loss_fns: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
 
     @property
     def has_first_stage(self) -> bool:
@@ -67,7 +67,7 @@ class Pipeline:
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean loss of one batch through the schedule's forward-only path, on every pipeline rank.
 
-        Not divided for gradient accumulation: it is the loss of this batch, as one process computes it.
+        Computed with `build_pipeline`'s `eval_loss_fn`: the loss of this batch, as one process computes it.
         """
         for part in self.model_parts:
             part.eval()
@@ -81,7 +81,7 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
-        self.loss_divisor["now"] = self.loss_divisor[mode]
+        self.loss_fns["now"] = self.loss_fns[mode]
         run(*args, target=target, losses=losses, **kwargs)
         if self.has_last_stage:
             parts = [x.full_tensor() if isinstance(x, DTensor) else x for x in losses]
@@ -181,7 +181,7 @@ def build_pipeline(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     local_batch_size: int,
-    accumulation_steps: int = 1,
+    eval_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     parallelize_fn: Callable[[nn.Module], nn.Module] | None = None,
 ) -> Pipeline:
     """Cut `model` into stages, keep this rank's, parallelize each, and build the schedule.
@@ -189,12 +189,13 @@ def build_pipeline(
     Each stage module goes through `parallelize(part, dims, options)` unless `parallelize_fn` is given.
 
     `model` is best built on the meta device (stages are deep copies); materialise and initialise
-    `Pipeline.model_parts` afterwards. `loss_fn(logits, labels)` is a mean over tokens; each
-    microbatch of `options.pp_microbatch_size` sequences gets its own loss, divided by the number
-    of microbatches (times `accumulation_steps` in training), so the gradients add up to those of the
-    full-batch mean. The loss is divided,
-    not the gradients afterwards (torch's `scale_grads`): that rescales every gradient the
-    parameters hold, which under gradient accumulation includes earlier micro-batches' share.
+    `Pipeline.model_parts` afterwards. `loss_fn(logits, labels)` is the loss `step` trains on, a mean
+    over tokens (a trainer that accumulates gradients passes it already scaled); `evaluate` uses
+    `eval_loss_fn` (default: `loss_fn`). Each microbatch of `options.pp_microbatch_size` sequences
+    gets its own loss, divided by the number of microbatches, so the gradients add up to those of the
+    full-batch mean. The loss is divided, not the gradients afterwards (torch's `scale_grads`): that
+    rescales every gradient the parameters hold, which under gradient accumulation includes earlier
+    micro-batches' share.
     """
     pp_mesh = dims.submesh("pp")
     if pp_mesh is None:
@@ -214,15 +215,14 @@ def build_pipeline(
         parts.append(part)
         stages.append(_PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
         logger.info("pipeline rank %d holds stage %d: %s", rank, stage_id, stage_units[stage_id])
-    divisor = {"train": n_microbatches * accumulation_steps, "eval": n_microbatches}
-    divisor["now"] = divisor["train"]
+    loss_fns = {"train": loss_fn, "eval": eval_loss_fn or loss_fn, "now": loss_fn}
 
     def microbatch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return loss_fn(logits, labels) / divisor["now"]
+        return loss_fns["now"](logits, labels) / n_microbatches
 
     schedule = _schedule(options, stages, n_microbatches, microbatch_loss, num_stages, local_batch_size)
     last_rank = next(r for r in range(pp) if num_stages - 1 in stage_ids_of_rank(r, pp, per_rank, v_shape))
-    return Pipeline(schedule, stages, parts, pp_mesh, last_rank, divisor)
+    return Pipeline(schedule, stages, parts, pp_mesh, last_rank, loss_fns)
 
 
 def _schedule(

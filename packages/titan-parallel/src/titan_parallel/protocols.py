@@ -1,16 +1,19 @@
-"""What titan-parallel needs to know about a model, as structural types.
+"""What titan-parallel, and a trainer driving a parallel model, need to know about a model, as structural types.
 
 titan-parallel never imports a model class. A model (from titan-models or any other codebase)
 describes itself through plain data and torch types; these protocols document that shape. A model
 implements only the methods for the parallelisms it is used with: FSDP, DDP, activation
 checkpointing and compile need `parallel_blocks`; tensor parallelism needs `tp_plan`; pipeline
-parallelism needs `pipeline_units`.
+parallelism needs `pipeline_units`; context parallelism shards the `sequence_buffers`. A model is
+built on the meta device, and `init_weights` gives it its values once parallelised (`TrainableModel`:
+everything a trainer asks of a model beyond `nn.Module`).
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -59,3 +62,33 @@ class HasPipelineUnits(Protocol):
 @runtime_checkable
 class ParallelizableModel(HasParallelBlocks, HasTensorParallelPlan, HasPipelineUnits, Protocol):
     """A model that every parallelism in titan-parallel can be applied to."""
+
+
+@runtime_checkable
+class HasSequenceBuffers(Protocol):
+    """A model holding buffers indexed by sequence position, which context parallelism shards as it
+    shards the batch."""
+
+    def sequence_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """Each buffer with its sequence dimension, e.g. `[(rotary_table, 0)]`; `[]` if there are none.
+
+        The buffers themselves, not copies: context parallelism replaces their contents for the step.
+        """
+        ...
+
+
+@runtime_checkable
+class HasInitWeights(Protocol):
+    """A model that fills its parameters and buffers itself, after `to_empty` moved it off the meta device."""
+
+    def init_weights(self, buffer_device: torch.device | None = None, seed: int | None = None) -> None:
+        """Initialise every parameter in place (sharded ones too) and rebuild buffers on `buffer_device`.
+
+        The values depend on `seed` only, never on the parallel layout.
+        """
+        ...
+
+
+@runtime_checkable
+class TrainableModel(ParallelizableModel, HasSequenceBuffers, HasInitWeights, Protocol):
+    """Everything a trainer asks of a model beyond `nn.Module`'s own API."""

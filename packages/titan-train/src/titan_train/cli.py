@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -18,22 +19,23 @@ from titan_data import DataError
 from titan_models import ModelError
 from titan_parallel import ParallelConfigError
 from titan_train.config import load_job_config
-from titan_train.device_peaks import DEVICE_MEMORY_GIB
+from titan_train.config.run_checks import check_run
 from titan_train.distributed import (
     configure_flight_recorder,
     init_distributed,
+    launched_world_size,
     set_collective_timeout,
     shutdown,
 )
-from titan_train.dry_run import dry_run
-from titan_train.early_stop import CollectiveHang, EarlyStop
 from titan_train.errors import ConfigError
-from titan_train.hang_diagnosis import describe_init_failure
-from titan_train.peer_watch import watching_peers
-from titan_train.report import build_report
-from titan_train.status_file import leave_exit_status
+from titan_train.faults.exit_status import CollectiveHang, EarlyStop
+from titan_train.faults.hang_diagnosis import describe_init_failure
+from titan_train.faults.peer_watch import watching_peers
+from titan_train.faults.status_file import leave_exit_status
+from titan_train.reporting.device_peaks import DEVICE_MEMORY_GIB
+from titan_train.reporting.dry_run import dry_run
+from titan_train.reporting.report import build_report
 from titan_train.trainer import Trainer
-from titan_train.unsupported import refuse_unsupported
 
 USER_ERRORS = (ConfigError, DataError, ParallelConfigError, CheckpointError, ModelError)
 
@@ -99,7 +101,9 @@ def train(argv: list[str], world_size: int | None = None, device: tuple = ("H100
         world_size = world_size or int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or 1)
         dry_run(config, world_size, *device)
         return 0
-    refuse_unsupported(config, "cuda" if torch.cuda.is_available() else "cpu")
+    check_run(
+        config, world_size=launched_world_size(), device_type="cuda" if torch.cuda.is_available() else "cpu"
+    )
     c = config.comm
     configure_flight_recorder(
         c.trace_buf_size, Path(config.job.dump_folder) / c.save_traces_folder, c.save_traces_file_prefix
@@ -110,10 +114,13 @@ def train(argv: list[str], world_size: int | None = None, device: tuple = ("H100
         raise CollectiveHang(describe_init_failure(err, c.init_timeout_seconds)) from None
     traces = Path(config.job.dump_folder) / c.save_traces_folder if c.trace_buf_size > 0 else None
     try:
-        with watching_peers(
-            info.rank, info.world_size, traces, c.save_traces_file_prefix, exit_status
-        ) as watch:
-            trainer = Trainer(config, info)
+        # One stack closes the run: the peer watch first in, last out (see Trainer.train). train()
+        # closes it when training ends; this `with` does if building the trainer fails.
+        with contextlib.ExitStack() as closing:
+            watch = closing.enter_context(
+                watching_peers(info.rank, info.world_size, traces, c.save_traces_file_prefix, exit_status)
+            )
+            trainer = Trainer(config, info, closing)
             if watch is not None:
                 watch.position = trainer.guard.position
             set_collective_timeout(c.train_timeout_seconds)
@@ -133,7 +140,7 @@ def run(argv: list[str]) -> int:
     """Dispatch to a subcommand or train; a user's mistake is logged as one line and exits with 2.
 
     Runs that stop early on purpose exit with their own status: 3 preempted (checkpoint saved), 4
-    non-finite numbers, 5 a hang or a lost peer (see `titan_train.early_stop`).
+    non-finite numbers, 5 a hang or a lost peer (see `titan_train.faults.exit_status`).
     """
     try:
         if argv[:1] == ["report"]:
@@ -142,15 +149,15 @@ def run(argv: list[str]) -> int:
             world_size, rest, device = _dry_run_args(argv[1:])
             return train(rest, world_size, device)
         if argv[:1] == ["check"]:
-            from titan_train.launch_check import check_main
+            from titan_train.commands.check import check_main
 
             return check_main(argv[1:])
         if argv[:1] == ["generate"]:
-            from titan_train.generate_cli import generate_main
+            from titan_train.commands.generate import generate_main
 
             return generate_main(argv[1:])
         if argv[:1] == ["eval"]:
-            from titan_train.eval_cli import eval_main
+            from titan_train.commands.eval import eval_main
 
             return eval_main(argv[1:])
         return train(argv)

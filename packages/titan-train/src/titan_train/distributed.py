@@ -29,6 +29,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def launched_world_size() -> int:
+    """The world size `init_distributed` will join: WORLD_SIZE under torchrun, else 1."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 1
+    return int(os.environ["WORLD_SIZE"])
+
+
 def init_distributed(init_timeout_seconds: int) -> DistInfo:
     """Join the job's process group (NCCL on GPU, gloo on CPU) and pick this rank's device.
 

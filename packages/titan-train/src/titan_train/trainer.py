@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -11,30 +12,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from titan_ckpt import ModelState, OptimizerState
 from titan_models import flops_per_token
 from titan_parallel import clip_grad_norm_, precompute_float8_scales, training_context
-from titan_train import build
-from titan_train.checkpointing import build_checkpointer, restore_run
 from titan_train.config import JobConfig, config_to_dict
-from titan_train.device_peaks import peak_flops
 from titan_train.distributed import DistInfo
-from titan_train.gc_schedule import GarbageCollection
-from titan_train.host_memory import keep_freed_host_memory
-from titan_train.memory_estimate import log_estimate_in_child
-from titan_train.metrics import MetricsLogger, StepMetrics, device_memory
-from titan_train.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
-from titan_train.optimizers import PartOptimizers
-from titan_train.profiling import MemorySnapshots, maybe_profile
+from titan_train.faults.step_guard import AgreedNumbers, StepGuard, StepNumbers
 from titan_train.registry import get_model_spec
-from titan_train.step_guard import StepGuard
+from titan_train.reporting.device_peaks import peak_flops
+from titan_train.reporting.memory_estimate import log_estimate_in_child
+from titan_train.reporting.metrics import MetricsLogger, StepMetrics, device_memory
+from titan_train.reporting.profiling import MemorySnapshots, maybe_profile
 from titan_train.train_state import TrainState
-from titan_train.unsupported import refuse_unsupported
-from titan_train.validation import Validator
+from titan_train.wiring.checkpointing import build_checkpointer, restore_run
+from titan_train.wiring.data import build_loader, build_tokenizer_for, build_validation_loader
+from titan_train.wiring.gc_schedule import GarbageCollection
+from titan_train.wiring.host_memory import keep_freed_host_memory
+from titan_train.wiring.model import build_model, forward_context
+from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
+from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
+from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps
+from titan_train.wiring.validation import Validator
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +52,29 @@ class _Window:
     started: float = field(default_factory=time.perf_counter)
 
 
-class Trainer:
-    """Builds every part of a job from its config, then trains: `Trainer(config, dist_info).train()`."""
+@dataclass
+class StepResult:
+    """One step as its log line reports it: the numbers every rank agreed on (loss, grad norm), the
+    tokens this rank trained on and the seconds it waited for them."""
 
-    def __init__(self, config: JobConfig, info: DistInfo):
+    numbers: StepNumbers
+    tokens: int
+    data_seconds: float
+
+
+class Trainer:
+    """Builds every part of a job from its config, then trains: `Trainer(config, dist_info).train()`.
+
+    The config is one `load_job_config` read and `check_run` passed for this world size and device
+    (titan-train does both before it joins the process group).
+    """
+
+    def __init__(self, config: JobConfig, info: DistInfo, closing: contextlib.ExitStack | None = None):
+        """`closing` is the stack the run's resources are closed by (see `train`); the command line
+        passes its own, which already holds the peer watch."""
         self.config, self.info = config, info
+        self.closing = contextlib.ExitStack() if closing is None else closing
         self.device = info.device
-        refuse_unsupported(config, self.device.type)
         if self.device.type == "cpu":
             keep_freed_host_memory()  # activations live in host memory: no page faults every step
         seed = 0 if config.debug.seed is None else config.debug.seed
@@ -67,32 +84,42 @@ class Trainer:
         if config.experimental.custom_import:
             importlib.import_module(config.experimental.custom_import)
 
-        self.dims = build.build_parallel_dims(config, info.world_size)
+        self.dims = build_parallel_dims(config, info.world_size)
         self.mesh = self.dims.build_mesh(self.device.type)
         dp_mesh = self.dims.submesh("dp")
         dp_rank, dp_degree = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh else (0, 1)
-        self.grad_accum_steps = build.gradient_accumulation_steps(config, dp_degree)
+        self.grad_accum_steps = gradient_accumulation_steps(config, dp_degree)
 
         spec = get_model_spec(config.model.name)
-        self.tokenizer = build.build_tokenizer_for(config)
+        self.tokenizer = build_tokenizer_for(config)
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        self.loader = build.build_loader(config, self.tokenizer, dp_rank, dp_degree)
-        built = build.build_model(
-            config, spec, self.tokenizer, self.dims, self.device, seed, self.grad_accum_steps
-        )
+        self.loader = build_loader(config, self.tokenizer, dp_rank, dp_degree)
+        self.closing.callback(self.loader.close)
+        self.guard = StepGuard(
+            config.health, rank=info.rank, world_size=info.world_size, device=self.device,
+            named_parameters=lambda: (named for part in self.model_parts for named in part.named_parameters()),
+        )  # fmt: skip
+        built = build_model(
+            config, spec, self.tokenizer, self.dims, self.device, seed, self.grad_accum_steps,
+            drill=self.guard.drilled,
+        )  # fmt: skip
         self.model_parts, self.pipeline, self.parallel_options = built.parts, built.pipeline, built.options
+        self.float8_scales_each_step = (
+            built.options.float8_fsdp_all_gather
+            and config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
+        )
+        self.loss_fn, self.train_loss_fn = built.loss_fn, built.train_loss_fn
         if config.model.print_after_conversion:
             logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
-        self.forward_context = build.forward_context(config, self.dims, self.device)
-        self.loss_fn = build.build_loss_fn(config, spec)
+        self.forward_context = forward_context(config, self.dims, self.device)
         optimizers_class = PartOptimizers
         if config.optimizer.early_step_in_backward:
             check_step_in_backward(config, self.grad_accum_steps)
             optimizers_class = BackwardStepOptimizers
         self.optimizers = optimizers_class(
             self.model_parts,
-            lambda part: build.build_optimizer(config, part),
-            lambda optimizer: build.build_lr_schedule(config, optimizer),
+            lambda part: build_optimizer(config, part),
+            lambda optimizer: build_lr_schedule(config, optimizer),
         )
         self.state = TrainState()
         self.step_lr = config.optimizer.lr  # the lr of the last step taken, for its log line
@@ -123,9 +150,10 @@ class Trainer:
                 "dataloader": self.loader,
                 "train_state": self.state,
             },
-            world_size=info.world_size,
-            model=self.model_parts[0],
+            model_args=built.args,
         )
+        if self.checkpointer is not None:
+            self.closing.enter_context(self.checkpointer)
         m = config.metrics
         self.metrics = MetricsLogger(
             log_freq=m.log_freq,
@@ -136,25 +164,23 @@ class Trainer:
             all_ranks=m.save_for_all_ranks,
             wandb_config=config_to_dict(config) if m.enable_wandb else None,
         )
+        self.closing.callback(self.metrics.close)
         self.validator = None
         if config.validation.enable:
             v = config.validation
             self.validator = Validator(
-                lambda: build.build_validation_loader(config, self.tokenizer, dp_rank, dp_degree),
+                lambda: build_validation_loader(config, self.tokenizer, dp_rank, dp_degree),
                 self._validation_loss,
                 device=self.device,
                 freq=v.freq,
                 steps=v.steps,
             )
-        self.guard = StepGuard(
-            config.health, rank=info.rank, world_size=info.world_size, device=self.device,
-            named_parameters=lambda: (named for part in self.model_parts for named in part.named_parameters()),
-        )  # fmt: skip
 
     def _use_num_streams(self, num_streams: int):
         """The data loader rebuilt with `num_streams` (those of the checkpoint being resumed)."""
         self.config.training.dataloader.num_streams = num_streams
-        self.loader = build.build_loader(self.config, self.tokenizer, self.dp_rank, self.dp_degree)
+        self.loader = build_loader(self.config, self.tokenizer, self.dp_rank, self.dp_degree)
+        self.closing.callback(self.loader.close)
         return self.loader
 
     def _write_config(self, dump: Path) -> None:
@@ -176,10 +202,8 @@ class Trainer:
                 inputs, labels = inputs.pin_memory(), labels.pin_memory()
             yield inputs.to(self.device, non_blocking=pinned), labels.to(self.device, non_blocking=pinned)
 
-    def train_step(
-        self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
-    ) -> tuple[torch.Tensor, torch.Tensor, int, float]:
-        """One optimizer step over `grad_accum_steps` micro-batches: (loss, grad norm, tokens, data seconds).
+    def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """One optimizer step over `grad_accum_steps` micro-batches.
 
         Under FSDP, gradients of all but the last micro-batch accumulate unsharded on each rank and are
         reduce-scattered once, after the last.
@@ -202,24 +226,18 @@ class Trainer:
         grad_norm = clip_grad_norm_(
             parameters, self.config.training.max_norm, pp_mesh=self.dims.submesh("pp")
         )
+        numbers = self.guard.agree(loss_sum, grad_norm)  # the step's one collective: loss, health, signals
+        if self.checkpointer is not None:
+            self.checkpointer.wait_for_staging()  # a background save's copy must see the weights unchanged
         lr = self.optimizers.lr
-        numbers = self.guard.agree(loss_sum, grad_norm)
-        if not self.optimizers.step_unless(
-            numbers.skip, lambda: self.guard.decide(self.state.step + 1, numbers)
-        ):
-            return loss_sum, grad_norm, tokens, data_seconds  # a non-finite step skipped: no update
-        self.step_lr = lr
-        if (
-            self.parallel_options.float8_fsdp_all_gather
-            and self.config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
-        ):
-            for part in self.model_parts:
-                precompute_float8_scales(part)
-        return loss_sum, grad_norm, tokens, data_seconds
+        if self.optimizers.step_unless(numbers.skip, lambda: self.guard.decide(self.state.step + 1, numbers)):
+            self.step_lr = lr
+            if self.float8_scales_each_step:
+                for part in self.model_parts:
+                    precompute_float8_scales(part)
+        return StepResult(numbers, tokens, data_seconds)
 
-    def _train_step_in_backward(
-        self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
-    ) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    def _train_step_in_backward(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """`train_step` with the optimizer stepping in backward; with clipping, a first backward measures
         the norm (see optimizer_in_backward). Context parallelism shards the batch it is given: each
         pass gets its own copy."""
@@ -232,16 +250,20 @@ class Trainer:
             norm = self.optimizers.measure(lambda: self._forward_backward(inputs.clone(), labels.clone()))
             coef = min(1.0, max_norm / (norm.item() + 1e-6))  # torch's clip_grads_with_norm_
         self.step_lr = self.optimizers.lr
+        if self.checkpointer is not None:
+            self.checkpointer.wait_for_staging()  # parameters move during this backward
         loss, grad_norm = self.optimizers.step(lambda: self._forward_backward(inputs, labels), coef)
-        self.guard.decide(self.state.step + 1, self.guard.agree(loss, grad_norm))
-        return loss, grad_norm, labels.numel(), data_seconds
+        numbers = self.guard.agree(loss, grad_norm)
+        self.guard.decide(self.state.step + 1, numbers)
+        return StepResult(numbers, labels.numel(), data_seconds)
 
     def _layout_context(self, inputs: torch.Tensor, labels: torch.Tensor):
-        """Loss and context parallelism around a forward pass, as the layout enables them."""
-        cp_buffers = [inputs, labels, *(part.freqs_cis for part in self.model_parts)]
+        """Loss and context parallelism around a forward pass, as the layout enables them: context
+        parallelism shards the batch and the model's sequence buffers along the sequence."""
+        positions = [buffer for part in self.model_parts for buffer in part.sequence_buffers()]
         return training_context(
-            self.dims, self.parallel_options, cp_buffers=cp_buffers,
-            cp_seq_dims=[1, 1, *[0] * len(self.model_parts)], cp_no_restore=[inputs, labels],
+            self.dims, self.parallel_options, cp_buffers=[inputs, labels, *(b for b, _ in positions)],
+            cp_seq_dims=[1, 1, *(dim for _, dim in positions)], cp_no_restore=[inputs, labels],
         )  # fmt: skip
 
     def _validation_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -254,85 +276,81 @@ class Trainer:
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Loss of one micro-batch (already divided by the accumulation steps), gradients accumulated."""
+        """Loss of one micro-batch, gradients accumulated. Both paths train on `train_loss_fn`, the loss
+        scaled for gradient accumulation (see `micro_batch_loss`)."""
         with self._layout_context(inputs, labels):
             if self.pipeline is not None:
-                # The pipeline's loss function is already scaled for accumulation (see build_model).
                 return self.pipeline.step(inputs, labels).detach()
             with self.forward_context():
-                loss = self.loss_fn(self.model_parts[0](inputs), labels) / self.grad_accum_steps
-            loss = self.guard.poison_loss(loss)  # a `[health] drill = nan` only
+                loss = self.train_loss_fn(self.model_parts[0](inputs), labels)
             loss.backward()
         # Under loss parallelism the loss is a replicated DTensor.
         return loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
 
     def train(self) -> list[float]:
-        """Train to `training.steps`, resuming from a checkpoint if there is one; return the logged losses."""
-        if restore_run(self.checkpointer, self.config, self.state, self._use_num_streams):
-            self.metrics.close()
-            return []
-        c, rank, dump = self.config, self.info.rank, Path(self.config.job.dump_folder)
-        batches = self._batches()
-        losses: list[float] = []
-        window = _Window()
-        gc_schedule = GarbageCollection(c.training.gc_freq, c.training.gc_debug)
-        snapshots = MemorySnapshots(
-            enabled=c.profiling.enable_memory_snapshot,
-            folder=dump / c.profiling.save_memory_snapshot_folder,
-            freq=c.profiling.profile_freq,
-            rank=rank,
-        )
-        profile = maybe_profile(
-            enabled=c.profiling.enable_profiling,
-            folder=dump / c.profiling.save_traces_folder,
-            freq=c.profiling.profile_freq,
-            warmup=c.profiling.profiler_warmup,
-            active=c.profiling.profiler_active,
-            rank=rank,
-            first_step=self.state.step,
-        )
-        self.guard.install()  # preemption signals: stop after the current step, with a checkpoint
-        try:
-            with profile as profiler:
-                while self.state.step < c.training.steps:
-                    self.guard.begin_step(self.state.step + 1)
-                    loss, grad_norm, tokens, data_seconds = self.train_step(batches)
-                    self.state.step += 1
-                    self.state.tokens_seen += tokens * self.dims.dp_degree
-                    window.steps += 1
-                    window.tokens += tokens
-                    window.data_seconds += data_seconds
-                    if self.metrics.should_log(self.state.step):
-                        losses.append(self._log(loss, grad_norm, window))
-                        window = _Window()
-                    if self.validator is not None and self.validator.should_validate(self.state.step):
-                        self.metrics.log_validation(
-                            self.state.step, *self.validator.validate(self.model_parts)
-                        )
-                    if self.checkpointer is not None:
-                        self.checkpointer.maybe_save(
-                            self.state.step, last_step=self.state.step == self.config.training.steps
-                        )
-                    self.guard.end_step(
-                        self.state.step,
-                        last_step=self.state.step == c.training.steps,
-                        checkpointer=self.checkpointer,
-                    )
-                    gc_schedule.step(self.state.step)
-                    snapshots.step(self.state.step)
-                    profiler.step()
-        finally:
-            self.guard.uninstall()
-            gc_schedule.close()
-            snapshots.close()
-            self.metrics.close()
-        if self.checkpointer is not None:
-            self.checkpointer.close()  # publishes a save still in flight
+        """Train to `training.steps`, resuming from a checkpoint if there is one; return the logged losses.
+
+        When it ends, however it ends, everything the run opened is closed by `self.closing`, in the
+        reverse order of opening: preemption signals, profiler, snapshots, garbage collection, metrics,
+        checkpointer (a save still in flight is published after a clean run), loader workers, and
+        the peer watch of a run started from the command line.
+        """
+        with self.closing as closing:
+            if restore_run(self.checkpointer, self.config, self.state, self._use_num_streams):
+                return []
+            c, rank, dump = self.config, self.info.rank, Path(self.config.job.dump_folder)
+            batches = self._batches()
+            losses: list[float] = []
+            window = _Window()
+            gc_schedule = GarbageCollection(c.training.gc_freq, c.training.gc_debug)
+            closing.callback(gc_schedule.close)
+            snapshots = MemorySnapshots(
+                enabled=c.profiling.enable_memory_snapshot,
+                folder=dump / c.profiling.save_memory_snapshot_folder,
+                freq=c.profiling.profile_freq,
+                rank=rank,
+            )
+            closing.callback(snapshots.close)
+            profiler = closing.enter_context(
+                maybe_profile(
+                    enabled=c.profiling.enable_profiling,
+                    folder=dump / c.profiling.save_traces_folder,
+                    freq=c.profiling.profile_freq,
+                    warmup=c.profiling.profiler_warmup,
+                    active=c.profiling.profiler_active,
+                    rank=rank,
+                    first_step=self.state.step,
+                )
+            )
+            closing.enter_context(
+                self.guard
+            )  # preemption signals: stop after the current step, with a checkpoint
+            while self.state.step < c.training.steps:
+                self.guard.begin_step(self.state.step + 1)
+                step = self.train_step(batches)
+                self.state.step += 1
+                self.state.tokens_seen += step.tokens * self.dims.dp_degree
+                window.steps += 1
+                window.tokens += step.tokens
+                window.data_seconds += step.data_seconds
+                if self.metrics.should_log(self.state.step):
+                    losses.append(self._log(step.numbers.read(), window))
+                    window = _Window()
+                if self.validator is not None and self.validator.should_validate(self.state.step):
+                    self.metrics.log_validation(self.state.step, *self.validator.validate(self.model_parts))
+                last_step = self.state.step == c.training.steps
+                if self.checkpointer is not None:
+                    self.checkpointer.maybe_save(self.state.step, last_step=last_step)
+                self.guard.end_step(self.state.step, last_step=last_step, checkpointer=self.checkpointer)
+                gc_schedule.step(self.state.step)
+                snapshots.step(self.state.step)
+                profiler.step()
         logger.info("training done at step %d", self.state.step)
         return losses
 
-    def _log(self, loss: torch.Tensor, grad_norm: torch.Tensor, window: _Window) -> float:
-        loss_avg, loss_max = _reduce_loss(loss)
+    def _log(self, numbers: AgreedNumbers, window: _Window) -> float:
+        """Log the step; return its loss. The loss is the mean over ranks, and loss_max the largest,
+        as `StepGuard.agree` gathered them: the log line runs no collective of its own."""
         seconds = time.perf_counter() - window.started
         tps = window.tokens / seconds / self.devices_per_replica
         tflops = self.flops_per_token * tps / 1e12
@@ -340,9 +358,9 @@ class Trainer:
         self.metrics.log(
             StepMetrics(
                 step=self.state.step,
-                loss=loss_avg,
-                loss_max=loss_max,
-                grad_norm=grad_norm.item(),
+                loss=numbers.loss_mean,
+                loss_max=numbers.loss_max,
+                grad_norm=numbers.grad_norm,
                 lr=self.step_lr,
                 tokens_seen=self.state.tokens_seen,
                 tps=tps,
@@ -356,15 +374,4 @@ class Trainer:
                 step_time_s=seconds / window.steps,
             )
         )
-        return loss_avg
-
-
-def _reduce_loss(loss: torch.Tensor) -> tuple[float, float]:
-    """Mean and max of the step loss over all ranks (ranks sharing a replica hold the same loss)."""
-    pair = torch.stack([loss.detach().float(), loss.detach().float()])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        total = pair[0].clone()
-        dist.all_reduce(total)
-        dist.all_reduce(pair[1:], op=dist.ReduceOp.MAX)
-        return total.item() / dist.get_world_size(), pair[1].item()
-    return pair[0].item(), pair[1].item()
+        return numbers.loss_mean

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from titan_train.config import load_job_config
 from titan_train.distributed import init_distributed
-from titan_train.traced_memory import trace_rank, trace_step
+from titan_train.reporting.traced_memory import trace_rank, trace_step
 
 SMALL = ["--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.local_batch_size", "4",
          "--training.mixed_precision_param", "float32"]  # fmt: skip

@@ -7,6 +7,7 @@ from pathlib import Path
 from titan_data.datasets.memmap import MemmapTokenDataset
 from titan_data.datasets.packed import PackedTokenDataset
 from titan_data.datasets.registry import TOKEN_SHARDS, get_source
+from titan_data.datasets.windows import ONE_RANK, StreamLayout
 from titan_data.errors import DataError
 from titan_data.tokenizers.base import Tokenizer
 
@@ -17,26 +18,21 @@ def build_dataset(
     tokenizer: Tokenizer,
     seq_len: int,
     *,
-    dp_rank: int = 0,
-    dp_world_size: int = 1,
-    num_streams: int = 0,
+    streams: StreamLayout = ONE_RANK,
     infinite: bool = True,
 ) -> PackedTokenDataset | MemmapTokenDataset:
-    """Dataset `name` (see `DATASETS`) read from `path`; `token_shards` memory-maps a folder that
-    `titan-data tokenize` wrote, after checking it was tokenised like `tokenizer` tokenises."""
-    layout = {
-        "dp_rank": dp_rank,
-        "dp_world_size": dp_world_size,
-        "num_streams": num_streams,
-        "infinite": infinite,
-    }
+    """Dataset `name` (see `DATASETS`) read from `path`, this rank's `streams` of it; `token_shards`
+    memory-maps a folder that `titan-data tokenize` wrote, after checking it was tokenised like
+    `tokenizer` tokenises."""
     if name != TOKEN_SHARDS:
-        return PackedTokenDataset(get_source(name, path), tokenizer, seq_len, **layout)
+        return PackedTokenDataset(
+            get_source(name, path), tokenizer, seq_len, streams=streams, infinite=infinite
+        )
     if path is None:
         raise DataError(
             f"dataset: '{TOKEN_SHARDS}' needs dataset_path: the folder `titan-data tokenize` wrote"
         )
-    dataset = MemmapTokenDataset(path, seq_len, **layout)
+    dataset = MemmapTokenDataset(path, seq_len, streams=streams, infinite=infinite)
     written = dataset.tokenizer_identity
     ours = {"vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
     if any(written[k] != v for k, v in ours.items()):

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from titan_data.datasets.windows import WindowDataset
+from titan_data.datasets.windows import ONE_RANK, StreamLayout, WindowDataset
 from titan_data.errors import DataError
 from titan_data.shards.index import ShardIndex, open_shard
 
@@ -70,20 +70,12 @@ class MemmapTokenDataset(WindowDataset):
         folder: str | Path,
         seq_len: int,
         *,
-        dp_rank: int = 0,
-        dp_world_size: int = 1,
-        num_streams: int = 0,
+        streams: StreamLayout = ONE_RANK,
         infinite: bool = True,
     ):
         self.shards = TokenShards(folder)
         source = f"{self.shards.index.source['name']} ({self.shards.num_documents} documents)"
-        super().__init__(
-            seq_len,
-            dp_rank,
-            dp_world_size,
-            num_streams,
-            {"kind": "memmap", "source": source, "dealing": "document"},
-        )
+        super().__init__(seq_len, streams, {"kind": "memmap", "source": source, "dealing": "document"})
         if self.shards.num_documents < self.num_streams:
             raise DataError(
                 f"dataset: {folder} holds {self.shards.num_documents} documents, fewer than num_streams "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
@@ -19,26 +20,46 @@ from titan_data.errors import DataError
 logger = logging.getLogger(__name__)
 
 
-def assign_streams(seq_len: int, dp_rank: int, dp_world_size: int, num_streams: int) -> tuple[int, list[int]]:
-    """(num_streams, the streams rank `dp_rank` reads: j, j + dp_world_size, ...); validates the layout.
-    num_streams 0 means one stream per rank."""
-    num_streams = num_streams or dp_world_size
-    if seq_len < 1:
-        raise DataError(f"dataset: seq_len must be >= 1, got {seq_len}")
-    if not 0 <= dp_rank < dp_world_size:
-        raise DataError(f"dataset: dp_rank {dp_rank} is outside dp_world_size {dp_world_size}")
-    if num_streams < dp_world_size:
-        raise DataError(
-            f"dataset: num_streams ({num_streams}) is smaller than the data-parallel degree "
-            f"({dp_world_size}); every rank needs at least one stream, so raise num_streams"
-        )
-    if num_streams % dp_world_size:
-        logger.warning(
-            "dataset: num_streams (%d) is not a multiple of the data-parallel degree (%d): ranks read "
-            "unequal numbers of streams, so batches differ from those at other world sizes",
-            num_streams, dp_world_size,
-        )  # fmt: skip
-    return num_streams, list(range(dp_rank, num_streams, dp_world_size))
+@dataclass(frozen=True)
+class StreamLayout:
+    """How a dataset's streams are dealt to data-parallel ranks: rank `rank` of `world_size` reads
+    streams rank, rank + world_size, ... of `num_streams` (0, the default: one stream per rank).
+
+    The same number of streams gives the same windows at any number of ranks that divides it, and a
+    checkpoint (one entry per stream) resumes at any of them.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    num_streams: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise DataError(
+                f"dataset: rank {self.rank} is not one of the {self.world_size} data-parallel ranks "
+                f"(0 to {self.world_size - 1})"
+            )
+        num_streams = self.num_streams or self.world_size
+        if num_streams < self.world_size:
+            raise DataError(
+                f"dataset: num_streams ({num_streams}) is smaller than the data-parallel degree "
+                f"({self.world_size}); every rank needs at least one stream, so raise num_streams"
+            )
+        if num_streams % self.world_size:
+            logger.warning(
+                "dataset: num_streams (%d) is not a multiple of the data-parallel degree (%d): ranks read "
+                "unequal numbers of streams, so batches differ from those at other world sizes",
+                num_streams, self.world_size,
+            )  # fmt: skip
+        object.__setattr__(self, "num_streams", num_streams)
+
+    @property
+    def owned(self) -> list[int]:
+        """The streams this rank reads."""
+        return list(range(self.rank, self.num_streams, self.world_size))
+
+
+ONE_RANK = StreamLayout()  # a single process reading one stream: the datasets' default
 
 
 class WindowDataset(IterableDataset):
@@ -46,11 +67,11 @@ class WindowDataset(IterableDataset):
     next (lowest id on ties), which needs no saved cursor and gives the same global order at any
     number of ranks. Subclasses say how a stream makes its next window."""
 
-    def __init__(
-        self, seq_len: int, dp_rank: int, dp_world_size: int, num_streams: int, layout: dict[str, Any]
-    ):
-        self.num_streams, self.owned = assign_streams(seq_len, dp_rank, dp_world_size, num_streams)
-        self.seq_len, self.dp_rank, self.dp_world_size = seq_len, dp_rank, dp_world_size
+    def __init__(self, seq_len: int, streams: StreamLayout, layout: dict[str, Any]):
+        if seq_len < 1:
+            raise DataError(f"dataset: seq_len must be >= 1, got {seq_len}")
+        self.seq_len, self.stream_layout = seq_len, streams
+        self.num_streams, self.owned = streams.num_streams, streams.owned
         self.layout = {**layout, "num_streams": self.num_streams}
         self.streams = {j: StreamState() for j in self.owned}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_train.config.fields import MAX_RANKS, MAX_STEPS, opt
-from titan_train.preemption import parse_signals
+from titan_train.faults.preemption import parse_signals
 
 
 @dataclass

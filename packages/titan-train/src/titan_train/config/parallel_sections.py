@@ -1,7 +1,7 @@
 """Config sections for parallelism and model transforms: [parallelism] [activation_checkpoint] [compile] [quantize].
 
 Names and defaults follow torchtitan's last TOML schema (0.2.x) so its configs load unchanged. The trainer
-refuses, with a ConfigError, any value here it does not apply yet (see `titan_train.unsupported`).
+refuses, with a ConfigError, any value here it does not apply yet (see `titan_train.config.unsupported`).
 """
 
 from __future__ import annotations

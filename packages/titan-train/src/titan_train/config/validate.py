@@ -162,7 +162,7 @@ def _names_are_registered(config: Any) -> None:
     # Imported here: experimental.custom_import (checked above, so already imported) may register
     # models, flavors and datasets, and the registry itself imports this package.
     from titan_data import DATASETS
-    from titan_train.sequence_limit import check_seq_len
+    from titan_train.wiring.sequence_limit import check_seq_len
 
     check_seq_len(config)  # model.name, model.flavor, and the sequence lengths against its context
     sections = [config.training] + ([config.validation] if config.validation.enable else [])

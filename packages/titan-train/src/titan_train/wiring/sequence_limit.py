@@ -12,7 +12,7 @@ from __future__ import annotations
 from titan_models import ModelArgs
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.hf_interop import model_args
+from titan_train.wiring.hf_interop import model_args
 
 
 def context_limit(args: ModelArgs) -> int:

@@ -13,7 +13,12 @@ from pathlib import Path
 import torch
 
 from titan_models import SamplingParams, generate
-from titan_train.checkpoint_model import CHECKPOINT_FORMATS, DTYPES, CheckpointModel, load_checkpoint_model
+from titan_train.commands.checkpoint_model import (
+    CHECKPOINT_FORMATS,
+    DTYPES,
+    CheckpointModel,
+    load_checkpoint_model,
+)
 from titan_train.config import load_job_config
 from titan_train.errors import ConfigError
 

@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from titan_train.build import build_validation_loader
-from titan_train.checkpoint_model import CheckpointModel
+from titan_train.commands.checkpoint_model import CheckpointModel
+from titan_train.commands.generate import checkpoint_parser, load_for
 from titan_train.config import JobConfig, load_job_config
 from titan_train.errors import ConfigError
-from titan_train.generate_cli import checkpoint_parser, load_for
 from titan_train.registry import get_model_spec
-from titan_train.validation import Validator
+from titan_train.wiring.data import build_validation_loader
+from titan_train.wiring.validation import Validator
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,7 +75,7 @@ def run_tasks(loaded: CheckpointModel, args: argparse.Namespace) -> dict[str, An
         raise ConfigError(
             "eval: --tasks needs lm-evaluation-harness: pip install 'titan-train[eval]' (or lm-eval)"
         ) from None
-    from titan_train.lm_eval_model import TitanLM
+    from titan_train.commands.lm_eval_model import TitanLM
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     manager = TaskManager(include_path=args.include_path)
@@ -85,7 +85,12 @@ def run_tasks(loaded: CheckpointModel, args: argparse.Namespace) -> dict[str, An
             f"eval: unknown lm-eval task(s) {unknown}; list them with `lm_eval ls tasks`, or pass --include-path "
             "with their YAML files"
         )
-    model = TitanLM(loaded.model, loaded.tokenizer, batch_size=args.batch_size, max_length=args.max_length)
+    model = TitanLM(
+        loaded.model,
+        loaded.tokenizer,
+        batch_size=args.batch_size,
+        max_length=args.max_length or loaded.max_seq_len,
+    )
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     results = lm_eval.simple_evaluate(
         model=model, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, task_manager=manager,

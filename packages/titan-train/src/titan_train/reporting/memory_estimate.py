@@ -1,8 +1,9 @@
 """Memory per rank of a config, from traced training steps: peak allocated, expected peak reserved, breakdown.
 
 Each distinct rank of the layout (the first, second and last pipeline stage; every rank of a stage holds
-the same shard shapes) runs one training step on fake tensors (see `traced_memory`). Blocks are
-identical, so a stage is traced with a few blocks and with a few more, and each phase's peak is
+the same shard shapes) runs one training step on fake tensors (see `traced_memory`; a pipeline rank in
+a process of its own, running three micro-batches of each stage and replaying the others). Blocks are
+identical, so a deep stage is traced with a few blocks and with a few more, and each phase's peak is
 extended to the real depth (`titan_parallel.memory_trace.scale_to_blocks`). The CUDA caching allocator
 is replayed on the traced allocations for the reserved bytes a training log reports as memory.
 """
@@ -18,36 +19,17 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from torch import nn
-
-from titan_parallel.allocator_model import replay
+from titan_parallel.allocator_model import AllocatorPeaks, replay
 from titan_parallel.memory_trace import TraceResult, scale_to_blocks
 from titan_parallel.pipeline import stages_per_rank
-from titan_train import build
-from titan_train.hf_interop import model_args
-from titan_train.parallelism import parallel_options
-from titan_train.sequence_limit import model_seq_len
-from titan_train.traced_memory import trace_rank
+from titan_train.reporting.traced_memory import trace_rank
+from titan_train.wiring.hf_interop import model_args
+from titan_train.wiring.model import dtype_of
+from titan_train.wiring.parallelism import build_parallel_dims, parallel_options
+from titan_train.wiring.sequence_limit import model_seq_len
 
 GIB = 2**30
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameter counts of a model split into what pipeline stages hold."""
-
-    total: int
-    embedding: int
-    per_block: int
-    n_blocks: int
-
-    @classmethod
-    def of(cls, model: nn.Module, blocks: dict[str, nn.Module], embedding: int) -> ParamCounts:
-        """Counts read from a (meta-device) model and its repeated blocks."""
-        sizes = [sum(p.numel() for p in block.parameters()) for block in blocks.values()]
-        total = sum(p.numel() for p in model.parameters())
-        return cls(total=total, embedding=embedding, per_block=max(sizes, default=0), n_blocks=len(sizes))
 
 
 @dataclass
@@ -153,37 +135,33 @@ def estimate_memory(
         notes.append(
             "compile is traced as eager (an upper bound: inductor fuses element-wise ops and saves less)"
         )
-    dims = build.build_parallel_dims(config, world_size)
+    dims = build_parallel_dims(config, world_size)
     n_layers = model_args(config, max_seq_len=model_seq_len(config)).n_layers
     p = config.parallelism
     per_rank = 1
     if dims.pp > 1:
-        per_rank = stages_per_rank(
-            parallel_options(config, *[build._dtype("float32")] * 2), dims.pp, n_layers
-        )
+        per_rank = stages_per_rank(parallel_options(config, *[dtype_of("float32")] * 2), dims.pp, n_layers)
     stages = dims.pp * per_rank
     blocks = math.ceil(n_layers / stages)
     fixed_split = p.module_fqns_per_model_part or p.pipeline_parallel_layers_per_stage
     depths = (blocks,) if fixed_split else _depths(blocks, _period(config))
     pp_ranks = sorted({0, min(1, dims.pp - 1), dims.pp - 1})
-    layer_counts = [None if d == blocks and fixed_split else d * stages for d in depths]
+    # Traced whole, the model keeps its own depth: its stages may differ by a block (405B's 126 layers
+    # are 7 or 8 blocks on each of 16 stages), which `blocks * stages` layers would change.
+    layer_counts = [None] if depths == (blocks,) else [d * stages for d in depths]
     jobs = [
         (config, world_size, pp_rank * (world_size // dims.pp), fake, target_device, n)
         for pp_rank in pp_ranks
         for n in layer_counts
     ]
     if dims.pp == 1:
-        traced = [_trace(*job) for job in jobs]
+        traced = [_trace(*job, capacity) for job in jobs]
     else:
-        # One process per trace: a pipeline keeps torch's group names cached across fake worlds.
-        spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(
-            min(len(jobs), os.cpu_count() or 1), mp_context=spawn, max_tasks_per_child=1
-        ) as pool:
-            traced = list(pool.map(_trace, *zip(*jobs, strict=True)))
+        with _trace_processes(len(jobs)) as pool:
+            traced = list(pool.map(_trace, *zip(*jobs, strict=True), [capacity] * len(jobs)))
     per_rank = [traced[i : i + len(depths)] for i in range(0, len(traced), len(depths))]
     ranks = [
-        _rank_memory(pp_rank * (world_size // dims.pp), pp_rank, traces, depths, blocks, capacity)
+        _rank_memory(pp_rank * (world_size // dims.pp), pp_rank, traces, depths, blocks)
         for pp_rank, traces in zip(pp_ranks, per_rank, strict=True)
     ]
     return MemoryEstimate(
@@ -197,22 +175,40 @@ def estimate_memory(
     )
 
 
-def _trace(config, world_size, rank, fake, target_device, n_layers) -> TraceResult:
-    return trace_rank(config, world_size, rank, fake=fake, target_device=target_device, n_layers=n_layers)
+def _trace_processes(jobs: int) -> ProcessPoolExecutor:
+    """Processes for pipeline traces, one per trace (after a pipeline of one fake world, DTensor's caches
+    hold meshes whose process groups another world lacks), forked from a server that imported torch and
+    Titan once: a fresh interpreter per trace would import them again, seconds each."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    # One more process than cores: three traces on two cores end together, not one after two.
+    return ProcessPoolExecutor(
+        min(jobs, (os.cpu_count() or 1) + 1), mp_context=context, max_tasks_per_child=1
+    )
+
+
+def _trace(config, world_size, rank, fake, target_device, n_layers, capacity) -> _Traced:
+    """One rank's trace and the caching allocator replayed on it, in the process that traced it."""
+    t = trace_rank(config, world_size, rank, fake=fake, target_device=target_device, n_layers=n_layers)
+    fixed = replay(t.sizes, t.streams, capacity=capacity)
+    expandable = replay(t.sizes, t.streams, expandable_segments=True, capacity=capacity)
+    return _Traced(replace(t, sizes=[], streams={}), fixed, expandable)
+
+
+@dataclass
+class _Traced:
+    """A rank's trace and the allocator's peaks on it; its allocation sequence stays where it was traced."""
+
+    result: TraceResult
+    fixed: AllocatorPeaks
+    expandable: AllocatorPeaks
 
 
 def _rank_memory(
-    rank: int,
-    pp_rank: int,
-    traces: list[TraceResult],
-    depths: tuple[int, ...],
-    blocks: int,
-    capacity: int | None,
+    rank: int, pp_rank: int, traced: list[_Traced], depths: tuple[int, ...], blocks: int
 ) -> RankMemory:
-    peaks = [
-        (replay(t.sizes, t.streams, capacity=capacity), replay(t.sizes, t.streams, expandable_segments=True, capacity=capacity))
-        for t in traces
-    ]  # fmt: skip
+    traces = [t.result for t in traced]
+    peaks = [(t.fixed, t.expandable) for t in traced]
     if len(traces) == 1:
         result, (fixed, expandable) = traces[0], peaks[0]
         allocated, reserved, reserved_fixed = expandable.allocated, expandable.reserved, fixed.reserved

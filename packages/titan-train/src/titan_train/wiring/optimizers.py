@@ -14,6 +14,11 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LRScheduler
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+from titan_train.config import JobConfig
+from titan_train.errors import ConfigError
+from titan_train.wiring.lr_schedule import build_lr_scheduler
 
 
 class PartOptimizers:
@@ -102,3 +107,41 @@ class SchedulesState(Stateful):
             for group, lr in zip(schedule.optimizer.param_groups, rates, strict=True):
                 group["lr"] = lr
             schedule._last_lr = list(rates)
+
+
+def build_optimizer(config: JobConfig, model: nn.Module | list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The configured optimizer over a model part's parameters (or a list of them)."""
+    o = config.optimizer
+    cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[o.name]
+    impl = o.implementation
+    kwargs = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
+    kwargs["fused"] = impl == "fused"  # CUDA and CPU both have fused Adam kernels
+    kwargs["foreach"] = impl == "foreach"
+    params = list(model.parameters()) if isinstance(model, nn.Module) else model
+    if impl == "fused":
+        _check_fused_kernel(o.name, {p.device.type for p in params})
+    return cls(params, **kwargs)
+
+
+def _check_fused_kernel(name: str, device_types: set[str]) -> None:
+    """Refuse `implementation = "fused"` where torch has no fused kernel, rather than let the first
+    step fail or fall back to another implementation without a word."""
+    supported = _get_fused_kernels_supported_devices()
+    missing = sorted(device_types - set(supported))
+    if missing:
+        raise ConfigError(
+            f"config: optimizer.implementation = 'fused': torch has no fused {name} kernel on {', '.join(missing)} "
+            f"(it has one on {', '.join(supported)}); set optimizer.implementation = 'foreach' or 'for-loop'"
+        )
+
+
+def build_lr_schedule(config: JobConfig, optimizer: torch.optim.Optimizer):
+    s = config.lr_scheduler
+    return build_lr_scheduler(
+        optimizer,
+        total_steps=s.total_steps or config.training.steps,
+        warmup_steps=s.warmup_steps,
+        decay_ratio=s.decay_ratio,
+        decay_type=s.decay_type,
+        min_lr_factor=s.min_lr_factor,
+    )

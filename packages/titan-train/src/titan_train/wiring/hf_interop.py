@@ -86,7 +86,7 @@ def hf_export_files(config: JobConfig, bos_id: int, eos_id: int) -> dict[str, by
     files: dict[str, bytes | Path] = {"generation_config.json": json.dumps(generation, indent=2).encode()}
     assets = Path(config.model.hf_assets_path) if config.model.hf_assets_path else None
     if assets is None:
-        from titan_train.build import BUNDLED_TOKENIZER
+        from titan_train.wiring.data import BUNDLED_TOKENIZER
 
         assets = BUNDLED_TOKENIZER
     for name in TOKENIZER_FILES:

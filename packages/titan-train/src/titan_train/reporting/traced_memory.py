@@ -10,21 +10,29 @@ real tensors, which is how the tests check the trace against what a real step ho
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_parallel import blocks_of, clip_grad_norm_, precompute_float8_scales, training_context
 from titan_parallel.cuda_kernel_memory import use_cuda_kernel_memory
 from titan_parallel.memory_trace import MemoryTrace, TraceResult
-from titan_train import build
-from titan_train.hf_interop import model_args
+from titan_parallel.pipeline_replay import ReplayError, can_replay, replaying_microbatches
 from titan_train.registry import get_model_spec
+from titan_train.wiring.hf_interop import model_args
+from titan_train.wiring.model import autocast_dtype, build_loss_fn, build_model
+from titan_train.wiring.optimizers import build_optimizer
+from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps
+
+logger = logging.getLogger(__name__)
 
 
 def fake_world(world_size: int, rank: int) -> None:
@@ -41,6 +49,9 @@ def trace_rank(config: Any, world_size: int, rank: int, **kwargs) -> TraceResult
     fake_world(world_size, rank)
     try:
         return trace_step(config, world_size, **kwargs)
+    except ReplayError as err:  # micro-batches that do not repeat after all: run them all
+        logger.warning("memory trace: %s does not repeat the one captured; tracing every micro-batch", err)
+        return trace_step(config, world_size, **{**kwargs, "replay_microbatches": False})
     finally:
         dist.destroy_process_group()
 
@@ -52,23 +63,26 @@ def trace_step(
     fake: bool = True,
     n_layers: int | None = None,
     target_device: str = "cuda",
+    replay_microbatches: bool = True,
 ) -> TraceResult:
     """Trace one step of `config` on this rank of the process group that is already initialised.
 
     `n_layers` builds the model with that many blocks (the estimate traces a few and scales);
     `target_device` picks the dtypes the real run would use (CPU keeps float32 where GPUs use bf16).
     Fake tensors live on the CPU; real ones (`fake=False`) on `target_device`, so that on a GPU the
-    same tracker follows what the real step holds there.
+    same tracker follows what the real step holds there. A fake pipeline step runs three micro-batches
+    of each stage and replays the others (`titan_parallel.pipeline_replay`) unless `replay_microbatches`
+    is False.
     """
     device = torch.device("cpu" if fake else target_device)
     spec = get_model_spec(config.model.name)
-    dims = build.build_parallel_dims(config, world_size)
+    dims = build_parallel_dims(config, world_size)
     dims.build_mesh(device.type)
     dp_mesh = dims.submesh("dp")
-    accum = build.gradient_accumulation_steps(config, dp_mesh.size() if dp_mesh else 1)
+    accum = gradient_accumulation_steps(config, dp_mesh.size() if dp_mesh else 1)
     trace = MemoryTrace()
 
-    configured_loss = build.build_loss_fn(config, spec)
+    configured_loss = build_loss_fn(config, spec)
 
     def labelled_loss(logits, labels):
         trace.label(("loss",))
@@ -77,7 +91,7 @@ def trace_step(
     spec = replace(spec, loss_fn=labelled_loss)
     args = model_args(config)  # the flavor, or the checkpoint's config.json for `from_hf`
     tokenizer = SimpleNamespace(eos_id=args.eos_id, vocab_size=0)
-    built = build.build_model(
+    built = build_model(
         config, spec, tokenizer, dims, device, seed=0, grad_accum_steps=accum,
         n_layers=n_layers, dtype_device=torch.device(target_device), materialize=not fake,
     )  # fmt: skip
@@ -91,20 +105,27 @@ def trace_step(
                     use_cuda_kernel_memory(part)
         if pipeline is not None and dist.get_backend() == "fake":
             _declare_stage_shapes(pipeline, built, dims, config)
-        optimizers = [build.build_optimizer(config, part) for part in parts]
+        optimizers = [build_optimizer(config, part) for part in parts]
         t = config.training
         inputs = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len), device=device)
         labels = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len), device=device)
         params = [p for part in parts for p in part.parameters()]
         loss_fn = spec.loss_fn if accum == 1 else (lambda x, y: spec.loss_fn(x, y) / accum)
         _create_optimizer_state(params, optimizers)
-        with trace:
+        with trace, _no_automatic_gc():
             trace.track(params, "parameters")
             trace.track([s for o in optimizers for s in _state_tensors(o)], "optimizer state")
             trace.track([b for part in parts for b in part.buffers()] + [inputs, labels])
             for i, part in enumerate(parts):
                 trace.watch_blocks(i, blocks_of(part).values())
-            _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, labels, target_device)
+            replay = (
+                fake and replay_microbatches and pipeline and can_replay(pipeline.schedule, pipeline.stages)
+            )
+            replaying = replaying_microbatches(trace, pipeline.schedule, pipeline.stages) if replay else None
+            with replaying or contextlib.nullcontext():
+                _one_step(
+                    config, dims, built, optimizers, loss_fn, trace, accum, inputs, labels, target_device
+                )
             trace.remove_hooks()
             trace.assign("parameters", params)
         return trace.result()
@@ -114,7 +135,7 @@ def _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, la
     parts, pipeline = built.parts, built.pipeline
     # The trainer's autocast on the target device (one GPU without FSDP); on fake tensors, which live on
     # the CPU, emulated by CPU autocast: both run matmuls and attention in the lower precision.
-    dtype = build.autocast_dtype(config, dims, torch.device(target_device))
+    dtype = autocast_dtype(config, dims, torch.device(target_device))
 
     def autocast():
         return (
@@ -129,7 +150,7 @@ def _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, la
             if isinstance(part, FSDPModule):
                 part.set_requires_gradient_sync(micro == accum - 1)
         trace.label(("forward start",))
-        buffers = [inputs, labels, *(part.freqs_cis for part in parts)]
+        buffers = [inputs, labels, *(buffer for part in parts for buffer, _ in part.sequence_buffers())]
         with training_context(dims, built.options, cp_buffers=buffers, cp_seq_dims=[1, 1, *[0] * len(parts)]):
             if pipeline is not None:
                 pipeline.step(inputs, labels)
@@ -154,6 +175,20 @@ def _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, la
     ):
         for part in parts:
             precompute_float8_scales(part)
+
+
+@contextlib.contextmanager
+def _no_automatic_gc():
+    """The trainer collects garbage between steps, never during one (`wiring.gc_schedule`): what a step
+    leaves in reference cycles stays until the step ends, in the trace as in training."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _create_optimizer_state(params: list, optimizers: list) -> None:
@@ -189,13 +224,29 @@ def _declare_stage_shapes(pipeline, built, dims, config) -> None:
     else:
         logits = torch.empty(mb, seq, args.vocab_size, dtype=dtype, device=device)
     for stage in pipeline.stages:
-        inputs = (tokens,) if stage.is_first else (hidden,)
+        inputs = (tokens,) if stage.is_first else (_requiring_grad(hidden),)
         outputs = (logits,) if stage.is_last else (hidden,)
         in_grads = (None,) if stage.is_first else (hidden,)
         stage._user_meta = _StageMeta(
             inputs=extract_tensor_metas(inputs),
-            outputs=extract_tensor_metas(outputs),
+            outputs=extract_tensor_metas(tuple(map(_requiring_grad, outputs))),
             input_grads=extract_tensor_metas(in_grads, allow_none=True),
             output_grads=extract_tensor_metas(outputs, allow_none=True),
         )
         stage._mesh_cache.update_from_tensors(outputs)
+        _release_sent_outputs(stage)
+
+
+def _requiring_grad(t: torch.Tensor) -> torch.Tensor:
+    """Activations between stages require grad, as a real run's shape inference finds: else a stage
+    computes no gradient for its input, sends zeros back, and holds other buffers than a real one."""
+    return t.detach().requires_grad_()
+
+
+def _release_sent_outputs(stage) -> None:
+    """A stage frees its output once sent only if its type is exactly `torch.Tensor`: a fake tensor's is
+    not, so a fake stage would keep every output it sent until its backward, which a real stage does not."""
+    with unset_fake_temporarily():
+        plain = torch.empty(0, device="meta")
+    releasable = stage._output_slot_is_releasable
+    stage._output_slot_is_releasable = lambda out: releasable(plain if type(out) is FakeTensor else out)

@@ -1,8 +1,7 @@
 """The trainer's checkpointing: the `[checkpoint]` section mapped onto titan-ckpt's Checkpointer.
 
-A switch that would be silently ignored is refused here instead: an `initial_load_path` (or
-`load_step`, `load_only`, `create_seed_checkpoint`) with `checkpoint.enable = false` would load
-nothing, and a week-long run would quietly start from scratch.
+Switches that would be silently ignored were refused before the run started
+(`titan_train.config.run_checks.check_checkpoint_config`).
 
 At start, the run adapts to the checkpoint it resumes rather than refusing it: with
 `training.dataloader.num_streams` unset, the saved number of data streams is adopted (so a run
@@ -19,77 +18,44 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
-from titan_ckpt import Checkpointer, HFStateDictAdapter, LoadResult
+from titan_ckpt import Checkpointer, HFStateDictAdapter, LastSavePolicy, LoadPolicy, LoadResult, SavePolicy
 from titan_train.config import JobConfig
-from titan_train.errors import ConfigError
 from titan_train.train_state import TrainState
 
 logger = logging.getLogger(__name__)
 
 
-def check_checkpoint_config(config: JobConfig, world_size: int) -> None:
-    """Refuse [checkpoint] combinations that cannot do what they say, naming the fix."""
-    c = config.checkpoint
-    if not c.enable:
-        ignored = [
-            name
-            for name, is_set in (
-                ("initial_load_path", bool(c.initial_load_path)),
-                ("load_step", c.load_step >= 0),
-                ("load_only", c.load_only),
-                ("create_seed_checkpoint", c.create_seed_checkpoint),
-            )
-            if is_set
-        ]
-        if ignored:
-            raise ConfigError(
-                f"config: checkpoint.{ignored[0]} is set but checkpoint.enable is false, so it would be ignored; "
-                "add --checkpoint.enable true (with --checkpoint.load_only true to load without saving)"
-            )
-        return
-    if c.create_seed_checkpoint and world_size != 1:
-        raise ConfigError(
-            f"config: checkpoint.create_seed_checkpoint writes the unsharded model from one process, but "
-            f"WORLD_SIZE is {world_size}; run it with NGPU=1 (one process, no parallelism)"
-        )
-    if c.initial_load_in_hf and not (c.initial_load_path or config.model.hf_assets_path):
-        raise ConfigError(
-            "config: checkpoint.initial_load_in_hf needs the Hugging Face folder: set checkpoint.initial_load_path "
-            "or model.hf_assets_path"
-        )
-
-
 def hf_adapter_for(
-    model: nn.Module, *, bos_id: int | None = None, eos_id: int | None = None
+    model_args: Any, *, bos_id: int | None = None, eos_id: int | None = None
 ) -> HFStateDictAdapter:
-    """The Hugging Face weight mapping of a Titan model (every registered family has the Llama layout)."""
+    """The Hugging Face weight mapping of a Titan model built from `model_args` (every registered family
+    has the Llama layout)."""
     from titan_models import LlamaStateDictAdapter
 
-    return LlamaStateDictAdapter(model.args, bos_id=bos_id, eos_id=eos_id)
+    return LlamaStateDictAdapter(model_args, bos_id=bos_id, eos_id=eos_id)
 
 
-def _hf_export(config: JobConfig, model: nn.Module | None) -> tuple[HFStateDictAdapter | None, dict]:
+def _hf_export(config: JobConfig, model_args: Any | None) -> tuple[HFStateDictAdapter | None, dict]:
     """The weight mapping, with the tokenizer's bos/eos, and the files a Hugging Face export carries."""
     c = config.checkpoint
-    if model is None or not (c.initial_load_in_hf or c.last_save_in_hf):
+    if model_args is None or not (c.initial_load_in_hf or c.last_save_in_hf):
         return None, {}
     if not c.last_save_in_hf:
-        return hf_adapter_for(model), {}
-    from titan_train.build import build_tokenizer_for
-    from titan_train.hf_interop import hf_export_files
+        return hf_adapter_for(model_args), {}
+    from titan_train.wiring.data import build_tokenizer_for
+    from titan_train.wiring.hf_interop import hf_export_files
 
     tokenizer = build_tokenizer_for(config)
-    adapter = hf_adapter_for(model, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    adapter = hf_adapter_for(model_args, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
     return adapter, hf_export_files(config, tokenizer.bos_id, tokenizer.eos_id)
 
 
 def build_checkpointer(
-    config: JobConfig, states: dict[str, Any], *, world_size: int, model: nn.Module | None = None
+    config: JobConfig, states: dict[str, Any], *, model_args: Any | None = None
 ) -> Checkpointer | None:
-    """The run's Checkpointer (None when checkpoint.enable is false); `states` as titan-ckpt takes them."""
-    check_checkpoint_config(config, world_size)
+    """The run's Checkpointer (None when checkpoint.enable is false); `states` as titan-ckpt takes them,
+    `model_args` those the model was built from (for Hugging Face weights). The settings passed
+    `check_run` (titan_train.config.run_checks)."""
     c = config.checkpoint
     if not c.enable:
         return None
@@ -100,25 +66,31 @@ def build_checkpointer(
             "checkpoint: initial_load_in_hf with no initial_load_path: using model.hf_assets_path %s",
             initial_load_path,
         )
-    hf_adapter, hf_files = _hf_export(config, model)
+    hf_adapter, hf_files = _hf_export(config, model_args)
     return Checkpointer(
         Path(config.job.dump_folder) / c.folder,
         states,
-        interval=c.interval,
-        keep_latest_k=c.keep_latest_k,
-        async_mode=c.async_mode,
-        load_step=c.load_step,
-        initial_load_path=initial_load_path,
-        initial_load_model_only=c.initial_load_model_only,
-        initial_load_in_hf=c.initial_load_in_hf,
-        last_save_model_only=c.last_save_model_only,
-        last_save_in_hf=c.last_save_in_hf,
-        export_dtype=c.export_dtype,
-        exclude_from_loading=c.exclude_from_loading,
-        enable_first_step_checkpoint=c.enable_first_step_checkpoint,
-        load_only=c.load_only,
+        saving=SavePolicy(
+            interval=c.interval,
+            keep_latest_k=c.keep_latest_k,
+            async_mode=c.async_mode,
+            enable_first_step_checkpoint=c.enable_first_step_checkpoint,
+            load_only=c.load_only,
+        ),
+        loading=LoadPolicy(
+            load_step=c.load_step,
+            initial_load_path=initial_load_path,
+            initial_load_model_only=c.initial_load_model_only,
+            initial_load_in_hf=c.initial_load_in_hf,
+            exclude_from_loading=c.exclude_from_loading,
+        ),
+        last_save=LastSavePolicy(
+            model_only=c.last_save_model_only,
+            in_hf=c.last_save_in_hf,
+            export_dtype=c.export_dtype,
+            hf_extra_files=hf_files,
+        ),
         hf_adapter=hf_adapter,
-        hf_extra_files=hf_files,
     )
 
 

@@ -18,15 +18,15 @@ import torch.distributed as dist
 
 from titan_models import count_parameters
 from titan_parallel import ParallelConfigError, ParallelDims, blocks_of, pipeline_stages
-from titan_train import build
-from titan_train.device_peaks import DEVICE_MEMORY_GIB
+from titan_train.config.unsupported import UnsupportedConfigError, refuse_unsupported
 from titan_train.errors import ConfigError
-from titan_train.hf_interop import model_args
-from titan_train.memory_estimate import GIB, MemoryEstimate, ParamCounts, estimate_memory
-from titan_train.parallelism import parallel_options
 from titan_train.registry import get_model_spec
-from titan_train.sequence_limit import model_seq_len
-from titan_train.unsupported import UnsupportedConfigError, refuse_unsupported
+from titan_train.reporting.device_peaks import DEVICE_MEMORY_GIB
+from titan_train.reporting.memory_estimate import GIB, MemoryEstimate, estimate_memory
+from titan_train.wiring.hf_interop import model_args
+from titan_train.wiring.model import ParamCounts
+from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps, parallel_options
+from titan_train.wiring.sequence_limit import model_seq_len
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def layout_problems(config: Any, dims: ParallelDims, args: Any) -> list[str]:
     except (ParallelConfigError, ConfigError) as err:
         problems.append(str(err))
     try:
-        build.gradient_accumulation_steps(config, dims.dp_degree)
+        gradient_accumulation_steps(config, dims.dp_degree)
     except ConfigError as err:
         problems.append(str(err))
     return problems
@@ -168,7 +168,7 @@ def dry_run(
 ) -> DryRunReport:
     """Validate `config` for `world_size` ranks, build its mesh, trace its memory per rank and log it all."""
     device_name, capacity = device_memory_of(device, device_memory_gib)
-    dims = build.build_parallel_dims(config, world_size)
+    dims = build_parallel_dims(config, world_size)
     spec = get_model_spec(config.model.name)
     args = model_args(config, max_seq_len=model_seq_len(config))
     problems = layout_problems(config, dims, args)
@@ -189,7 +189,7 @@ def dry_run(
 
     fake = not config.memory_estimation.disable_fake_mode
     memory = estimate_memory(config, world_size, fake=fake, capacity=capacity)
-    accum = build.gradient_accumulation_steps(config, dims.dp_degree)
+    accum = gradient_accumulation_steps(config, dims.dp_degree)
     t = config.training
     report = DryRunReport(
         world_size=world_size,

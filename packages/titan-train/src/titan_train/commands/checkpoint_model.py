@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from titan_ckpt import Checkpointer, ModelState
+from titan_ckpt import Checkpointer, LoadPolicy, ModelState, SavePolicy
 from titan_data import Tokenizer
 from titan_models import args_from_hf_config, hf_config_differences
-from titan_train.build import build_tokenizer_for
-from titan_train.checkpointing import hf_adapter_for
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.hf_interop import FROM_HF, model_args
 from titan_train.registry import get_model_spec
+from titan_train.wiring.checkpointing import hf_adapter_for
+from titan_train.wiring.data import build_tokenizer_for
+from titan_train.wiring.hf_interop import FROM_HF, model_args
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +36,15 @@ _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
 @dataclass
 class CheckpointModel:
-    """The model in eval mode, its tokenizer, and the training step its weights come from (None if unknown)."""
+    """The model in eval mode, its tokenizer, the training step its weights come from (None if unknown),
+    and the positions its rotary table covers (`max_seq_len`)."""
 
     model: nn.Module
     tokenizer: Tokenizer
     step: int | None
     path: Path
     device: torch.device
+    max_seq_len: int
     hf: bool = False
 
 
@@ -139,20 +141,19 @@ def load_checkpoint_model(
     checkpointer = Checkpointer(
         path,
         {"model": ModelState([model])},
-        interval=1,
-        initial_load_path=path,
-        initial_load_in_hf=fmt == "hf",
-        load_only=True,
-        hf_adapter=hf_adapter_for(model) if fmt == "hf" else None,
+        saving=SavePolicy(interval=1, load_only=True),
+        loading=LoadPolicy(initial_load_path=path, initial_load_in_hf=fmt == "hf"),
+        hf_adapter=hf_adapter_for(args) if fmt == "hf" else None,
     )
     checkpointer.load()
     checkpointer.close()
-    table = model.freqs_cis  # the rotary table stays complex float32, as in training
-    model = model.to(DTYPES[dtype]).eval()
-    model.freqs_cis = table
+    with torch.no_grad():  # parameters only: buffers (the rotary table) stay complex float32, as in training
+        for param in model.parameters():
+            param.data = param.data.to(DTYPES[dtype])
+    model.eval()
     step = checkpoint_step(path)
     logger.info(
         "loaded %s %s from %s (%s, step %s) on %s in %s",
         config.model.name, config.model.flavor, path, fmt, "unknown" if step is None else step, device, dtype,
     )  # fmt: skip
-    return CheckpointModel(model, tokenizer, step, path, device, fmt == "hf")
+    return CheckpointModel(model, tokenizer, step, path, device, args.max_seq_len, fmt == "hf")

@@ -12,8 +12,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from titan_train.early_stop import NonFiniteError
 from titan_train.errors import ConfigError
+from titan_train.faults.exit_status import NonFiniteError
 
 logger = logging.getLogger(__name__)
 

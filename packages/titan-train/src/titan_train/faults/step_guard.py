@@ -1,10 +1,11 @@
-"""The trainer's per-step fault checks: numerics, preemption and drills, agreed through one small all-reduce.
+"""The trainer's per-step fault checks: numerics, preemption and drills, agreed through one small all-gather.
 
-Between gradient clipping and the optimizer step, every rank adds `[its loss, 1 if it has one, one count
-per preemption signal it received]` into one all-reduce. From the sums every rank reads the same mean
-loss (spike report, non-finite check with the already global gradient norm) and the same "a signal
-arrived somewhere", so all ranks skip the same update and stop after the same step. On a GPU this costs
-one tiny collective per step, and the host's wait for its result overlaps the optimizer step where the
+Between gradient clipping and the optimizer step, every rank shares `[its loss, 1 if it has one, one count
+per preemption signal it received]` in one all-gather. From what it gathers every rank reads the same
+mean and max loss (the logged loss, the spike report, the non-finite check with the already global
+gradient norm) and the same "a signal arrived somewhere", so all ranks skip the same update and stop
+after the same step, and the log line needs no collective of its own. On a GPU this costs one tiny
+collective per step, and the host's wait for its result overlaps the optimizer step where the
 optimizer can skip an update on the device (fused Adam/AdamW: see `PartOptimizers.step_unless`).
 """
 
@@ -21,24 +22,44 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_train.config.health_section import Health
-from titan_train.fault_drills import FaultDrills
-from titan_train.numerics import NumericsGuard, RankNumbers
-from titan_train.preemption import PreemptionSignals, parse_signals, save_and_stop
+from titan_train.faults.drills import FaultDrills
+from titan_train.faults.numerics import NumericsGuard, RankNumbers
+from titan_train.faults.preemption import PreemptionSignals, parse_signals, save_and_stop
 
 logger = logging.getLogger(__name__)
 
 NamedParameters = Callable[[], Iterable[tuple[str, nn.Parameter]]]
 
 
+@dataclass(frozen=True)
+class AgreedNumbers:
+    """A step's numbers as every rank reads them: the mean and max loss over the ranks that have one
+    (None where none has), the gradient norm, and how many ranks received each preemption signal."""
+
+    loss_mean: float | None
+    loss_max: float | None
+    grad_norm: float
+    signal_counts: list[float]
+
+
 @dataclass
 class StepNumbers:
-    """What `StepGuard.agree` queued for one step: the summed `[loss, has a loss, signals..., grad norm]`
-    (in host memory once `copied` has fired), the device flag `skip`, and this rank's own loss."""
+    """What `StepGuard.agree` queued for one step: `[loss sum, ranks with a loss, signals..., grad norm,
+    loss max]` (in host memory once `copied` has fired), the device flag `skip`, and this rank's own loss."""
 
     values: torch.Tensor
     skip: torch.Tensor
     copied: torch.cuda.Event | None
     own_loss: torch.Tensor | None
+
+    def read(self) -> AgreedNumbers:
+        """The numbers on the host (waiting for their copy on CUDA)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        loss_sum, n_losses, *signal_counts, norm, loss_max = self.values.tolist()
+        if not n_losses:
+            return AgreedNumbers(None, None, norm, signal_counts)
+        return AgreedNumbers(loss_sum / n_losses, loss_max, norm, signal_counts)
 
 
 class StepGuard:
@@ -75,6 +96,14 @@ class StepGuard:
     def uninstall(self) -> None:
         self.signals.__exit__()
 
+    def __enter__(self) -> StepGuard:
+        """`install` for the length of a `with` block."""
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
     def position(self) -> str:
         """Where training is, for a hang report from another thread."""
         return f"step {self.step} ({self.phase})"
@@ -83,9 +112,15 @@ class StepGuard:
         self.step, self.phase = step, "forward/backward"
         self.drills.before_step(step, signalled=lambda: self.signals.received is not None)
 
-    def poison_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The micro-batch loss, or NaN in its place where a nan drill hits this rank and step."""
-        return self.drills.poison_loss(self.step, loss)
+    def drilled(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """`loss_fn`, or where a nan drill is armed on this rank, `loss_fn` returning NaN at the drill's step."""
+        if not self.drills.poisons_loss:
+            return loss_fn
+
+        def poisoned(*args: Any) -> torch.Tensor:
+            return self.drills.poison_loss(self.step, loss_fn(*args))
+
+        return poisoned
 
     def update_allowed(
         self, step: int, loss: torch.Tensor | None, grad_norm: torch.Tensor, *, has_loss: bool = True
@@ -103,10 +138,11 @@ class StepGuard:
     ) -> StepNumbers:
         """Queue the step's agreement on the device; nothing waits for it.
 
-        Every rank's `[loss, has a loss, signal counts]` is summed over ranks; `skip` is a device flag,
-        1 where the global loss or the gradient norm is not finite, which fused optimizers take as
-        `found_inf` to skip the update themselves. The sums and the norm are copied to host memory
-        behind an event, so reading them (`decide`) waits only for that copy, not for work queued later.
+        Every rank's `[loss, has a loss, signal counts]` is gathered, then summed (and the loss maxed)
+        over ranks; `skip` is a device flag, 1 where the global loss or the gradient norm is not finite,
+        which fused optimizers take as `found_inf` to skip the update themselves. The numbers are copied
+        to host memory behind an event, so reading them (`decide`, `StepNumbers.read`) waits only for
+        that copy, not for work queued later.
         """
         self.phase = "agreeing on the step's health"
         has_loss = has_loss and loss is not None
@@ -116,11 +152,16 @@ class StepGuard:
         values = _to_device(torch.tensor([0.0, float(has_loss), *counts], dtype=torch.float64), self.device)
         if has_loss:
             values[0] = loss.detach().double().reshape(())
+        ranks = values.reshape(1, -1)
         if self.world_size > 1 and dist.is_initialized():
-            dist.all_reduce(values)
+            gathered = torch.empty(self.world_size * values.numel(), dtype=values.dtype, device=values.device)
+            dist.all_gather_into_tensor(gathered, values)
+            ranks = gathered.reshape(self.world_size, -1)
+        sums = ranks.sum(0)
+        loss_max = torch.where(ranks[:, 1] > 0, ranks[:, 0], -torch.inf).max().reshape(1)
         norm = grad_norm.detach().double().reshape(1).to(self.device)
-        skip = (~torch.isfinite(values[0]) | ~torch.isfinite(norm[0])).float()
-        numbers = torch.cat([values, norm])
+        skip = (~torch.isfinite(sums[0]) | ~torch.isfinite(norm[0])).float()
+        numbers = torch.cat([sums, norm, loss_max])
         if self.device.type != "cuda":
             return StepNumbers(numbers, skip, None, loss if has_loss else None)
         host = torch.empty(numbers.shape, dtype=numbers.dtype, pin_memory=True)
@@ -132,10 +173,8 @@ class StepGuard:
     def decide(self, step: int, numbers: StepNumbers) -> bool:
         """The host's verdict on numbers from `agree`: False to skip this update; raises NonFiniteError
         to stop. Every rank reads the same sums, so every rank reaches the same verdict."""
-        if numbers.copied is not None:
-            numbers.copied.synchronize()
-        loss_sum, n_losses, *signal_counts, norm = numbers.values.tolist()
-        mean_loss = loss_sum / n_losses if n_losses else None
+        agreed = numbers.read()
+        mean_loss, signal_counts, norm = agreed.loss_mean, agreed.signal_counts, agreed.grad_norm
         if self.stop_signal is None:
             arrived = [
                 sig for sig, count in zip(self.signals.signals, signal_counts, strict=True) if count > 0

@@ -46,6 +46,11 @@ class FaultDrills:
         if self.armed:
             logger.warning("fault drill armed: %s on rank %d at step %d", self.kind, rank, self.step)
 
+    @property
+    def poisons_loss(self) -> bool:
+        """Whether a nan drill is armed on this rank."""
+        return self.armed and self.kind == "nan"
+
     def poison_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """The loss, or NaN in its place at the nan drill's step (gradients then turn NaN too)."""
         if self.armed and self.kind == "nan" and step == self.step:

@@ -29,15 +29,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from titan_train.early_stop import CollectiveHang, EarlyStop
-from titan_train.hang_diagnosis import (
+from titan_train.faults.exit_status import CollectiveHang, EarlyStop
+from titan_train.faults.hang_diagnosis import (
     comm_failure_kind,
     describe_hang,
     dump_flight_record,
     flight_record,
     rank_state,
 )
-from titan_train.status_file import leave_exit_status
+from titan_train.faults.status_file import leave_exit_status
 
 logger = logging.getLogger(__name__)
 

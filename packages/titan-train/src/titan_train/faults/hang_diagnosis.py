@@ -113,8 +113,14 @@ def main_thread_position(err: BaseException | None = None) -> str:
 
 
 def _short(filename: str) -> str:
-    parts = Path(filename).parts
-    return "/".join(parts[-2:])
+    """A module's path from its top-level package (`titan_train/faults/drills.py`); else folder and file."""
+    path = Path(filename)
+    top = path.parent
+    while (top / "__init__.py").is_file():
+        top = top.parent
+    if top == path.parent:
+        return "/".join(path.parts[-2:])
+    return path.relative_to(top).as_posix()
 
 
 def rank_state(position: str, record: dict[str, Any], err: BaseException | None = None) -> dict[str, Any]:

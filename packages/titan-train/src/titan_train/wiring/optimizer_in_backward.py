@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from titan_train.errors import ConfigError
-from titan_train.optimizers import SchedulesState
+from titan_train.wiring.optimizers import SchedulesState
 
 
 def check_step_in_backward(config: Any, grad_accum_steps: int) -> None:
@@ -44,20 +44,6 @@ def check_step_in_backward(config: Any, grad_accum_steps: int) -> None:
         raise ConfigError(f"config: optimizer.early_step_in_backward: {reasons[0]}")
 
 
-class _PartOptimizers(list):
-    """A model part's per-parameter optimizers, taking step hooks as one optimizer does (checkpointing
-    waits for a staged save before any of them steps)."""
-
-    def register_step_pre_hook(self, hook: Callable) -> _Handles:
-        return _Handles([optimizer.register_step_pre_hook(hook) for optimizer in self])
-
-
-class _Handles(list):
-    def remove(self) -> None:
-        for handle in self:
-            handle.remove()
-
-
 class BackwardStepOptimizers:
     """One optimizer and LR schedule per parameter, stepped from its gradient hook during backward."""
 
@@ -67,10 +53,10 @@ class BackwardStepOptimizers:
         make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         make_schedule: Callable[[torch.optim.Optimizer], LRScheduler],
     ):
-        self.per_part: list[_PartOptimizers] = []
+        self.per_part: list[list[torch.optim.Optimizer]] = []
         self._optimizer_of: dict[nn.Parameter, torch.optim.Optimizer] = {}
         for part in parts:
-            mine = _PartOptimizers()
+            mine: list[torch.optim.Optimizer] = []
             for param in part.parameters():
                 if param.requires_grad:
                     self._optimizer_of[param] = make_optimizer([param])
@@ -82,7 +68,7 @@ class BackwardStepOptimizers:
         self._squares: list[torch.Tensor] = []
 
     @property
-    def optimizers(self) -> list[_PartOptimizers]:
+    def optimizers(self) -> list[list[torch.optim.Optimizer]]:
         """Per model part, its parameters' optimizers (DCP's optimizer state dict takes such a list)."""
         return self.per_part
 

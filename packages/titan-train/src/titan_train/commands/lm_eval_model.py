@@ -36,8 +36,8 @@ def _batches(items: list, size: int) -> Iterator[list]:
 class TitanLM(TemplateLM):
     """An lm-eval model over a Titan `Transformer` and tokenizer (or a checkpoint and the run's config).
 
-    `max_length` caps a scored sequence (default: the model's rotary table, `args.max_seq_len`);
-    `add_bos_token` frames each context with BOS.
+    `max_length` caps a scored sequence (with a checkpoint, by default the positions its rotary table
+    covers; with a model, give it); `add_bos_token` frames each context with BOS.
     """
 
     def __init__(
@@ -57,22 +57,25 @@ class TitanLM(TemplateLM):
     ):
         super().__init__()
         if model is None:
-            model, tokenizer = self._from_checkpoint(checkpoint, config_file, device, dtype)
+            model, tokenizer, max_seq_len = self._from_checkpoint(checkpoint, config_file, device, dtype)
+            max_length = max_length or max_seq_len
         if tokenizer is None:
             raise ConfigError("eval: TitanLM needs the tokenizer the model was trained with")
+        if not max_length:
+            raise ConfigError("eval: TitanLM(model, ...) needs max_length, the longest sequence to score")
         self.model, self.titan_tokenizer = model.eval(), tokenizer
-        self._device = model.tok_embeddings.weight.device
+        self._device = next(model.parameters()).device
         self.batch_size = 8 if batch_size in ("auto", None) else int(batch_size)
-        self._max_length = int(max_length or model.args.max_seq_len)
+        self._max_length = int(max_length)
         self._max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
         self._special = tokenizer.special_ids
         self._bos_text = tokenizer.decode([tokenizer.bos_id])
 
     @staticmethod
-    def _from_checkpoint(checkpoint, config_file, device, dtype) -> tuple[nn.Module, Tokenizer]:
+    def _from_checkpoint(checkpoint, config_file, device, dtype) -> tuple[nn.Module, Tokenizer, int]:
         """For `lm_eval --model titan --model_args config_file=...,checkpoint=...`."""
-        from titan_train.checkpoint_model import load_checkpoint_model
+        from titan_train.commands.checkpoint_model import load_checkpoint_model
         from titan_train.config import load_job_config
 
         if not checkpoint:
@@ -83,7 +86,7 @@ class TitanLM(TemplateLM):
         loaded = load_checkpoint_model(
             config, checkpoint, device=torch.device(device) if device else None, dtype=dtype
         )
-        return loaded.model, loaded.tokenizer
+        return loaded.model, loaded.tokenizer, loaded.max_seq_len
 
     # -- what lm-eval asks of a model -----------------------------------------------------------------
 

@@ -16,8 +16,8 @@ import time
 from types import FrameType
 from typing import Any
 
-from titan_train.early_stop import Preempted
 from titan_train.errors import ConfigError
+from titan_train.faults.exit_status import Preempted
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def save_and_stop(step: int, signum: int, checkpointer: Any | None) -> Preempted
     run's titan-ckpt Checkpointer, or None when checkpointing is off.
     """
     name = signal.Signals(signum).name
-    if checkpointer is None or checkpointer.load_only:
+    if checkpointer is None or checkpointer.saving.load_only:
         why = "checkpoint.enable is false" if checkpointer is None else "checkpoint.load_only is true"
         return Preempted(
             f"preempted: {name} received; stopped after step {step} without saving ({why}), so a rerun starts "

@@ -84,15 +84,41 @@ def split_and_wrap(
     options: ParallelOptions,
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    eval_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
     local_batch_size: int,
-    accumulation_steps: int = 1,
 ) -> ModelParts:
-    """Apply every enabled parallelism to a meta-device model; pipeline stages when pp > 1."""
+    """Apply every enabled parallelism to a meta-device model; pipeline stages when pp > 1, training on
+    `loss_fn` and evaluating with `eval_loss_fn`."""
     if dims.pp > 1:
         pipeline = build_pipeline(
-            model, dims, options, loss_fn=loss_fn, device=device, local_batch_size=local_batch_size,
-            accumulation_steps=accumulation_steps,
+            model, dims, options, loss_fn=loss_fn, eval_loss_fn=eval_loss_fn, device=device,
+            local_batch_size=local_batch_size,
         )  # fmt: skip
         return ModelParts(pipeline.model_parts, pipeline)
     return ModelParts([parallelize(model, dims, options)], None)
+
+
+def build_parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
+    p = config.parallelism
+    return ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        world_size=world_size,
+    )
+
+
+def gradient_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
+    t = config.training
+    per_step = t.local_batch_size * dp_degree
+    if t.global_batch_size < 0:
+        return 1
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"config: training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"local_batch_size ({t.local_batch_size}) * data-parallel degree ({dp_degree}) = {per_step}"
+        )
+    return t.global_batch_size // per_step

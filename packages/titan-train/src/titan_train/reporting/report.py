@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_train.errors import ConfigError
-from titan_train.metrics import TB_TAGS, VALIDATION_TAGS
+from titan_train.reporting.metrics import TB_TAGS, VALIDATION_TAGS
 
 Series = dict[str, tuple[list[int], list[float]]]
 

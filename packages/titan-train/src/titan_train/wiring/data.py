@@ -1,0 +1,63 @@
+"""The tokenizer and the token loaders of `[training]` and `[validation]`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from titan_data import StreamLayout, Tokenizer, TokenLoader, build_dataset, build_tokenizer
+from titan_train.config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_TOKENIZER = Path(__import__("titan_data").__file__).parent / "assets" / "tokenizer"
+
+
+def build_tokenizer_for(config: JobConfig) -> Tokenizer:
+    return build_tokenizer(config.model.hf_assets_path or BUNDLED_TOKENIZER)
+
+
+def build_loader(config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> TokenLoader:
+    return _token_loader(config.training, tokenizer, dp_rank, dp_degree, infinite=True)
+
+
+def build_validation_loader(
+    config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int
+) -> TokenLoader:
+    """One pass over the validation set (not looping), dealt over data-parallel ranks like training data."""
+    return _token_loader(config.validation, tokenizer, dp_rank, dp_degree, infinite=False)
+
+
+def _token_loader(
+    section, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, *, infinite: bool
+) -> TokenLoader:
+    """A loader for `[training]` or `[validation]`: both name dataset, path, seq_len, batch size and streams."""
+    dataset = build_dataset(
+        section.dataset,
+        section.dataset_path,
+        tokenizer,
+        section.seq_len,
+        streams=StreamLayout(dp_rank, dp_degree, section.dataloader.num_streams),
+        infinite=infinite,
+    )
+    d = section.dataloader
+    return TokenLoader(
+        dataset, batch_size=section.local_batch_size, num_workers=d.num_workers,
+        pin_memory=d.pin_memory and _pinning_applies(section), persistent_workers=d.persistent_workers,
+        prefetch_factor=d.prefetch_factor,
+    )  # fmt: skip
+
+
+def _pinning_applies(section) -> bool:
+    """Pinned (page-locked) batches speed up copies to an accelerator; without one, batches already sit in
+    the memory the CPU trains from, so there is nothing to pin: said once, at start."""
+    if torch.accelerator.is_available():
+        return True
+    logger.warning(
+        "%s.dataloader.pin_memory: no accelerator here, so batches stay in ordinary host memory, which the "
+        "CPU reads directly (pinning only speeds up copies to a GPU)",
+        "validation" if hasattr(section, "freq") else "training",
+    )
+    return False

@@ -1,0 +1,98 @@
+"""titan-train drives a model only through `titan_parallel.TrainableModel` and `nn.Module`'s own API.
+
+The scan reads titan_train's source and looks at every attribute taken of an expression that holds a
+model: a name `model`, `part` or `model_part`, an item of `parts` / `model_parts` (`built.parts[0]`),
+or `self.model` / `loaded.model`. Each attribute must be an `nn.Module` or FSDP method, or a member of
+the protocol; a model's own attributes (`freqs_cis`, `args`, `layers`) are reached for nowhere.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+import titan_train
+from titan_models import Transformer, llama3_args
+from titan_parallel import TrainableModel
+
+SOURCE = Path(titan_train.__file__).parent
+MODEL_NAMES = {"model", "part", "model_part"}
+PART_LISTS = {"parts", "model_parts"}
+OWNERS_OF_A_MODEL = {"self", "loaded"}  # `self.model` (lm-eval's wrapper), `loaded.model` (a checkpoint's)
+
+
+def _protocol_members() -> set[str]:
+    members = set()
+    for cls in TrainableModel.__mro__:
+        members |= {name for name in vars(cls) if not name.startswith("_")}
+    return members
+
+
+ALLOWED = set(dir(nn.Module)) | set(dir(FSDPModule)) | _protocol_members()
+
+
+def _holds_a_model(node: ast.expr) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in MODEL_NAMES
+    if isinstance(node, ast.Subscript):
+        items = node.value
+        return (isinstance(items, ast.Name) and items.id in PART_LISTS) or (
+            isinstance(items, ast.Attribute) and items.attr in PART_LISTS
+        )
+    if isinstance(node, ast.Attribute):
+        return (
+            node.attr == "model" and isinstance(node.value, ast.Name) and node.value.id in OWNERS_OF_A_MODEL
+        )
+    return False
+
+
+def model_attributes_outside_the_protocol(source: str, where: str) -> list[str]:
+    """`where:line: expression` for each attribute of a model that is neither nn.Module's nor the protocol's."""
+    return [
+        f"{where}:{node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute) and _holds_a_model(node.value) and node.attr not in ALLOWED
+    ]
+
+
+def test_titan_train_reaches_no_model_attribute_outside_the_protocol():
+    found = [
+        hit
+        for path in sorted(SOURCE.rglob("*.py"))
+        for hit in model_attributes_outside_the_protocol(path.read_text(), str(path.relative_to(SOURCE)))
+    ]
+    assert not found, (
+        "titan_train reaches into a model; add what it needs to titan_parallel.protocols:\n"
+        + "\n".join(found)
+    )
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "table = model.freqs_cis",
+        "cp = [part.freqs_cis for part in self.model_parts]",
+        "n = built.parts[0].args.n_layers",
+        "device = self.model.tok_embeddings.weight.device",
+    ],
+)
+def test_the_scan_sees_a_model_attribute_outside_the_protocol(line):
+    assert model_attributes_outside_the_protocol(line, "planted.py")
+
+
+def test_the_scan_lets_the_protocol_and_module_api_pass():
+    source = (
+        "part.sequence_buffers(); model.init_weights(seed=0); part.to_empty(device='cpu'); config.model.name"
+    )
+    assert model_attributes_outside_the_protocol(source, "allowed.py") == []
+
+
+def test_titan_models_transformer_is_a_trainable_model():
+    with torch.device("meta"):
+        model = Transformer(llama3_args("debugmodel"))
+    assert isinstance(model, TrainableModel)
+    ((table, dim),) = model.sequence_buffers()
+    assert table is model.freqs_cis and dim == 0
