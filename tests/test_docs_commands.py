@@ -163,6 +163,9 @@ def _test_command(args: list[str]) -> Callable[[], None]:
                 assert names <= markers, f"undeclared pytest markers {names - markers}"
                 i += 2
                 continue
+            if arg in ("-n", "--dist", "-k"):  # options whose value is not a path
+                i += 2
+                continue
             if not arg.startswith("-"):
                 path = REPO / arg.split("::")[0]
                 assert path.exists(), f"{arg} does not exist"
