@@ -138,6 +138,9 @@ def _cli_process(argv: list[str], env: dict[str, str], log: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)  # as torchrun's ranks (OMP_NUM_THREADS=1): a thread count changes float sums
     from titan_train.cli import main
 
     sys.exit(main(argv))

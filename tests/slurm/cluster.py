@@ -346,6 +346,15 @@ class Cluster:
             raise RuntimeError(f"sbatch {' '.join(args)} failed: {result.stderr}")
         return int(result.stdout.strip().split(";")[0])
 
+    def release(self, job_id: int, timeout: float = 120) -> None:
+        """Cancel the job if it is still queued or running and restart a node a test killed, so that a test
+        which failed midway leaves the next one the cluster as it was started."""
+        subprocess.run(["scancel", str(job_id)], capture_output=True, env=self.env, timeout=60)
+        for node in NODES:
+            if f"slurmd-{node}" not in self.daemons:
+                self.start_node(node)
+        self.wait_for_nodes("idle", timeout)
+
     def job(self, job_id: int) -> dict[str, str]:
         """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...); empty once the job is purged."""
         result = subprocess.run(["scontrol", "--oneliner", "show", "job", str(job_id)], capture_output=True,

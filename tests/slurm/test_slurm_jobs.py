@@ -101,7 +101,7 @@ def _veth_bytes(node: str) -> int:
 
 
 def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_losses_of_one_node(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, request: pytest.FixtureRequest
 ):
     dump, logs, output = tmp_path / "dump", tmp_path / "logs", tmp_path / "job.out"
     env = {
@@ -116,6 +116,7 @@ def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_lo
     job = cluster.sbatch("--nodes=2", "--gpus-per-node=2", "--time=10", f"--signal=B:USR1@{SIGNAL_LEAD}",
                          f"--output={output}", str(REPO / "apps" / "multinode_trainer.slurm"), *JOB, *STALL,
                          env=env, cwd=tmp_path)  # fmt: skip
+    request.addfinalizer(lambda: cluster.release(job))
     phases = {}
     began = time.monotonic()
 
@@ -172,8 +173,10 @@ def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_lo
     newest = _complete_checkpoints(dump)[-1]
     assert newest < STEPS, "the run ended before n2 could be killed"
     _wait(lambda: state().get("Restarts") == "3", "requeue after n2 went down")
+    # Ranks 0 and 1 on n1 see their peers go; the first to stop makes torchrun end the other, which may not
+    # get to say it (the output shows local ranks 0 and 1).
     lost = [line for line in text().splitlines() if "peer lost: rank" in line]
-    assert len(lost) == 2, text()[-4000:]  # ranks 0 and 1 on n1 (the output shows local ranks 0 and 1)
+    assert 1 <= len(lost) <= 2, text()[-4000:]
     assert all("ranks 2, 3 are gone" in line for line in lost), lost
     assert cluster.node_states()["n2"].startswith("down")
     cluster.start_node("n2")
