@@ -1,4 +1,6 @@
-"""The whole stack through `titan-train`: training, multi-process parity and exact resume."""
+"""The whole stack through `titan-train`: the debug model learns, and resumes exactly, on one rank and
+from two ranks onto one. (Each layout against one process, by loss, grad_norm and weights:
+tests/test_train_layouts.py.)"""
 
 import json
 import shutil
@@ -9,27 +11,14 @@ SMALL = ("--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false")
 
 
 @pytest.mark.slow
-def test_debug_model_loss_falls_well_below_its_first_value(tmp_path, train):
-    losses = train(tmp_path, *SMALL, "--training.steps", "20")
-    first, last = losses[1], sum(losses[s] for s in (18, 19, 20)) / 3
-    assert first > 7.5
-    assert last < first - 1.0
-
-
-@pytest.mark.slow
-def test_two_fsdp_processes_match_one_process_with_the_same_global_batch(tmp_path, train):
-    same_data = ("--training.steps", "5", "--training.dataloader.num_streams", "2", *SMALL)
-    one = train(tmp_path / "one", *same_data, "--training.local_batch_size", "8")
-    two = train(tmp_path / "two", *same_data, "--training.local_batch_size", "4", nproc=2)
-    assert sorted(two) == [1, 2, 3, 4, 5]
-    for step in range(1, 6):
-        assert two[step] == pytest.approx(one[step], rel=1e-4)
-
-
-@pytest.mark.slow
-def test_resume_from_step_10_equals_an_uninterrupted_20_step_run(tmp_path, train):
+def test_debug_model_loss_falls_and_a_resume_from_step_10_equals_the_uninterrupted_20_step_run(
+    tmp_path, train
+):
     ckpt = ("--checkpoint.enable", "--checkpoint.interval", "10", "--checkpoint.keep_latest_k", "0")
     full = train(tmp_path / "full", *SMALL, *ckpt, "--training.steps", "20")
+    first, last = full[1], sum(full[s] for s in (18, 19, 20)) / 3
+    assert first > 7.5
+    assert last < first - 1.0
     # A run that stopped right after saving step 10: only that checkpoint is on disk.
     (tmp_path / "resumed" / "checkpoint").mkdir(parents=True)
     shutil.copytree(
