@@ -17,8 +17,8 @@ Two ways to run them:
 - `TITAN_TORCHTITAN_FEATURES=run_train uv run pytest tests/test_torchtitan_features.py -k run_train`:
   each run through `apps/run_train.sh` exactly as torchtitan's runner calls its own script
   (CONFIG_FILE, NGPU, LOG_RANK, --job.dump_folder, then the flags); it writes each case's seconds to
-  the file named by TITAN_TORCHTITAN_FEATURES_TIMES (default: the test's temporary folder). About 25
-  minutes on a 2-core CPU, so not in CI.
+  the file named by TITAN_TORCHTITAN_FEATURES_TIMES (default: the test's temporary folder). 36 minutes
+  on a 2-core CPU (bench/RESULTS.md), so not in CI.
 """
 
 import json
@@ -111,7 +111,7 @@ def test_every_case_trains(amortised, case):
 
 @pytest.mark.skipif(
     os.environ.get("TITAN_TORCHTITAN_FEATURES") != "run_train",
-    reason="about 25 minutes: see the module docstring",
+    reason="about 36 minutes: see the module docstring",
 )
 @pytest.mark.parametrize("case", ENABLED, ids=[case.name for case in ENABLED])
 def test_run_train(case, tmp_path):
