@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from memory_vs_gpu import ESTIMATE  # bench/ is the script's folder
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "apps" / "configs"
 SEQ_8192_OP = ("--training.seq_len", "8192", "--activation_checkpoint.mode", "selective",
@@ -37,10 +39,7 @@ ROWS = (
     ("405b FSDP 8 x TP 8 x PP 8", "llama3_405b.toml", 512, ()),
 )  # fmt: skip
 
-RANK = re.compile(
-    r"rank (\d+) \(pp stage (\d+)\): peak allocated ([\d.]+) GiB at (.+?); expected peak reserved ([\d.]+) GiB "
-    r"\(expandable segments\), ([\d.]+) GiB \(fixed segments\)"
-)
+RANK = re.compile(r"rank (\d+) \(pp stage (\d+)\): " + ESTIMATE.pattern)
 LAYOUT = re.compile(r"mesh: \(([^)]*)\)")
 
 

@@ -103,7 +103,8 @@ class Row:
     trace: dict | None = None  # --real-trace: the step traced on real CUDA tensors, and on fake ones
 
 
-_ESTIMATE = re.compile(
+# One traced rank's line of `titan-train dry-run` (also read by bench/memory_estimates.py).
+ESTIMATE = re.compile(
     r"peak allocated ([\d.]+) GiB at (.*?); expected peak reserved ([\d.]+) GiB \(expandable segments\), "
     r"([\d.]+) GiB \(fixed segments\)"
 )
@@ -117,7 +118,7 @@ def estimate(c: Config, args, row: Row) -> None:
         capture_output=True, text=True, cwd=REPO, env=c.env(),
     )  # fmt: skip
     row.estimate_seconds = time.perf_counter() - started
-    match = _ESTIMATE.search(proc.stdout + proc.stderr)
+    match = ESTIMATE.search(proc.stdout + proc.stderr)
     if match is None:
         row.error = f"dry run: {_last_line(proc.stdout + proc.stderr)}"
         return
