@@ -6,8 +6,6 @@ run and in the training run alike, so both see the same `8B_4layers` flavor.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from titan_train.registry import get_model_family, register_flavor
 
-from titan_models import LLAMA3_FLAVORS
-
-LLAMA3_FLAVORS["8B_4layers"] = replace(LLAMA3_FLAVORS["8B"], n_layers=4)
+register_flavor("llama3", "8B_4layers", get_model_family("llama3").args_for("8B", n_layers=4))

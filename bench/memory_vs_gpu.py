@@ -160,14 +160,15 @@ def trace_child(text: str, seq_len: int, steps: int) -> None:
     sys.path.insert(0, str(BENCH))
     from titan_parallel.allocator_model import replay
     from titan_train.config import load_job_config
+    from titan_train.plan import resolve
     from titan_train.reporting.traced_memory import trace_rank
 
     c = Config.parse(text)
     config = load_job_config(c.flags(seq_len, steps))
     torch.cuda.reset_peak_memory_stats()
-    real = trace_rank(config, 1, 0, fake=False, target_device="cuda")
+    real = trace_rank(resolve(config, 1), 0, fake=False)
     peaks = replay(real.sizes, real.streams, expandable_segments="fixed" not in c.options)
-    fake = trace_rank(config, 1, 0, fake=True, target_device="cuda")
+    fake = trace_rank(resolve(config, 1), 0, fake=True)
     print("TRACE " + json.dumps({
         "cuda_allocated": torch.cuda.max_memory_allocated(), "cuda_reserved": torch.cuda.max_memory_reserved(),
         "real_peak": real.peak, "real_replay_allocated": peaks.allocated, "real_replay_reserved": peaks.reserved,

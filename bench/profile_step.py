@@ -31,6 +31,7 @@ def plain_step(args):
 def titan_step(args):
     from titan_train.config import load_job_config
     from titan_train.distributed import init_distributed
+    from titan_train.plan import resolve
     from titan_train.trainer import Trainer
 
     config = load_job_config([
@@ -39,7 +40,8 @@ def titan_step(args):
         "--model.flavor", args.flavor, "--training.local_batch_size", str(args.batch),
         "--training.seq_len", str(args.seq_len), "--metrics.enable_tensorboard", "false",
     ])  # fmt: skip
-    trainer = Trainer(config, init_distributed(60))
+    info = init_distributed(60)
+    trainer = Trainer(resolve(config, info.world_size, info.device.type), info)
     batches = trainer._batches()
     return lambda: trainer.train_step(batches)
 

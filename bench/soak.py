@@ -30,11 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = REPO / "apps" / "configs" / "debug_model.toml"
 
 FLAVOR_MODULE = '''"""The soak's tiny flavor: the Llama 3 debug model at dim 64 and 2 layers."""
-from dataclasses import replace
+from titan_train.registry import get_model_family, register_flavor
 
-from titan_models import LLAMA3_FLAVORS
-
-LLAMA3_FLAVORS["soak"] = replace(LLAMA3_FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4)
+register_flavor("llama3", "soak", get_model_family("llama3").args_for("debugmodel", dim=64, n_layers=2, n_heads=4))
 '''
 
 STEP_LINE = re.compile(r"step:\s+(\d+)\s+loss:")

@@ -10,7 +10,6 @@ that imports it, and makes torchtitan print the peak active bytes beside its log
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 
 # The Llama 3.2 shapes (vocabulary 128256, rope theta 500000) as published by Meta.
 SHAPES = {
@@ -20,10 +19,11 @@ SHAPES = {
 
 
 def _register_titan() -> None:
-    from titan_models import LLAMA3_FLAVORS
+    from titan_train.registry import get_model_family, register_flavor
 
+    llama3 = get_model_family("llama3")
     for name in SHAPES:
-        LLAMA3_FLAVORS[f"{name}_untied"] = replace(LLAMA3_FLAVORS[name], tie_word_embeddings=False)
+        register_flavor("llama3", f"{name}_untied", llama3.args_for(name, tie_word_embeddings=False))
 
 
 def _register_torchtitan() -> None:

@@ -18,7 +18,11 @@ def run_train(dump: Path, *overrides: str, nproc: int = 1, timeout: int = 600) -
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if nproc > 1:
         cmd = [str(REPO / "apps" / "run_train.sh"), *args]
-        env.update(NGPU=str(nproc), CONFIG_FILE=str(DEBUG_CONFIG), PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
+        env.update(
+            NGPU=str(nproc),
+            CONFIG_FILE=str(DEBUG_CONFIG),
+            PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
+        )
     else:
         cmd = [sys.executable, "-m", "titan_train.cli", "--job.config_file", str(DEBUG_CONFIG), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)

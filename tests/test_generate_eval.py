@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from titan_data.datasets.registry import ASSETS
-from titan_models import LLAMA3_FLAVORS, SamplingParams, Transformer, generate
+from titan_models import SamplingParams, Transformer, generate
 from titan_train.cli import run
 from titan_train.commands.checkpoint_model import load_checkpoint_model
 from titan_train.config import load_job_config
+from titan_train.registry import get_model_family, register_flavor
 from titan_train.torchrun import run_torchrun
 
 pytestmark = pytest.mark.slow
@@ -40,7 +41,7 @@ LAYOUTS = {
 }
 PROMPTS = ["Return the number of items", "def main(", "The"]
 # The worker's 2-layer debug model, registered here too so that the config names it in this process.
-LLAMA3_FLAVORS.setdefault("debug_2_layers", replace(LLAMA3_FLAVORS["debugmodel"], n_layers=2))
+register_flavor("llama3", "debug_2_layers", get_model_family("llama3").args_for("debugmodel", n_layers=2))
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ Rank 0 writes OUT/results.json: per layout, the refusal or facts showing the lay
 process groups alive after it, and its seconds.
 """
 
+import contextlib
 import gc
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,31 +28,30 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-from titan_models import LLAMA3_FLAVORS
-from titan_train.cli import USER_ERRORS
+from titan_train.cli import USER_ERRORS, plan_run, train_joined
 from titan_train.config import load_job_config
-from titan_train.distributed import init_distributed, set_collective_timeout, shutdown
+from titan_train.distributed import init_distributed, shutdown
+from titan_train.registry import get_model_family, register_flavor
 from titan_train.trainer import Trainer
-from titan_train.wiring.sequence_limit import check_seq_len
 
 # The Llama 3 debug model cut to 2 layers, and to 4 for schedules with two stages per pipeline rank.
-LLAMA3_FLAVORS["debug_2_layers"] = replace(LLAMA3_FLAVORS["debugmodel"], n_layers=2)
-LLAMA3_FLAVORS["debug_4_layers"] = replace(LLAMA3_FLAVORS["debugmodel"], n_layers=4)
+_LLAMA3 = get_model_family("llama3")
+register_flavor("llama3", "debug_2_layers", _LLAMA3.args_for("debugmodel", n_layers=2))
+register_flavor("llama3", "debug_4_layers", _LLAMA3.args_for("debugmodel", n_layers=4))
 # Block-causal attention over the packed documents, by SDPA's boolean mask and by variable-length attention.
-LLAMA3_FLAVORS["debug_2_layers_block_causal"] = replace(
-    LLAMA3_FLAVORS["debugmodel"], n_layers=2, attn_mask_type="block_causal"
+register_flavor(
+    "llama3",
+    "debug_2_layers_block_causal",
+    _LLAMA3.args_for("debugmodel", n_layers=2, attn_mask_type="block_causal"),
 )
-LLAMA3_FLAVORS["debug_2_layers_varlen"] = replace(LLAMA3_FLAVORS["debugmodel_varlen_attn"], n_layers=2)
+register_flavor("llama3", "debug_2_layers_varlen", _LLAMA3.args_for("debugmodel_varlen_attn", n_layers=2))
 
 
 def train_layout(argv: list[str], info) -> Trainer:
-    """What `titan-train` does between joining the group and leaving it."""
-    config = load_job_config(argv)
-    check_seq_len(config)
-    trainer = Trainer(config, info)
-    set_collective_timeout(config.comm.train_timeout_seconds)
-    trainer.train()
-    return trainer
+    """What `titan-train` does between joining the group and leaving it: its own two steps, the plan
+    (every check of the config and layout) and the training on the joined group."""
+    with contextlib.ExitStack() as closing:
+        return train_joined(plan_run(load_job_config(argv, check_paths=True)), info, closing)
 
 
 def write_weights(trainer: Trainer, path: Path) -> None:

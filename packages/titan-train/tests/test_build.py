@@ -8,12 +8,14 @@ import torch
 
 from titan_train.config import load_job_config
 from titan_train.errors import ConfigError
-from titan_train.registry import get_model_spec
+from titan_train.plan import resolve
+from titan_train.registry import get_model_family
 from titan_train.wiring.data import build_tokenizer_for
 from titan_train.wiring.gc_schedule import GarbageCollection
-from titan_train.wiring.model import build_loss_fn, build_model, compute_dtype
+from titan_train.wiring.loss import build_loss_fn
+from titan_train.wiring.model import build_model
 from titan_train.wiring.optimizers import build_lr_schedule, build_optimizer
-from titan_train.wiring.parallelism import build_parallel_dims
+from titan_train.wiring.precision import compute_dtype
 
 CPU = torch.device("cpu")
 
@@ -38,10 +40,9 @@ def test_adam_and_adamw_with_each_implementation(name, implementation, cls, fore
 
 def test_bfloat16_training_dtype_puts_parameters_in_bfloat16_and_keeps_buffers_float32(one_rank):
     config = load_job_config(["--training.dtype", "bfloat16", "--training.seq_len", "32"])
-    spec = get_model_spec("llama3")
-    dims = build_parallel_dims(config, world_size=1)
-    dims.build_mesh("cpu")
-    (model,) = build_model(config, spec, build_tokenizer_for(config), dims, CPU, seed=0).parts
+    plan = resolve(config, 1, "cpu")
+    plan.dims.build_mesh("cpu")
+    (model,) = build_model(plan, CPU, eos_id=build_tokenizer_for(config).eos_id, seed=0).parts
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert all(b.dtype in (torch.float32, torch.complex64) for b in model.buffers())
     optimizer = build_optimizer(config, model)
@@ -97,7 +98,7 @@ def test_cyclic_garbage_that_outlived_a_collection_is_freed_at_the_next():
 
 
 def test_loss_is_compiled_only_when_compile_components_name_it_and_gives_the_eager_value():
-    spec = get_model_spec("llama3")
+    spec = get_model_family("llama3")
     logits, labels = torch.randn(2, 16, 64, requires_grad=True), torch.randint(0, 64, (2, 16))
     plain = ["--training.no_chunked_loss"]  # the model's own loss, so `eager` is that function itself
     eager = build_loss_fn(

@@ -11,6 +11,7 @@ import torch
 from titan_ckpt import LoadPolicy, ModelState, OptimizerState, SavePolicy, complete_steps
 from titan_train.config.run_checks import check_checkpoint_config
 from titan_train.errors import ConfigError
+from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.checkpointing import build_checkpointer, restore_run
 from titan_train.wiring.lr_schedule import lr_factor
@@ -53,7 +54,7 @@ def test_every_checkpoint_field_reaches_the_checkpointer(tmp_path, small_config,
         "model": ModelState([model]),
         "dataloader": OptimizerState([model], [torch.optim.SGD(model.parameters())]),
     }
-    ckpt = build_checkpointer(config, states)
+    ckpt = build_checkpointer(resolve(config, 1, "cpu"), states, model_args=None)
     assert ckpt.folder == tmp_path / "ck"
     assert ckpt.saving == SavePolicy(
         interval=7, keep_latest_k=3, async_mode="async", enable_first_step_checkpoint=True, load_only=True
@@ -72,7 +73,12 @@ def test_seed_checkpoint_is_written_alone_and_a_run_starts_from_its_weights(tmp_
     seed_flags = ("--checkpoint.enable", "--debug.seed", "0")
     assert (
         Trainer(
-            small_config(tmp_path / "run", *seed_flags, "--checkpoint.create_seed_checkpoint"), one_rank
+            resolve(
+                small_config(tmp_path / "run", *seed_flags, "--checkpoint.create_seed_checkpoint"),
+                one_rank.world_size,
+                "cpu",
+            ),
+            one_rank,
         ).train()
         == []
     )
@@ -80,9 +86,16 @@ def test_seed_checkpoint_is_written_alone_and_a_run_starts_from_its_weights(tmp_
 
     # Another init seed, but the seed checkpoint's weights are loaded: the run matches one from seed 0.
     from_seed = Trainer(
-        small_config(tmp_path / "run", "--checkpoint.enable", "--debug.seed", "1"), one_rank
+        resolve(
+            small_config(tmp_path / "run", "--checkpoint.enable", "--debug.seed", "1"),
+            one_rank.world_size,
+            "cpu",
+        ),
+        one_rank,
     ).train()
-    plain = Trainer(small_config(tmp_path / "plain", "--debug.seed", "0"), one_rank).train()
+    plain = Trainer(
+        resolve(small_config(tmp_path / "plain", "--debug.seed", "0"), one_rank.world_size, "cpu"), one_rank
+    ).train()
     assert from_seed == plain
 
 
@@ -90,12 +103,16 @@ def test_seed_checkpoint_is_written_alone_and_a_run_starts_from_its_weights(tmp_
 def test_resume_from_a_background_save_equals_the_uninterrupted_run(tmp_path, small_config, one_rank, mode):
     flags = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", mode,
              "--checkpoint.keep_latest_k", "0", "--training.steps", "4")  # fmt: skip
-    full = Trainer(small_config(tmp_path / "full", *flags), one_rank).train()
+    full = Trainer(
+        resolve(small_config(tmp_path / "full", *flags), one_rank.world_size, "cpu"), one_rank
+    ).train()
     # A run that stopped after its step-2 save: only that checkpoint is on disk.
     shutil.copytree(
         tmp_path / "full" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2"
     )
-    resumed = Trainer(small_config(tmp_path / "resumed", *flags), one_rank).train()
+    resumed = Trainer(
+        resolve(small_config(tmp_path / "resumed", *flags), one_rank.world_size, "cpu"), one_rank
+    ).train()
     assert resumed == full[2:]
 
 
@@ -103,14 +120,19 @@ def test_a_finished_run_started_with_more_steps_continues_from_its_full_last_sav
     tmp_path, small_config, one_rank, caplog
 ):
     flags = ("--checkpoint.enable", "--checkpoint.interval", "100", "--lr_scheduler.warmup_steps", "2")
-    first = Trainer(small_config(tmp_path, *flags, "--training.steps", "6"), one_rank)
+    first = Trainer(
+        resolve(small_config(tmp_path, *flags, "--training.steps", "6"), one_rank.world_size, "cpu"), one_rank
+    )
     first.train()
     # The last save is full (resumable), the model-only export of last_save_model_only beside it.
     assert (tmp_path / "checkpoint" / "step-6" / "model_only" / ".metadata").is_file()
     ended = {p: dict(s) for p, s in first.optimizers.optimizers[0].state.items()}
     data_position = first.loader.state_dict()
 
-    extended = Trainer(small_config(tmp_path, *flags, "--training.steps", "12"), one_rank)
+    extended = Trainer(
+        resolve(small_config(tmp_path, *flags, "--training.steps", "12"), one_rank.world_size, "cpu"),
+        one_rank,
+    )
     restore_run(extended.checkpointer, extended.config, extended.state, extended._use_num_streams)
     assert extended.state.step == 6 and extended.loader.state_dict() == data_position
     optimizer = extended.optimizers.optimizers[0]

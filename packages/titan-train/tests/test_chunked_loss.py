@@ -5,9 +5,9 @@ import torch
 
 from titan_parallel.memory_trace import MemoryTrace
 from titan_train.config import load_job_config
-from titan_train.registry import cross_entropy_loss, get_model_spec
+from titan_train.registry import cross_entropy_loss, get_model_family
 from titan_train.wiring.chunked_loss import chunked_cross_entropy
-from titan_train.wiring.model import build_loss_fn
+from titan_train.wiring.loss import build_loss_fn
 
 
 def _loss_and_grad(loss_fn, logits, labels):
@@ -36,7 +36,7 @@ def test_chunked_loss_equals_the_plain_loss_and_gradients_and_peaks_lower(dtype)
 
 
 def test_the_config_switch_and_compile_choose_the_loss():
-    spec = get_model_spec("llama3")
+    spec = get_model_family("llama3")
     assert build_loss_fn(load_job_config([]), spec) is chunked_cross_entropy
     assert build_loss_fn(load_job_config(["--training.chunked_loss", "false"]), spec) is cross_entropy_loss
     compiled = build_loss_fn(load_job_config(["--compile.enable", "--compile.components", "loss"]), spec)

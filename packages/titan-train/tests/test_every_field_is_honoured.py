@@ -720,8 +720,13 @@ PROBES: dict[str, Probe] = {
         precomputed_scales,
         # emulate: float8 matmuls done in float32 on the same scaled values (with torch's CPU float8 matmul this
         # probe took 58 s, emulated 3.6 s); the scales are the same
-        base=(*FLOAT8, "--quantize.linear.float8.emulate", "--quantize.linear.float8.enable_fsdp_float8_all_gather",
-              "--training.steps", "1"),
+        base=(
+            *FLOAT8,
+            "--quantize.linear.float8.emulate",
+            "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+            "--training.steps",
+            "1",
+        ),
         world=2,
         train=True,
     ),

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from titan_models import llama3_args, to_hf_config
 from titan_train.cli import run
+from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
 
@@ -81,8 +82,10 @@ def test_from_hf_computes_transformers_logits_and_its_export_loads_with_auto_cla
 ):
     folder, hf = hf_checkpoint
     tokens = _tokens(hf.config.vocab_size)
-    loaded = Trainer(small_config(tmp_path / "load", *_flags(folder, "--model.flavor", "from_hf",
-                                                             "--training.steps", "0")), one_rank)  # fmt: skip
+    load = small_config(
+        tmp_path / "load", *_flags(folder, "--model.flavor", "from_hf", "--training.steps", "0")
+    )
+    loaded = Trainer(resolve(load, 1, "cpu"), one_rank)
     loaded.train()
     assert loaded.model_parts[0].args.rope_scaling.factor == 32.0
     with torch.no_grad():
@@ -90,8 +93,11 @@ def test_from_hf_computes_transformers_logits_and_its_export_loads_with_auto_cla
         assert (loaded.model_parts[0].eval()(tokens) - expected).abs().max().item() <= 1e-5
     assert expected.abs().max().item() > 0.5
 
-    trained = Trainer(small_config(tmp_path / "run", *_flags(folder, "--model.flavor", "from_hf",
-        "--training.steps", "1", "--checkpoint.last_save_in_hf")), one_rank)  # fmt: skip
+    run = small_config(
+        tmp_path / "run",
+        *_flags(folder, "--model.flavor", "from_hf", "--training.steps", "1", "--checkpoint.last_save_in_hf"),
+    )
+    trained = Trainer(resolve(run, 1, "cpu"), one_rank)
     trained.train()
     export = tmp_path / "run" / "checkpoint" / "step-1"
     config = json.loads((export / "config.json").read_text())
@@ -122,8 +128,10 @@ def test_from_hf_computes_transformers_logits_and_its_export_loads_with_auto_cla
 def test_a_flavor_export_states_the_flavor_s_context_not_the_training_length(
     tmp_path, small_config, one_rank
 ):
-    Trainer(small_config(tmp_path, "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--training.steps", "1"),
-            one_rank).train()  # fmt: skip
+    config = small_config(
+        tmp_path, "--checkpoint.enable", "--checkpoint.last_save_in_hf", "--training.steps", "1"
+    )
+    Trainer(resolve(config, 1, "cpu"), one_rank).train()
     config = json.loads((tmp_path / "checkpoint" / "step-1" / "config.json").read_text())
     assert config["max_position_embeddings"] == 131_072  # trained at seq_len 32
     assert config["rope_scaling"] == {

@@ -6,6 +6,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from titan_train.config import load_job_config
+from titan_train.plan import resolve
 from titan_train.reporting.traced_memory import trace_rank
 
 REPLAY_SMALL = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.local_batch_size", "6",
@@ -33,7 +34,7 @@ def full_and_replayed() -> dict[str, list]:
     with ProcessPoolExecutor(3, mp_context=context, max_tasks_per_child=1) as pool:
         traced = {
             name: [
-                [pool.submit(trace_rank, load_job_config(REPLAY_SMALL + flags), world_size, rank, replay_microbatches=r)
+                [pool.submit(trace_rank, resolve(load_job_config(REPLAY_SMALL + flags), world_size), rank, replay_microbatches=r)
                  for r in (False, True)]
                 for rank in ranks
             ]

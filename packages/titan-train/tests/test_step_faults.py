@@ -19,7 +19,7 @@ from titan_train.faults.exit_status import NonFiniteError, Preempted
 from titan_train.faults.numerics import NumericsGuard, RankNumbers, describe
 from titan_train.faults.preemption import PreemptionSignals, parse_signals, save_and_stop
 from titan_train.faults.step_guard import StepGuard
-from titan_train.wiring.sequence_limit import check_seq_len, context_limit
+from titan_train.plan import resolve
 
 
 def _guard(**overrides) -> NumericsGuard:
@@ -203,21 +203,25 @@ def test_stall_drill_holds_its_rank_before_the_step_until_a_preemption_signal_ar
 
 
 def test_context_limit_is_the_flavors_published_context():
-    assert context_limit(llama2_args("debugmodel")) == 2048
-    assert context_limit(llama2_args("7B")) == 4096
+    assert llama2_args("debugmodel").context_len == 2048
+    assert llama2_args("7B").context_len == 4096
     # Every llama3 flavor carries the Llama 3.1 rotary stretch (as in torchtitan 0.2): 128K tokens.
-    assert context_limit(llama3_args("debugmodel")) == 131_072
-    assert context_limit(llama3_args("8B")) == 131_072
+    assert llama3_args("debugmodel").context_len == 131_072
+    assert llama3_args("8B").context_len == 131_072
 
 
 def test_seq_len_beyond_the_flavor_is_refused_and_validation_counts_only_when_enabled():
     llama2 = ["--model.name", "llama2", "--model.flavor", "debugmodel"]
     with pytest.raises(ConfigError, match="training.seq_len = 8192 is beyond the 2048-token context"):
-        check_seq_len(load_job_config([*llama2, "--training.seq_len", "8192"]))
-    check_seq_len(load_job_config([*llama2, "--training.seq_len", "2048", "--validation.seq_len", "4096"]))
+        resolve(load_job_config([*llama2, "--training.seq_len", "8192"]), 1, "cpu")
+    resolve(
+        load_job_config([*llama2, "--training.seq_len", "2048", "--validation.seq_len", "4096"]), 1, "cpu"
+    )
     with pytest.raises(ConfigError, match="validation.seq_len = 4096 is beyond"):
-        check_seq_len(
+        resolve(
             load_job_config(
                 [*llama2, "--training.seq_len", "2048", "--validation.enable", "--validation.seq_len", "4096"]
-            )
+            ),
+            1,
+            "cpu",
         )

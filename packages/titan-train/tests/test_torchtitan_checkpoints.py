@@ -17,15 +17,17 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from titan_ckpt import CheckpointError
-from titan_models import LLAMA3_FLAVORS, llama3_args
+from titan_models import llama3_args
 from titan_train.config import load_job_config
+from titan_train.plan import resolve
+from titan_train.registry import register_flavor
 from titan_train.trainer import Trainer
 
 FIXTURE = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "torchtitan"
 FACTS = json.loads((FIXTURE / "facts.json").read_text())
 
 # torchtitan's tiny fixture model as a Titan flavor (torchtitan gives every llama3 the 3.1 rotary stretch).
-LLAMA3_FLAVORS["torchtitan_tiny"] = replace(llama3_args("debugmodel"), **FACTS["tiny"])
+register_flavor("llama3", "torchtitan_tiny", replace(llama3_args("debugmodel"), **FACTS["tiny"]))
 RUN = FACTS["run"]
 
 
@@ -47,7 +49,7 @@ def _trainer(dump: Path, one_rank, *flags: str) -> Trainer:
         "--optimizer.lr", str(RUN["lr"]), "--lr_scheduler.warmup_steps", str(RUN["warmup_steps"]),
         "--checkpoint.enable", *flags,
     ])  # fmt: skip
-    return Trainer(config, one_rank)
+    return Trainer(resolve(config, one_rank.world_size, "cpu"), one_rank)
 
 
 def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ import pytest
 
 from titan_parallel.memory_trace import scale_to_blocks
 from titan_train.config import load_job_config
+from titan_train.plan import resolve
 from titan_train.reporting.traced_memory import trace_rank
 from titan_train.torchrun import run_torchrun
 
@@ -75,9 +76,10 @@ def test_few_blocks_scaled_equal_the_full_trace(world_size, flags, depths, ranks
     config = load_job_config(EIGHT_B_CUT + flags)
     pp = 2 if "--parallelism.pipeline_parallel_degree" in flags else 1
     blocks = (28 if "3B" in flags else 12) // pp
+    plan = resolve(config, world_size)
     for rank in ranks:
-        a, b = (trace_rank(config, world_size, rank, n_layers=d * pp) for d in depths)
-        full = trace_rank(config, world_size, rank, n_layers=blocks * pp)
+        a, b = (trace_rank(plan, rank, n_layers=d * pp) for d in depths)
+        full = trace_rank(plan, rank, n_layers=blocks * pp)
         scaled = scale_to_blocks(a, b, *depths, blocks)
         assert scaled.peak == pytest.approx(full.peak, rel=1e-6)
         for category, size in full.breakdown.items():

@@ -8,6 +8,7 @@ import matplotlib.image
 import pytest
 
 from titan_train.cli import run
+from titan_train.plan import resolve
 from titan_train.reporting.metrics import TB_TAGS, VALIDATION_TAGS
 from titan_train.reporting.report import build_report, find_event_folder, read_scalars
 from titan_train.trainer import Trainer
@@ -21,10 +22,19 @@ def _jsonl(path):
 def test_gradient_accumulation_2x4_gives_the_losses_and_grad_norms_of_batch_8(
     tmp_path, one_rank, small_config
 ):
-    whole = Trainer(small_config(tmp_path / "b8", "--training.local_batch_size", "8"), one_rank)
+    whole = Trainer(
+        resolve(
+            small_config(tmp_path / "b8", "--training.local_batch_size", "8"), one_rank.world_size, "cpu"
+        ),
+        one_rank,
+    )
     accumulated = Trainer(
-        small_config(
-            tmp_path / "b2x4", "--training.local_batch_size", "2", "--training.global_batch_size", "8"
+        resolve(
+            small_config(
+                tmp_path / "b2x4", "--training.local_batch_size", "2", "--training.global_batch_size", "8"
+            ),
+            one_rank.world_size,
+            "cpu",
         ),
         one_rank,
     )
@@ -52,7 +62,7 @@ PROFILED = (
 def profiled_run(tmp_path_factory, one_rank, small_config):
     dump = tmp_path_factory.mktemp("profiled")
     config = small_config(dump, *PROFILED)
-    Trainer(config, one_rank).train()
+    Trainer(resolve(config, one_rank.world_size, "cpu"), one_rank).train()
     return dump, config
 
 

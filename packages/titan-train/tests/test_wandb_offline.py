@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from titan_train.plan import resolve
 from titan_train.reporting.metrics import TB_TAGS
 from titan_train.trainer import Trainer
 
@@ -65,7 +66,7 @@ def test_offline_wandb_run_holds_the_logged_scalars_of_every_step(
     dump = tmp_path / "run"
     config = small_config(dump, "--metrics.enable_wandb", "--metrics.enable_tensorboard", "false",
                           "--job.description", "wandb offline test")  # fmt: skip
-    Trainer(config, one_rank).train()
+    Trainer(resolve(config, one_rank.world_size, "cpu"), one_rank).train()
 
     (run_file,) = (dump / "wandb").glob("offline-run-*/run-*.wandb")
     records = _finished_records(run_file)

@@ -18,9 +18,10 @@ from titan_ckpt import CheckpointError
 from titan_data import DataError
 from titan_models import ModelError
 from titan_parallel import ParallelConfigError
-from titan_train.config import load_job_config
+from titan_train.config import JobConfig, load_job_config
 from titan_train.config.run_checks import check_run
 from titan_train.distributed import (
+    DistInfo,
     configure_flight_recorder,
     init_distributed,
     launched_world_size,
@@ -32,6 +33,7 @@ from titan_train.faults.exit_status import CollectiveHang, EarlyStop
 from titan_train.faults.hang_diagnosis import describe_init_failure
 from titan_train.faults.peer_watch import watching_peers
 from titan_train.faults.status_file import leave_exit_status
+from titan_train.plan import RunPlan, resolve
 from titan_train.reporting.device_peaks import DEVICE_MEMORY_GIB
 from titan_train.reporting.dry_run import dry_run
 from titan_train.reporting.report import build_report
@@ -94,6 +96,24 @@ def exit_status(err: BaseException) -> tuple[int, str]:
     return 1, f"rank {os.environ.get('RANK', '0')} failed: {type(err).__name__}: {err}"
 
 
+def plan_run(config: JobConfig) -> RunPlan:
+    """The plan of a training run on the world torchrun launched, every check passed, before the
+    run joins its process group: a mistake costs seconds and is one line (exit status 2)."""
+    world_size, device_type = launched_world_size(), "cuda" if torch.cuda.is_available() else "cpu"
+    check_run(config, world_size=world_size, device_type=device_type)
+    return resolve(config, world_size, device_type)
+
+
+def train_joined(plan: RunPlan, info: DistInfo, closing: contextlib.ExitStack, watch=None) -> Trainer:
+    """Build the trainer on the joined group and train; `watch` (the peer watch) follows its steps."""
+    trainer = Trainer(plan, info, closing)
+    if watch is not None:
+        watch.position = trainer.guard.position
+    set_collective_timeout(plan.config.comm.train_timeout_seconds)
+    trainer.train()
+    return trainer
+
+
 def train(argv: list[str], world_size: int | None = None, device: tuple = ("H100", None)) -> int:
     # Every field and combination is checked here, before any work (see titan_train.config.validate).
     config = load_job_config(argv, check_paths=True)
@@ -101,9 +121,7 @@ def train(argv: list[str], world_size: int | None = None, device: tuple = ("H100
         world_size = world_size or int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or 1)
         dry_run(config, world_size, *device)
         return 0
-    check_run(
-        config, world_size=launched_world_size(), device_type="cuda" if torch.cuda.is_available() else "cpu"
-    )
+    plan = plan_run(config)
     c = config.comm
     configure_flight_recorder(
         c.trace_buf_size, Path(config.job.dump_folder) / c.save_traces_folder, c.save_traces_file_prefix
@@ -120,17 +138,13 @@ def train(argv: list[str], world_size: int | None = None, device: tuple = ("H100
             watch = closing.enter_context(
                 watching_peers(info.rank, info.world_size, traces, c.save_traces_file_prefix, exit_status)
             )
-            trainer = Trainer(config, info, closing)
-            if watch is not None:
-                watch.position = trainer.guard.position
-            set_collective_timeout(c.train_timeout_seconds)
-            trainer.train()
+            train_joined(plan, info, closing, watch)
     except BaseException:
         shutdown(wait_for_peers=False)
         raise
     # Free the model and optimizer state (held in reference cycles) before the last barrier, which
     # needs a little GPU memory of its own.
-    trainer = watch = None
+    watch = None
     gc.collect()
     shutdown()
     return 0

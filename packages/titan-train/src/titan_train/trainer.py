@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import logging
 import time
@@ -16,12 +15,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from titan_ckpt import ModelState, OptimizerState
-from titan_models import flops_per_token
 from titan_parallel import clip_grad_norm_, precompute_float8_scales, training_context
-from titan_train.config import JobConfig, config_to_dict
+from titan_train.config import config_to_dict
 from titan_train.distributed import DistInfo
 from titan_train.faults.step_guard import AgreedNumbers, StepGuard, StepNumbers
-from titan_train.registry import get_model_spec
+from titan_train.plan import RunPlan
 from titan_train.reporting.device_peaks import peak_flops
 from titan_train.reporting.memory_estimate import log_estimate_in_child
 from titan_train.reporting.metrics import MetricsLogger, StepMetrics, device_memory
@@ -31,10 +29,10 @@ from titan_train.wiring.checkpointing import build_checkpointer, restore_run
 from titan_train.wiring.data import build_loader, build_tokenizer_for, build_validation_loader
 from titan_train.wiring.gc_schedule import GarbageCollection
 from titan_train.wiring.host_memory import keep_freed_host_memory
-from titan_train.wiring.model import build_model, forward_context
+from titan_train.wiring.model import build_model, check_vocabulary
 from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
-from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps
+from titan_train.wiring.precision import forward_context
 from titan_train.wiring.validation import Validator
 
 logger = logging.getLogger(__name__)
@@ -63,16 +61,18 @@ class StepResult:
 
 
 class Trainer:
-    """Builds every part of a job from its config, then trains: `Trainer(config, dist_info).train()`.
+    """Builds every part of a job from its plan, then trains: `Trainer(resolve(config, ...), dist_info).train()`.
 
-    The config is one `load_job_config` read and `check_run` passed for this world size and device
-    (titan-train does both before it joins the process group).
+    The config is one `load_job_config` read and `check_run` passed for this world size and device,
+    resolved into a plan (`titan_train.plan.resolve`); titan-train does all three before it joins the
+    process group.
     """
 
-    def __init__(self, config: JobConfig, info: DistInfo, closing: contextlib.ExitStack | None = None):
+    def __init__(self, plan: RunPlan, info: DistInfo, closing: contextlib.ExitStack | None = None):
         """`closing` is the stack the run's resources are closed by (see `train`); the command line
         passes its own, which already holds the peer watch."""
-        self.config, self.info = config, info
+        config = plan.config
+        self.plan, self.config, self.info = plan, config, info
         self.closing = contextlib.ExitStack() if closing is None else closing
         self.device = info.device
         if self.device.type == "cpu":
@@ -81,17 +81,15 @@ class Trainer:
         torch.manual_seed(seed)
         if config.debug.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=config.debug.deterministic_warn_only)
-        if config.experimental.custom_import:
-            importlib.import_module(config.experimental.custom_import)
 
-        self.dims = build_parallel_dims(config, info.world_size)
+        self.dims = plan.dims
         self.mesh = self.dims.build_mesh(self.device.type)
         dp_mesh = self.dims.submesh("dp")
         dp_rank, dp_degree = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh else (0, 1)
-        self.grad_accum_steps = gradient_accumulation_steps(config, dp_degree)
+        self.grad_accum_steps = plan.grad_accum_steps
 
-        spec = get_model_spec(config.model.name)
         self.tokenizer = build_tokenizer_for(config)
+        check_vocabulary(plan, self.tokenizer)
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.loader = build_loader(config, self.tokenizer, dp_rank, dp_degree)
         self.closing.callback(self.loader.close)
@@ -100,15 +98,14 @@ class Trainer:
             named_parameters=lambda: (named for part in self.model_parts for named in part.named_parameters()),
         )  # fmt: skip
         built = build_model(
-            config, spec, self.tokenizer, self.dims, self.device, seed, self.grad_accum_steps,
-            drill=self.guard.drilled,
-        )  # fmt: skip
-        self.model_parts, self.pipeline, self.parallel_options = built.parts, built.pipeline, built.options
+            plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed, drill=self.guard.drilled
+        )
+        self.model_parts, self.pipeline, self.parallel_options = built.parts, built.pipeline, plan.options
         self.float8_scales_each_step = (
-            built.options.float8_fsdp_all_gather
+            plan.options.float8_fsdp_all_gather
             and config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
         )
-        self.loss_fn, self.train_loss_fn = built.loss_fn, built.train_loss_fn
+        self.loss_fn, self.train_loss_fn = plan.loss_fn, built.train_loss_fn
         if config.model.print_after_conversion:
             logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
         self.forward_context = forward_context(config, self.dims, self.device)
@@ -126,23 +123,22 @@ class Trainer:
         # A replica (one data-parallel rank's batch) spans tp * cp * pp devices.
         self.devices_per_replica = self.dims.tp * self.dims.cp * self.dims.pp
 
-        n_params, n_embedding = built.n_params, built.n_embedding
-        self.flops_per_token = flops_per_token(built.args, n_params, n_embedding, config.training.seq_len)
+        self.flops_per_token = plan.flops_per_token
         self.peak_flops = peak_flops(self.device)
         logger.info(
             "model %s %s: %s parameters; %s on %s, world size %d, gradient accumulation %d",
-            config.model.name, config.model.flavor, f"{n_params:,}", self.dims.degrees,
+            config.model.name, config.model.flavor, f"{plan.params.total:,}", self.dims.degrees,
             self.device.type, info.world_size, self.grad_accum_steps,
         )  # fmt: skip
         if config.memory_estimation.enable and info.rank == 0:
             how = "real" if config.memory_estimation.disable_fake_mode else "fake"
             logger.info("memory estimate: tracing one step on %s tensors in a child process", how)
-            log_estimate_in_child(config, info.world_size)
+            log_estimate_in_child(plan)
 
         dump = Path(config.job.dump_folder)
         self._write_config(dump)
         self.checkpointer = build_checkpointer(
-            config,
+            plan,
             {
                 "model": ModelState(self.model_parts),
                 "optimizer": OptimizerState(self.model_parts, self.optimizers.optimizers),

@@ -15,6 +15,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 from titan_train.config import load_job_config
 from titan_train.distributed import init_distributed
+from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 
 SMALL = [
@@ -74,7 +75,12 @@ def main(out: Path) -> None:
     for name, flags in runs.items():
         before = calls[0]
         trainer = Trainer(
-            load_job_config([*SMALL, *flags, "--job.dump_folder", str(out.parent / name)]), info
+            resolve(
+                load_job_config([*SMALL, *flags, "--job.dump_folder", str(out.parent / name)]),
+                info.world_size,
+                "cpu",
+            ),
+            info,
         )
         losses = trainer.train()
         results[name] = {

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from titan_train.config import load_job_config
 from titan_train.distributed import init_distributed
+from titan_train.plan import resolve
 from titan_train.reporting.traced_memory import trace_rank, trace_step
 
 SMALL = ["--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.local_batch_size", "4",
@@ -52,15 +53,15 @@ def main() -> None:
     }
     for name, config in configs.items():
         results[f"real/{name}"] = summary(
-            trace_step(config, 2, fake=False, n_layers=N_LAYERS, target_device="cpu")
+            trace_step(resolve(config, 2, "cpu"), fake=False, n_layers=N_LAYERS)
         )
     dist.destroy_process_group()
     for name, config in configs.items():
-        results[f"fake/{name}"] = summary(trace_rank(config, 2, rank, n_layers=N_LAYERS, target_device="cpu"))
+        results[f"fake/{name}"] = summary(trace_rank(resolve(config, 2, "cpu"), rank, n_layers=N_LAYERS))
     for ac in list(AC)[rank::2]:
         config = load_job_config(SMALL + ["--parallelism.data_parallel_shard_degree", "1"] + AC[ac])
         for fake in (False, True):
-            result = trace_rank(config, 1, 0, fake=fake, n_layers=N_LAYERS, target_device="cpu")
+            result = trace_rank(resolve(config, 1, "cpu"), 0, fake=fake, n_layers=N_LAYERS)
             results[f"{'fake' if fake else 'real'}/one/{ac}"] = summary(result)
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 

@@ -15,11 +15,7 @@ import torch
 
 from titan_train.config import load_job_config
 from titan_train.config.run_checks import check_run
-from titan_train.errors import ConfigError
-from titan_train.reporting.dry_run import layout_problems
-from titan_train.wiring.hf_interop import model_args
-from titan_train.wiring.parallelism import build_parallel_dims
-from titan_train.wiring.sequence_limit import model_seq_len
+from titan_train.plan import RunPlan, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +29,11 @@ DESCRIPTION = (
 )
 
 
-def check_launch(config, world_size: int) -> None:
-    """Raise the user error (one line) that would stop `world_size` ranks at start, if any."""
-    check_run(config, world_size=world_size, device_type="cuda" if torch.cuda.is_available() else "cpu")
-    dims = build_parallel_dims(config, world_size)
-    problems = layout_problems(config, dims, model_args(config, max_seq_len=model_seq_len(config)))
-    if problems:
-        raise ConfigError("; ".join(problems))
+def check_launch(config, world_size: int) -> RunPlan:
+    """The plan of `world_size` ranks, or the user error (one line) that would stop them at start."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    check_run(config, world_size=world_size, device_type=device_type)
+    return resolve(config, world_size, device_type)
 
 
 def check_main(argv: list[str]) -> int:

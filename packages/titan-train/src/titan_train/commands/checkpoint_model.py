@@ -20,13 +20,12 @@ from torch import nn
 
 from titan_ckpt import Checkpointer, LoadPolicy, ModelState, SavePolicy
 from titan_data import Tokenizer
-from titan_models import args_from_hf_config, hf_config_differences
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.registry import get_model_spec
+from titan_train.registry import FROM_HF, ModelFamily, get_model_family
 from titan_train.wiring.checkpointing import hf_adapter_for
 from titan_train.wiring.data import build_tokenizer_for
-from titan_train.wiring.hf_interop import FROM_HF, model_args
+from titan_train.wiring.hf_interop import hf_mapping, model_args
 
 logger = logging.getLogger(__name__)
 
@@ -86,15 +85,18 @@ def _weights_format(path: Path, wanted: str) -> str:
     )
 
 
-def _model_args(config: JobConfig, path: Path, fmt: str, eos_id: int):
+def _model_args(config: JobConfig, family: ModelFamily, path: Path, fmt: str, eos_id: int):
     """The model shape: the run's flavor (a Hugging Face config.json must agree with it field by field),
     or with model.flavor = from_hf the shape a Hugging Face folder's config.json states."""
     config_file = path / "config.json"
     hf_config = json.loads(config_file.read_text()) if fmt == "hf" and config_file.is_file() else None
-    if config.model.flavor == FROM_HF and hf_config is not None:
-        return args_from_hf_config(hf_config, eos_id=eos_id)
-    args = model_args(config, eos_id=eos_id)
-    differences = hf_config_differences(args, hf_config) if hf_config is not None else []
+    if hf_config is None:
+        return model_args(config, family, eos_id=eos_id)
+    hf = hf_mapping(family, f"{path} is a Hugging Face checkpoint")
+    if config.model.flavor == FROM_HF:
+        return hf.args_from_config(hf_config, eos_id=eos_id)
+    args = model_args(config, family, eos_id=eos_id)
+    differences = hf.config_differences(args, hf_config)
     if differences:
         raise ConfigError(
             f"config: {config_file} describes another model than {config.model.name} {config.model.flavor}: "
@@ -128,12 +130,12 @@ def load_checkpoint_model(
     device = device or default_device()
     if config.experimental.custom_import:
         importlib.import_module(config.experimental.custom_import)  # may register flavors
-    spec = get_model_spec(config.model.name)
+    family = get_model_family(config.model.name)
     tokenizer = build_tokenizer_for(config)
-    args = _model_args(config, path, fmt, tokenizer.eos_id)
+    args = _model_args(config, family, path, fmt, tokenizer.eos_id)
     args = replace(args, max_seq_len=max_seq_len or args.context_len)
     with torch.device("meta"):
-        model = spec.build(args)
+        model = family.build(args)
     model.to_empty(device=device)
     model.init_weights(
         buffer_device=device, seed=0
@@ -143,7 +145,7 @@ def load_checkpoint_model(
         {"model": ModelState([model])},
         saving=SavePolicy(interval=1, load_only=True),
         loading=LoadPolicy(initial_load_path=path, initial_load_in_hf=fmt == "hf"),
-        hf_adapter=hf_adapter_for(args) if fmt == "hf" else None,
+        hf_adapter=hf_adapter_for(family, args) if fmt == "hf" else None,
     )
     checkpointer.load()
     checkpointer.close()

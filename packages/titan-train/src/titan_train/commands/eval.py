@@ -19,7 +19,7 @@ from titan_train.commands.checkpoint_model import CheckpointModel
 from titan_train.commands.generate import checkpoint_parser, load_for
 from titan_train.config import JobConfig, load_job_config
 from titan_train.errors import ConfigError
-from titan_train.registry import get_model_spec
+from titan_train.registry import get_model_family
 from titan_train.wiring.data import build_validation_loader
 from titan_train.wiring.validation import Validator
 
@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 def measure_perplexity(config: JobConfig, loaded: CheckpointModel) -> dict[str, Any]:
     """Loss and perplexity over `validation.steps` batches of the `[validation]` dataset, one process."""
     v = config.validation
-    loss_fn = get_model_spec(config.model.name).loss_fn
+    loss_fn = get_model_family(config.model.name).loss_fn
     validator = Validator(
         lambda: build_validation_loader(config, loaded.tokenizer, 0, 1),
         lambda inputs, labels: loss_fn(loaded.model(inputs), labels),

@@ -18,8 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from titan_data import DATASETS
 from titan_train.config.fields import BOUNDS, get_value, iter_fields, number, unwrap_optional
 from titan_train.errors import ConfigError
+from titan_train.registry import FROM_HF, get_model_family
 
 logger = logging.getLogger(__name__)
 
@@ -159,12 +161,12 @@ def _microbatches_divide_the_batch(config: Any) -> None:
 
 
 def _names_are_registered(config: Any) -> None:
-    # Imported here: experimental.custom_import (checked above, so already imported) may register
-    # models, flavors and datasets, and the registry itself imports this package.
-    from titan_data import DATASETS
-    from titan_train.wiring.sequence_limit import check_seq_len
-
-    check_seq_len(config)  # model.name, model.flavor, and the sequence lengths against its context
+    """model.name, model.flavor and the datasets are registered (experimental.custom_import, checked
+    and imported above, may have registered more). The sequence lengths are checked against the
+    model's context by the resolve step (`titan_train.plan`), which reads a `from_hf` shape."""
+    family = get_model_family(config.model.name)
+    if config.model.flavor != FROM_HF:
+        family.args_for(config.model.flavor)
     sections = [config.training] + ([config.validation] if config.validation.enable else [])
     for section, name in zip(sections, ("training", "validation"), strict=False):
         if section.dataset not in DATASETS:

@@ -13,20 +13,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from titan_models import count_parameters
-from titan_parallel import ParallelConfigError, ParallelDims, blocks_of, pipeline_stages
+from titan_parallel import ParallelDims
 from titan_train.config.unsupported import UnsupportedConfigError, refuse_unsupported
 from titan_train.errors import ConfigError
-from titan_train.registry import get_model_spec
+from titan_train.plan import ParamCounts, RunPlan, resolve
 from titan_train.reporting.device_peaks import DEVICE_MEMORY_GIB
 from titan_train.reporting.memory_estimate import GIB, MemoryEstimate, estimate_memory
-from titan_train.wiring.hf_interop import model_args
-from titan_train.wiring.model import ParamCounts
-from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps, parallel_options
-from titan_train.wiring.sequence_limit import model_seq_len
 
 logger = logging.getLogger(__name__)
 
@@ -98,31 +92,6 @@ class DryRunReport:
         return out
 
 
-def layout_problems(config: Any, dims: ParallelDims, args: Any) -> list[str]:
-    """Everything wrong with this layout for this model, so a user fixes them all in one go."""
-    t = config.training
-    problems = []
-    try:
-        dims.check_model(
-            n_layers=args.n_layers,
-            n_heads=args.n_heads,
-            n_kv_heads=args.kv_heads,
-            seq_len=t.seq_len,
-            vocab_size=args.vocab_size,
-        )
-        if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
-            blocks = [f"layers.{i}" for i in range(args.n_layers)]
-            options = parallel_options(config, torch.float32, torch.float32)
-            pipeline_stages(["tok_embeddings", *blocks, "norm", "output"], blocks, dims.pp, options)
-    except (ParallelConfigError, ConfigError) as err:
-        problems.append(str(err))
-    try:
-        gradient_accumulation_steps(config, dims.dp_degree)
-    except ConfigError as err:
-        problems.append(str(err))
-    return problems
-
-
 def _notes(config: Any) -> list[str]:
     notes = []
     try:
@@ -166,52 +135,45 @@ def device_memory_of(device: str, memory_gib: float | None) -> tuple[str, int]:
 def dry_run(
     config: Any, world_size: int, device: str = "H100", device_memory_gib: float | None = None
 ) -> DryRunReport:
-    """Validate `config` for `world_size` ranks, build its mesh, trace its memory per rank and log it all."""
+    """Resolve `config` for `world_size` ranks, build its mesh, trace its memory per rank and log it all."""
     device_name, capacity = device_memory_of(device, device_memory_gib)
-    dims = build_parallel_dims(config, world_size)
-    spec = get_model_spec(config.model.name)
-    args = model_args(config, max_seq_len=model_seq_len(config))
-    problems = layout_problems(config, dims, args)
-    if problems:
-        raise ConfigError("dry run: the layout does not work:\n  - " + "\n  - ".join(problems))
-
-    with torch.device("meta"):
-        model = spec.build(args)
-    n_embedding = count_parameters(model) - count_parameters(model, exclude_embedding=True)
-    counts = ParamCounts.of(model, blocks_of(model), n_embedding)
-
+    try:
+        plan = resolve(config, world_size, "cuda")
+    except ConfigError as err:
+        raise ConfigError(f"dry run: the layout does not work: {err}") from None
     _fake_world(world_size)
     try:
+        dims = replace(plan.dims)  # a mesh of its own: the plan's degrees stay free of this fake world
         dims.build_mesh("cpu")
         mesh = _describe_mesh(dims)
     finally:
         dist.destroy_process_group()
 
     fake = not config.memory_estimation.disable_fake_mode
-    memory = estimate_memory(config, world_size, fake=fake, capacity=capacity)
-    accum = gradient_accumulation_steps(config, dims.dp_degree)
-    t = config.training
+    memory = estimate_memory(plan, fake=fake, capacity=capacity)
     report = DryRunReport(
         world_size=world_size,
-        degrees=dims.degrees,
+        degrees=plan.dims.degrees,
         mesh=mesh,
-        params=counts,
-        grad_accum_steps=accum,
-        tokens_per_step=t.local_batch_size * t.seq_len * dims.dp_degree * accum,
+        params=plan.params,
+        grad_accum_steps=plan.grad_accum_steps,
+        tokens_per_step=plan.tokens_per_step,
         memory=memory,
         notes=_notes(config),
         device_name=device_name,
         device_memory=capacity,
     )
     if memory.expected_reserved(memory.worst) > capacity:
-        report.levers = memory_levers(config, world_size, memory, capacity)
+        report.levers = memory_levers(plan, memory, capacity)
     for line in report.lines(config):
         logger.info("%s", line)
     return report
 
 
-def memory_levers(config: Any, world_size: int, memory: MemoryEstimate, capacity: int) -> list[str]:
-    """What would bring an over-budget layout under `capacity`, each re-traced or scaled from the breakdown."""
+def memory_levers(plan: RunPlan, memory: MemoryEstimate, capacity: int) -> list[str]:
+    """What would bring an over-budget layout under `capacity`, each re-traced (its config resolved
+    again) or scaled from the breakdown."""
+    config, world_size = plan.config, plan.world_size
     gib, levers = 2**30, []
     worst = memory.worst
     need = memory.expected_reserved(worst)
@@ -231,7 +193,9 @@ def memory_levers(config: Any, world_size: int, memory: MemoryEstimate, capacity
         )
     for name, changed in tried:
         try:
-            m = estimate_memory(changed, world_size, fake=memory.fake, capacity=capacity)
+            m = estimate_memory(
+                resolve(changed, world_size, plan.device_type), fake=memory.fake, capacity=capacity
+            )
         except Exception as err:  # a lever the layout refuses is no lever
             logger.debug("lever %s: %s", name, err)
             continue

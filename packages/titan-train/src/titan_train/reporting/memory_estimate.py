@@ -10,6 +10,7 @@ is replayed on the traced allocations for the reserved bytes a training log repo
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import multiprocessing
@@ -22,11 +23,9 @@ from typing import Any
 from titan_parallel.allocator_model import AllocatorPeaks, replay
 from titan_parallel.memory_trace import TraceResult, scale_to_blocks
 from titan_parallel.pipeline import stages_per_rank
+from titan_train.plan import RunPlan, resolve
 from titan_train.reporting.traced_memory import trace_rank
-from titan_train.wiring.hf_interop import model_args
-from titan_train.wiring.model import dtype_of
-from titan_train.wiring.parallelism import build_parallel_dims, parallel_options
-from titan_train.wiring.sequence_limit import model_seq_len
+from titan_train.wiring.loss import build_loss_fn
 
 GIB = 2**30
 logger = logging.getLogger(__name__)
@@ -118,29 +117,24 @@ def _where(label: tuple, blocks: int) -> str:
     return " ".join(map(str, label))
 
 
-def estimate_memory(
-    config: Any,
-    world_size: int,
-    *,
-    fake: bool = True,
-    target_device: str = "cuda",
-    capacity: int | None = None,
-) -> MemoryEstimate:
-    """Trace `config` on `world_size` ranks (in this process, on fake process groups) and size each rank."""
+def estimate_memory(plan: RunPlan, *, fake: bool = True, capacity: int | None = None) -> MemoryEstimate:
+    """Trace `plan` on its world size (in this process, on fake process groups) and size each rank, in
+    the dtypes of the plan's device."""
     start = time.perf_counter()
     notes = []
+    config, world_size, dims = plan.config, plan.world_size, plan.dims
     if config.compile.enable:
         # Dynamo cannot trace under an outer fake mode; eager saves at least what inductor saves.
-        config = replace(config, compile=replace(config.compile, enable=False))
+        plan = replace(plan, config=replace(config, compile=replace(config.compile, enable=False)))
+        plan = replace(plan, loss_fn=build_loss_fn(plan.config, plan.family))
         notes.append(
             "compile is traced as eager (an upper bound: inductor fuses element-wise ops and saves less)"
         )
-    dims = build_parallel_dims(config, world_size)
-    n_layers = model_args(config, max_seq_len=model_seq_len(config)).n_layers
+    n_layers = plan.model_args.n_layers
     p = config.parallelism
     per_rank = 1
     if dims.pp > 1:
-        per_rank = stages_per_rank(parallel_options(config, *[dtype_of("float32")] * 2), dims.pp, n_layers)
+        per_rank = stages_per_rank(plan.options, dims.pp, n_layers)
     stages = dims.pp * per_rank
     blocks = math.ceil(n_layers / stages)
     fixed_split = p.module_fqns_per_model_part or p.pipeline_parallel_layers_per_stage
@@ -149,11 +143,7 @@ def estimate_memory(
     # Traced whole, the model keeps its own depth: its stages may differ by a block (405B's 126 layers
     # are 7 or 8 blocks on each of 16 stages), which `blocks * stages` layers would change.
     layer_counts = [None] if depths == (blocks,) else [d * stages for d in depths]
-    jobs = [
-        (config, world_size, pp_rank * (world_size // dims.pp), fake, target_device, n)
-        for pp_rank in pp_ranks
-        for n in layer_counts
-    ]
+    jobs = [(plan, pp_rank * (world_size // dims.pp), fake, n) for pp_rank in pp_ranks for n in layer_counts]
     if dims.pp == 1:
         traced = [_trace(*job, capacity) for job in jobs]
     else:
@@ -187,9 +177,9 @@ def _trace_processes(jobs: int) -> ProcessPoolExecutor:
     )
 
 
-def _trace(config, world_size, rank, fake, target_device, n_layers, capacity) -> _Traced:
+def _trace(plan, rank, fake, n_layers, capacity) -> _Traced:
     """One rank's trace and the caching allocator replayed on it, in the process that traced it."""
-    t = trace_rank(config, world_size, rank, fake=fake, target_device=target_device, n_layers=n_layers)
+    t = trace_rank(plan, rank, fake=fake, n_layers=n_layers)
     fixed = replay(t.sizes, t.streams, capacity=capacity)
     expandable = replay(t.sizes, t.streams, expandable_segments=True, capacity=capacity)
     return _Traced(replace(t, sizes=[], streams={}), fixed, expandable)
@@ -235,21 +225,26 @@ def _rank_memory(
     )
 
 
-def log_estimate_in_child(config: Any, world_size: int) -> None:
+def log_estimate_in_child(plan: RunPlan) -> None:
     """`[memory_estimation] enable`: trace this job's memory per rank in a child process and log it.
 
     A child, because the trace needs a fake process group of its own beside this run's real one. With
-    `disable_fake_mode` it traces on real tensors, which takes one rank's memory on this host.
+    `disable_fake_mode` it traces on real tensors, which takes one rank's memory on this host. The
+    child resolves the config again (a spawned process starts without the run's registrations and
+    compiled loss, which the config's experimental.custom_import brings back).
     """
-    child = multiprocessing.get_context("spawn").Process(target=_log_estimate, args=(config, world_size))
+    args = (plan.config, plan.world_size, plan.device_type)
+    child = multiprocessing.get_context("spawn").Process(target=_log_estimate, args=args)
     child.start()
     child.join()
 
 
-def _log_estimate(config: Any, world_size: int) -> None:
+def _log_estimate(config: Any, world_size: int, device_type: str) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if config.experimental.custom_import:
+        importlib.import_module(config.experimental.custom_import)
     fake = not config.memory_estimation.disable_fake_mode
-    estimate = estimate_memory(config, world_size, fake=fake)
+    estimate = estimate_memory(resolve(config, world_size, device_type), fake=fake)
     how = "fake" if fake else "real"
     for r in estimate.ranks:
         logger.info(

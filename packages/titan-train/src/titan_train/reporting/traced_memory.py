@@ -13,8 +13,6 @@ import contextlib
 import gc
 import logging
 from dataclasses import replace
-from types import SimpleNamespace
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,11 +24,10 @@ from titan_parallel import blocks_of, clip_grad_norm_, precompute_float8_scales,
 from titan_parallel.cuda_kernel_memory import use_cuda_kernel_memory
 from titan_parallel.memory_trace import MemoryTrace, TraceResult
 from titan_parallel.pipeline_replay import ReplayError, can_replay, replaying_microbatches
-from titan_train.registry import get_model_spec
-from titan_train.wiring.hf_interop import model_args
-from titan_train.wiring.model import autocast_dtype, build_loss_fn, build_model
+from titan_train.plan import RunPlan
+from titan_train.wiring.model import build_model
 from titan_train.wiring.optimizers import build_optimizer
-from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps
+from titan_train.wiring.precision import autocast_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -44,58 +41,51 @@ def fake_world(world_size: int, rank: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def trace_rank(config: Any, world_size: int, rank: int, **kwargs) -> TraceResult:
-    """Trace one step as rank `rank` of `world_size` sees it, on a fake process group of its own."""
-    fake_world(world_size, rank)
+def trace_rank(plan: RunPlan, rank: int, **kwargs) -> TraceResult:
+    """Trace one step as rank `rank` of the plan's world sees it, on a fake process group of its own."""
+    fake_world(plan.world_size, rank)
     try:
-        return trace_step(config, world_size, **kwargs)
+        return trace_step(plan, **kwargs)
     except ReplayError as err:  # micro-batches that do not repeat after all: run them all
         logger.warning("memory trace: %s does not repeat the one captured; tracing every micro-batch", err)
-        return trace_step(config, world_size, **{**kwargs, "replay_microbatches": False})
+        return trace_step(plan, **{**kwargs, "replay_microbatches": False})
     finally:
         dist.destroy_process_group()
 
 
 def trace_step(
-    config: Any,
-    world_size: int,
+    plan: RunPlan,
     *,
     fake: bool = True,
     n_layers: int | None = None,
-    target_device: str = "cuda",
     replay_microbatches: bool = True,
 ) -> TraceResult:
-    """Trace one step of `config` on this rank of the process group that is already initialised.
+    """Trace one step of `plan` on this rank of the process group that is already initialised.
 
-    `n_layers` builds the model with that many blocks (the estimate traces a few and scales);
-    `target_device` picks the dtypes the real run would use (CPU keeps float32 where GPUs use bf16).
-    Fake tensors live on the CPU; real ones (`fake=False`) on `target_device`, so that on a GPU the
-    same tracker follows what the real step holds there. A fake pipeline step runs three micro-batches
-    of each stage and replays the others (`titan_parallel.pipeline_replay`) unless `replay_microbatches`
-    is False.
+    `n_layers` builds the model with that many blocks (the estimate traces a few and scales). The
+    plan's device picks the dtypes (resolve for "cuda" to plan for GPUs: CPU keeps float32 where GPUs
+    use bf16). Fake tensors live on the CPU; real ones (`fake=False`) on the plan's device, so that on
+    a GPU the same tracker follows what the real step holds there. A fake pipeline step runs three
+    micro-batches of each stage and replays the others (`titan_parallel.pipeline_replay`) unless
+    `replay_microbatches` is False. The model is built by training's own builder (`build_model`), and
+    trained on its loss, scaled once for gradient accumulation there.
     """
+    config, target_device = plan.config, plan.device_type
     device = torch.device("cpu" if fake else target_device)
-    spec = get_model_spec(config.model.name)
-    dims = build_parallel_dims(config, world_size)
-    dims.build_mesh(device.type)
-    dp_mesh = dims.submesh("dp")
-    accum = gradient_accumulation_steps(config, dp_mesh.size() if dp_mesh else 1)
     trace = MemoryTrace()
 
-    configured_loss = build_loss_fn(config, spec)
-
-    def labelled_loss(logits, labels):
+    def labelled_loss(logits, labels, loss_fn=plan.loss_fn):
         trace.label(("loss",))
-        return configured_loss(logits, labels)
+        return loss_fn(logits, labels)
 
-    spec = replace(spec, loss_fn=labelled_loss)
-    args = model_args(config)  # the flavor, or the checkpoint's config.json for `from_hf`
-    tokenizer = SimpleNamespace(eos_id=args.eos_id, vocab_size=0)
+    # A mesh of this trace's own (the plan's degrees), and the plan's loss labelled for the trace.
+    dims = replace(plan.dims)
+    dims.build_mesh(device.type)
+    plan = replace(plan, dims=dims, loss_fn=labelled_loss)
     built = build_model(
-        config, spec, tokenizer, dims, device, seed=0, grad_accum_steps=accum,
-        n_layers=n_layers, dtype_device=torch.device(target_device), materialize=not fake,
-    )  # fmt: skip
-    parts, pipeline = built.parts, built.pipeline
+        plan, device, eos_id=plan.model_args.eos_id, seed=0, n_layers=n_layers, materialize=not fake
+    )
+    parts, pipeline, args = built.parts, built.pipeline, built.args
     mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with mode:
         if fake:  # meta -> fake; a fake model is built on meta first: deep copies of fake tensors lose their views' storage
@@ -104,13 +94,12 @@ def trace_step(
                 if target_device == "cuda":  # fake tensors live on the CPU: ops keep what CUDA kernels keep
                     use_cuda_kernel_memory(part)
         if pipeline is not None and dist.get_backend() == "fake":
-            _declare_stage_shapes(pipeline, built, dims, config)
+            _declare_stage_shapes(pipeline, plan, args)
         optimizers = [build_optimizer(config, part) for part in parts]
         t = config.training
         inputs = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len), device=device)
         labels = torch.randint(0, args.vocab_size, (t.local_batch_size, t.seq_len), device=device)
         params = [p for part in parts for p in part.parameters()]
-        loss_fn = spec.loss_fn if accum == 1 else (lambda x, y: spec.loss_fn(x, y) / accum)
         _create_optimizer_state(params, optimizers)
         with trace, _no_automatic_gc():
             trace.track(params, "parameters")
@@ -123,19 +112,18 @@ def trace_step(
             )
             replaying = replaying_microbatches(trace, pipeline.schedule, pipeline.stages) if replay else None
             with replaying or contextlib.nullcontext():
-                _one_step(
-                    config, dims, built, optimizers, loss_fn, trace, accum, inputs, labels, target_device
-                )
+                _one_step(plan, built, optimizers, trace, inputs, labels)
             trace.remove_hooks()
             trace.assign("parameters", params)
         return trace.result()
 
 
-def _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, labels, target_device) -> None:
-    parts, pipeline = built.parts, built.pipeline
+def _one_step(plan, built, optimizers, trace, inputs, labels) -> None:
+    config, dims, accum = plan.config, plan.dims, plan.grad_accum_steps
+    parts, pipeline, loss_fn = built.parts, built.pipeline, built.train_loss_fn
     # The trainer's autocast on the target device (one GPU without FSDP); on fake tensors, which live on
     # the CPU, emulated by CPU autocast: both run matmuls and attention in the lower precision.
-    dtype = autocast_dtype(config, dims, torch.device(target_device))
+    dtype = autocast_dtype(config, dims, torch.device(plan.device_type))
 
     def autocast():
         return (
@@ -151,7 +139,7 @@ def _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, la
                 part.set_requires_gradient_sync(micro == accum - 1)
         trace.label(("forward start",))
         buffers = [inputs, labels, *(buffer for part in parts for buffer, _ in part.sequence_buffers())]
-        with training_context(dims, built.options, cp_buffers=buffers, cp_seq_dims=[1, 1, *[0] * len(parts)]):
+        with training_context(dims, plan.options, cp_buffers=buffers, cp_seq_dims=[1, 1, *[0] * len(parts)]):
             if pipeline is not None:
                 pipeline.step(inputs, labels)
             else:
@@ -170,7 +158,7 @@ def _one_step(config, dims, built, optimizers, loss_fn, trace, accum, inputs, la
     for optimizer in optimizers:
         optimizer.step()
         trace.assign("optimizer state", _state_tensors(optimizer))
-    if built.options.float8_fsdp_all_gather and (
+    if plan.options.float8_fsdp_all_gather and (
         config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
     ):
         for part in parts:
@@ -205,20 +193,20 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def _declare_stage_shapes(pipeline, built, dims, config) -> None:
+def _declare_stage_shapes(pipeline, plan: RunPlan, args) -> None:
     """Tell each pipeline stage the shapes it sends and receives: on a fake process group torch cannot
     infer them by asking the neighbouring stages, as it does in a real run."""
     from torch.distributed.pipelining._utils import _StageMeta, extract_tensor_metas
 
-    t, p, args = config.training, config.parallelism, built.args
+    t, p, dims, options = plan.config.training, plan.config.parallelism, plan.dims, plan.options
     mb = p.pipeline_parallel_microbatch_size
     seq = t.seq_len // dims.cp
-    dtype = built.options.param_dtype if dims.fsdp_enabled else next(built.parts[0].parameters()).dtype
-    split = dims.tp if dims.tp > 1 and built.options.sequence_parallel else 1
+    dtype = options.param_dtype if dims.fsdp_enabled else next(pipeline.model_parts[0].parameters()).dtype
+    split = dims.tp if dims.tp > 1 and options.sequence_parallel else 1
     device = torch.device("cpu")
     hidden = torch.empty(mb, seq // split, args.dim, dtype=dtype, device=device)
     tokens = torch.empty(mb, seq, dtype=torch.long, device=device)
-    if dims.tp > 1 and built.options.loss_parallel:
+    if dims.tp > 1 and options.loss_parallel:
         local = torch.empty(mb, seq, args.vocab_size // dims.tp, dtype=dtype, device=device)
         logits = DTensor.from_local(local, dims.submesh("tp"), [Shard(2)], run_check=False)
     else:

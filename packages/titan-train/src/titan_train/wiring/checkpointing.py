@@ -19,43 +19,43 @@ from pathlib import Path
 from typing import Any
 
 from titan_ckpt import Checkpointer, HFStateDictAdapter, LastSavePolicy, LoadPolicy, LoadResult, SavePolicy
-from titan_train.config import JobConfig
+from titan_train.config.schema import JobConfig
+from titan_train.plan import RunPlan
+from titan_train.registry import ModelFamily
 from titan_train.train_state import TrainState
+from titan_train.wiring.data import build_tokenizer_for
+from titan_train.wiring.hf_interop import hf_export_files, hf_mapping
 
 logger = logging.getLogger(__name__)
 
 
 def hf_adapter_for(
-    model_args: Any, *, bos_id: int | None = None, eos_id: int | None = None
+    family: ModelFamily, model_args: Any, *, bos_id: int | None = None, eos_id: int | None = None
 ) -> HFStateDictAdapter:
-    """The Hugging Face weight mapping of a Titan model built from `model_args` (every registered family
-    has the Llama layout)."""
-    from titan_models import LlamaStateDictAdapter
+    """The family's Hugging Face weight mapping of a model built from `model_args` (titan-ckpt takes
+    it as it is: it knows no model)."""
+    return hf_mapping(family, "Hugging Face weights are read or written").adapter(
+        model_args, bos_id=bos_id, eos_id=eos_id
+    )
 
-    return LlamaStateDictAdapter(model_args, bos_id=bos_id, eos_id=eos_id)
 
-
-def _hf_export(config: JobConfig, model_args: Any | None) -> tuple[HFStateDictAdapter | None, dict]:
+def _hf_export(plan: RunPlan, model_args: Any) -> tuple[HFStateDictAdapter | None, dict]:
     """The weight mapping, with the tokenizer's bos/eos, and the files a Hugging Face export carries."""
-    c = config.checkpoint
-    if model_args is None or not (c.initial_load_in_hf or c.last_save_in_hf):
+    config, c = plan.config, plan.config.checkpoint
+    if not (c.initial_load_in_hf or c.last_save_in_hf):
         return None, {}
     if not c.last_save_in_hf:
-        return hf_adapter_for(model_args), {}
-    from titan_train.wiring.data import build_tokenizer_for
-    from titan_train.wiring.hf_interop import hf_export_files
-
+        return hf_adapter_for(plan.family, model_args), {}
     tokenizer = build_tokenizer_for(config)
-    adapter = hf_adapter_for(model_args, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    adapter = hf_adapter_for(plan.family, model_args, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
     return adapter, hf_export_files(config, tokenizer.bos_id, tokenizer.eos_id)
 
 
-def build_checkpointer(
-    config: JobConfig, states: dict[str, Any], *, model_args: Any | None = None
-) -> Checkpointer | None:
+def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any) -> Checkpointer | None:
     """The run's Checkpointer (None when checkpoint.enable is false); `states` as titan-ckpt takes them,
-    `model_args` those the model was built from (for Hugging Face weights). The settings passed
-    `check_run` (titan_train.config.run_checks)."""
+    `model_args` those the model was built from (for Hugging Face weights, mapped by the plan's
+    family). The settings passed `check_run` (titan_train.config.run_checks)."""
+    config = plan.config
     c = config.checkpoint
     if not c.enable:
         return None
@@ -66,7 +66,7 @@ def build_checkpointer(
             "checkpoint: initial_load_in_hf with no initial_load_path: using model.hf_assets_path %s",
             initial_load_path,
         )
-    hf_adapter, hf_files = _hf_export(config, model_args)
+    hf_adapter, hf_files = _hf_export(plan, model_args)
     return Checkpointer(
         Path(config.job.dump_folder) / c.folder,
         states,

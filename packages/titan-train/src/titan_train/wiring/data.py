@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from titan_data import StreamLayout, Tokenizer, TokenLoader, build_dataset, build_tokenizer
-from titan_train.config import JobConfig
+from titan_train.config.schema import JobConfig
 
 logger = logging.getLogger(__name__)
 

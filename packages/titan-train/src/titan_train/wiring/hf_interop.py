@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from titan_models import ModelArgs, args_from_hf_config, hf_config_differences
-from titan_train.config import JobConfig
+from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.registry import get_model_spec
+from titan_train.registry import FROM_HF, ModelFamily
+from titan_train.wiring.data import BUNDLED_TOKENIZER
 
-FROM_HF = "from_hf"  # model.flavor: the shape the Hugging Face checkpoint's config.json states
 HF_CONFIG = "config.json"
 # Files of a Hugging Face tokenizer folder that AutoTokenizer reads (those present are copied).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
@@ -48,9 +48,18 @@ def _read_hf_config(folder: Path, why: str) -> dict:
         raise ConfigError(f"config: {path} is not valid JSON ({err})") from err
 
 
-def model_args(config: JobConfig, **overrides) -> ModelArgs:
-    """The ModelArgs of the run's model: its flavor (or, for `from_hf`, the Hugging Face config.json),
-    with `overrides`. Refuses a Hugging Face checkpoint to load whose config.json differs from the flavor."""
+def hf_mapping(family: ModelFamily, why: str):
+    """The family's Hugging Face mapping, or the ConfigError saying it has none."""
+    if family.hf is None:
+        raise ConfigError(f"config: {why}, but model family {family.name} has no Hugging Face mapping")
+    return family.hf
+
+
+def model_args(config: JobConfig, family: ModelFamily, **overrides) -> Any:
+    """The args of the run's model: its flavor (or, for `from_hf`, the Hugging Face config.json), with
+    `overrides`. Refuses a Hugging Face checkpoint to load whose config.json differs from the flavor.
+
+    Read once per run, by the resolve step (`titan_train.plan.resolve`)."""
     m = config.model
     folder = hf_checkpoint_folder(config)
     if m.flavor == FROM_HF:
@@ -63,14 +72,14 @@ def model_args(config: JobConfig, **overrides) -> ModelArgs:
         hf = _read_hf_config(
             source, f"model.flavor = '{FROM_HF}' reads the model shape from {source / HF_CONFIG}"
         )
-        return args_from_hf_config(hf, **overrides)
-    spec = get_model_spec(m.name)
-    args = spec.args_for(m.flavor, **overrides)
+        return hf_mapping(family, f"model.flavor = '{FROM_HF}'").args_from_config(hf, **overrides)
+    args = family.args_for(m.flavor, **overrides)
     if folder is not None:
         hf = _read_hf_config(
             folder, "checkpoint.initial_load_in_hf checks the checkpoint's shape against the flavor"
         )
-        differences = hf_config_differences(spec.args_for(m.flavor), hf)
+        hf_map = hf_mapping(family, "checkpoint.initial_load_in_hf")
+        differences = hf_map.config_differences(family.args_for(m.flavor), hf)
         if differences:
             raise ConfigError(
                 f"config: the Hugging Face checkpoint in {folder} is not {m.name} {m.flavor}: "
@@ -86,8 +95,6 @@ def hf_export_files(config: JobConfig, bos_id: int, eos_id: int) -> dict[str, by
     files: dict[str, bytes | Path] = {"generation_config.json": json.dumps(generation, indent=2).encode()}
     assets = Path(config.model.hf_assets_path) if config.model.hf_assets_path else None
     if assets is None:
-        from titan_train.wiring.data import BUNDLED_TOKENIZER
-
         assets = BUNDLED_TOKENIZER
     for name in TOKENIZER_FILES:
         if (assets / name).is_file():

@@ -1,0 +1,158 @@
+"""The resolve step: what a run is, worked out once from its config, world size and device.
+
+`plan = resolve(config, world_size, device_type)` reads the model family from the registry and its
+args once (for a `from_hf` flavor or a Hugging Face checkpoint to load, from its `config.json`), and
+derives from them and the config the facts every consumer needs: the parallel degrees, the sequence
+length the model is built for, gradient accumulation, the loss, the layout settings and the
+parameter counts. Training, the dry run, the memory estimate and trace, `titan-train check`,
+generate/eval and the Hugging Face export take the plan instead of re-deriving any of it, so a fact
+changes in one place and every one of them sees the change (tests/test_plan.py).
+
+Every rule that needs these facts is checked here, all at once, so a bad layout is one error listing
+every problem, before a process group is joined.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_models import ModelError
+from titan_parallel import ParallelConfigError, ParallelDims, ParallelOptions, blocks_of, pipeline_stages
+from titan_train.config.schema import JobConfig
+from titan_train.errors import ConfigError
+from titan_train.registry import LossFn, ModelFamily, get_model_family
+from titan_train.wiring.hf_interop import model_args
+from titan_train.wiring.loss import build_loss_fn
+from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps, parallel_options
+from titan_train.wiring.precision import compute_dtype, dtype_of
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of a model split into what pipeline stages hold."""
+
+    total: int
+    embedding: int
+    per_block: int
+    n_blocks: int
+
+    @classmethod
+    def of(cls, model: nn.Module, family: ModelFamily) -> ParamCounts:
+        """Counts read from a (meta-device) model: the family's totals and the size of its blocks."""
+        total, embedding = family.count_parameters(model)
+        sizes = [sum(p.numel() for p in block.parameters()) for block in blocks_of(model).values()]
+        return cls(total=total, embedding=embedding, per_block=max(sizes, default=0), n_blocks=len(sizes))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run is. `dims` is the layout's degrees (its mesh is built by whoever runs the layout)."""
+
+    config: JobConfig
+    world_size: int
+    device_type: str  # the device the run computes on, which picks its dtypes ("cuda" for a dry run)
+    family: ModelFamily
+    model_args: Any  # the family's args, with max_seq_len = seq_len (eos_id set by the builder)
+    seq_len: int  # positions the model is built for: the longer of training's and validation's
+    dims: ParallelDims
+    grad_accum_steps: int
+    loss_fn: LossFn  # the configured loss (compiled or chunked), unscaled: validation's
+    options: ParallelOptions
+    params: ParamCounts
+
+    @property
+    def train_seq_len(self) -> int:
+        """Tokens per training sequence (FLOPs and memory count these)."""
+        return self.config.training.seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.config.training
+        return t.local_batch_size * t.seq_len * self.dims.dp_degree * self.grad_accum_steps
+
+    @property
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, as the family counts them."""
+        p = self.params
+        return self.family.flops_per_token(self.model_args, p.total, p.embedding, self.train_seq_len)
+
+    def build_meta_model(self, **overrides) -> nn.Module:
+        """The model on the meta device, from the plan's args with `overrides`."""
+        args = replace(self.model_args, **overrides) if overrides else self.model_args
+        with torch.device("meta"):
+            return self.family.build(args)
+
+
+def model_seq_len(config: JobConfig) -> int:
+    """Positions the model is built for: the longer of training.seq_len and, when validation runs,
+    validation.seq_len (FLOPs and memory still count training.seq_len)."""
+    if config.validation.enable:
+        return max(config.training.seq_len, config.validation.seq_len)
+    return config.training.seq_len
+
+
+def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> RunPlan:
+    """The plan of `config` on `world_size` ranks of `device_type`; a ConfigError naming every problem."""
+    family = get_model_family(config.model.name)
+    seq_len = model_seq_len(config)
+    args = model_args(config, family, max_seq_len=seq_len)
+    _check_context(config, args)
+    dims = build_parallel_dims(config, world_size)
+    param_dtype = compute_dtype(config, torch.device(device_type)) if dims.fsdp_enabled else torch.float32
+    options = parallel_options(config, param_dtype, dtype_of(config.training.mixed_precision_reduce))
+    problems, grad_accum_steps = [], 1
+    try:
+        grad_accum_steps = gradient_accumulation_steps(config, dims.dp_degree)
+    except ConfigError as err:
+        problems.append(str(err))
+    try:
+        dims.check_model(
+            n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.kv_heads,
+            seq_len=config.training.seq_len, vocab_size=args.vocab_size, sequence_parallel=options.sequence_parallel,
+        )  # fmt: skip
+    except ParallelConfigError as err:
+        problems.append(str(err))
+    with torch.device("meta"):
+        model = family.build(args)  # for its parameter counts and pipeline units
+    if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
+        try:
+            pipeline_stages(model.pipeline_units(), list(blocks_of(model)), dims.pp, options)
+        except (ParallelConfigError, ModelError) as err:
+            problems.append(str(err))
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return RunPlan(
+        config=config,
+        world_size=world_size,
+        device_type=device_type,
+        family=family,
+        model_args=args,
+        seq_len=seq_len,
+        dims=dims,
+        grad_accum_steps=grad_accum_steps,
+        loss_fn=build_loss_fn(config, family),
+        options=options,
+        params=ParamCounts.of(model, family),
+    )
+
+
+def _check_context(config: JobConfig, args: Any) -> None:
+    """Refuse a training (or validation) seq_len beyond the flavor's context, naming the limit and the fix.
+
+    The model's rotary table is sized to the run's longest sequence, so nothing would fail: the model
+    would train on positions its flavor was never built for (and a typo such as 81920 for 8192 would
+    exhaust memory deep inside attention)."""
+    m, limit = config.model, args.context_len
+    lengths = [("training.seq_len", config.training.seq_len)]
+    if config.validation.enable:
+        lengths.append(("validation.seq_len", config.validation.seq_len))
+    for name, value in lengths:
+        if value > limit:
+            raise ConfigError(
+                f"config: {name} = {value} is beyond the {limit}-token context of {m.name} {m.flavor}; "
+                f"set {name} to at most {limit}, or pick a model.flavor with a longer context"
+            )
