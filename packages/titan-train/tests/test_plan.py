@@ -1,0 +1,69 @@
+"""One resolve step: a fact derived from the config changes in one place and every consumer sees it.
+
+The facts here come from a Hugging Face `config.json` (`model.flavor = from_hf`): its
+`num_hidden_layers` (the model's depth) and `max_position_embeddings` (its context). The file is
+written twice with different values; the dry run (and the memory trace inside it), `titan-train
+check`, the command line's training path and the trainer each follow it. Before the plan, each
+re-read the file and re-derived these facts on its own.
+"""
+
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+
+from titan_models import llama3_args, to_hf_config
+from titan_train.cli import run
+from titan_train.commands.check import check_launch
+from titan_train.config import load_job_config
+from titan_train.errors import ConfigError
+from titan_train.plan import resolve
+from titan_train.reporting.dry_run import dry_run
+from titan_train.trainer import Trainer
+from titan_train.wiring.data import BUNDLED_TOKENIZER
+
+SEQ_LEN = 96
+
+
+def _hf_folder(folder, *, layers: int, context: int):
+    """A Hugging Face folder whose config.json states `layers` blocks and a `context`-token context."""
+    folder.mkdir(parents=True, exist_ok=True)
+    args = replace(llama3_args("debugmodel"), dim=64, n_heads=4, n_layers=layers)
+    config = {**to_hf_config(args), "max_position_embeddings": context}
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED_TOKENIZER / name, folder / name)
+    return folder
+
+
+def _argv(folder, dump, *more):
+    return ["--model.flavor", "from_hf", "--model.hf_assets_path", str(folder), "--job.dump_folder", str(dump),
+            "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", "1", "--training.steps", "1",
+            "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1", *more]  # fmt: skip
+
+
+def test_check_dry_run_and_the_command_line_follow_config_json_s_context_and_depth(tmp_path):
+    folder = _hf_folder(tmp_path / "hf", layers=2, context=64)
+    config = load_job_config(_argv(folder, tmp_path / "run"))
+    expected = f"training.seq_len = {SEQ_LEN} is beyond the 64-token context"
+    with pytest.raises(ConfigError, match=expected):
+        check_launch(config, 1)
+    with pytest.raises(ConfigError, match=expected):
+        dry_run(config, 1)
+    assert run(_argv(folder, tmp_path / "run")) == 2  # training stops before it joins a group
+    for layers in (2, 3):  # the same run, the file changed: all of them go on, at its depth
+        _hf_folder(folder, layers=layers, context=128)
+        assert check_launch(config, 1).params.n_blocks == layers
+        report = dry_run(config, 1)  # its memory estimate traces one step of each distinct rank
+        assert (report.params.n_blocks, report.memory.blocks_per_stage) == (layers, layers)
+
+
+def test_the_trainer_builds_the_depth_config_json_states(tmp_path, one_rank):
+    for layers in (2, 3):
+        folder = _hf_folder(tmp_path / f"hf{layers}", layers=layers, context=128)
+        trainer = Trainer(
+            resolve(load_job_config(_argv(folder, tmp_path / f"run{layers}")), 1, "cpu"), one_rank
+        )
+        assert len(trainer.model_parts[0].parallel_blocks()) == layers
+        trainer.train()
