@@ -7,7 +7,9 @@
 # in one process without GPUs (a fake process group), print the mesh and the memory per rank, and stop.
 # Extra arguments are passed on as config overrides. Before torchrun starts, `titan-train check` checks
 # the config and the layout for NGPU ranks: a mistake is one line and exit status 2 (not the same line
-# from every rank and torchrun's traceback); SKIP_CHECK=1 skips it.
+# from every rank and torchrun's traceback); SKIP_CHECK=1 skips it. COMM_BACKEND: nccl (default) or
+# nvshmem, the library behind collectives on symmetric memory (async tensor parallelism; needs CUDA and
+# NVSHMEM, see docs/performance.md); a value that cannot work stops the launch in that check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,6 +17,7 @@ NGPU=${NGPU:-1}
 LOG_RANK=${LOG_RANK:-0}
 CONFIG_FILE=${CONFIG_FILE:-./apps/configs/debug_model.toml}
 DRY_RUN=${DRY_RUN:-0}
+export COMM_BACKEND=${COMM_BACKEND:-nccl}  # read by titan-train (titan_train.comm_backend) on every rank
 
 if command -v torchrun >/dev/null 2>&1; then
     TORCHRUN=(torchrun)

@@ -71,6 +71,45 @@ def test_a_layout_error_under_run_train_sh_is_one_line_and_exit_status_2_before_
     )
 
 
+def _run_train(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **env}
+    return subprocess.run(
+        [str(REPO / "apps" / "run_train.sh"), *flags], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("backend", "line"),
+    [
+        (
+            "nvshmem",
+            "COMM_BACKEND=nvshmem: NVSHMEM needs CUDA GPUs, and this run's device is cpu; unset COMM_BACKEND",
+        ),
+        (
+            "bogus",
+            "COMM_BACKEND=bogus is not one of nccl, nvshmem; unset COMM_BACKEND (or set COMM_BACKEND=nccl)",
+        ),
+    ],
+)
+def test_a_comm_backend_that_cannot_work_stops_run_train_sh_with_one_line_and_status_2(backend, line):
+    result = _run_train({"NGPU": "2", "COMM_BACKEND": backend})
+    lines = (result.stdout + result.stderr).strip().splitlines()
+    assert result.returncode == 2, lines
+    assert len(lines) == 1 and line in lines[0], lines
+
+
+@pytest.mark.slow
+def test_comm_backend_nccl_trains_as_before(tmp_path):
+    result = _run_train(
+        {"NGPU": "1", "COMM_BACKEND": "nccl", "OMP_NUM_THREADS": "1"},
+        "--job.dump_folder", str(tmp_path), "--training.steps", "1", "--training.seq_len", "64",
+        "--training.local_batch_size", "1", "--metrics.disable_color_printing",
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert (tmp_path / "metrics.jsonl").read_text().count('"step": 1') == 1
+
+
 def test_slurm_script_is_valid_bash_and_uses_torchrun_c10d_rendezvous():
     script = REPO / "apps" / "multinode_trainer.slurm"
     subprocess.run(["bash", "-n", str(script)], check=True)

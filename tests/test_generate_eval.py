@@ -10,6 +10,7 @@ on the DCP files must give the same scores and the same generated answers.
 """
 
 import json
+import logging
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -85,11 +86,15 @@ def test_sharded_checkpoint_generates_in_one_process_as_the_unsharded_model(runs
     assert all(len(t) == 32 for t in got) and len({tuple(t) for t in got}) == len(PROMPTS)
 
 
-def test_generate_command_prints_the_text_and_tokens_per_second(runs, capsys):
+def test_generate_command_prints_the_text_and_tokens_per_second(runs, capsys, caplog):
     step = runs / "fsdp" / "checkpoint" / f"step-{STEPS}"
     argv = ["generate", "--checkpoint", str(step), "--device", "cpu", "--prompt", PROMPTS[0], "--prompt",
             PROMPTS[1], "--max-new-tokens", "12", "--no-eos-stop", *MODEL]  # fmt: skip
-    assert run(argv) == 0
+    with caplog.at_level(logging.INFO):
+        assert run(argv) == 0
+    # It names the checkpoint it loads, not "no checkpoint in X" as a run's folder would say.
+    assert f"checkpoint: loading the model weights of {step} (DCP checkpoint)" in caplog.text
+    assert "no checkpoint in" not in caplog.text
     printed = capsys.readouterr().out
     loaded = load_checkpoint_model(_config(), step, device=torch.device("cpu"), max_seq_len=64)
     tok = loaded.tokenizer

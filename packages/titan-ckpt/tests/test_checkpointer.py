@@ -230,6 +230,43 @@ def test_optional_keys_may_be_missing_and_a_state_in_another_format_is_named(
     assert "add 'dataloader' to checkpoint.exclude_from_loading" in str(err.value)
 
 
+class _RenamedPosition:
+    """A progress counter whose key was renamed from `value` to `count`."""
+
+    older_keys = {"count": "value"}
+
+    def __init__(self):
+        self.count = 0
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def test_a_key_saved_under_its_older_name_is_read_under_the_new_one_and_said(
+    tmp_path, single_process_group, toy_run, caplog
+):
+    run = toy_run()
+    run.train(2)
+    Checkpointer(tmp_path, run.states()).save(2)  # its train_state saves {"value": 2}
+    states = {**toy_run(seed=1).states(), "train_state": _RenamedPosition()}
+    with caplog.at_level(logging.INFO):
+        Checkpointer(tmp_path, states).load()
+    assert states["train_state"].count == 2
+    assert (
+        "holds train_state.value, the older name of train_state.count; read as train_state.count"
+        in caplog.text
+    )
+    # A checkpoint with the new name reads it, not the old one.
+    states["train_state"].count = 5
+    Checkpointer(tmp_path / "new", states).save(1)
+    again = {**toy_run(seed=1).states(), "train_state": _RenamedPosition()}
+    Checkpointer(tmp_path / "new", again).load()
+    assert again["train_state"].count == 5
+
+
 def test_seed_checkpoint_loads_model_weights_only(tmp_path, single_process_group, toy_run, same):
     seed_run = toy_run(seed=7)
     Checkpointer(tmp_path, seed_run.states()).save(0, model_only=True)

@@ -63,8 +63,9 @@ def test_lr_schedule_spans_total_steps_when_given():
     for _ in range(10):
         optimizer.step()
         schedule.step()
-    # Linear decay over 100 steps, not 10: step 11 still gets 89% of the peak.
-    assert schedule.get_last_lr()[0] == pytest.approx(config.optimizer.lr * 0.89, rel=1e-6)
+    # Linear decay over 100 steps, not 10 (the peak at step 1, then 1/100 less per step): step 11 still
+    # gets 90% of the peak.
+    assert schedule.get_last_lr()[0] == pytest.approx(config.optimizer.lr * 0.90, rel=1e-6)
 
 
 def test_garbage_is_collected_on_schedule_and_automatic_collection_comes_back():

@@ -144,11 +144,12 @@ def test_a_finished_run_started_with_more_steps_continues_from_its_full_last_sav
                 names[id(param)],
                 kind,
             )
-    # The schedule is this run's: step 7 of 12 (linear decay after 2 warmup steps), not step 7 of 6.
+    # The schedule is this run's: step 7 of 12 (2 warmup steps, the peak through step 3, then a linear
+    # decay over 10 steps: 4/10 of the way down), not step 7 of 6.
     factor = lr_factor(
         7, total_steps=12, warmup_steps=2, decay_ratio=None, decay_type="linear", min_lr_factor=0.0
     )
-    assert factor == 0.5 and extended.optimizers.lr == pytest.approx(3e-3 * factor, rel=1e-12)
+    assert factor == pytest.approx(0.6) and extended.optimizers.lr == pytest.approx(3e-3 * factor, rel=1e-12)
 
     with caplog.at_level(logging.INFO):
         assert len(extended.train()) == 6

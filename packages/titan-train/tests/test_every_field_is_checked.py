@@ -241,7 +241,7 @@ RUNS = [
     (
         "negative_lr_resuming_from_a_checkpoint",
         ("--optimizer.lr", "-1", "--checkpoint.enable"),
-        "config: optimizer.lr must be above 0, got -1.0",
+        "config: optimizer.lr must be at least 0, got -1.0",
     ),
     (
         "validation_longer_than_training",
@@ -296,6 +296,6 @@ def test_titan_train_refuses_at_start_in_one_line_or_runs(name, flags, says, run
 def test_help_shows_what_each_field_accepts(monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")  # one line per option
     text = build_parser().format_help()
-    assert "Peak learning rate (above 0 and at most 1) (default: 0.0008)" in text
+    assert "the weights stay as they are) (at least 0 and at most 1) (default: 0.0008)" in text
     assert "(at least 1 and at most 16777216, or -1) (default: -1)" in text  # training.global_batch_size
     assert "(a folder with tokenizer.model or tokenizer.json, which must exist)" in text

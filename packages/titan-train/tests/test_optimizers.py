@@ -1,10 +1,13 @@
 """PartOptimizers.step_unless: a skipped step leaves no trace, and fused optimizers queue the update before
-the host's verdict."""
+the host's verdict; a run at lr 0 leaves every weight as it was."""
+
+import json
 
 import pytest
 import torch
 from torch import nn
 
+from titan_train.trainer import Trainer
 from titan_train.wiring.lr_schedule import build_lr_scheduler
 from titan_train.wiring.optimizers import PartOptimizers
 
@@ -56,3 +59,18 @@ def test_fused_step_equals_a_plain_step_when_not_skipped():
     reference_optimizers.step()
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_lr_0_trains_without_moving_a_weight(tmp_path, small_config, one_rank):
+    """torch's optimizers and torchtitan accept lr 0 (a run that measures without learning); so does Titan."""
+    trainer = Trainer(small_config(tmp_path, "--optimizer.lr", "0", "--training.steps", "2",
+                                   "--training.local_batch_size", "1"), one_rank)  # fmt: skip
+    before = {k: v.detach().clone() for k, v in trainer.model_parts[0].state_dict().items()}
+    trainer.train()
+    after = trainer.model_parts[0].state_dict()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records] == [0.0, 0.0] and all(r["grad_norm"] > 0 for r in records)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # The steps were taken (AdamW's moments moved): only the size of the update is zero.
+    assert all(float(s["step"]) == 2 for s in trainer.optimizers.optimizers[0].state.values())

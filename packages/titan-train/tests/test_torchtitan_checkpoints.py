@@ -22,6 +22,7 @@ from titan_train.config import load_job_config
 from titan_train.plan import resolve
 from titan_train.registry import register_flavor
 from titan_train.trainer import Trainer
+from titan_train.wiring.lr_schedule import lr_factor
 
 FIXTURE = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "torchtitan"
 FACTS = json.loads((FIXTURE / "facts.json").read_text())
@@ -93,6 +94,13 @@ def test_a_torchtitan_full_checkpoint_resumes_with_its_optimizer_schedule_and_st
     ]
     assert len(differences) == 3 * len(list(model.parameters())) and max(differences) == 0.0
     assert resumed.optimizers.schedules[0].last_epoch == saved[1]["lr_scheduler"]["last_epoch"] == 1
+    # The lr torchtitan's trainer set for step 2 of its run (2 steps, 1 warmup) is the one Titan's schedule
+    # gives for the same settings: the peak (one virtual stable step), not the floor of a 1-step decay.
+    factor = lr_factor(
+        2, total_steps=RUN["steps"], warmup_steps=RUN["warmup_steps"], decay_ratio=None, decay_type="linear",
+        min_lr_factor=0.0,
+    )  # fmt: skip
+    assert RUN["lr"] * factor == saved[1]["lr_scheduler"]["_last_lr"][0] == RUN["lr"]
 
     continued = _trainer(tmp_path, one_rank, "--training.steps", "4", *exclude)
     continued.train()

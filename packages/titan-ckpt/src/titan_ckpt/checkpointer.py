@@ -68,6 +68,11 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+def _holds(saved: set[str], prefix: str) -> bool:
+    """Whether the flattened keys `saved` hold `prefix` (a value, or a dict under it)."""
+    return any(k == prefix or k.startswith(prefix + ".") for k in saved)
+
+
 class Checkpointer:
     """Saves `states` into `folder/step-N` as `saving` says and restores a run at start as `loading` says.
 
@@ -75,7 +80,8 @@ class Checkpointer:
     docstring). The policies (`titan_ckpt.policies`; their defaults where not given) check their own
     values; the Checkpointer checks them against the states. `hf_adapter` is needed only for Hugging
     Face loads and exports. A state may list `optional_keys`: keys of its state dict that a checkpoint
-    may lack (its load_state_dict then gets the dict without them). All ranks must construct the
+    may lack (its load_state_dict then gets the dict without them), and `older_keys`: {key: the name
+    it had in older checkpoints}, read under the old name where a checkpoint holds only that. All ranks must construct the
     Checkpointer and call `load`, `maybe_save` and `close` together. Before each optimizer step, call
     `wait_for_staging`.
     """
@@ -208,16 +214,39 @@ class Checkpointer:
     def _drop_unsaved_optional_keys(self, state: dict[str, Any], names: list[str], saved: set[str]) -> None:
         for name in names:
             for key in getattr(self.states[name], "optional_keys", ()) if name != MODEL else ():
-                prefix = f"{name}.{key}"
-                if key in state[name] and not any(k == prefix or k.startswith(prefix + ".") for k in saved):
+                if key in state[name] and not _holds(saved, f"{name}.{key}"):
                     del state[name][key]
+
+    def _read_older_names(
+        self, state: dict[str, Any], names: list[str], saved: set[str], path: Path
+    ) -> list[tuple[str, str, str]]:
+        """Point each key a checkpoint holds only under its older name at that name; return the renames."""
+        renamed = []
+        for name in names:
+            older = getattr(self.states[name], "older_keys", {}) if name != MODEL else {}
+            for key, old in older.items():
+                if (
+                    key in state[name]
+                    and not _holds(saved, f"{name}.{key}")
+                    and _holds(saved, f"{name}.{old}")
+                ):
+                    state[name][old] = state[name].pop(key)
+                    renamed.append((name, key, old))
+                    if self._rank() == 0:
+                        logger.info(
+                            "checkpoint: %s holds %s.%s, the older name of %s.%s; read as %s.%s",
+                            path, name, old, name, key, name, key,
+                        )  # fmt: skip
+        return renamed
 
     def _load_dcp(self, path: Path, names: Iterable[str]) -> None:
         names = list(names)
         state = self._state_dicts(names)
+        renamed: list[tuple[str, str, str]] = []
         try:
             metadata = read_metadata(path)
             self._drop_unsaved_optional_keys(state, names, saved_keys(metadata))
+            renamed = self._read_older_names(state, names, saved_keys(metadata), path)
             others = [name for name in names if name != MODEL]
             problem = find_problem(path, metadata, flatten_state_dict(state), others)
         except CheckpointError as err:
@@ -227,6 +256,8 @@ class Checkpointer:
             dcp.load(state, checkpoint_id=str(path), process_group=self._group)
         except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure into one
             raise CheckpointError(f"checkpoint: cannot load {path}: {_describe(err)}") from err
+        for name, key, old in renamed:
+            state[name][key] = state[name].pop(old)
         self._apply(state, names)
 
     def _apply(self, state: dict[str, Any], names: list[str]) -> None:

@@ -18,6 +18,7 @@ from titan_ckpt import CheckpointError
 from titan_data import DataError
 from titan_models import ModelError
 from titan_parallel import ParallelConfigError
+from titan_train.comm_backend import apply_comm_backend, check_comm_backend, comm_backend
 from titan_train.config import JobConfig, load_job_config
 from titan_train.config.run_checks import check_run
 from titan_train.distributed import (
@@ -101,6 +102,7 @@ def plan_run(config: JobConfig) -> RunPlan:
     run joins its process group: a mistake costs seconds and is one line (exit status 2)."""
     world_size, device_type = launched_world_size(), "cuda" if torch.cuda.is_available() else "cpu"
     check_run(config, world_size=world_size, device_type=device_type)
+    check_comm_backend(config, device_type)
     return resolve(config, world_size, device_type)
 
 
@@ -118,10 +120,12 @@ def train(argv: list[str], world_size: int | None = None, device: tuple = ("H100
     # Every field and combination is checked here, before any work (see titan_train.config.validate).
     config = load_job_config(argv, check_paths=True)
     if config.comm.mode == "fake_backend":
+        comm_backend()  # a dry run plans for other machines: only the name is checked here
         world_size = world_size or int(os.environ.get("WORLD_SIZE") or os.environ.get("NGPU") or 1)
         dry_run(config, world_size, *device)
         return 0
     plan = plan_run(config)
+    apply_comm_backend(comm_backend())
     c = config.comm
     configure_flight_recorder(
         c.trace_buf_size, Path(config.job.dump_folder) / c.save_traces_folder, c.save_traces_file_prefix

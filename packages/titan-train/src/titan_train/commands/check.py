@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from titan_train.comm_backend import check_comm_backend
 from titan_train.config import load_job_config
 from titan_train.config.run_checks import check_run
 from titan_train.plan import RunPlan, resolve
@@ -22,8 +23,8 @@ logger = logging.getLogger(__name__)
 DESCRIPTION = (
     "Check a config and its parallel layout for N ranks without starting them: every config field, the "
     "degrees against N, the model against the degrees (heads, layers, sequence), the batch, settings "
-    "this machine's device cannot run, and a Hugging Face checkpoint to load against the flavor. A "
-    "problem is one line and exit status 2; a good config exits 0. apps/run_train.sh runs it before "
+    "this machine's device cannot run, COMM_BACKEND, and a Hugging Face checkpoint to load against the "
+    "flavor. A problem is one line and exit status 2; a good config exits 0. apps/run_train.sh runs it before "
     "torchrun; in another launch script (SLURM, say) run it once before the launcher with N = nodes * "
     "GPUs per node. Other flags are config overrides."
 )
@@ -33,6 +34,7 @@ def check_launch(config, world_size: int) -> RunPlan:
     """The plan of `world_size` ranks, or the user error (one line) that would stop them at start."""
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     check_run(config, world_size=world_size, device_type=device_type)
+    check_comm_backend(config, device_type)
     return resolve(config, world_size, device_type)
 
 

@@ -147,7 +147,11 @@ def load_checkpoint_model(
         loading=LoadPolicy(initial_load_path=path, initial_load_in_hf=fmt == "hf"),
         hf_adapter=hf_adapter_for(family, args) if fmt == "hf" else None,
     )
-    checkpointer.load()
+    # The folder is the checkpoint itself, not a run's folder of step-N checkpoints: say what is loaded
+    # instead of the run's "no checkpoint in X; loading initial weights from X".
+    plan = checkpointer.plan_load()
+    what = "Hugging Face safetensors" if fmt == "hf" else "DCP checkpoint"
+    checkpointer.load(replace(plan, message=f"loading the model weights of {path} ({what})"))
     checkpointer.close()
     with torch.no_grad():  # parameters only: buffers (the rotary table) stay complex float32, as in training
         for param in model.parameters():

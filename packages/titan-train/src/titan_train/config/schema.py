@@ -97,7 +97,9 @@ class Model:
 @dataclass
 class Optimizer:
     name: str = opt("AdamW", "Optimizer", choices=("Adam", "AdamW"))
-    lr: float = opt(8e-4, "Peak learning rate", above=0, maximum=1.0)
+    lr: float = opt(
+        8e-4, "Peak learning rate (0 trains nothing: the weights stay as they are)", minimum=0, maximum=1.0
+    )
     beta1: float = opt(0.9, "Adam beta1", minimum=0, below=1)
     beta2: float = opt(0.95, "Adam beta2", minimum=0, below=1)
     eps: float = opt(1e-8, "Adam epsilon", above=0, maximum=1.0)
