@@ -123,13 +123,14 @@ class C4HubServer:
                     return self.send_error(404, "Entry not found")
                 if name in hub.corrupt:
                     data = data[:100] + bytes([data[100] ^ 0xFF]) + data[101:]
-                start = 0
+                start, end = 0, len(data)
                 requested = self.headers.get("Range", "")
                 if requested.startswith("bytes=") and not hub.ignore_range:
-                    start = int(requested[6:].split("-")[0])
+                    first, last = requested[6:].split("-")
+                    start, end = int(first), min(end, int(last) + 1) if last else end
                     if start >= len(data):
                         return self.send_error(416)
-                body = data[start:]
+                body = data[start:end]
                 self.send_response(206 if start or (requested and not hub.ignore_range) else 200)
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Accept-Ranges", "bytes")
