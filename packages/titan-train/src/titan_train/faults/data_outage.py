@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch.distributed as dist
+
 from titan_data import SourceUnavailable
 from titan_train.faults.exit_status import EarlyStop, Preempted
 
@@ -30,7 +32,8 @@ def stop_on_data_outage(step: int, checkpointer: Any | None, loader: Any | None 
     """Around the work of step `step + 1` (`loader` given: the training step, whose batches it rewinds) or
     after step `step` (validation): on `SourceUnavailable`, save step `step` and raise DataUnavailable.
 
-    The loader's state is copied on entry, a few small pickled entries per step.
+    The loader's state is copied on entry, a few small pickled entries per step. With several ranks
+    nothing is saved (see `_save_and_stop`).
     """
     at_start = loader.state_dict() if loader is not None else None
     try:
@@ -42,8 +45,15 @@ def stop_on_data_outage(step: int, checkpointer: Any | None, loader: Any | None 
 
 
 def _save_and_stop(step: int, why: str, checkpointer: Any | None) -> DataUnavailable:
-    if checkpointer is None or checkpointer.saving.load_only or step == 0:
-        reason = {True: "nothing was trained yet", False: "checkpointing is off"}[step == 0]
+    # The save is collective, and the other ranks, whose sources still answer, are inside the next step:
+    # a save would wait for them forever. This rank stops alone; the peer watch stops the others.
+    alone = dist.is_initialized() and dist.get_world_size() > 1
+    if checkpointer is None or checkpointer.saving.load_only or step == 0 or alone:
+        reason = (
+            "nothing was trained yet" if step == 0
+            else "the other ranks are inside the next step; the newest checkpoint is the last interval save"
+            if alone else "checkpointing is off"
+        )  # fmt: skip
         return DataUnavailable(
             f"data unavailable: {why}; stopped after step {step} without saving ({reason}); run the same "
             "command again once the source answers"
