@@ -9,16 +9,28 @@ exist without writing 1,024 files. It stops by itself after `max_requests` or `l
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
+import socket
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 PREFIX = "/datasets/allenai/c4/resolve/main/"
 TREE = "/api/datasets/allenai/c4/tree/main/en"
 SPLIT_FILES = {"train": 1024, "validation": 8}
+
+
+@contextlib.contextmanager
+def unreachable_endpoint() -> Iterator[str]:
+    """An HF_ENDPOINT on 127.0.0.1 that refuses every connection: a port held bound but never listening,
+    so no server started meanwhile can take it."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{held.getsockname()[1]}"
 
 
 def c4_file_bytes(texts: list[str], split: str, index: int, docs_per_file: int) -> bytes:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from c4_hub_server import C4HubServer
+from c4_hub_server import C4HubServer, unreachable_endpoint
 
 from titan_data import (
     DataError,
@@ -135,16 +135,15 @@ def test_a_source_that_stays_down_raises_source_unavailable_after_its_retries(
     assert len(hub.requests) == 1 + 3 + 1  # file 0, its three retries; stream 1's file 1 got nothing either
 
 
-def test_an_unreachable_hub_is_one_line_naming_the_dataset_and_the_fixes(corpus, online, tmp_path):
-    with C4HubServer(corpus) as hub:
-        online.setenv("HF_ENDPOINT", hub.url)
-    # the server is gone: nothing listens on its port
-    for name in ("c4", "c4_validation"):
-        with pytest.raises(DataError) as err:
-            check_dataset(name)
-        message = str(err.value)
-        assert "\n" not in message and f"'{name}' streams allenai/c4 from {hub.url}" in message
-        assert f"titan-data prepare {name} --output DIR" in message and "HF_DATASETS_OFFLINE=1" in message
+def test_an_unreachable_hub_is_one_line_naming_the_dataset_and_the_fixes(online, tmp_path):
+    with unreachable_endpoint() as url:
+        online.setenv("HF_ENDPOINT", url)
+        for name in ("c4", "c4_validation"):
+            with pytest.raises(DataError) as err:
+                check_dataset(name)
+            message = str(err.value)
+            assert "\n" not in message and f"'{name}' streams allenai/c4 from {url}, but" in message
+            assert f"titan-data prepare {name} --output DIR" in message and "HF_DATASETS_OFFLINE=1" in message
 
     online.setenv("HF_HUB_OFFLINE", "1")
     online.setenv("HF_HUB_CACHE", str(tmp_path / "empty_cache"))
