@@ -198,7 +198,9 @@ class HttpJsonLinesSource(TextSource):
         """Ask for the first byte of the first file (a few quick tries): a source that cannot be
         reached is found at start, not at the first batch."""
         quick = RetryPolicy(
-            attempts=min(self.policy.attempts, 2), backoff_s=0.5, timeout_s=min(self.policy.timeout_s, 20)
+            attempts=min(self.policy.attempts, 2),
+            backoff_s=min(self.policy.backoff_s, 0.5),
+            timeout_s=min(self.policy.timeout_s, 20),
         )
         request = urllib.request.Request(self.urls[0], headers={"Range": "bytes=0-0"})
         for attempt in range(quick.attempts + 1):
