@@ -77,8 +77,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
+    source = _source(args)
+    source.check()  # a hub that does not answer: one line now, not a stop at the first document
     index = tokenize_to_shards(
-        _source(args), args.tokenizer, args.output, workers=args.workers,
+        source, args.tokenizer, args.output, workers=args.workers,
         documents_per_shard=args.documents_per_shard, progress=not args.quiet,
     )  # fmt: skip
     print(f"{args.output}: {index.num_documents:,} documents, {index.num_tokens:,} tokens ({index.dtype})")
