@@ -5,10 +5,10 @@ from itertools import islice
 
 import pytest
 import torch
+
 from titan_ckpt import Checkpointer
 from titan_data import IterableSource, PackedTokenDataset, SourceUnavailable, TokenLoader, build_tokenizer
 from titan_data.datasets.registry import ASSETS
-
 from titan_train.faults.data_outage import DataUnavailable, stop_on_data_outage
 
 SEQ, BATCH = 16, 4  # 17-token windows, 68 tokens a batch
