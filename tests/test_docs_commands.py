@@ -23,7 +23,8 @@ it:
   `--help` is printed. So are `titan-train generate` and `eval`, which read the checkpoint of a
   finished run (and eval downloads its tasks).
 - network or environment changes: `uv pip install X` and `uv sync ...` run with `--dry-run` (sync also
-  `--locked`); `apps/gpu/fetch_wheels.sh` must be valid bash and find its wheel list.
+  `--locked`); `apps/gpu/fetch_wheels.sh` must be valid bash and find its wheel list; `titan-data
+  prepare` (a download from the hub) prints its `--help`.
 - test commands (`uv run pytest`, with or without paths and markers): the full suite is not re-run
   inside itself; a test command's paths must exist under the configured test paths and its markers
   must be declared.
@@ -257,6 +258,8 @@ def classify(command: Command) -> Plan | None:
         )  # a finished run's checkpoint; eval downloads tasks
     if argv[:1] == ["titan-train"]:
         return Plan("titan-train", argv[1:], env)
+    if argv[:2] == ["titan-data", "prepare"]:
+        return Plan("titan-data", ["prepare", "--help"], env)  # downloads from the hub
     if argv[:1] == ["titan-data"]:
         return Plan("titan-data", argv[1:], env)
     if argv[:1] == ["torchrun"]:

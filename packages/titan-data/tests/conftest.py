@@ -3,6 +3,7 @@
 import gzip
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 # Nothing in these tests may reach the network: the Hugging Face libraries must fail rather than download.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+# Helper modules beside the tests (the loopback hub server) import by name under --import-mode=importlib.
+sys.path.insert(0, str(Path(__file__).parent))
 
 from titan_data import build_tokenizer  # noqa: E402
 from titan_data.datasets.registry import ASSETS  # noqa: E402

@@ -105,7 +105,7 @@ def test_c4_read_from_a_local_copy_laid_out_as_on_the_hub(c4_folder, c4_texts):
     assert list(source.shard(4, 1).read()) == by_file[1] + by_file[5] + by_file[9]
 
 
-def test_c4_resumes_from_the_streamed_dataset_state(c4_folder):
+def test_c4_resumes_from_a_saved_position_past_a_file_end(c4_folder):
     source = get_source("c4", c4_folder).shard(3, 2)
     everything = list(source.read())
     reader = source.open()
@@ -120,7 +120,9 @@ def test_c4_validation_reads_the_validation_files(tmp_path, write_c4_layout):
 
 
 def test_c4_folder_without_hub_files_says_what_it_expected(tmp_path):
-    with pytest.raises(DataError, match=r"like .*en/c4-train.00000-of-01024.json.gz\); found none"):
+    with pytest.raises(
+        DataError, match=r"expected .*en/c4-train.00000-of-01024.json.gz and the like\); on a node"
+    ):
         get_source("c4", tmp_path)
 
 

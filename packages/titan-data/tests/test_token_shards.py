@@ -117,22 +117,20 @@ def test_an_interrupted_run_continues_to_the_same_shards(tmp_path, corpus, capsy
     assert _files(out) == _files(whole)
 
 
-def test_streamed_c4_continues_from_the_dataset_state_saved_in_the_index(
-    tmp_path, c4_folder, c4_texts, llama3_tokenizer
-):
+def test_c4_continues_from_the_position_saved_in_the_index(tmp_path, c4_folder, c4_texts, llama3_tokenizer):
     whole = tmp_path / "whole"
     tokenize_to_shards(get_source("c4", c4_folder), TOKENIZER, whole, documents_per_shard=50, progress=False)
     # the files as on the hub hold documents f, f + 12, ... in file f
     in_file_order = [t for f in range(12) for t in c4_texts[f::12]]
     assert _documents(whole) == [llama3_tokenizer.encode(t, bos=True, eos=True) for t in in_file_order]
-    # a run stopped after two shards: its index lists them, with the streamed dataset's state after each
+    # a run stopped after two shards: its index lists them, with the source position after each
     stopped = tmp_path / "stopped"
     stopped.mkdir()
     index = ShardIndex.load(whole)
     for entry in index.shards[:2]:
         for suffix in (".bin", ".idx"):
             (stopped / f"{entry.name}{suffix}").write_bytes((whole / f"{entry.name}{suffix}").read_bytes())
-    assert isinstance(index.shards[1].resume, dict)  # datasets' own state_dict, stored as JSON
+    assert index.shards[1].resume == [4, 12477]  # (file, decompressed byte offset), stored as JSON
     index.shards, index.complete = index.shards[:2], False
     index.save(stopped)
     tokenize_to_shards(

@@ -17,13 +17,16 @@ _HOME = {
     "IterableSource": "titan_data.datasets.sources",
     "MemmapTokenDataset": "titan_data.datasets.memmap",
     "PackedTokenDataset": "titan_data.datasets.packed",
+    "RetryPolicy": "titan_data.datasets.http_files",
     "ShardIndex": "titan_data.shards.index",
+    "SourceUnavailable": "titan_data.errors",
     "StreamLayout": "titan_data.datasets.windows",
     "TextSource": "titan_data.datasets.sources",
     "TokenLoader": "titan_data.loader",
     "Tokenizer": "titan_data.tokenizers.base",
     "build_dataset": "titan_data.datasets.build",
     "build_tokenizer": "titan_data.tokenizers.build",
+    "check_dataset": "titan_data.datasets.registry",
     "get_source": "titan_data.datasets.registry",
     "register_dataset": "titan_data.datasets.registry",
     "tokenize_to_shards": "titan_data.shards.tokenize_job",
@@ -37,13 +40,16 @@ __all__ = [
     "IterableSource",
     "MemmapTokenDataset",
     "PackedTokenDataset",
+    "RetryPolicy",
     "ShardIndex",
+    "SourceUnavailable",
     "StreamLayout",
     "TextSource",
     "TokenLoader",
     "Tokenizer",
     "build_dataset",
     "build_tokenizer",
+    "check_dataset",
     "get_source",
     "register_dataset",
     "tokenize_to_shards",
@@ -61,12 +67,13 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from titan_data.datasets.build import build_dataset
     from titan_data.datasets.file_formats import FileSource
+    from titan_data.datasets.http_files import RetryPolicy
     from titan_data.datasets.memmap import MemmapTokenDataset
     from titan_data.datasets.packed import PackedTokenDataset
-    from titan_data.datasets.registry import DATASETS, get_source, register_dataset
+    from titan_data.datasets.registry import DATASETS, check_dataset, get_source, register_dataset
     from titan_data.datasets.sources import DocumentReader, IterableSource, TextSource
     from titan_data.datasets.windows import StreamLayout
-    from titan_data.errors import DataError
+    from titan_data.errors import DataError, SourceUnavailable
     from titan_data.loader import TokenLoader
     from titan_data.shards.index import ShardIndex
     from titan_data.shards.tokenize_job import tokenize_to_shards

@@ -18,6 +18,7 @@ from titan_ckpt import ModelState, OptimizerState
 from titan_parallel import clip_grad_norm_, precompute_float8_scales, training_context
 from titan_train.config import config_to_dict
 from titan_train.distributed import DistInfo
+from titan_train.faults.data_outage import stop_on_data_outage
 from titan_train.faults.step_guard import AgreedNumbers, StepGuard, StepNumbers
 from titan_train.plan import RunPlan
 from titan_train.reporting.device_peaks import peak_flops
@@ -323,7 +324,8 @@ class Trainer:
             )  # preemption signals: stop after the current step, with a checkpoint
             while self.state.step < c.training.steps:
                 self.guard.begin_step(self.state.step + 1)
-                step = self.train_step(batches)
+                with stop_on_data_outage(self.state.step, self.checkpointer, self.loader):
+                    step = self.train_step(batches)
                 self.state.step += 1
                 self.state.tokens_seen += step.tokens * self.dims.dp_degree
                 window.steps += 1
@@ -333,7 +335,10 @@ class Trainer:
                     losses.append(self._log(step.numbers.read(), window))
                     window = _Window()
                 if self.validator is not None and self.validator.should_validate(self.state.step):
-                    self.metrics.log_validation(self.state.step, *self.validator.validate(self.model_parts))
+                    with stop_on_data_outage(self.state.step, self.checkpointer):
+                        self.metrics.log_validation(
+                            self.state.step, *self.validator.validate(self.model_parts)
+                        )
                 last_step = self.state.step == c.training.steps
                 if self.checkpointer is not None:
                     self.checkpointer.maybe_save(self.state.step, last_step=last_step)

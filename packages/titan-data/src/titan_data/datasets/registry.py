@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from titan_data.datasets.c4 import c4_source
 from titan_data.datasets.file_formats import FileSource
-from titan_data.datasets.hub_stream import c4_source
 from titan_data.datasets.sources import TextSource
 from titan_data.errors import DataError
 
@@ -37,11 +37,11 @@ def _local(
 
 DATASETS: dict[str, DatasetEntry] = {
     "c4": DatasetEntry(
-        "C4 English train split (allenai/c4), streamed; dataset_path: a local copy laid out as on the hub",
+        "C4 English train split (allenai/c4), streamed from the hub; dataset_path: a copy `titan-data prepare` wrote",
         partial(c4_source, "c4", "train"),
     ),
     "c4_validation": DatasetEntry(
-        "C4 English validation split, streamed; dataset_path: a local copy laid out as on the hub",
+        "C4 English validation split, streamed; dataset_path: a copy `titan-data prepare c4_validation` wrote",
         partial(c4_source, "c4_validation", "validation"),
     ),
     "c4_test": DatasetEntry(
@@ -86,3 +86,13 @@ def get_source(name: str, path: str | Path | None = None) -> TextSource:
     if entry.open_source is None:
         raise DataError(f"dataset: '{name}' holds tokens, not text; build it with build_dataset()")
     return entry.open_source(path)
+
+
+def check_dataset(name: str, path: str | Path | None = None) -> None:
+    """Raise DataError, with the fix, unless dataset `name` can be read from `path` now: its files
+    exist, or its remote source answers. A trainer calls it before any work."""
+    if DATASETS.get(name) is not None and DATASETS[name].open_source is None:
+        if path is None:
+            raise DataError(f"dataset: '{name}' needs dataset_path: the folder `titan-data tokenize` wrote")
+        return  # local shards: opening them (build_dataset) checks the folder and says what is wrong
+    get_source(name, path).check()

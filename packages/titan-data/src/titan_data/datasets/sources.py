@@ -71,6 +71,11 @@ class TextSource(ABC):
         """Every document from the first."""
         return self.open(None)
 
+    def check(self) -> None:
+        """Raise DataError, naming the fix, when the source cannot be read (a remote one that does not
+        answer); cheap, so a run calls it at start. Local sources check their files when made."""
+        return None  # nothing to ask: a local source found its files when it was made
+
 
 class IterableSource(TextSource):
     """A source over any re-iterable collection of texts (a user's own reader); one shard.

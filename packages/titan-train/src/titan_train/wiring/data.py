@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from titan_data import StreamLayout, Tokenizer, TokenLoader, build_dataset, build_tokenizer
+from titan_data import StreamLayout, Tokenizer, TokenLoader, build_dataset, build_tokenizer, check_dataset
 from titan_train.config.schema import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -20,6 +20,12 @@ def build_tokenizer_for(config: JobConfig) -> Tokenizer:
 
 
 def build_loader(config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> TokenLoader:
+    """The training loader, after checking that the training and (if enabled) validation data can be read
+    now: a hub that does not answer or a dataset_path without the files stops the run here, in one line,
+    rather than at the first batch or the first validation."""
+    check_dataset(config.training.dataset, config.training.dataset_path)
+    if config.validation.enable:
+        check_dataset(config.validation.dataset, config.validation.dataset_path)
     return _token_loader(config.training, tokenizer, dp_rank, dp_degree, infinite=True)
 
 

@@ -1,0 +1,156 @@
+"""titan-train on C4 from a loopback stand-in for the hub: an unreachable hub or an empty dataset_path is
+one line and exit 2 at start; dropped connections change nothing in the losses; a hub that stays down
+ends the run with a checkpoint of the last completed step and the retryable exit status 3, and the
+rerun continues exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fault_runs import REPO, cli_args, start_forked  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location(
+    "c4_hub_server", REPO / "packages" / "titan-data" / "tests" / "c4_hub_server.py"
+)
+c4_hub_server = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(c4_hub_server)
+C4HubServer = c4_hub_server.C4HubServer
+unreachable_endpoint = c4_hub_server.unreachable_endpoint
+
+CORPUS = REPO / "packages" / "titan-data" / "src" / "titan_data" / "assets" / "c4_test" / "c4_test.jsonl"
+TEXTS = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()]
+DOCS_PER_FILE = 4  # about 800 tokens a file: a few steps of 2 x 65 tokens each
+FIRST = "en/c4-train.00000-of-01024.json.gz"
+SECOND = "en/c4-train.00001-of-01024.json.gz"
+STEPS = 12
+
+
+def _env(endpoint: str) -> dict[str, str]:
+    return {"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "PYTHONUNBUFFERED": "1",
+            "TITAN_DATA_HTTP_ATTEMPTS": "2", "TITAN_DATA_HTTP_BACKOFF_S": "0.05", "TITAN_DATA_HTTP_TIMEOUT_S": "10"}  # fmt: skip
+
+
+def _run_all(runs: dict[str, tuple[list[str], dict[str, str]]], logs: Path) -> dict[str, tuple[int, str]]:
+    """Each run, all at once, in its own forked titan-train process: (exit status, output) by name."""
+    logs.mkdir(parents=True, exist_ok=True)
+    processes = {name: start_forked(argv, env, logs / f"{name}.log") for name, (argv, env) in runs.items()}
+    for process in processes.values():
+        process.join(timeout=300)
+    for process in processes.values():
+        if process.exitcode is None:
+            process.kill()
+    return {name: (p.exitcode, (logs / f"{name}.log").read_text()) for name, p in processes.items()}
+
+
+def _losses(dump: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.mark.slow
+def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
+    """One launch of six runs, then two: three that cannot reach their data (exit 2, one line); one
+    undisturbed, one through dropped connections (the same losses), one whose hub goes down for good
+    (a checkpoint and exit 3); then the rerun of that one (the same losses again) and a run from a
+    copy `titan-data prepare` wrote (trains)."""
+    from titan_data.cli import main as titan_data
+
+    ckpt = ("--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "100")
+    validation = ("--validation.enable", "--validation.freq", "2", "--validation.steps", "1")
+    (tmp_path / "empty").mkdir()
+    with (
+        unreachable_endpoint() as gone,
+        C4HubServer(TEXTS, docs_per_file=DOCS_PER_FILE) as steady,
+        C4HubServer(TEXTS, docs_per_file=DOCS_PER_FILE) as flaky,
+        C4HubServer(TEXTS, docs_per_file=DOCS_PER_FILE) as failing,
+    ):
+        dead = _env(gone)
+        for name in (FIRST, SECOND, "en/c4-train.00002-of-01024.json.gz"):
+            size = len(flaky.file(name))
+            flaky.cut[name] = [size // 4, size // 3, size // 5]  # three drops inside each file
+        failing.down_after_bytes = len(failing.file(FIRST)) + len(failing.file(SECOND)) // 2
+        runs = {
+            name: (cli_args(tmp_path / name, "--training.dataset", "c4", *ckpt), _env(hub.url))
+            for name, hub in (("steady", steady), ("flaky", flaky), ("failing", failing))
+        }
+        runs["c4"] = (cli_args(tmp_path / "a", "--training.dataset", "c4"), dead)
+        runs["c4_validation"] = (
+            cli_args(tmp_path / "b", *validation, "--validation.dataset", "c4_validation"),
+            dead,
+        )
+        runs["empty_path"] = (
+            cli_args(
+                tmp_path / "c", "--training.dataset", "c4", "--training.dataset_path", str(tmp_path / "empty")
+            ),
+            dead,
+        )
+        results = _run_all(runs, tmp_path / "logs")
+        done = max(_losses(tmp_path / "failing"))
+        with C4HubServer(TEXTS, docs_per_file=DOCS_PER_FILE, listed={"train": 2, "validation": 1}) as back:
+            monkeypatch.setenv("HF_ENDPOINT", back.url)
+            for dataset, shards in (("c4", "2"), ("c4_validation", "1")):
+                assert (
+                    titan_data(
+                        [
+                            "prepare",
+                            dataset,
+                            "--output",
+                            str(tmp_path / "copy"),
+                            "--shards",
+                            shards,
+                            "--quiet",
+                        ]
+                    )
+                    == 0
+                )
+            copy = (
+                "--training.dataset_path",
+                str(tmp_path / "copy"),
+                "--validation.dataset_path",
+                str(tmp_path / "copy"),
+            )
+            later = {
+                "rerun": (runs["failing"][0], _env(back.url)),  # the hub answers again, at another address
+                "prepared": (cli_args(tmp_path / "d", "--training.dataset", "c4", "--training.steps", "2", *validation,
+                                      "--validation.dataset", "c4_validation", *copy), dead),
+            }  # fmt: skip
+            results.update(_run_all(later, tmp_path / "logs_later"))
+
+    says = {
+        "c4": f"dataset: 'c4' streams allenai/c4 from {gone}, but",
+        "c4_validation": f"dataset: 'c4_validation' streams allenai/c4 from {gone}, but",
+        "empty_path": "dataset: 'c4' found no C4 files under",
+    }
+    for name, fragment in says.items():
+        status, output = results[name]
+        errors = [line for line in output.splitlines() if "ERROR" in line]
+        assert status == 2 and "Traceback" not in output, output[-3000:]
+        assert len(errors) == 1 and fragment in errors[0], output[-3000:]
+        assert "titan-data prepare" in errors[0] and "HF_DATASETS_OFFLINE=1" in errors[0]
+        assert name == "empty_path" or "Connection refused" in errors[0]
+    status, output = results["prepared"]
+    assert status == 0, output[-3000:]
+    assert set(_losses(tmp_path / "d")) == {1, 2}
+
+    for name in ("steady", "flaky"):
+        assert results[name][0] == 0, results[name][1][-3000:]
+    resumed = sum(1 for _, r in flaky.requests if r)
+    assert resumed >= 6  # the drops happened, each resumed with a Range request
+    reference = _losses(tmp_path / "steady")
+    assert set(reference) == set(range(1, STEPS + 1))
+    assert _losses(tmp_path / "flaky") == reference
+
+    status, output = results["failing"]
+    stops = [line for line in output.splitlines() if "data unavailable:" in line]
+    assert status == 3 and "Traceback" not in output, output[-3000:]
+    assert len(stops) == 1 and "stopped answering" in stops[0] and "run the same command again" in stops[0]
+    assert 0 < done < STEPS and f"finished step {done} and saved" in stops[0]
+    assert (tmp_path / "failing" / "checkpoint" / f"step-{done}").is_dir()
+    assert results["rerun"][0] == 0, results["rerun"][1][-3000:]
+    assert _losses(tmp_path / "failing") == reference  # the rerun resumed at the step after, on the same data
