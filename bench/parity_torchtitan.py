@@ -1,0 +1,252 @@
+"""Titan against torchtitan 0.2.2 itself, step by step: the same weights, data and settings, in fp32 on CPU.
+
+torchtitan 0.2.2 and the workspace's torch are installed into their own environment (bench/.torchtitan-
+0.2.2-env, ignored by git; never a dependency of the workspace). torchtitan writes a seed checkpoint on
+one rank (`--checkpoint.create_seed_checkpoint`); both trainers start from it (`checkpoint.
+initial_load_path`) and train the llama3 debugmodel for `--steps` steps on the repository's bundled
+tokenizer and c4_test documents, in each layout: one process, FSDP on 2 ranks, TP on 2 ranks. The table
+gives both trainers' loss, grad_norm and lr per step and the largest relative difference.
+
+    uv run python bench/parity_torchtitan.py                     # constant lr: the schedules agree
+    uv run python bench/parity_torchtitan.py --schedule wsd      # warmup and decay: where they differ
+
+torchtitan runs through bench/torchtitan_cpu_launch.py, whose shims (listed in the output) let it run
+on a CPU. Data: torchtitan gives each of 2 data-parallel ranks a contiguous half of the documents; Titan
+deals document i to rank i % 2. For FSDP, Titan reads a copy of the documents with the two halves
+interleaved, so each rank of both trainers reads the same documents in the same order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHTITAN_VERSION = "0.2.2"
+TORCHTITAN_ENV = REPO / "bench" / f".torchtitan-{TORCHTITAN_VERSION}-env"
+LAUNCHER = REPO / "bench" / "torchtitan_cpu_launch.py"
+ASSETS = REPO / "packages" / "titan-data" / "src" / "titan_data" / "assets"
+TARGET = 1e-4
+
+# Layout name: (ranks, flags both trainers take; they share torchtitan's config schema).
+LAYOUTS = {
+    "1 process": (1, []),
+    "FSDP 2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "TP 2": (
+        2,
+        ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
+    ),
+}
+# constant: no warmup, no decay, so both schedules give the peak lr at every step.
+# wsd: warmup and linear decay, where Titan's schedule and torchtitan's differ (see docs/migrating-...).
+SCHEDULES = {"constant": ("0", "0"), "wsd": ("4", "0.5")}
+
+
+def ensure_torchtitan_env() -> str:
+    """Python of the separate environment holding torchtitan 0.2.2 and this workspace's torch."""
+    python = TORCHTITAN_ENV / "bin" / "python"
+    if not python.exists():
+        uv = shutil.which("uv")
+        if uv is None:
+            raise SystemExit("uv is needed to build torchtitan's environment: pip install uv")
+        subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(TORCHTITAN_ENV)], check=True)
+        torch_version = _torch_version().split("+")[0]
+        subprocess.run(
+            [uv, "pip", "install", "-q", "--python", str(python),
+             f"torchtitan=={TORCHTITAN_VERSION}", f"torch=={torch_version}"],
+            check=True,
+        )  # fmt: skip
+    return str(python)
+
+
+# torch and titan_train are imported where they are used: the pure helpers below are unit-tested
+# (tests/test_bench_parity_helpers.py) without paying for torch's import.
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def torchrun_command(*target: str, nproc: int, python: str = sys.executable) -> list[str]:
+    """Titan's torchrun command line (titan_train.torchrun), for `nproc` ranks of this machine."""
+    from titan_train.torchrun import torchrun_command as command
+
+    return command(*target, nproc=nproc, python=python)
+
+
+def interleave_contiguous_parts(lines: list[str], parts: int) -> list[str]:
+    """Reorder `lines` so dealing line i to part i % parts gives part r the r-th contiguous block, as
+    torchtitan's `split_dataset_by_node` does; the blocks must be equal (else the deal shifts)."""
+    if len(lines) % parts:
+        raise ValueError(f"{len(lines)} documents do not split into {parts} equal parts")
+    size = len(lines) // parts
+    return [lines[r * size + j] for j in range(size) for r in range(parts)]
+
+
+def shim_summaries(launcher: Path = LAUNCHER) -> list[tuple[str, str]]:
+    """(name, first sentence of its docstring) of every `shim_*` function in the launcher, in file order."""
+    tree = ast.parse(launcher.read_text())
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("shim_"):
+            doc = " ".join((ast.get_docstring(node) or "").split())
+            out.append((node.name, doc.split(": ")[0].split(". ")[0].rstrip(".")))
+    return out
+
+
+def relative_difference(a: float, b: float) -> float:
+    """|a - b| / |a|, with a the reference (torchtitan); 0 when both are 0."""
+    return abs(a - b) / abs(a) if a else float(a != b)
+
+
+def read_records(path: Path) -> list[dict]:
+    """One dict per line of a JSON-lines file (torchtitan's records or Titan's metrics.jsonl)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _run(command: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    with open(log, "w") as out:
+        proc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise SystemExit(f"{' '.join(command[:6])} ... failed ({proc.returncode}); {log}:\n{tail}")
+
+
+def _common_flags(args, corpus: Path) -> list[str]:
+    warmup, decay = SCHEDULES[args.schedule]
+    return [
+        "--model.name", "llama3", "--model.flavor", "debugmodel",
+        "--training.dataset", "c4_test", "--training.dataset_path", str(corpus),
+        "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
+        "--training.steps", str(args.steps), "--training.local_batch_size", str(args.batch),
+        "--training.seq_len", str(args.seq_len), "--lr_scheduler.warmup_steps", warmup,
+        "--lr_scheduler.decay_ratio", decay, "--metrics.log_freq", "1",
+    ]  # fmt: skip
+
+
+def _torchtitan_env(work: Path, records: Path | None, float32_norm: bool) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_CACHE=str(work / "hf_cache"))
+    env.pop("PARITY_RECORDS", None)
+    if records is not None:
+        env["PARITY_RECORDS"] = str(records)
+    if float32_norm:
+        env["PARITY_FLOAT32_NORM"] = "1"
+    return env
+
+
+def run_layout(args, python: str, work: Path, seed: Path, name: str) -> tuple[list[dict], list[dict]]:
+    """torchtitan's and Titan's records of `args.steps` steps of layout `name`, both from `seed`."""
+    nproc, layout = LAYOUTS[name]
+    tag = name.replace(" ", "_").lower()
+    records = work / f"{tag}-torchtitan.jsonl"
+    torchtitan = [
+        *torchrun_command(str(LAUNCHER), nproc=nproc, python=python), *_common_flags(args, work / "corpus"),
+        *layout, "--model.hf_assets_path", str(ASSETS / "tokenizer"), "--job.dump_folder", str(work / tag),
+        "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
+        "--checkpoint.folder", str(work / tag / "checkpoint"), "--checkpoint.interval", "100000",
+    ]  # fmt: skip
+    _run(torchtitan, work / f"{tag}-torchtitan.log", _torchtitan_env(work, records, args.float32_norm))
+    # Titan deals documents round robin over its data-parallel ranks; see the module docstring.
+    corpus = work / ("corpus_interleaved" if name.startswith("FSDP") else "corpus")
+    titan_dump = work / f"{tag}-titan"
+    titan = [
+        *torchrun_command("-m", "titan_train.cli", nproc=nproc), *_common_flags(args, corpus), *layout,
+        "--job.dump_folder", str(titan_dump), "--checkpoint.enable", "true", "--checkpoint.load_only", "true",
+        "--checkpoint.initial_load_path", str(seed),
+    ]  # fmt: skip
+    _run(titan, work / f"{tag}-titan.log", dict(os.environ, OMP_NUM_THREADS="1"))
+    return read_records(records), read_records(titan_dump / "metrics.jsonl")
+
+
+def write_corpora(work: Path) -> None:
+    """The c4_test documents as torchtitan reads them (`datasets` takes a file named *test* for the
+    test split, so the copy is renamed), and interleaved by halves for Titan's FSDP run."""
+    lines = (ASSETS / "c4_test" / "c4_test.jsonl").read_text().splitlines(keepends=True)
+    for folder, ordered in (("corpus", lines), ("corpus_interleaved", interleave_contiguous_parts(lines, 2))):
+        (work / folder).mkdir()
+        (work / folder / "documents.jsonl").write_text("".join(ordered))
+
+
+def print_layout(name: str, theirs: list[dict], ours: list[dict]) -> tuple[float, float, float]:
+    """Print one layout's steps; return the largest relative differences of loss, grad_norm and lr."""
+    print(f"\n### {name}\n")
+    print("| step | loss torchtitan | loss Titan | rel | grad_norm torchtitan | grad_norm Titan | rel "
+          "| lr torchtitan | lr Titan |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    worst = [0.0, 0.0, 0.0]
+    for a, b in zip(theirs, ours, strict=False):
+        rel = [relative_difference(a[k], b[k]) for k in ("loss", "grad_norm", "lr")]
+        worst = [max(w, r) for w, r in zip(worst, rel, strict=True)]
+        print(f"| {a['step']} | {a['loss']:.6f} | {b['loss']:.6f} | {rel[0]:.1e} | {a['grad_norm']:.6f} "
+              f"| {b['grad_norm']:.6f} | {rel[1]:.1e} | {a['lr']:.3e} | {b['lr']:.3e} |")  # fmt: skip
+    if len(theirs) != len(ours):
+        print(f"(torchtitan logged {len(theirs)} steps, Titan {len(ours)})")
+    return worst[0], worst[1], worst[2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="constant")
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--float32-norm", action="store_true",
+                        help="leave out shim_grad_norm_float64: torchtitan's own float32 CPU grad norm")  # fmt: skip
+    parser.add_argument("--records", type=Path, help="append every step of both trainers here (JSON lines)")
+    args = parser.parse_args()
+
+    python = ensure_torchtitan_env()
+    version = subprocess.run(
+        [python, "-c", "import torch, torchtitan; print(torchtitan.__version__, torch.__version__)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="parity-"))
+    write_corpora(work)
+    seed_flags = [
+        *torchrun_command(str(LAUNCHER), nproc=1, python=python), *_common_flags(args, work / "corpus"),
+        "--model.hf_assets_path", str(ASSETS / "tokenizer"), "--job.dump_folder", str(work / "seed"),
+        "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--checkpoint.folder", str(work / "seed"),
+    ]  # fmt: skip
+    _run(seed_flags, work / "seed.log", _torchtitan_env(work, None, args.float32_norm))
+    seed = work / "seed" / "step-0"
+
+    print(f"torchtitan {version[0]} (torch {version[1]}) against Titan (torch {_torch_version()}), "
+          f"llama3 debugmodel, fp32, CPU, {args.steps} steps of {args.batch} x {args.seq_len} tokens per rank, "
+          f"schedule {args.schedule} (warmup_steps {SCHEDULES[args.schedule][0]}, "
+          f"decay_ratio {SCHEDULES[args.schedule][1]}); both from torchtitan's seed checkpoint")  # fmt: skip
+    print("\ntorchtitan's CPU shims (bench/torchtitan_cpu_launch.py):")
+    for shim, summary in shim_summaries():
+        skipped = args.float32_norm and shim == "shim_grad_norm_float64"
+        print(f"- {shim}{' (left out: --float32-norm)' if skipped else ''}: {summary}")
+    summary = []
+    for name in args.layouts:
+        theirs, ours = run_layout(args, python, work, seed, name)
+        summary.append((name, *print_layout(name, theirs, ours)))
+        if args.records:
+            with open(args.records, "a") as out:
+                for a, b in zip(theirs, ours, strict=False):
+                    out.write(json.dumps(dict(
+                        date=datetime.date.today().isoformat(), layout=name, schedule=args.schedule,
+                        float32_norm=args.float32_norm, step=a["step"], torchtitan=a,
+                        titan={k: b[k] for k in ("step", "loss", "grad_norm", "lr")},
+                    )) + "\n")  # fmt: skip
+    print(f"\n### Largest relative difference over {args.steps} steps (target {TARGET:g})\n")
+    print("| layout | loss | grad_norm | lr | within target |")
+    print("|---|---:|---:|---:|---|")
+    for name, loss, norm, lr in summary:
+        ok = "yes" if max(loss, norm) <= TARGET else "no"
+        print(f"| {name} | {loss:.1e} | {norm:.1e} | {lr:.1e} | {ok} |")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

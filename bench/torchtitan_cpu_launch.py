@@ -1,0 +1,133 @@
+"""Run torchtitan 0.2.2's own trainer on a CPU, recording each logged step at full precision.
+
+Runs inside torchtitan's environment (bench/parity_torchtitan.py builds it), never Titan's; Titan never
+imports this file. torchtitan's arguments pass through untouched:
+
+    torchrun --nproc_per_node 2 bench/torchtitan_cpu_launch.py --model.flavor debugmodel ...
+
+torchtitan 0.2.2 assumes an accelerator in a few places. Each shim below is one such place, patched at
+run time before torchtitan is imported (the package itself is never edited); none changes what is
+computed, only where it runs or how it is reported, except `shim_grad_norm_float64`, which makes
+torchtitan's CPU gradient norm as exact as Titan's (see its docstring). With `PARITY_RECORDS` set, rank 0 appends one JSON
+line per logged step (step, loss, grad_norm, lr) to that file: torchtitan's console line rounds loss
+and grad_norm to 4 decimals, too coarse for a 1e-4 relative comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import torch
+import torch._utils
+import torch.distributed as dist
+
+
+def shim_device_is_cpu() -> None:
+    """torchtitan asks `torch._utils._get_available_device_type()` and falls back to "cuda" when it
+    returns None, as it does on a machine without an accelerator: answer "cpu" instead."""
+    torch._utils._get_available_device_type = lambda: "cpu"
+
+
+def shim_cpu_memory_queries() -> None:
+    """torchtitan's memory monitor calls device-module queries that `torch.cpu` lacks: give it harmless
+    answers (a 16 GiB device, no allocator statistics); only the logged memory figures depend on them."""
+    queries = dict(
+        get_device_name=lambda *_: "cpu",
+        get_device_properties=lambda *_: types.SimpleNamespace(total_memory=1 << 34),
+        memory_stats=lambda *_: {},
+        reset_peak_memory_stats=lambda *_: None,
+        empty_cache=lambda *_: None,
+    )
+    for name, query in queries.items():
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, query)
+
+
+def shim_fsdp_sum_reduction() -> None:
+    """torchtitan sets FSDP's gradient divide factor to 1 (it scales by the global token count itself);
+    FSDP then reduce-scatters with PREMUL_SUM, which gloo rejects. Forcing FSDP's plain-sum reduction
+    computes the same sum (the factor is 1) with an op gloo has."""
+    from torch.distributed.fsdp import FSDPModule
+
+    set_factor = FSDPModule.set_gradient_divide_factor
+
+    def set_factor_with_sum(self, factor: float) -> None:
+        set_factor(self, factor)
+        self.set_force_sum_reduction_for_comms(True)
+
+    FSDPModule.set_gradient_divide_factor = set_factor_with_sum
+
+
+def shim_barrier_device_ids() -> None:
+    """torchtitan calls `barrier(device_ids=[device_module.current_device()])`, which on CPU is the
+    string "cpu"; device_ids is a CUDA-only hint, so drop ids that are not device indices."""
+    barrier = dist.barrier
+
+    def cpu_barrier(*args, device_ids=None, **kwargs):
+        if device_ids is not None and not all(isinstance(i, int) for i in device_ids):
+            device_ids = None
+        return barrier(*args, device_ids=device_ids, **kwargs)
+
+    dist.barrier = cpu_barrier
+
+
+def shim_grad_norm_float64() -> None:
+    """On CPU, torch's float32 vector norm accumulates in float32: for the debug model's gradient it is
+    off by about 1e-4 relative (measured here), which moves torchtitan's logged grad_norm and its clip
+    coefficient. Accumulate each gradient's norm in float64, as Titan's clip_grad_norm_ does on CPU, so
+    the comparison measures the trainers rather than the kernel. PARITY_FLOAT32_NORM=1 leaves it out."""
+    get_total_norm = torch.nn.utils.get_total_norm
+
+    def total_norm_float64(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if not tensors or tensors[0].device.type != "cpu" or norm_type == float("inf"):
+            return get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+        norms = [torch.linalg.vector_norm(t, norm_type, dtype=torch.float64) for t in tensors]
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type).to(tensors[0].dtype)
+
+    torch.nn.utils.get_total_norm = total_norm_float64
+
+
+def record_steps(path: str) -> None:
+    """Rank 0 appends {step, loss, grad_norm, lr} to `path` each time torchtitan logs a step."""
+    from torchtitan.components.metrics import MetricsProcessor
+
+    log = MetricsProcessor.log
+
+    def log_and_record(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        if os.environ.get("RANK", "0") == "0":
+            lr = (extra_metrics or {}).get("lr")
+            record = dict(step=step, loss=float(global_avg_loss), grad_norm=float(grad_norm), lr=lr)
+            with open(path, "a", encoding="utf-8") as out:
+                out.write(json.dumps(record) + "\n")
+        return log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+
+    MetricsProcessor.log = log_and_record
+
+
+SHIMS = (
+    shim_device_is_cpu,
+    shim_cpu_memory_queries,
+    shim_fsdp_sum_reduction,
+    shim_barrier_device_ids,
+    shim_grad_norm_float64,
+)
+
+
+def main() -> None:
+    for shim in SHIMS:
+        if not (shim is shim_grad_norm_float64 and os.environ.get("PARITY_FLOAT32_NORM") == "1"):
+            shim()
+    if os.environ.get("PARITY_RECORDS"):
+        record_steps(os.environ["PARITY_RECORDS"])
+    # Imported only now: torchtitan reads the device type when its modules load.
+    from torchtitan.train import Trainer
+    from torchtitan.train import main as torchtitan_main
+
+    torchtitan_main(Trainer)
+
+
+if __name__ == "__main__":
+    main()
