@@ -43,8 +43,11 @@ class ReplicatedParams(ParallelStyle):
                 mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
 
         def to_dtensor(mod, inputs, mesh):
+            # The attention's input arrives as a replicated DTensor (PrepareModuleInput), the router's plain.
             return tuple(
-                DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+                t.redistribute(mesh, [Replicate()])
+                if isinstance(t, DTensor)
+                else DTensor.from_local(t, mesh, [Replicate()], run_check=False)
                 if isinstance(t, torch.Tensor)
                 else t
                 for t in inputs
@@ -123,6 +126,7 @@ def deepseek_tp_plan(
             "layers.*.moe": PrepareModuleInputOutput(
                 input_layouts=(Shard(1),),
                 desired_input_layouts=(Replicate(),),
+                use_local_input=True,  # the MoE routes plain tensors
                 output_layouts=(Replicate(),),
                 desired_output_layouts=(Shard(1),),
             ),
