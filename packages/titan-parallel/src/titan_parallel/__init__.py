@@ -5,15 +5,23 @@ from titan_parallel.compile import apply_compile
 from titan_parallel.context_parallel import context_parallel_ctx
 from titan_parallel.ddp import apply_ddp
 from titan_parallel.errors import ModelDescriptionError, ParallelConfigError, UnsupportedDeviceError
+from titan_parallel.expert_parallel import (
+    ExpertParallel,
+    TensorParallelExperts,
+    apply_expert_parallel,
+    moe_layers_of,
+)
 from titan_parallel.float8 import apply_float8, precompute_float8_scales
-from titan_parallel.fsdp import apply_fsdp, blocks_of
+from titan_parallel.fsdp import apply_experts_fsdp, apply_fsdp, blocks_of
 from titan_parallel.grad_norm import clip_grad_norm_
+from titan_parallel.load_balance import sum_tokens_per_expert
 from titan_parallel.options import ParallelOptions
 from titan_parallel.parallel_dims import ParallelDims
 from titan_parallel.parallelize import parallelize, training_context
 from titan_parallel.pipeline import Pipeline, build_pipeline, pipeline_stages
 from titan_parallel.protocols import (
     HasInitWeights,
+    HasMoELayers,
     HasParallelBlocks,
     HasPipelineUnits,
     HasSequenceBuffers,
@@ -24,7 +32,9 @@ from titan_parallel.protocols import (
 from titan_parallel.tensor_parallel import apply_tp, loss_parallel_ctx
 
 __all__ = [
+    "ExpertParallel",
     "HasInitWeights",
+    "HasMoELayers",
     "HasParallelBlocks",
     "HasPipelineUnits",
     "HasSequenceBuffers",
@@ -35,11 +45,14 @@ __all__ = [
     "ParallelOptions",
     "ParallelizableModel",
     "Pipeline",
+    "TensorParallelExperts",
     "TrainableModel",
     "UnsupportedDeviceError",
     "apply_ac",
     "apply_compile",
     "apply_ddp",
+    "apply_expert_parallel",
+    "apply_experts_fsdp",
     "apply_float8",
     "apply_fsdp",
     "apply_tp",
@@ -48,8 +61,10 @@ __all__ = [
     "clip_grad_norm_",
     "context_parallel_ctx",
     "loss_parallel_ctx",
+    "moe_layers_of",
     "parallelize",
     "pipeline_stages",
     "precompute_float8_scales",
+    "sum_tokens_per_expert",
     "training_context",
 ]

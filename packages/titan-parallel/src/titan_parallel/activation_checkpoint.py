@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives  # noqa: F401  (registers the all-to-all ops named below)
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -19,7 +20,8 @@ logger = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 # Outputs worth keeping under per-op checkpointing: the matmuls and attention kernels that dominate
-# recompute cost, and TP reduce-scatters so that recompute never repeats a collective.
+# recompute cost, and the TP reduce-scatters and expert-parallel all-to-alls (the autograd op and the
+# plain one it runs, plus the token counts' one) so that recompute never repeats a collective.
 _KEEP_OPS = {
     aten.mm.default,
     aten.addmm.default,
@@ -30,6 +32,8 @@ _KEEP_OPS = {
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops._c10d_functional_autograd.all_to_all_single.default,
 }
 
 

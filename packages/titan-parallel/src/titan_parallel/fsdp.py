@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from titan_parallel.errors import ModelDescriptionError, ParallelConfigError
 from titan_parallel.options import RESHARD_POLICIES
@@ -22,6 +23,9 @@ def apply_fsdp(
     reshard_after_forward: bool | str = "default",
     cpu_offload: bool = False,
     pp_enabled: bool = False,
+    experts: dict[str, nn.Module] | None = None,
+    experts_mesh: DeviceMesh | None = None,
+    experts_gradient_divide_factor: int | None = None,
 ) -> nn.Module:
     """Shard each block, then the root (embeddings, norm, output), over `mesh` with `fully_shard`.
 
@@ -31,11 +35,22 @@ def apply_fsdp(
 
     `reshard_after_forward`: a bool, or "default" (reshard, except under pipeline parallelism where
     each microbatch would all-gather again), "always", "never".
+
+    `experts` (expert-parallel experts modules, from `apply_expert_parallel`) become FSDP units of
+    their own over `experts_mesh` (ParallelDims.submesh("experts_fsdp")), before the blocks that
+    hold them, with their gradients divided by `experts_gradient_divide_factor`
+    (ParallelDims.expert_gradient_divide_factor).
     """
+    mp_policy, offload = _policies(param_dtype, reduce_dtype, cpu_offload)
     reshard = resolve_reshard_after_forward(reshard_after_forward, pp_enabled)
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    # Without a GPU there is no pinned memory to offload into.
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    if experts:
+        if experts_mesh is None or experts_gradient_divide_factor is None:
+            raise ParallelConfigError(
+                "parallelism: FSDP of expert-parallel experts needs experts_mesh and experts_gradient_divide_factor "
+                "(ParallelDims.submesh('experts_fsdp') and .expert_gradient_divide_factor)"
+            )
+        for module in experts.values():
+            shard_experts(module, experts_mesh, experts_gradient_divide_factor, mp_policy, reshard, offload)
     for block in blocks.values():
         fully_shard(
             block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard, offload_policy=offload
@@ -43,6 +58,61 @@ def apply_fsdp(
     # The root is used last in forward and first in backward: keeping it unsharded saves an all-gather.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False, offload_policy=offload)
     return model
+
+
+def _policies(
+    param_dtype: torch.dtype, reduce_dtype: torch.dtype, cpu_offload: bool
+) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Without a GPU there is no pinned memory to offload into.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    return mp_policy, offload
+
+
+def apply_experts_fsdp(
+    experts: dict[str, nn.Module],
+    mesh: DeviceMesh,
+    divide_factor: int,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool | str = "default",
+    cpu_offload: bool = False,
+    pp_enabled: bool = False,
+) -> None:
+    """FSDP units for expert-parallel experts alone, where the dense parameters are not sharded."""
+    mp_policy, offload = _policies(param_dtype, reduce_dtype, cpu_offload)
+    reshard = resolve_reshard_after_forward(reshard_after_forward, pp_enabled)
+    for module in experts.values():
+        shard_experts(module, mesh, divide_factor, mp_policy, reshard, offload)
+
+
+def shard_experts(
+    experts: nn.Module,
+    mesh: DeviceMesh,
+    divide_factor: int,
+    mp_policy: MixedPrecisionPolicy,
+    reshard: bool,
+    offload: OffloadPolicy,
+) -> None:
+    """One FSDP unit for an experts module already sharded over ep: shard it further over `mesh`.
+
+    Its own unit, even on a mesh of one rank, so the block's FSDP (over the dense mesh) leaves
+    these DTensors alone. Its gradient arrives summed over its ep group, so FSDP divides by the
+    number of ranks that see different tokens instead of by its mesh size.
+    """
+    local_experts = experts.w1.to_local().shape[0] if hasattr(experts.w1, "to_local") else experts.w1.shape[0]
+    # With more FSDP ranks than local experts, sharding dim 0 would leave ranks holding padding.
+    placement = (lambda _param: Shard(1)) if mesh.shape[-1] > local_experts else None
+    fully_shard(
+        experts, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard, offload_policy=offload,
+        shard_placement_fn=placement,
+    )  # fmt: skip
+    experts.set_gradient_divide_factor(float(divide_factor))
+    # A custom factor is a pre-multiplied sum (PREMUL_SUM), which gloo lacks: sum, then divide. On a
+    # reduce-scatter group of one rank torch divides already (and would divide twice when forced).
+    if mesh.shape[-1] > 1 and mesh.device_type == "cpu":
+        experts.set_force_sum_reduction_for_comms(True)
 
 
 def resolve_reshard_after_forward(policy: bool | str, pp_enabled: bool) -> bool:

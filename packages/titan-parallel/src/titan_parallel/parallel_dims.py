@@ -1,4 +1,11 @@
-"""Parallel degrees, their validation, and the named device mesh they define."""
+"""Parallel degrees, their validation, and the named device mesh they define.
+
+Expert parallelism (`ep`) adds no ranks of its own: it reuses the ranks that hold different data
+(dp_shard and cp, and tp too when `etp` = 1) to hold different experts. The same ranks therefore
+get two views: the dense one (pp, dp_replicate, dp_shard, cp, tp) for every other parameter, and the
+expert one (pp, dp_replicate, efsdp, ep, etp), where `efsdp` is what is left of dp_shard * cp * tp
+after ep and etp took theirs; FSDP shards the experts over it.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +29,9 @@ FLAT_VIEWS = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
 }
 
+# Views that exist only with ep > 1 (see `submesh`).
+EXPERT_VIEWS = ("ep", "efsdp", "etp", "experts", "experts_fsdp")
+
 
 @dataclass
 class ParallelDims:
@@ -32,6 +42,9 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    # torchtitan's expert_parallel_degree and expert_tensor_parallel_degree (1 or tp)
+    ep: int = 1
+    etp: int = 1
     world_size: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _views: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
@@ -40,7 +53,10 @@ class ParallelDims:
         self._validate()
 
     def _validate(self) -> None:
-        named = {"dp_replicate": self.dp_replicate, "cp": self.cp, "tp": self.tp, "pp": self.pp}
+        named = {
+            "dp_replicate": self.dp_replicate, "cp": self.cp, "tp": self.tp, "pp": self.pp,
+            "expert_parallel_degree": self.ep, "expert_tensor_parallel_degree": self.etp,
+        }  # fmt: skip
         for name, degree in named.items():
             if degree < 1:
                 raise ParallelConfigError(f"parallelism: {name} must be >= 1, got {degree}")
@@ -64,6 +80,46 @@ class ParallelDims:
                 f"tp({self.tp}) * pp({self.pp}) = {product}, but WORLD_SIZE is {self.world_size}; "
                 "set dp_shard = -1 to infer it, or change the degrees"
             )
+        self._validate_experts()
+
+    def _validate_experts(self) -> None:
+        if self.etp not in (1, self.tp):
+            raise ParallelConfigError(
+                f"parallelism: expert_tensor_parallel_degree({self.etp}) must be 1 or tp({self.tp}); "
+                "experts are split over the tensor-parallel ranks either all (etp = tp) or not at all"
+            )
+        if self.ep == 1:
+            return
+        borrowed = self.dp_shard * self.cp * (self.tp if self.etp == 1 else 1)
+        names = f"dp_shard({self.dp_shard}) * cp({self.cp})" + (
+            f" * tp({self.tp})" if self.etp == 1 < self.tp else ""
+        )
+        if borrowed % self.ep:
+            raise ParallelConfigError(
+                f"parallelism: expert_parallel_degree({self.ep}) does not divide {names} = {borrowed}; "
+                "expert parallelism borrows its ranks from these dimensions"
+                + (" (tp too, since expert_tensor_parallel_degree is 1)" if self.etp == 1 < self.tp else "")
+                + ", so choose ep among the divisors of that product"
+            )
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that shard each expert with FSDP: dp_shard * cp * tp / (ep * etp)."""
+        return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def expert_gradient_divide_factor(self) -> int:
+        """What an expert's summed gradient is divided by: the ranks that see different tokens.
+
+        Dense gradients are averaged over dp_replicate * dp_shard * cp; an expert's gradient arrives
+        summed over its ep group already, so FSDP over the expert mesh must divide by that same
+        product, not by the expert mesh's own size.
+        """
+        return self.dp_replicate * self.dp_shard * self.cp
 
     def check_model(
         self,
@@ -75,6 +131,8 @@ class ParallelDims:
         vocab_size: int | None = None,
         stages_per_rank: int = 1,
         sequence_parallel: bool = True,
+        num_experts: int | None = None,
+        expert_hidden_dim: int | None = None,
     ) -> None:
         """Refuse a layout that this model cannot be split into; each error names the numbers and the fix.
 
@@ -94,6 +152,18 @@ class ParallelDims:
                 )
         if seq_len is not None:
             self._check_seq_len(seq_len, sequence_parallel)
+        if num_experts is not None and num_experts % self.ep:
+            raise ParallelConfigError(
+                f"parallelism: expert_parallel_degree({self.ep}) does not divide the model's num_experts "
+                f"({num_experts}); each expert-parallel rank holds the same number of whole experts"
+            )
+        split = self.etp if self.ep > 1 else self.tp
+        if expert_hidden_dim is not None and expert_hidden_dim % split:
+            raise ParallelConfigError(
+                f"parallelism: the experts' hidden dim ({expert_hidden_dim}) is not divisible by the "
+                f"{'expert_tensor_parallel_degree' if self.ep > 1 else 'tp'}({split}) that splits it; "
+                "choose a degree among its divisors"
+            )
         if n_layers is not None and self.pp * stages_per_rank > n_layers:
             raise ParallelConfigError(
                 f"parallelism: pp({self.pp}) * stages per rank({stages_per_rank}) = "
@@ -166,9 +236,24 @@ class ParallelDims:
             )
         elif replicate is not None or shard is not None:
             views["fsdp"] = replicate if shard is None else shard
-        logger.info("device mesh %s on %s", dict(dims), device_type)
+        if self.ep > 1:
+            views.update(self._expert_views(mesh, views))
+        logger.info("device mesh %s (ep %d, etp %d) on %s", dict(dims), self.ep, self.etp, device_type)
         self._mesh, self._views = mesh, views
         return mesh
+
+    def _expert_views(self, mesh: DeviceMesh, views: dict[str, DeviceMesh]) -> dict[str, DeviceMesh]:
+        """The expert view (dp_replicate, efsdp, ep, etp) of the non-pipeline ranks, and its sub-views."""
+        dense = tuple(n for n in ("dp_replicate", "dp_shard", "cp", "tp") if n in views)
+        flat = views[dense[0]] if len(dense) == 1 else mesh[dense]._flatten(mesh_dim_name="dense_ranks")
+        # efsdp is kept even at size 1: the experts always get their own FSDP unit (see fsdp.py).
+        sizes = {"dp_replicate": self.dp_replicate, "efsdp": self.efsdp, "ep": self.ep, "etp": self.etp}
+        kept = {n: d for n, d in sizes.items() if d > 1 or n in ("efsdp", "ep")}
+        expert = flat._unflatten(0, tuple(kept.values()), tuple(kept))
+        out = {n: expert[n] for n in kept if n != "dp_replicate"}
+        out["experts"] = expert["ep", "etp"] if self.etp > 1 else out["ep"]
+        out["experts_fsdp"] = expert["dp_replicate", "efsdp"] if self.dp_replicate > 1 else out["efsdp"]
+        return out
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -180,10 +265,13 @@ class ParallelDims:
         """A named dimension or view of the mesh, or None where its degree is 1.
 
         Names: each of MESH_ORDER, the flattened views "dp" (data loading), "dp_shard_cp"
-        (parameter sharding), "dp_cp" (loss averaging), and "fsdp" (the 1-D or, for HSDP, 2-D
-        replicate x shard mesh that dense parameters live on).
+        (parameter sharding), "dp_cp" (loss averaging and the tokens-per-expert sum), and "fsdp"
+        (the 1-D or, for HSDP, 2-D replicate x shard mesh that dense parameters live on). With
+        ep > 1 also: "ep", "etp", "efsdp" (kept at size 1 too), "experts" (ep, or the 2-D
+        ep x etp mesh the experts are split on) and "experts_fsdp" (efsdp, or dp_replicate x efsdp:
+        the mesh FSDP shards experts over).
         """
-        known = (*MESH_ORDER, *FLAT_VIEWS, "fsdp")
+        known = (*MESH_ORDER, *FLAT_VIEWS, "fsdp", *EXPERT_VIEWS)
         if name not in known:
             raise ParallelConfigError(f"parallelism: unknown mesh name '{name}'; choose one of {list(known)}")
         if self._mesh is None:

@@ -14,8 +14,9 @@ from titan_parallel.compile import apply_compile
 from titan_parallel.context_parallel import context_parallel_ctx
 from titan_parallel.ddp import apply_ddp
 from titan_parallel.errors import ParallelConfigError
+from titan_parallel.expert_parallel import apply_expert_parallel, moe_layers_of
 from titan_parallel.float8 import apply_float8
-from titan_parallel.fsdp import apply_fsdp, blocks_of
+from titan_parallel.fsdp import apply_experts_fsdp, apply_fsdp, blocks_of
 from titan_parallel.options import ParallelOptions
 from titan_parallel.parallel_dims import ParallelDims
 from titan_parallel.tensor_parallel import apply_tp, loss_parallel_ctx, tp_plan_of
@@ -24,11 +25,13 @@ logger = logging.getLogger(__name__)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions | None = None) -> nn.Module:
-    """Apply float8 -> TP/SP -> activation checkpointing -> compile -> FSDP/HSDP or DDP, in place.
+    """Apply float8 -> TP/SP -> EP -> activation checkpointing -> compile -> FSDP/HSDP or DDP, in place.
 
     The order matters: float8 swaps linear layers before they are split; TP turns parameters into
-    DTensors that FSDP then shards along a second mesh dim; checkpointing and compile wrap the
-    blocks before FSDP hooks onto them. Call `dims.build_mesh()` first. With pp > 1 use
+    DTensors that FSDP then shards along a second mesh dim; expert parallelism (for a model with
+    `moe_layers()`) splits the experts after the model's tp_plan prepared the MoE layers around
+    them, and with ep > 1 the experts become FSDP units of their own over the expert mesh;
+    checkpointing and compile wrap the blocks before FSDP hooks onto them. Call `dims.build_mesh()` first. With pp > 1 use
     `build_pipeline`, which calls this on each stage. Works on a meta-device model; materialise
     and initialise the parameters afterwards.
     """
@@ -51,6 +54,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
             model, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
         )
         apply_tp(model, tp_mesh, plan, async_tp=options.async_tp, compile_enabled=options.compile)
+    experts = apply_expert_parallel(model, dims)
+    expert_units = experts if dims.ep > 1 else {}
+    if expert_units and options.ac_mode == "selective" and options.selective_every is None:
+        # torch's per-op checkpointing matches recomputed ops to saved ones by count; the experts' own
+        # FSDP hooks inside the block run a different number of ops when recomputed, so it fails.
+        raise ParallelConfigError(
+            f"parallelism: per-op selective activation checkpointing with expert_parallel_degree({dims.ep}) is "
+            "not supported yet; use ac_mode='full' or ac_selective=N (every N-th block)"
+        )
     apply_ac(
         model, blocks, mode=options.ac_mode, selective=options.ac_selective,
         force_recompute_mm_fqns=options.ac_force_recompute_mm_fqns,
@@ -60,14 +72,23 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
         },
     )  # fmt: skip
     if options.compile:
-        apply_compile(model, blocks, backend=options.compile_backend)
+        apply_compile(model, blocks, backend=options.compile_backend, moe_layers=moe_layers_of(model))
     if dims.fsdp_enabled:
         apply_fsdp(
             model, blocks, dims.submesh("fsdp"), param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
             reshard_after_forward=options.reshard_after_forward, cpu_offload=options.cpu_offload,
+            pp_enabled=dims.pp > 1, experts=expert_units, experts_mesh=dims.submesh("experts_fsdp"),
+            experts_gradient_divide_factor=dims.expert_gradient_divide_factor,
+        )  # fmt: skip
+        return _logged(model, dims, options)
+    if expert_units:
+        apply_experts_fsdp(
+            expert_units, dims.submesh("experts_fsdp"), dims.expert_gradient_divide_factor,
+            param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
+            reshard_after_forward=options.reshard_after_forward, cpu_offload=options.cpu_offload,
             pp_enabled=dims.pp > 1,
         )  # fmt: skip
-    elif dims.ddp_enabled:
+    if dims.ddp_enabled:
         if options.cpu_offload:
             raise ParallelConfigError(
                 "parallelism: cpu_offload needs sharded parameters (dp_shard > 1 or cp > 1); with pure "
@@ -77,7 +98,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
             model, blocks, dims.submesh("dp_replicate"), param_dtype=options.param_dtype,
             reduce_dtype=options.reduce_dtype,
         )  # fmt: skip
-    logger.info("parallelized %s: %s %s", type(model).__name__, dims.degrees, options)
+    return _logged(model, dims, options)
+
+
+def _logged(model: nn.Module, dims: ParallelDims, options: ParallelOptions) -> nn.Module:
+    logger.info(
+        "parallelized %s: %s ep %d etp %d %s", type(model).__name__, dims.degrees, dims.ep, dims.etp, options
+    )
     return model
 
 

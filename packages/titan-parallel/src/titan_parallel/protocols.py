@@ -4,7 +4,8 @@ titan-parallel never imports a model class. A model (from titan-models or any ot
 describes itself through plain data and torch types; these protocols document that shape. A model
 implements only the methods for the parallelisms it is used with: FSDP, DDP, activation
 checkpointing and compile need `parallel_blocks`; tensor parallelism needs `tp_plan`; pipeline
-parallelism needs `pipeline_units`; context parallelism shards the `sequence_buffers`. A model is
+parallelism needs `pipeline_units`; context parallelism shards the `sequence_buffers`; expert
+parallelism splits the experts of the `moe_layers`. A model is
 built on the meta device, and `init_weights` gives it its values once parallelised (`TrainableModel`:
 everything a trainer asks of a model beyond `nn.Module`).
 """
@@ -62,6 +63,37 @@ class HasPipelineUnits(Protocol):
 @runtime_checkable
 class ParallelizableModel(HasParallelBlocks, HasTensorParallelPlan, HasPipelineUnits, Protocol):
     """A model that every parallelism in titan-parallel can be applied to."""
+
+
+@runtime_checkable
+class HasMoELayers(Protocol):
+    """A model with mixture-of-experts layers, laid out as torchtitan 0.2.2's `MoE` is.
+
+    Each MoE layer module has:
+
+    - `experts`: a module whose only parameters are `w1` [E, hidden, dim], `w2` [E, dim, hidden]
+      and `w3` [E, hidden, dim] (expert e computes `w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))`), and
+      whose `forward(x: Tensor[T, dim], num_tokens_per_expert: LongTensor[E]) -> Tensor[T, dim]`
+      takes the routed rows grouped by expert (the first `num_tokens_per_expert[0]` rows for
+      expert 0, and so on) and returns one output row per input row, in the same order. Under
+      expert or tensor parallelism the weights are DTensors and `forward` gets this rank's rows
+      and local experts only: it must compute with `w.to_local()` where `w` is a DTensor and
+      take E from `len(num_tokens_per_expert)`, never from a stored count.
+    - `router`: the gate (replicated under tensor parallelism by the model's tp_plan).
+    - `shared_experts`: a dense SwiGLU module or None.
+    - buffers `expert_bias` [E] (routing bias for auxiliary-loss-free balancing, or None) and
+      `tokens_per_expert` [E] (float32, tokens routed to each expert since it was last zeroed,
+      counted on this rank; `titan_parallel.sum_tokens_per_expert` sums it over the ranks that
+      see different tokens).
+
+    Under tensor parallelism the model's tp_plan covers the MoE layer's input (all-gathered to
+    Replicate), its output (declared `Partial` and reduce-scattered), the router and the shared
+    experts; titan-parallel splits `experts` itself, so the plan must not name them.
+    """
+
+    def moe_layers(self) -> dict[str, nn.Module]:
+        """FQN -> MoE layer module (e.g. {"layers.1.moe": ...}); a pipeline stage lists only the ones it holds."""
+        ...
 
 
 @runtime_checkable

@@ -72,15 +72,7 @@ def run_layout(degrees: dict, options: ParallelOptions, n_layers: int = 2, ref_c
 
     dp = dims.submesh("dp")
     dp_rank, dp_size = (dp.get_local_rank(), dp.size()) if dp else (0, 1)
-    pipe = None
-    if dims.pp > 1:
-        pipe = build_pipeline(
-            model, dims, options, loss_fn=cross_entropy, device=torch.device("cpu"),
-            local_batch_size=GLOBAL_BATCH // dp_size,
-        )  # fmt: skip
-        parts = pipe.model_parts
-    else:
-        parts = [parallelize(model, dims, options)]
+    pipe, parts = parallel_parts(model, dims, options, GLOBAL_BATCH // dp_size)
     params = [p for part in parts for p in part.parameters()]
     opt = torch.optim.AdamW(params, lr=LR)
     facts: dict = {}
@@ -121,6 +113,17 @@ def run_layout(degrees: dict, options: ParallelOptions, n_layers: int = 2, ref_c
         norms.append(norm.item())
     facts.update(layout_facts(dims, parts))
     return {"reference": ref, "parallel": {"losses": losses, "grad_norms": norms}, "facts": facts}
+
+
+def parallel_parts(model, dims: ParallelDims, options: ParallelOptions, local_batch_size: int) -> tuple:
+    """(the pipeline or None, the model parts this rank holds), parallelized through the public API."""
+    if dims.pp > 1:
+        pipe = build_pipeline(
+            model, dims, options, loss_fn=cross_entropy, device=torch.device("cpu"),
+            local_batch_size=local_batch_size,
+        )  # fmt: skip
+        return pipe, pipe.model_parts
+    return None, [parallelize(model, dims, options)]
 
 
 def after_forward_facts(model, logits, x) -> dict:
@@ -231,7 +234,9 @@ CASES = {
         {"dp_shard": 1, "cp": 2}, ParallelOptions(cp_rotate_method="allgather")
     ),
     "cp_alltoall": lambda: run_layout({"dp_shard": 1, "cp": 2}, ParallelOptions(cp_rotate_method="alltoall")),
-    "cp_no_load_balance": lambda: run_layout({"dp_shard": 1, "cp": 2}, ParallelOptions(cp_load_balance=False)),
+    "cp_no_load_balance": lambda: run_layout(
+        {"dp_shard": 1, "cp": 2}, ParallelOptions(cp_load_balance=False)
+    ),
     "pp_1F1B": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("1F1B"), n_layers=4),
     "pp_GPipe": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("GPipe"), n_layers=4),
     "pp_Interleaved1F1B": lambda: run_layout(
