@@ -6,8 +6,10 @@ from titan_parallel.context_parallel import context_parallel_ctx
 from titan_parallel.ddp import apply_ddp
 from titan_parallel.errors import ModelDescriptionError, ParallelConfigError, UnsupportedDeviceError
 from titan_parallel.float8 import apply_float8, precompute_float8_scales
+from titan_parallel.float8_tensor_parallel import float8_tp_plan
 from titan_parallel.fsdp import apply_fsdp, blocks_of
 from titan_parallel.grad_norm import clip_grad_norm_
+from titan_parallel.mx import apply_mx
 from titan_parallel.options import ParallelOptions
 from titan_parallel.parallel_dims import ParallelDims
 from titan_parallel.parallelize import parallelize, training_context
@@ -42,11 +44,13 @@ __all__ = [
     "apply_ddp",
     "apply_float8",
     "apply_fsdp",
+    "apply_mx",
     "apply_tp",
     "blocks_of",
     "build_pipeline",
     "clip_grad_norm_",
     "context_parallel_ctx",
+    "float8_tp_plan",
     "loss_parallel_ctx",
     "parallelize",
     "pipeline_stages",
