@@ -48,6 +48,8 @@ FLOAT8_WEIGHTS_REL = 0.1
 FLOAT8_TENSORWISE_RUN = {"reference": "float8_tensorwise", "rel": FLOAT8_REL, "weights_atol": None,
                          "weights_rel": FLOAT8_WEIGHTS_REL}  # fmt: skip
 FLOAT8_ROWWISE_RUN = {**FLOAT8_TENSORWISE_RUN, "reference": "float8_rowwise"}
+MX_REL = 2e-3  # relative to float32, loss and grad_norm: TODO measured
+MX_RUN = {**FLOAT8_TENSORWISE_RUN, "reference": "mx_emulated"}
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ SELECTIVE = ("--activation_checkpoint.mode", "selective", "--activation_checkpoi
 ACCUMULATE_TO_4 = ("--training.global_batch_size", "4")
 FLOAT8 = ("--model.converters", "float8", "--quantize.linear.float8.recipe_name")
 LINEAR_TYPES = {"linear_types": ["Float8Linear", "Linear"]}
+MX = ("--model.converters", "mx", "--quantize.linear.mx.recipe_name", "mxfp8_emulated")
 FLOAT8_ALL_GATHER = ("--quantize.linear.float8.enable_fsdp_float8_all_gather",
                      "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp")  # fmt: skip
 FLOAT8_WEIGHT = "WeightWithDynamicFloat8CastTensor"  # a weight FSDP all-gathers in float8
@@ -146,6 +149,8 @@ LAYOUTS = {
     "float8_rowwise_tp": Layout(
         2, (*FLOAT8, "rowwise", TP, "2"), {**PLAIN_TP_STYLES, "degrees": {"tp": 2}}, **FLOAT8_ROWWISE_RUN
     ),
+    # MXFP8 through torchao's emulated recipe (this CPU has no MX matmuls): against float32, and under FSDP.
+    "mx_emulated": Layout(1, MX, {"linear_types": ["Linear", "MXLinear"]}, rel=MX_REL, weights_atol=None),
     "float8_rowwise_with_gw_hp": Layout(
         1,
         (*FLOAT8, "rowwise_with_gw_hp"),
@@ -232,6 +237,9 @@ LAYOUTS = {
         4,
         (REPLICATE, "2", *local_batch(1)),
         {"degrees": {"dp_replicate": 2, "dp_shard": 2}, "wq_placements": ["R", "S(0)"]},
+    ),
+    "mx_emulated_fsdp": Layout(
+        2, (*MX, *local_batch(2)), {"linear_types": ["Linear", "MXLinear"], "fsdp": True}, **MX_RUN
     ),
     "tp_fsdp": Layout(4, (TP, "2", *local_batch(2)), {"degrees": {"dp_shard": 2, "tp": 2}, "fsdp": True}),
     "pp_fsdp": Layout(4, (*pp("1F1B"), *local_batch(2)), {"degrees": {"pp": 2, "dp_shard": 2}, "fsdp": True}),

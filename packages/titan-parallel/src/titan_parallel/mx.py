@@ -74,8 +74,7 @@ def apply_mx(
             f"{list(MX_DIM1_CAST_KERNELS)}"
         )
     chosen = _RECIPES[recipe]
-    if not chosen.emulated:
-        check_mx_device(device_type, recipe=recipe)
+    check_mx_device(device_type, recipe=recipe)
     linear_class = _mx_linear_class()
     from torchao.prototype.mx_formats.config import MXFP8Dim1CastKernelChoice, ScaleCalculationMode
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
@@ -100,20 +99,25 @@ def apply_mx(
     return model
 
 
+def missing_mx_matmuls(device_type: str, capability: tuple[int, int] | None = None) -> str | None:
+    """None where MXFP8 matmuls run (CUDA compute capability 10.0+), else the device that lacks them, in words."""
+    if device_type != "cuda":
+        return device_type
+    capability = capability or torch.cuda.get_device_capability()
+    if capability >= _MX_CAPABILITY:
+        return None
+    return f"a CUDA GPU of compute capability {capability[0]}.{capability[1]}"
+
+
 def check_mx_device(device_type: str, capability: tuple[int, int] | None = None, *, recipe: str) -> None:
     """Refuse a device without MX matmuls for a recipe that needs them (all but the emulated ones)."""
-    if device_type == "cuda":
-        capability = capability or torch.cuda.get_device_capability()
-        if capability >= _MX_CAPABILITY:
-            return
-        where = f"a CUDA GPU of compute capability {capability[0]}.{capability[1]}"
-    else:
-        where = device_type
-    raise UnsupportedDeviceError(
-        f"parallelism: mx recipe {recipe!r} needs MXFP8 matmuls, on a CUDA GPU of compute capability 10.0 or "
-        f"newer (B200, GB200), and this run is on {where}; use an emulated recipe (mxfp8_emulated) to test, "
-        "or float8 on this device"
-    )
+    missing = missing_mx_matmuls(device_type, capability)
+    if missing is not None and not mx_recipe_is_emulated(recipe):
+        raise UnsupportedDeviceError(
+            f"parallelism: mx recipe {recipe!r} needs MXFP8 matmuls, on a CUDA GPU of compute capability 10.0 "
+            f"or newer (B200, GB200), and this run is on {missing}; use an emulated recipe (mxfp8_emulated) to "
+            "test, or float8 on this device"
+        )
 
 
 @functools.cache
