@@ -15,6 +15,7 @@ process groups alive after it, and its seconds.
 """
 
 import contextlib
+import functools
 import gc
 import json
 import sys
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_train.cli import USER_ERRORS, plan_run, train_joined
 from titan_train.config import load_job_config
@@ -73,6 +75,18 @@ def release_groups_since(groups_before: set) -> None:
     torch._dynamo.reset()
 
 
+def tp_style(module: torch.nn.Module) -> str | None:
+    """The tensor-parallel style that hooked `module`'s input: its class, read from the hook's closure."""
+    for hook in module._forward_pre_hooks.values():
+        for cell in hook.__closure__ or ():
+            value = cell.cell_contents
+            if isinstance(value, ParallelStyle):  # PrepareModuleInput and kin hook a bound method
+                return type(value).__name__
+            if isinstance(value, functools.partial):  # Colwise/Rowwise hook their static input function
+                return value.func.__qualname__.split(".")[0]
+    return None
+
+
 def facts(trainer: Trainer) -> dict:
     """What rank 0 sees of the layout: degrees, stages, sharding, wrapped blocks, linear types."""
     parts = trainer.model_parts
@@ -90,6 +104,8 @@ def facts(trainer: Trainer) -> dict:
         "loss_parallel": trainer.dims.tp > 1 and trainer.parallel_options.loss_parallel,
         "cp_rotate_method": trainer.parallel_options.cp_rotate_method if trainer.dims.cp > 1 else None,
         "wq_placements": [str(p) for p in wq.placements] if isinstance(wq, DTensor) else None,
+        "wq_local_type": type(wq.to_local()).__name__ if isinstance(wq, DTensor) else None,
+        "tp_styles": [tp_style(blocks[0].attention.wq), tp_style(blocks[0].attention)],
         "checkpointed_blocks": sum("forward" in vars(block) for block in blocks),
         "compiled_blocks": sum(getattr(block, "_compiled_call_impl", None) is not None for block in blocks),
         "linear_types": sorted(linear_types),

@@ -42,6 +42,7 @@ JSON_DATA = ("--training.dataset", "json", "--training.dataset_path", "docs.json
 DRILL = ("--health.drill_step", "1", "--health.drill", "nan")
 TRAINING_WORKERS = ("--training.dataloader.num_workers", "2")
 FLOAT8 = ("--model.converters", "float8")
+MX = ("--model.converters", "mx", "--quantize.linear.mx.recipe_name", "mxfp8_emulated")  # MX numerics on any device
 # A trace of the last step of every 3 (no warmup), over 3 steps: the next cycle starts after training ends.
 PROFILING = ("--profiling.enable_profiling", "--profiling.profile_freq", "3", "--profiling.profiler_warmup", "0",
              "--training.steps", "3")  # fmt: skip
@@ -237,6 +238,12 @@ def linear_types(s: Seen) -> Any:
 def float8_configs(key: str) -> Callable[[Seen], Any]:
     return lambda s: {
         getattr(m.config, key) for m in s.trainer.model_parts[0].modules() if hasattr(m, "config")
+    }
+
+
+def mx_settings(key: str) -> Callable[[Seen], Any]:
+    return lambda s: s.outcome or {
+        str(getattr(m, key)) for m in s.trainer.model_parts[0].modules() if type(m).__name__ == "MXLinear"
     }
 
 
@@ -741,15 +748,16 @@ PROBES: dict[str, Probe] = {
     "quantize.linear.float8.emulate": Probe(
         ("--quantize.linear.float8.emulate",), float8_configs("emulate"), base=FLOAT8
     ),
-    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": refused(
-        ("--model.converters", "mx", "--quantize.linear.mx.mxfp8_dim1_cast_kernel_choice", "torch"),
-        "MX formats",
+    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": Probe(
+        ("--quantize.linear.mx.mxfp8_dim1_cast_kernel_choice", "torch"), mx_settings("dim1_cast_kernel"), base=MX
     ),
-    "quantize.linear.mx.recipe_name": refused(
-        ("--model.converters", "mx", "--quantize.linear.mx.recipe_name", "mxfp8_emulated"), "MX formats"
+    "quantize.linear.mx.recipe_name": Probe(
+        ("--quantize.linear.mx.recipe_name", "mxfp8_emulated_rceil"),
+        mx_settings("scale_calculation_mode"),  # a block's power-of-two scale rounded down or up
+        base=MX,
     ),
-    "quantize.linear.mx.filter_fqns": refused(
-        ("--model.converters", "mx", "--quantize.linear.mx.filter_fqns", "output,layers.0"), "MX formats"
+    "quantize.linear.mx.filter_fqns": Probe(
+        ("--quantize.linear.mx.filter_fqns", "output,layers.0"), linear_types, base=MX
     ),
     "quantize.grouped_mm.float8.fqns": refused(
         ("--quantize.grouped_mm.float8.fqns", "experts"), "grouped_mm"
@@ -903,6 +911,17 @@ def test_the_table_covers_every_field():
     }
     print(f"{len(fields)} JobConfig fields: {sum(p.observe is not None for p in PROBES.values())} honoured, "
           f"{sum(p.observe is None for p in PROBES.values())} refused")  # fmt: skip
+
+
+def test_mx_recipe_that_needs_mx_matmuls_is_refused_in_one_line_on_this_cpu(tmp_path, monkeypatch, capfd):
+    """The default MX recipe runs on CUDA SM100+ only; here it stops at start, naming the field and the device."""
+    status, errors, _ = _launch(tmp_path, Probe(()), ("--model.converters", "mx"), monkeypatch, capfd)
+    assert status == 2 and len(errors) == 1, errors
+    assert re.search(
+        r"quantize\.linear\.mx\.recipe_name = 'mxfp8_cublas' needs MXFP8 matmuls, on a CUDA GPU of compute "
+        r"capability 10\.0 or newer .* this run is on cpu; use recipe_name = 'mxfp8_emulated'",
+        errors[0],
+    ), errors[0]
 
 
 @pytest.fixture(scope="module", autouse=True)

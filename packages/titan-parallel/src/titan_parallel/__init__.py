@@ -12,9 +12,11 @@ from titan_parallel.expert_parallel import (
     moe_layers_of,
 )
 from titan_parallel.float8 import apply_float8, precompute_float8_scales
+from titan_parallel.float8_tensor_parallel import float8_tp_plan
 from titan_parallel.fsdp import apply_experts_fsdp, apply_fsdp, blocks_of
 from titan_parallel.grad_norm import clip_grad_norm_
 from titan_parallel.load_balance import sum_tokens_per_expert
+from titan_parallel.mx import apply_mx
 from titan_parallel.options import ParallelOptions
 from titan_parallel.parallel_dims import ParallelDims
 from titan_parallel.parallelize import parallelize, training_context
@@ -55,11 +57,13 @@ __all__ = [
     "apply_experts_fsdp",
     "apply_float8",
     "apply_fsdp",
+    "apply_mx",
     "apply_tp",
     "blocks_of",
     "build_pipeline",
     "clip_grad_norm_",
     "context_parallel_ctx",
+    "float8_tp_plan",
     "loss_parallel_ctx",
     "moe_layers_of",
     "parallelize",

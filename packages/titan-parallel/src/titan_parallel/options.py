@@ -11,6 +11,16 @@ from titan_parallel.errors import ParallelConfigError
 RESHARD_POLICIES = ("default", "always", "never")
 AC_MODES = ("none", "full", "selective")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
+# MXFP8 recipes: torchtitan 0.2.2's names, then torchao 0.18's (titan_parallel.mx says what each does).
+MX_RECIPES = (
+    "mxfp8_cublas",
+    "mxfp8_cublas_rceil",
+    "mxfp8_rceil",
+    "mxfp8_rceil_wgrad_with_hp",
+    "mxfp8_emulated",
+    "mxfp8_emulated_rceil",
+)
+MX_DIM1_CAST_KERNELS = ("triton", "cuda", "torch")
 ROTATE_METHODS = ("allgather", "alltoall")
 PIPELINE_SCHEDULES = (
     "1F1B",
@@ -63,6 +73,10 @@ class ParallelOptions:
     float8_emulate: bool = (
         False  # matmuls in high precision: float8 numerics where float8 kernels are missing
     )
+    # MXFP8 training through torchao (CUDA SM100+, or an emulated recipe anywhere)
+    mx: str | None = None  # None or one of MX_RECIPES
+    mx_dim1_cast_kernel: str = "triton"
+    mx_skip_fqns: tuple[str, ...] = ("output",)
     # Pipeline parallel
     pp_schedule: str = "1F1B"
     pp_microbatch_size: int = 1
@@ -89,6 +103,14 @@ class ParallelOptions:
                 f"parallelism: float8_fsdp_all_gather needs float8='tensorwise' (got {self.float8!r}); "
                 "torchao all-gathers float8 weights only with one scale per tensor"
             )
+        if self.mx is not None:
+            _choose("mx", self.mx, MX_RECIPES)
+            if self.float8 is not None:
+                raise ParallelConfigError(
+                    f"parallelism: float8={self.float8!r} and mx={self.mx!r} both convert the linear layers; "
+                    "choose one"
+                )
+        _choose("mx_dim1_cast_kernel", self.mx_dim1_cast_kernel, MX_DIM1_CAST_KERNELS)
         if self.ac_mode == "selective":
             every = self.ac_selective
             if isinstance(every, str) and every != "op":

@@ -16,7 +16,9 @@ from titan_parallel.ddp import apply_ddp
 from titan_parallel.errors import ParallelConfigError
 from titan_parallel.expert_parallel import apply_expert_parallel, moe_layers_of
 from titan_parallel.float8 import apply_float8
+from titan_parallel.float8_tensor_parallel import float8_tp_plan
 from titan_parallel.fsdp import apply_experts_fsdp, apply_fsdp, blocks_of
+from titan_parallel.mx import apply_mx
 from titan_parallel.options import ParallelOptions
 from titan_parallel.parallel_dims import ParallelDims
 from titan_parallel.tensor_parallel import apply_tp, loss_parallel_ctx, tp_plan_of
@@ -25,9 +27,10 @@ logger = logging.getLogger(__name__)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions | None = None) -> nn.Module:
-    """Apply float8 -> TP/SP -> EP -> activation checkpointing -> compile -> FSDP/HSDP or DDP, in place.
+    """Apply float8 or MX -> TP/SP -> EP -> activation checkpointing -> compile -> FSDP/HSDP or DDP, in place.
 
-    The order matters: float8 swaps linear layers before they are split; TP turns parameters into
+    The order matters: float8 swaps linear layers before they are split (with tensorwise float8, the
+    model's plain TP styles become torchao's float8 ones for those layers); TP turns parameters into
     DTensors that FSDP then shards along a second mesh dim; expert parallelism (for a model with
     `moe_layers()`) splits the experts after the model's tp_plan prepared the MoE layers around
     them, and with ep > 1 the experts become FSDP units of their own over the expert mesh;
@@ -39,20 +42,22 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
     mesh = dims.mesh
     blocks = blocks_of(model)
     if options.float8 is not None:
-        if dims.tp > 1:
-            raise ParallelConfigError(
-                f"parallelism: float8 with tp({dims.tp}) needs torchao's float8 tensor-parallel styles in the "
-                "model's tp_plan, which titan-parallel does not build; use float8 with FSDP/DDP/PP only, or tp = 1"
-            )
         apply_float8(
             model, recipe=options.float8, fsdp_all_gather=options.float8_fsdp_all_gather,
             skip_fqns=options.float8_skip_fqns, device_type=mesh.device_type, emulate=options.float8_emulate,
+        )  # fmt: skip
+    if options.mx is not None:
+        apply_mx(
+            model, recipe=options.mx, dim1_cast_kernel=options.mx_dim1_cast_kernel, skip_fqns=options.mx_skip_fqns,
+            device_type=mesh.device_type,
         )  # fmt: skip
     tp_mesh = dims.submesh("tp")
     if tp_mesh is not None:
         plan = tp_plan_of(
             model, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
         )
+        if options.float8 == "tensorwise":
+            plan = float8_tp_plan(model, plan)  # float8 all-gathers for the float8 linears
         apply_tp(model, tp_mesh, plan, async_tp=options.async_tp, compile_enabled=options.compile)
     experts = apply_expert_parallel(model, dims)
     expert_units = experts if dims.ep > 1 else {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titan_parallel.options import PIPELINE_SCHEDULES
+from titan_parallel.options import MX_RECIPES, PIPELINE_SCHEDULES
 from titan_train.config.fields import MAX_LAYERS, MAX_RANKS, MAX_SEQUENCES, MODULE_PATH, opt
 
 COMPILE_COMPONENTS = ("model", "loss")
@@ -174,8 +174,8 @@ class MXLinear:
     )
     recipe_name: str = opt(
         "mxfp8_cublas",
-        "torchao MX recipe",
-        pattern=(r"mxfp[468]\w*", "an MX recipe name such as mxfp8_cublas"),
+        "torchao MXFP8 recipe; the emulated ones run on any device (MX numerics, high-precision matmuls)",
+        choices=MX_RECIPES,
     )
     filter_fqns: list[str] = opt(
         ["output"], "Linear modules (by name) left in high precision", pattern=MODULE_PATH

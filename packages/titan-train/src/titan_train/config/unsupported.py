@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from titan_parallel.mx import missing_mx_matmuls, mx_recipe_is_emulated
 from titan_train.errors import ConfigError
 
 
@@ -107,6 +108,15 @@ def refuse_unsupported(config: Any, device_type: str) -> None:
     for rule in _RULES:
         if rule.applies(config):
             raise UnsupportedConfigError(f"config: {rule.setting(config)}: {rule.reason}; {rule.fix}")
+    mx = config.quantize.linear.mx
+    if "quantize.linear.mx" in config.model.converters and not mx_recipe_is_emulated(mx.recipe_name):
+        missing = missing_mx_matmuls(device_type)
+        if missing is not None:
+            raise UnsupportedConfigError(
+                f"config: quantize.linear.mx.recipe_name = {mx.recipe_name!r} needs MXFP8 matmuls, on a CUDA GPU "
+                f"of compute capability 10.0 or newer (B200, GB200), and this run is on {missing}; use "
+                "recipe_name = 'mxfp8_emulated' to test MX numerics here, or quantize.linear.float8"
+            )
     if config.profiling.enable_memory_snapshot and device_type != "cuda":
         raise UnsupportedConfigError(
             "config: profiling.enable_memory_snapshot = true: memory snapshots record the CUDA caching "

@@ -16,23 +16,32 @@ from titan_train.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")
+MX_CONVERTERS = ("mx", "quantize.linear.mx")
 
 
 def parallel_options(
     config: JobConfig, param_dtype: torch.dtype, reduce_dtype: torch.dtype
 ) -> ParallelOptions:
     """The layout settings other than the degrees, from `[parallelism]`, `[activation_checkpoint]`,
-    `[compile]`, `[model] converters` and `[quantize.linear.float8]`."""
+    `[compile]`, `[model] converters`, `[quantize.linear.float8]` and `[quantize.linear.mx]`."""
     p, ac = config.parallelism, config.activation_checkpoint
-    unknown = [c for c in config.model.converters if c not in FLOAT8_CONVERTERS]
+    converters = config.model.converters
+    unknown = [c for c in converters if c not in (*FLOAT8_CONVERTERS, *MX_CONVERTERS)]
     if unknown:
         raise ConfigError(
             f"config: model.converters {unknown} cannot be applied: Titan converts linear layers to float8 "
-            f"({' or '.join(FLOAT8_CONVERTERS)}); MX formats need hardware this build does not target"
+            f"({' or '.join(FLOAT8_CONVERTERS)}) or MXFP8 ({' or '.join(MX_CONVERTERS)})"
         )
-    float8 = None
-    if config.model.converters:
+    float8 = mx = None
+    if any(c in FLOAT8_CONVERTERS for c in converters):
         float8 = config.quantize.linear.float8.recipe_name or "tensorwise"
+    if any(c in MX_CONVERTERS for c in converters):
+        if float8 is not None:
+            raise ConfigError(
+                "config: model.converters: quantize.linear.float8 and quantize.linear.mx both convert the linear "
+                "layers; keep one of them"
+            )
+        mx = config.quantize.linear.mx.recipe_name
     split_points: tuple[str, ...] = ()
     if p.module_fqns_per_model_part:
         split_points = tuple(part[0] for part in p.module_fqns_per_model_part[1:] if part)
@@ -58,6 +67,9 @@ def parallel_options(
         and config.quantize.linear.float8.enable_fsdp_float8_all_gather,
         float8_skip_fqns=tuple(dict.fromkeys(["output", *config.quantize.linear.float8.filter_fqns])),
         float8_emulate=config.quantize.linear.float8.emulate,
+        mx=mx,
+        mx_dim1_cast_kernel=config.quantize.linear.mx.mxfp8_dim1_cast_kernel_choice,
+        mx_skip_fqns=tuple(config.quantize.linear.mx.filter_fqns),
         pp_schedule=p.pipeline_parallel_schedule,
         pp_microbatch_size=p.pipeline_parallel_microbatch_size,
         pp_layers_per_stage=p.pipeline_parallel_layers_per_stage,
