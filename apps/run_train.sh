@@ -18,6 +18,10 @@ LOG_RANK=${LOG_RANK:-0}
 CONFIG_FILE=${CONFIG_FILE:-./apps/configs/debug_model.toml}
 DRY_RUN=${DRY_RUN:-0}
 export COMM_BACKEND=${COMM_BACKEND:-nccl}  # read by titan-train (titan_train.comm_backend) on every rank
+case "${COMM_BACKEND}" in  # the name at once, even for a dry run; whether it can work: titan-train check
+    nccl | nvshmem) ;;
+    *) echo "COMM_BACKEND=${COMM_BACKEND} is not one of nccl, nvshmem; unset COMM_BACKEND (or set COMM_BACKEND=nccl)" >&2; exit 2 ;;
+esac
 
 if command -v torchrun >/dev/null 2>&1; then
     TORCHRUN=(torchrun)
