@@ -78,7 +78,7 @@ LINEAR_TYPES = {"linear_types": ["Float8Linear", "Linear"]}
 MX = ("--model.converters", "mx", "--quantize.linear.mx.recipe_name", "mxfp8_emulated")
 FLOAT8_ALL_GATHER = ("--quantize.linear.float8.enable_fsdp_float8_all_gather",
                      "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp")  # fmt: skip
-FLOAT8_WEIGHT = "WeightWithDynamicFloat8CastTensor"  # a weight FSDP all-gathers in float8
+FLOAT8_WEIGHT_TYPE = "WeightWithDynamicFloat8CastTensor"  # a weight FSDP all-gathers in float8
 # The styles that split wq and feed the attention (torchao's float8 ones, or torch's plain ones).
 FLOAT8_TP_STYLES = {**LINEAR_TYPES, "tp_styles": ["Float8ColwiseParallel", "PrepareFloat8ModuleInput"]}
 PLAIN_TP_STYLES = {**LINEAR_TYPES, "tp_styles": ["ColwiseParallel", "PrepareModuleInput"]}
@@ -144,7 +144,10 @@ LAYOUTS = {
     # float8 under TP against float8 in one process: tensorwise through torchao's float8 TP styles (activations
     # all-gathered in float8), rowwise through the plain ones; with FSDP, weights all-gathered in float8 too.
     "float8_tensorwise_tp": Layout(
-        2, (*FLOAT8, "tensorwise", TP, "2"), {**FLOAT8_TP_STYLES, "degrees": {"tp": 2}}, **FLOAT8_TENSORWISE_RUN
+        2,
+        (*FLOAT8, "tensorwise", TP, "2"),
+        {**FLOAT8_TP_STYLES, "degrees": {"tp": 2}},
+        **FLOAT8_TENSORWISE_RUN,
     ),
     "float8_rowwise_tp": Layout(
         2, (*FLOAT8, "rowwise", TP, "2"), {**PLAIN_TP_STYLES, "degrees": {"tp": 2}}, **FLOAT8_ROWWISE_RUN
@@ -249,7 +252,12 @@ LAYOUTS = {
     "float8_tensorwise_tp_fsdp_float8_all_gather": Layout(
         4,
         (*FLOAT8, "tensorwise", TP, "2", *local_batch(2), *FLOAT8_ALL_GATHER),
-        {**FLOAT8_TP_STYLES, "degrees": {"dp_shard": 2, "tp": 2}, "fsdp": True, "wq_local_type": FLOAT8_WEIGHT},
+        {
+            **FLOAT8_TP_STYLES,
+            "degrees": {"dp_shard": 2, "tp": 2},
+            "fsdp": True,
+            "wq_local_type": FLOAT8_WEIGHT_TYPE,
+        },
         **FLOAT8_TENSORWISE_RUN,
     ),
     "cp_fsdp": Layout(4, (CP, "2", *local_batch(2)), {"degrees": {"dp_shard": 2, "cp": 2}, "fsdp": True}),
