@@ -6,7 +6,13 @@ import pytest
 import torch
 from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
 
-from titan_parallel import ParallelConfigError, ParallelOptions, UnsupportedDeviceError, apply_float8
+from titan_parallel import (
+    ParallelConfigError,
+    ParallelOptions,
+    UnsupportedDeviceError,
+    apply_float8,
+    float8_tp_plan,
+)
 from titan_parallel import float8 as titan_float8
 from titan_parallel.float8 import check_float8_device
 
@@ -100,3 +106,27 @@ def test_emulated_float8_matches_float8_matmuls_where_the_cpu_has_them(fp32_run,
     # Measured: tensorwise equal to 1e-6; rowwise 1.6e-4 apart (the kernel accumulates in its own order).
     rtol = {"tensorwise": 1e-5, "rowwise": 1e-3}[recipe]
     torch.testing.assert_close(emulated_losses, _overfit(real, steps=3), rtol=rtol, atol=0)
+
+
+def test_float8_tp_plan_swaps_the_styles_of_float8_linears_and_their_inputs_only():
+    """The model's plain plan, unchanged where a module is not float8 (embedding, output head, a filtered
+    linear) and with torchao's float8 styles, same layouts, where it is."""
+    model = ToyTransformer()
+    apply_float8(model, recipe="tensorwise", skip_fqns=("output", "layers.1.feed_forward.w2"))
+    plain = model.tp_plan()
+    plan = float8_tp_plan(model, plain)
+    kinds = {name: type(style).__name__ for name, style in plan.items()}
+    assert kinds["tok_embeddings"] == "RowwiseParallel" and kinds["output"] == "ColwiseParallel"
+    assert kinds["layers.0.attention"] == kinds["layers.0.feed_forward"] == "PrepareFloat8ModuleInput"
+    assert kinds["layers.0.attention.wq"] == "Float8ColwiseParallel"
+    assert kinds["layers.0.attention.wo"] == "Float8RowwiseParallel"
+    # One high-precision linear reads the block's hidden state: its input is gathered in high precision.
+    assert kinds["layers.1.feed_forward"] == "PrepareModuleInput"
+    assert kinds["layers.1.feed_forward.w2"] == "RowwiseParallel"
+    assert kinds["layers.1.feed_forward.w1"] == "Float8ColwiseParallel"
+    attention = plan["layers.0.attention"]
+    assert (attention.input_layouts, attention.desired_input_layouts) == (
+        plain["layers.*.attention"].input_layouts,
+        plain["layers.*.attention"].desired_input_layouts,
+    )
+    assert plan["layers.0.attention.wo"].output_layouts == plain["layers.*.attention.wo"].output_layouts

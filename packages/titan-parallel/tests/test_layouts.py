@@ -42,6 +42,10 @@ TWO_RANKS = {
         "wq_local_type": "WeightWithDynamicFloat8CastTensor",
     },
     "float8_rowwise_fsdp": {"linear_types": ["Float8Linear", "Linear"], "wq_local_type": "Tensor"},
+    # float8 under TP: tensorwise through torchao's float8 styles (float8 all-gathers), rowwise through plain ones
+    "float8_tensorwise_tp": {"linear_types": ["Float8Linear", "Linear"], "wq_placements": ["S(0)"]},
+    "float8_rowwise_tp": {"linear_types": ["Float8Linear", "Linear"], "wq_placements": ["S(0)"]},
+    "mx_emulated_fsdp": {"linear_types": ["Linear", "MXLinear"], "fsdp_module": True},
 }
 FOUR_RANKS = {
     "hsdp": {"wq_placements": ["R", "S(0)"], "fsdp_mesh_ndim": 2, "wq_local_shape": [16, 32]},
@@ -52,7 +56,8 @@ FOUR_RANKS = {
     "pp_tp": {"stage_blocks": [["0", "1"]], "wq_placements": ["S(0)"], "wq_local_shape": [16, 32]},
 }
 # bfloat16 parameters round every matmul input; the rest is float32.
-TOLERANCE = {"fsdp_bf16_params": 2e-2}
+# Rowwise float8 under TP: measured up to 5.4e-4 from rowwise float8 in one process (grad_norm).
+TOLERANCE = {"fsdp_bf16_params": 2e-2, "float8_rowwise_tp": 2e-3}
 
 
 def _launch(world: int, cases: list[str], out: Path) -> dict:
@@ -127,7 +132,6 @@ def test_a_step_that_fails_under_context_parallel_leaves_sdpa_and_buffers_restor
             "async_tp_on_cpu",
             r"UnsupportedDeviceError: .*async_tp needs CUDA and compiled blocks \(device 'cpu'",
         ),
-        ("float8_with_tp", r"float8 with tp\(2\) needs torchao's float8 tensor-parallel styles"),
         ("pipeline_without_pp", "build_pipeline needs pp > 1"),
         ("cp_without_buffers", r"cp\(2\) > 1 but no cp_buffers were given"),
         ("cp_seq_not_divisible", r"sequence length 6 on dim 1, not divisible by 4, the number of chunks"),

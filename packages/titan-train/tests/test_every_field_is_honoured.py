@@ -42,7 +42,8 @@ JSON_DATA = ("--training.dataset", "json", "--training.dataset_path", "docs.json
 DRILL = ("--health.drill_step", "1", "--health.drill", "nan")
 TRAINING_WORKERS = ("--training.dataloader.num_workers", "2")
 FLOAT8 = ("--model.converters", "float8")
-MX = ("--model.converters", "mx", "--quantize.linear.mx.recipe_name", "mxfp8_emulated")  # MX numerics on any device
+# MXFP8 numerics with high-precision matmuls: runs on any device.
+MX = ("--model.converters", "mx", "--quantize.linear.mx.recipe_name", "mxfp8_emulated")
 # A trace of the last step of every 3 (no warmup), over 3 steps: the next cycle starts after training ends.
 PROFILING = ("--profiling.enable_profiling", "--profiling.profile_freq", "3", "--profiling.profiler_warmup", "0",
              "--training.steps", "3")  # fmt: skip
@@ -242,9 +243,11 @@ def float8_configs(key: str) -> Callable[[Seen], Any]:
 
 
 def mx_settings(key: str) -> Callable[[Seen], Any]:
-    return lambda s: s.outcome or {
-        str(getattr(m, key)) for m in s.trainer.model_parts[0].modules() if type(m).__name__ == "MXLinear"
-    }
+    def seen(s: Seen) -> Any:
+        modules = s.trainer.model_parts[0].modules()
+        return s.outcome or {str(getattr(m, key)) for m in modules if type(m).__name__ == "MXLinear"}
+
+    return seen
 
 
 def precomputed_scales(s: Seen) -> Any:
@@ -749,7 +752,9 @@ PROBES: dict[str, Probe] = {
         ("--quantize.linear.float8.emulate",), float8_configs("emulate"), base=FLOAT8
     ),
     "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": Probe(
-        ("--quantize.linear.mx.mxfp8_dim1_cast_kernel_choice", "torch"), mx_settings("dim1_cast_kernel"), base=MX
+        ("--quantize.linear.mx.mxfp8_dim1_cast_kernel_choice", "torch"),
+        mx_settings("dim1_cast_kernel"),
+        base=MX,
     ),
     "quantize.linear.mx.recipe_name": Probe(
         ("--quantize.linear.mx.recipe_name", "mxfp8_emulated_rceil"),

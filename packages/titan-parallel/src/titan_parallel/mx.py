@@ -39,7 +39,9 @@ _RECIPES = {
     "mxfp8_cublas": _Recipe(emulated=False, scale_rounding="floor"),
     "mxfp8_cublas_rceil": _Recipe(emulated=False, scale_rounding="rceil"),
     "mxfp8_rceil": _Recipe(emulated=False, scale_rounding="rceil"),
-    "mxfp8_rceil_wgrad_with_hp": _Recipe(emulated=False, scale_rounding="rceil", weight_grad_high_precision=True),
+    "mxfp8_rceil_wgrad_with_hp": _Recipe(
+        emulated=False, scale_rounding="rceil", weight_grad_high_precision=True
+    ),
     "mxfp8_emulated": _Recipe(emulated=True, scale_rounding="floor"),
     "mxfp8_emulated_rceil": _Recipe(emulated=True, scale_rounding="rceil"),
 }
@@ -67,7 +69,9 @@ def apply_mx(
     FSDP all-gathers them in their own dtype and each matmul casts what it reads.
     """
     if recipe not in _RECIPES:
-        raise ParallelConfigError(f"parallelism: mx recipe {recipe!r} is unknown; choose one of {list(_RECIPES)}")
+        raise ParallelConfigError(
+            f"parallelism: mx recipe {recipe!r} is unknown; choose one of {list(_RECIPES)}"
+        )
     if dim1_cast_kernel not in MX_DIM1_CAST_KERNELS:
         raise ParallelConfigError(
             f"parallelism: mx dim1_cast_kernel {dim1_cast_kernel!r} is unknown; choose one of "
@@ -111,8 +115,10 @@ def missing_mx_matmuls(device_type: str, capability: tuple[int, int] | None = No
 
 def check_mx_device(device_type: str, capability: tuple[int, int] | None = None, *, recipe: str) -> None:
     """Refuse a device without MX matmuls for a recipe that needs them (all but the emulated ones)."""
+    if mx_recipe_is_emulated(recipe):
+        return
     missing = missing_mx_matmuls(device_type, capability)
-    if missing is not None and not mx_recipe_is_emulated(recipe):
+    if missing is not None:
         raise UnsupportedDeviceError(
             f"parallelism: mx recipe {recipe!r} needs MXFP8 matmuls, on a CUDA GPU of compute capability 10.0 "
             f"or newer (B200, GB200), and this run is on {missing}; use an emulated recipe (mxfp8_emulated) to "

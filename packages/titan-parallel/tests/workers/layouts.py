@@ -25,6 +25,7 @@ from titan_parallel import (
     ParallelDims,
     ParallelOptions,
     apply_float8,
+    apply_mx,
     apply_tp,
     build_pipeline,
     clip_grad_norm_,
@@ -67,6 +68,8 @@ def run_layout(degrees: dict, options: ParallelOptions, n_layers: int = 2, ref_c
     ref_model = copy.deepcopy(model)
     if options.float8:
         apply_float8(ref_model, recipe=options.float8)
+    if options.mx:
+        apply_mx(ref_model, recipe=options.mx, skip_fqns=options.mx_skip_fqns, device_type="cpu")
     data = batches()
     ref = reference(ref_model, data, ref_chunks)
 
@@ -176,7 +179,6 @@ def refusals() -> dict:
     tp.build_mesh("cpu")
     model = ToyTransformer()
     attempt("async_tp_on_cpu", lambda: apply_tp(model, tp.submesh("tp"), model.tp_plan(), async_tp=True))
-    attempt("float8_with_tp", lambda: parallelize(ToyTransformer(), tp, ParallelOptions(float8="tensorwise")))
     attempt("pipeline_without_pp", lambda: build_pipeline(
         ToyTransformer(), tp, ParallelOptions(), loss_fn=cross_entropy, device=torch.device("cpu"), local_batch_size=4
     ))  # fmt: skip
@@ -257,6 +259,13 @@ CASES = {
     ),
     "float8_rowwise_fsdp": lambda: run_layout(
         {"dp_shard": 2}, ParallelOptions(float8="rowwise"), ref_chunks=2
+    ),
+    "float8_tensorwise_tp": lambda: run_layout(
+        {"dp_shard": 1, "tp": 2}, ParallelOptions(float8="tensorwise")
+    ),
+    "float8_rowwise_tp": lambda: run_layout({"dp_shard": 1, "tp": 2}, ParallelOptions(float8="rowwise")),
+    "mx_emulated_fsdp": lambda: run_layout(
+        {"dp_shard": 2}, ParallelOptions(mx="mxfp8_emulated"), ref_chunks=2
     ),
     "refusals": refusals,
     "cp_failed_step": cp_failed_step,
