@@ -1,0 +1,131 @@
+"""The shape of a Llama 4 text model, as one dataclass shared by every flavor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from titan_models.args import MASK_TYPES, RopeScaling
+from titan_models.errors import ModelConfigError
+from titan_models.moe import MoEArgs
+
+ATTENTION_BACKENDS = ("sdpa", "flex")  # varlen cannot express chunked attention
+
+
+def llama4_moe_args(num_experts: int, top_k: int = 1) -> MoEArgs:
+    """Llama 4 routing: sigmoid scores, the top k (1) scaling the token before its expert, plus one
+    shared expert every token goes through."""
+    return MoEArgs(
+        num_experts=num_experts, num_shared_experts=1, top_k=top_k, score_func="sigmoid", route_norm=False,
+        route_scale=1.0, score_before_experts=True,
+    )  # fmt: skip
+
+
+@dataclass
+class Llama4Args:
+    """Hyper-parameters of a Llama 4 decoder (text).
+
+    Every `interleave_moe_layer_step`-th block (layers step-1, 2*step-1, ...) has a mixture-of-experts
+    feed-forward; the others a dense SwiGLU. Widths follow Llama's rule (2/3 of 4*dim, times
+    `ffn_dim_multiplier`, rounded up to `multiple_of`); an MoE expert's width is that divided by
+    top_k + shared experts before rounding (torchtitan's `auto_scale_hidden_dim`).
+
+    iRoPE: with `every_n_layers_nope = n`, layers n-1, 2n-1, ... use no positional embedding and attend
+    over the whole sequence with queries scaled by `log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1`
+    (`attn_temperature_tuning`); the other layers rotate queries and keys, normalise them (`use_qk_norm`:
+    RMS without a weight, after the rotation) and, with `attn_chunk_size`, attend only within chunks of
+    that many positions. This is the layout of the published checkpoints and of Hugging Face's
+    `Llama4ForCausalLM`.
+    """
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 202048
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 2048
+    context_len: int | None = None
+    depth_init: bool = True
+    attn_backend: str = "sdpa"
+    attn_mask_type: str = "causal"
+    eos_id: int | None = None
+    tie_word_embeddings: bool = False
+    # iRoPE
+    every_n_layers_nope: int | None = None
+    attn_chunk_size: int | None = None
+    use_qk_norm: bool = False
+    attn_temperature_tuning: bool = False
+    floor_scale: int = 8192
+    attn_scale: float = 0.1
+    # Mixture of experts
+    moe_args: MoEArgs = field(default_factory=lambda: llama4_moe_args(8))
+    interleave_moe_layer_step: int = 2
+    auto_scale_hidden_dim: bool = True
+    # Widths stated by a Hugging Face config (intermediate_size_mlp, intermediate_size); None: the rule.
+    dense_hidden_dim_override: int | None = None
+    moe_hidden_dim_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.context_len is None:
+            self.context_len = self.max_seq_len
+        checks = [
+            (self.dim % self.n_heads == 0, f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"),
+            (self.n_heads % self.kv_heads == 0, f"n_heads ({self.n_heads}) must be divisible by n_kv_heads"),
+            (self.head_dim % 2 == 0, f"head_dim = dim / n_heads = {self.head_dim} must be even for rotary"),
+            (self.attn_backend in ATTENTION_BACKENDS,
+             f"attn_backend '{self.attn_backend}' is not one of {', '.join(ATTENTION_BACKENDS)} for llama4"),
+            (self.attn_mask_type in MASK_TYPES, f"attn_mask_type '{self.attn_mask_type}' is not one of {MASK_TYPES}"),
+            (self.every_n_layers_nope is None or self.every_n_layers_nope > 1,
+             f"every_n_layers_nope ({self.every_n_layers_nope}) must be greater than 1"),
+            (self.attn_chunk_size is None or self.attn_chunk_size > 0,
+             f"attn_chunk_size ({self.attn_chunk_size}) must be positive"),
+            (self.interleave_moe_layer_step >= 1,
+             f"interleave_moe_layer_step ({self.interleave_moe_layer_step}) must be at least 1"),
+        ]  # fmt: skip
+        for ok, message in checks:
+            if not ok:
+                raise ModelConfigError(f"model: {message}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def _rule_width(self) -> int:
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return hidden
+
+    def _round(self, hidden: int) -> int:
+        return hidden + (-hidden % self.multiple_of)
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """The width of a dense block's SwiGLU."""
+        if self.dense_hidden_dim_override is not None:
+            return self.dense_hidden_dim_override
+        return self._round(self._rule_width())
+
+    @property
+    def moe_hidden_dim(self) -> int:
+        """The width of each routed (and the shared) expert's SwiGLU."""
+        if self.moe_hidden_dim_override is not None:
+            return self.moe_hidden_dim_override
+        hidden = self._rule_width()
+        if self.auto_scale_hidden_dim:
+            hidden = int(hidden / (self.moe_args.top_k + self.moe_args.num_shared_experts))
+        return self._round(hidden)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (layer + 1) % self.interleave_moe_layer_step == 0
+
+    def uses_rope(self, layer: int) -> bool:
+        return self.every_n_layers_nope is None or (layer + 1) % self.every_n_layers_nope != 0

@@ -1,0 +1,146 @@
+"""Titan's Qwen3 against Hugging Face's `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM` (transformers 5),
+an implementation nobody here wrote: weights both ways, config both ways, refusals in one line."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from titan_models import (
+    ModelConfigError,
+    WeightMappingError,
+    load_safetensors_sharded,
+    save_safetensors_sharded,
+)
+from titan_models.qwen3 import (
+    Qwen3Args,
+    Qwen3Model,
+    Qwen3StateDictAdapter,
+    args_from_hf_config,
+    hf_config_differences,
+    qwen3_args,
+    qwen3_moe_args,
+)
+
+_BASE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, hidden_dim=96, max_seq_len=32)
+SHAPES = {
+    # 0.6B in miniature: head_dim (32) wider than dim / n_heads (16), tied embeddings.
+    "dense-tied": Qwen3Args(**_BASE, head_dim=32, tie_word_embeddings=True),
+    "dense": Qwen3Args(**_BASE, head_dim=16, rope_theta=10000.0),
+    # 30B-A3B in miniature: 8 experts, top 2, renormalised, no shared expert.
+    "moe": Qwen3Args(**_BASE, head_dim=16, moe_inter_dim=32, moe_args=qwen3_moe_args(8, 2)),
+    "moe-unnormalised": Qwen3Args(
+        **_BASE, head_dim=16, moe_inter_dim=32, moe_args=qwen3_moe_args(8, 2, False)
+    ),
+}
+
+
+def _hf_model(config: dict):
+    hf_config = AutoConfig.for_model(**config)
+    hf_config._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(hf_config).eval()
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    """Random weights, norms away from 1 so that a swapped or missing norm would show."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
+
+
+def _tokens(args) -> torch.Tensor:
+    return torch.randint(
+        0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(0)
+    )
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_hugging_face_checkpoint_imports_with_equal_logits_and_maps_back_identically(shape, tmp_path):
+    args = SHAPES[shape]
+    adapter = Qwen3StateDictAdapter(args)
+    hf = _hf_model(adapter.hf_config())
+    _perturb(hf, seed=len(shape))
+    hf.save_pretrained(tmp_path)
+    hf_state = load_safetensors_sharded(tmp_path)
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert hf_config_differences(args, config) == []
+    imported = args_from_hf_config(config, max_seq_len=args.max_seq_len)
+    ours = Qwen3Model(imported).eval()
+    ours.load_state_dict(adapter.from_hf(hf_state), strict=True)
+    with torch.no_grad():
+        expected, got = hf(_tokens(args)).logits, ours(_tokens(args))
+    assert (got - expected).abs().max().item() <= 1e-5
+    assert expected.abs().max().item() > 0.5  # not a comparison of near-zero logits
+
+    back = adapter.to_hf(ours.state_dict())
+    assert back.keys() == hf_state.keys()
+    assert all(torch.equal(back[k], hf_state[k]) for k in hf_state)
+
+
+@pytest.mark.parametrize("shape", ["dense-tied", "moe"])
+def test_titan_export_loads_in_transformers_with_equal_logits(shape, tmp_path):
+    args = SHAPES[shape]
+    adapter = Qwen3StateDictAdapter(args)
+    with torch.device("meta"):
+        ours = Qwen3Model(args)
+    ours.to_empty(device="cpu")
+    ours.init_weights(seed=5)
+    _perturb(ours, seed=6)
+    ours.eval()
+    save_safetensors_sharded(adapter.to_hf(ours.state_dict()), tmp_path, config=adapter.hf_config())
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert type(hf).__name__ == ("Qwen3MoeForCausalLM" if args.moe_args else "Qwen3ForCausalLM")
+    with torch.no_grad():
+        assert (hf(_tokens(args)).logits - ours(_tokens(args))).abs().max().item() <= 1e-5
+
+
+def test_flavor_configs_match_the_published_qwen3_releases():
+    c = Qwen3StateDictAdapter(qwen3_args("0.6B")).hf_config()
+    assert (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["head_dim"]) == (
+        1024,
+        3072,
+        28,
+        128,
+    )
+    assert (c["num_attention_heads"], c["num_key_value_heads"], c["tie_word_embeddings"]) == (16, 8, True)
+    assert Qwen3StateDictAdapter(qwen3_args("8B")).hf_config()["tie_word_embeddings"] is False
+    m = Qwen3StateDictAdapter(qwen3_args("30B-A3B")).hf_config()
+    assert (m["model_type"], m["num_experts"], m["num_experts_per_tok"], m["moe_intermediate_size"]) == (
+        "qwen3_moe", 128, 8, 768,
+    )  # fmt: skip
+    assert m["norm_topk_prob"] is True and m["num_key_value_heads"] == 4
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
+        ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+        ({"model_type": "qwen2"}, "model_type"),
+    ],
+)
+def test_a_config_titan_cannot_compute_is_refused_in_one_line_naming_the_field(change, field):
+    config = {**Qwen3StateDictAdapter(SHAPES["moe"]).hf_config(), **change}
+    with pytest.raises(ModelConfigError, match=field) as caught:
+        args_from_hf_config(config)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_checkpoint_of_another_shape_names_the_differing_fields_and_missing_tensors():
+    args = SHAPES["moe"]
+    config = {**Qwen3StateDictAdapter(args).hf_config(), "rms_norm_eps": 1e-5, "norm_topk_prob": False}
+    assert hf_config_differences(args, config) == [
+        "rms_norm_eps: checkpoint 1e-05, flavor 1e-06", "norm_topk_prob: checkpoint False, flavor True",
+    ]  # fmt: skip
+    state = Qwen3StateDictAdapter(args).to_hf(Qwen3Model(args).state_dict())
+    del state["model.layers.1.mlp.experts.7.up_proj.weight"]
+    with pytest.raises(
+        WeightMappingError, match=r"missing \['model.layers.1.mlp.experts.7.up_proj.weight'\]"
+    ):
+        Qwen3StateDictAdapter(args).from_hf(state)
