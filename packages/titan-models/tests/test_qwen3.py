@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from titan_models import ModelConfigError, count_parameters
+from titan_models.moe import count_active_parameters
 from titan_models.qwen3 import (
     QWEN3_FLAVORS,
     Qwen3Args,
     Qwen3Model,
-    active_parameters,
     moe_flops_per_token,
     qwen3_args,
     qwen3_moe_args,
@@ -50,7 +50,7 @@ def test_parameter_counts_match_the_published_figures(flavor):
     published_total, published_non_embedding, published_active = PUBLISHED[flavor]
     assert abs(total / 1e9 - published_total) <= _precision(published_total)
     assert abs(non_embedding / 1e9 - published_non_embedding) <= _precision(published_non_embedding)
-    active = active_parameters(model)
+    active = count_active_parameters(model)
     if published_active is None:
         assert active == total
     else:
@@ -61,7 +61,7 @@ def test_parameter_counts_match_the_published_figures(flavor):
 def test_flops_per_token_count_the_active_parameters_and_attention():
     args = QWEN3_FLAVORS["30B-A3B"]
     model = _meta(args)
-    active = active_parameters(model)
+    active = count_active_parameters(model)
     embedding = args.vocab_size * args.dim
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * 4096
     assert moe_flops_per_token(args, model, seq_len=4096) == 6 * (active - embedding) + attention

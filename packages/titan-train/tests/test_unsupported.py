@@ -33,10 +33,16 @@ def test_supported_settings_pass():
     refuse_unsupported(load_job_config([*RUNNABLE, "--training.global_batch_size", "64"]), "cpu")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
-def test_wandb_without_the_package_says_how_to_install_it():
+def test_wandb_without_the_package_says_how_to_install_it(monkeypatch):
+    config = load_job_config([*RUNNABLE, "--metrics.enable_wandb"])
+    refuse_unsupported(config, "cpu")  # installed in the workspace: accepted
+    find_spec = importlib.util.find_spec
+    # An environment without it: the import system finds no wandb.
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a)
+    )
     with pytest.raises(UnsupportedConfigError, match="wandb package is not installed; pip install wandb"):
-        refuse_unsupported(load_job_config([*RUNNABLE, "--metrics.enable_wandb"]), "cpu")
+        refuse_unsupported(config, "cpu")
 
 
 def test_the_command_exits_with_the_message_before_joining_a_process_group(caplog, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_models.attention import Attention, attend, check_attention_backend
 from titan_models.attention_masks import document_ids
@@ -18,6 +19,7 @@ from titan_models.llama4.args import Llama4Args
 from titan_models.llama4.masks import Llama4Masks, build_llama4_masks
 from titan_models.moe import MoE
 from titan_models.qwen3.init import init_moe_model
+from titan_models.qwen3.tensor_parallel_plan import moe_tp_entries
 from titan_models.rope import apply_rotary
 from titan_models.transformer import FeedForward, Transformer
 
@@ -102,6 +104,14 @@ class Llama4Model(Transformer):
         with torch.device(device):
             self.freqs_cis = self._rotary_table()
         init_moe_model(self, self.args, torch.initial_seed() if seed is None else seed, device)
+
+    def tp_plan(
+        self, *, sequence_parallel: bool = True, loss_parallel: bool = True
+    ) -> dict[str, ParallelStyle]:
+        """Llama's plan (attention heads and dense SwiGLUs split Megatron-style)
+        and MoE layers replicated (see `qwen3.tensor_parallel_plan`)."""
+        plan = super().tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        return plan | (moe_tp_entries(sequence_parallel=sequence_parallel) if self.moe_layers() else {})
 
     def moe_layers(self) -> dict[str, nn.Module]:
         """The MoE feed-forwards this model (or pipeline stage) holds, by FQN."""

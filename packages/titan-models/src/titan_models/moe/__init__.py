@@ -12,6 +12,7 @@ from titan_models.moe.load_balance import (
     set_aux_loss_scale,
     update_expert_bias,
 )
+from titan_models.moe.params import count_active_parameters
 from titan_models.moe.router import TokenChoiceRouter
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "TokenChoiceRouter",
     "attach_aux_loss",
     "check_moe_args",
+    "count_active_parameters",
     "expert_load",
     "experts_for_loop",
     "experts_grouped_mm",

@@ -5,17 +5,15 @@ from titan_models.qwen3.flavors import QWEN3_FLAVORS, qwen3_args
 from titan_models.qwen3.hf_adapter import Qwen3StateDictAdapter
 from titan_models.qwen3.hf_config import args_from_hf_config, hf_config_differences, to_hf_config
 from titan_models.qwen3.model import Qwen3Model
-from titan_models.qwen3.sizes import active_parameters, inactive_expert_parameters, moe_flops_per_token
+from titan_models.qwen3.sizes import moe_flops_per_token
 
 __all__ = [
     "QWEN3_FLAVORS",
     "Qwen3Args",
     "Qwen3Model",
     "Qwen3StateDictAdapter",
-    "active_parameters",
     "args_from_hf_config",
     "hf_config_differences",
-    "inactive_expert_parameters",
     "moe_flops_per_token",
     "qwen3_args",
     "qwen3_moe_args",

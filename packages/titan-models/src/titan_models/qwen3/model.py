@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_models.attention import Attention, attend, check_attention_backend
 from titan_models.attention_masks import AttentionMask
@@ -17,6 +18,7 @@ from titan_models.moe import MoE
 from titan_models.qwen3.args import Qwen3Args
 from titan_models.qwen3.init import init_moe_model
 from titan_models.qwen3.rotary import apply_rotary_half_split
+from titan_models.qwen3.tensor_parallel_plan import moe_tp_entries, qk_norm_tp_entries
 from titan_models.transformer import FeedForward, Transformer
 
 
@@ -86,6 +88,16 @@ class Qwen3Model(Transformer):
         with torch.device(device):
             self.freqs_cis = self._rotary_table()
         init_moe_model(self, self.args, torch.initial_seed() if seed is None else seed, device)
+
+    def tp_plan(
+        self, *, sequence_parallel: bool = True, loss_parallel: bool = True
+    ) -> dict[str, ParallelStyle]:
+        """Llama's plan (attention heads and dense SwiGLUs split Megatron-style), the QK norms split by head
+        and MoE layers replicated (see `qwen3.tensor_parallel_plan`)."""
+        plan = super().tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        if self.args.qk_norm:
+            plan |= qk_norm_tp_entries()
+        return plan | (moe_tp_entries(sequence_parallel=sequence_parallel) if self.moe_layers() else {})
 
     def moe_layers(self) -> dict[str, nn.Module]:
         """The MoE feed-forwards this model (or pipeline stage) holds, by FQN; empty for dense flavors."""

@@ -1,0 +1,25 @@
+"""DeepSeek-V2/V3: multi-head latent attention, YaRN, dense then MoE blocks; flavors, FLOPs and HF mapping."""
+
+from titan_models.deepseek_v3.args import DeepSeekV3Args
+from titan_models.deepseek_v3.flavors import DEEPSEEK_V3_FLAVORS, deepseek_v3_args
+from titan_models.deepseek_v3.flops import deepseek_flops_per_token
+from titan_models.deepseek_v3.hf_adapter import DeepSeekV3StateDictAdapter
+from titan_models.deepseek_v3.hf_config import args_from_hf_config, hf_config_differences, to_hf_config
+from titan_models.deepseek_v3.model import DeepSeekV3Block, DeepSeekV3Model
+from titan_models.deepseek_v3.tensor_parallel_plan import ReplicatedParams, SumGradients, deepseek_tp_plan
+
+__all__ = [
+    "DEEPSEEK_V3_FLAVORS",
+    "DeepSeekV3Args",
+    "DeepSeekV3Block",
+    "DeepSeekV3Model",
+    "DeepSeekV3StateDictAdapter",
+    "ReplicatedParams",
+    "SumGradients",
+    "args_from_hf_config",
+    "deepseek_flops_per_token",
+    "deepseek_tp_plan",
+    "deepseek_v3_args",
+    "hf_config_differences",
+    "to_hf_config",
+]

@@ -1,0 +1,63 @@
+"""Multi-head latent attention (MLA), DeepSeek-V2/V3's attention with low-rank query and key/value latents."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from titan_models.attention import attend
+from titan_models.attention_masks import AttentionMask
+from titan_models.deepseek_v3.args import DeepSeekV3Args
+from titan_models.rope import apply_rotary
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """Keys and values are expanded per head from one shared latent of rank `kv_lora_rank`; the rotated
+    part of the key (`qk_rope_head_dim`) is computed once and shared by every head.
+
+    Parameter names are torchtitan 0.2.2's: `wq` (or `wq_a`, `q_norm`, `wq_b`), `wkv_a`, `kv_norm`,
+    `wkv_b`, `wo`.
+    """
+
+    def __init__(self, args: DeepSeekV3Args):
+        super().__init__()
+        self.backend = args.attn_backend
+        self.q_lora_rank = args.q_lora_rank
+        self.kv_lora_rank = args.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = (
+            args.qk_nope_head_dim,
+            args.qk_rope_head_dim,
+            args.v_head_dim,
+        )
+        qk_dim = args.qk_head_dim
+        latent_eps = args.norm_eps if args.latent_norm_eps is None else args.latent_norm_eps
+        if self.q_lora_rank == 0:
+            self.wq = nn.Linear(args.dim, args.n_heads * qk_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=latent_eps)
+            self.wq_b = nn.Linear(self.q_lora_rank, args.n_heads * qk_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=latent_eps)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
+        # A hook point with no parameters: tensor parallelism sums the shared rotary key's gradient here.
+        self.shared_rope_key = nn.Identity()
+        # The kernels scale scores by 1/sqrt(qk_dim); folding the ratio into q gives YaRN's scale instead.
+        self.q_factor = args.softmax_scale * qk_dim**0.5
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        bs, seq_len, _ = x.shape
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
+        q = q.view(bs, seq_len, -1, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q_pe, k_pe = apply_rotary(q_pe, self.shared_rope_key(k_pe).unsqueeze(2), freqs_cis)
+        q = torch.cat([q_nope, q_pe], dim=-1) * self.q_factor
+
+        kv = self.wkv_b(self.kv_norm(kv)).view(bs, seq_len, -1, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.backend, mask)
+        return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
