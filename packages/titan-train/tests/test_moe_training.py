@@ -3,7 +3,6 @@ biases as the load-balancing rule says, and bad MoE input stops the run with one
 
 import json
 import logging
-import time
 from dataclasses import replace
 
 import pytest
@@ -50,12 +49,10 @@ def _records(dump):
 def test_each_moe_family_trains_and_logs_expert_load(tmp_path):
     for family, args in _TINY_FLAVORS.items():
         dump = tmp_path / family
-        start = time.perf_counter()
         # Two micro-batches per step: the counts cover both (global batch 4 = 2 x local batch 2).
         code = run(["--model.name", family, *SMALL, "--training.global_batch_size", "4",
                     "--job.dump_folder", str(dump)])  # fmt: skip
         assert code == 0, family
-        print(family, time.perf_counter() - start)
         records = _records(dump)
         assert len(records) == 6
         assert records[-1]["loss"] < records[0]["loss"] - 0.2, family
@@ -127,7 +124,9 @@ def test_bad_moe_input_is_one_line_and_exit_2_before_any_work(tmp_path, caplog, 
 
 def test_bias_update_equals_the_rule_applied_to_the_logged_counts(tmp_path, small_config, one_rank):
     # Last in the module: the one-rank group outlives it, and `run` above tears its own group down.
-    config = small_config(tmp_path, "--model.name", "deepseek_v3", *SMALL, "--training.global_batch_size", "4")
+    config = small_config(
+        tmp_path, "--model.name", "deepseek_v3", *SMALL, "--training.global_batch_size", "4"
+    )
     trainer = Trainer(resolve(config, 1, "cpu"), one_rank)
     layers = trainer.model_parts[0].moe_layers()
     batches = trainer._batches()
