@@ -10,6 +10,7 @@ through (`titan_models.moe.count_active_parameters`), so throughput and MFU are 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,8 +22,9 @@ from titan_train.registry import HFMapping, ModelFamily, register_model_family
 
 
 def _on_meta(build: Callable[[Any], nn.Module], args: Any) -> nn.Module:
+    # eos_id only names the token that separates packed documents; DeepSeek refuses block_causal without it.
     with torch.device("meta"):
-        return build(args)
+        return build(replace(args, eos_id=0) if args.eos_id is None else args)
 
 
 def _active_flops(build: Callable[[Any], nn.Module]) -> Callable[[Any, int, int, int], float]:

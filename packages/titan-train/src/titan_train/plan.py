@@ -118,7 +118,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     except ParallelConfigError as err:
         problems.append(str(err))
     with torch.device("meta"):
-        model = family.build(args)  # for its parameter counts and pipeline units
+        model = family.build(counting_args(args))  # for its parameter counts and pipeline units
     if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
         try:
             pipeline_stages(model.pipeline_units(), list(blocks_of(model)), dims.pp, options)
@@ -139,6 +139,13 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
         options=options,
         params=ParamCounts.of(model, family),
     )
+
+
+def counting_args(args: Any) -> Any:
+    """`args` buildable before the tokenizer is known: a model that packs documents (block_causal) may
+    refuse to be built without its eos_id (DeepSeek-V3 does), which the trainer sets from the
+    tokenizer; parameter counts and pipeline units do not depend on its value."""
+    return replace(args, eos_id=0) if args.eos_id is None else args
 
 
 def _check_context(config: JobConfig, args: Any) -> None:
