@@ -83,7 +83,12 @@ def trace_step(
     dims.build_mesh(device.type)
     plan = replace(plan, dims=dims, loss_fn=labelled_loss)
     built = build_model(
-        plan, device, eos_id=counting_args(plan.model_args).eos_id, seed=0, n_layers=n_layers, materialize=not fake
+        plan,
+        device,
+        eos_id=counting_args(plan.model_args).eos_id,
+        seed=0,
+        n_layers=n_layers,
+        materialize=not fake,
     )
     parts, pipeline, args = built.parts, built.pipeline, built.args
     mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
