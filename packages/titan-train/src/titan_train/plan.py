@@ -117,8 +117,10 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
         )  # fmt: skip
     except ParallelConfigError as err:
         problems.append(str(err))
+    # For its parameter counts and pipeline units. The tokenizer's eos_id (which block-causal masks
+    # need, and which the builder sets) changes no parameter: a stand-in until then.
     with torch.device("meta"):
-        model = family.build(counting_args(args))  # for its parameter counts and pipeline units
+        model = family.build(counting_args(args))
     if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
         try:
             pipeline_stages(model.pipeline_units(), list(blocks_of(model)), dims.pp, options)

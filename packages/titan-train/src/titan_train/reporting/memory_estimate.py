@@ -125,8 +125,13 @@ def estimate_memory(plan: RunPlan, *, fake: bool = True, capacity: int | None = 
     config, world_size, dims = plan.config, plan.world_size, plan.dims
     if config.compile.enable:
         # Dynamo cannot trace under an outer fake mode; eager saves at least what inductor saves.
-        plan = replace(plan, config=replace(config, compile=replace(config.compile, enable=False)))
-        plan = replace(plan, loss_fn=build_loss_fn(plan.config, plan.family))
+        eager = replace(config, compile=replace(config.compile, enable=False))
+        plan = replace(
+            plan,
+            config=eager,
+            options=replace(plan.options, compile=False),
+            loss_fn=build_loss_fn(eager, plan.family),
+        )
         notes.append(
             "compile is traced as eager (an upper bound: inductor fuses element-wise ops and saves less)"
         )
