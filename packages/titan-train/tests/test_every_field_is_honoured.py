@@ -549,7 +549,7 @@ PROBES: dict[str, Probe] = {
             "--parallelism.expert_parallel_degree",
             "2",
         ),
-        "no experts",
+        "not wired into the trainer",
     ),
     "parallelism.context_parallel_degree": Probe(
         ("--parallelism.context_parallel_degree", "2"), degrees, world=4
@@ -567,14 +567,14 @@ PROBES: dict[str, Probe] = {
         world=2,
     ),
     "parallelism.expert_parallel_degree": refused(
-        ("--parallelism.expert_parallel_degree", "2"), "no experts"
+        ("--parallelism.expert_parallel_degree", "2"), "not wired into the trainer"
     ),
     "parallelism.expert_tensor_parallel_degree": refused(
-        ("--parallelism.expert_tensor_parallel_degree", "2"), "no experts"
+        ("--parallelism.expert_tensor_parallel_degree", "2"), "not wired into the trainer"
     ),
     "parallelism.expert_parallel_comm_backend": refused(
         ("--parallelism.expert_parallel_comm_backend", "deepep", "--parallelism.expert_parallel_degree", "2"),
-        "no experts",
+        "not wired into the trainer",
     ),
     # [checkpoint]: a 2-step run's checkpoints are copied in where a launch loads them
     "checkpoint.enable": Probe(("--checkpoint.enable",), files, train=True),

@@ -27,6 +27,7 @@ from titan_train.errors import ConfigError
 from titan_train.registry import LossFn, ModelFamily, get_model_family
 from titan_train.wiring.hf_interop import model_args
 from titan_train.wiring.loss import build_loss_fn
+from titan_train.wiring.moe import moe_run_args
 from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps, parallel_options
 from titan_train.wiring.precision import compute_dtype, dtype_of
 
@@ -99,7 +100,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     """The plan of `config` on `world_size` ranks of `device_type`; a ConfigError naming every problem."""
     family = get_model_family(config.model.name)
     seq_len = model_seq_len(config)
-    args = model_args(config, family, max_seq_len=seq_len)
+    args = moe_run_args(config, model_args(config, family, max_seq_len=seq_len))
     _check_context(config, args)
     dims = build_parallel_dims(config, world_size)
     param_dtype = compute_dtype(config, torch.device(device_type)) if dims.fsdp_enabled else torch.float32
@@ -119,7 +120,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     # For its parameter counts and pipeline units. The tokenizer's eos_id (which block-causal masks
     # need, and which the builder sets) changes no parameter: a stand-in until then.
     with torch.device("meta"):
-        model = family.build(args if args.eos_id is not None else replace(args, eos_id=0))
+        model = family.build(counting_args(args))
     if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
         try:
             pipeline_stages(model.pipeline_units(), list(blocks_of(model)), dims.pp, options)
@@ -140,6 +141,13 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
         options=options,
         params=ParamCounts.of(model, family),
     )
+
+
+def counting_args(args: Any) -> Any:
+    """`args` buildable before the tokenizer is known: a model that packs documents (block_causal) may
+    refuse to be built without its eos_id (DeepSeek-V3 does), which the trainer sets from the
+    tokenizer; parameter counts and pipeline units do not depend on its value."""
+    return replace(args, eos_id=0) if args.eos_id is None else args
 
 
 def _check_context(config: JobConfig, args: Any) -> None:

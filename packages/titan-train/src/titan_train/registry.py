@@ -132,3 +132,6 @@ for _name, _flavors in (("llama3", LLAMA3_FLAVORS), ("llama2", LLAMA2_FLAVORS)):
     register_model_family(
         ModelFamily(_name, _flavors, Transformer, titan_models.flops_per_token, hf=_LLAMA_HF)
     )
+
+# The mixture-of-experts families register themselves through the public function above.
+import titan_train.model_families  # noqa: E402, F401

@@ -31,6 +31,7 @@ from titan_train.wiring.data import build_loader, build_tokenizer_for, build_val
 from titan_train.wiring.gc_schedule import GarbageCollection
 from titan_train.wiring.host_memory import keep_freed_host_memory
 from titan_train.wiring.model import build_model, check_vocabulary
+from titan_train.wiring.moe import MoEBalancing, MoEStepStats
 from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
 from titan_train.wiring.precision import forward_context
@@ -59,6 +60,7 @@ class StepResult:
     numbers: StepNumbers
     tokens: int
     data_seconds: float
+    moe: MoEStepStats | None = None  # expert load and aux loss, for a model with experts
 
 
 class Trainer:
@@ -107,6 +109,7 @@ class Trainer:
             and config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
         )
         self.loss_fn, self.train_loss_fn = plan.loss_fn, built.train_loss_fn
+        self.moe = MoEBalancing(self.model_parts, self.dims, self.grad_accum_steps)
         if config.model.print_after_conversion:
             logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
         self.forward_context = forward_context(config, self.dims, self.device)
@@ -219,6 +222,7 @@ class Trainer:
             data_seconds += time.perf_counter() - start
             tokens += labels.numel()  # counted before context parallelism keeps a slice of the sequence
             loss_sum += self._forward_backward(inputs, labels)
+        moe = self.moe.step()  # expert biases from this step's routing, summed over dp x cp ranks
         parameters = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(
             parameters, self.config.training.max_norm, pp_mesh=self.dims.submesh("pp")
@@ -232,7 +236,7 @@ class Trainer:
             if self.float8_scales_each_step:
                 for part in self.model_parts:
                     precompute_float8_scales(part)
-        return StepResult(numbers, tokens, data_seconds)
+        return StepResult(numbers, tokens, data_seconds, moe)
 
     def _train_step_in_backward(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """`train_step` with the optimizer stepping in backward; with clipping, a first backward measures
@@ -250,9 +254,10 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.wait_for_staging()  # parameters move during this backward
         loss, grad_norm = self.optimizers.step(lambda: self._forward_backward(inputs, labels), coef)
+        moe = self.moe.step()  # a measuring pass counts tokens twice: the bias moves by sign, unchanged
         numbers = self.guard.agree(loss, grad_norm)
         self.guard.decide(self.state.step + 1, numbers)
-        return StepResult(numbers, labels.numel(), data_seconds)
+        return StepResult(numbers, labels.numel(), data_seconds, moe)
 
     def _layout_context(self, inputs: torch.Tensor, labels: torch.Tensor):
         """Loss and context parallelism around a forward pass, as the layout enables them: context
@@ -332,7 +337,7 @@ class Trainer:
                 window.tokens += step.tokens
                 window.data_seconds += step.data_seconds
                 if self.metrics.should_log(self.state.step):
-                    losses.append(self._log(step.numbers.read(), window))
+                    losses.append(self._log(step.numbers.read(), window, step.moe))
                     window = _Window()
                 if self.validator is not None and self.validator.should_validate(self.state.step):
                     with stop_on_data_outage(self.state.step, self.checkpointer):
@@ -349,7 +354,7 @@ class Trainer:
         logger.info("training done at step %d", self.state.step)
         return losses
 
-    def _log(self, numbers: AgreedNumbers, window: _Window) -> float:
+    def _log(self, numbers: AgreedNumbers, window: _Window, moe: MoEStepStats | None) -> float:
         """Log the step; return its loss. The loss is the mean over ranks, and loss_max the largest,
         as `StepGuard.agree` gathered them: the log line runs no collective of its own."""
         seconds = time.perf_counter() - window.started
@@ -373,6 +378,9 @@ class Trainer:
                 data_time_s=window.data_seconds / window.steps,
                 data_time_pct=100 * window.data_seconds / seconds,
                 step_time_s=seconds / window.steps,
+                expert_load=moe.load() if moe is not None else None,
+                expert_counts=moe.counts if moe is not None else None,
+                aux_loss=moe.aux_loss if moe is not None else None,
             )
         )
         return numbers.loss_mean

@@ -52,14 +52,8 @@ _RULES = (
     _Rule(
         lambda c: c.parallelism.expert_parallel_degree > 1 or c.parallelism.expert_tensor_parallel_degree > 1,
         lambda c: "parallelism.expert_parallel_degree/expert_tensor_parallel_degree > 1",
-        "the registered Llama models have no experts",
+        "expert parallelism is not wired into the trainer yet",
         "set both to 1",
-    ),
-    _Rule(
-        lambda c: c.debug.moe_force_load_balance,
-        lambda c: "debug.moe_force_load_balance = true",
-        "the registered Llama models have no experts",
-        "set it to false",
     ),
     _Rule(
         lambda c: c.fault_tolerance.enable,
@@ -76,7 +70,7 @@ _RULES = (
     _Rule(
         lambda c: bool(c.quantize.grouped_mm.float8.fqns or c.quantize.grouped_mm.mx.fqns),
         lambda c: "quantize.grouped_mm.float8/mx.fqns",
-        "grouped matmuls belong to experts, and the registered Llama models have none",
+        "float8/MX grouped matmuls for experts are not wired into the trainer",
         "leave both lists empty (quantize.linear.float8 converts the linear layers)",
     ),
     _Rule(

@@ -32,6 +32,11 @@ class StepMetrics:
     data_time_s: float  # seconds per step spent waiting for batches
     data_time_pct: float
     step_time_s: float
+    # Models with experts: per MoE layer, max/mean tokens per expert (and their ratio) and the tokens per
+    # expert the bias update used, summed over data-parallel ranks; the sequence-wise aux loss when on.
+    expert_load: dict[str, dict[str, float]] | None = None
+    expert_counts: dict[str, list[float]] | None = None
+    aux_loss: float | None = None
 
 
 # torchtitan's TensorBoard tags, so existing dashboards keep working.
@@ -50,7 +55,9 @@ TB_TAGS = {
     "data_time_s": "time_metrics/data_loading(s)",
     "data_time_pct": "time_metrics/data_loading(%)",
     "step_time_s": "time_metrics/end_to_end(s)",
+    "aux_loss": "moe/aux_loss",
 }
+PER_LAYER_FIELDS = ("expert_load", "expert_counts")  # in metrics.jsonl; TensorBoard gets the load ratio
 VALIDATION_TAGS = {"loss": "validation_metrics/loss", "perplexity": "validation_metrics/perplexity"}
 
 
@@ -116,13 +123,20 @@ class MetricsLogger:
     def log(self, m: StepMetrics) -> None:
         c = _Colors(self.color)
         mfu = f"  {c.magenta}mfu: {m.mfu:.2f}%" if m.mfu is not None else ""
+        mfu += _moe_summary(m)
         logger.info(
             f"{c.red}step: {m.step:2}  {c.green}loss: {m.loss:7.4f}  {c.yellow}grad_norm: {m.grad_norm:7.4f}  "
             f"{c.turquoise}memory: {m.memory_gib:5.2f}GiB({m.memory_pct:.2f}%)  {c.blue}tps: {round(m.tps):,}  "
             f"{c.cyan}tflops: {m.tflops:,.2f}{mfu}{c.reset}"
         )
-        values = {name: value for name, value in asdict(m).items() if name != "step" and value is not None}
-        self._record(self.jsonl, m.step, asdict(m), {TB_TAGS[name]: value for name, value in values.items()})
+        # A dense model's records keep their fields: the MoE ones appear only for a model with experts.
+        record = {
+            k: v for k, v in asdict(m).items() if v is not None or k not in (*PER_LAYER_FIELDS, "aux_loss")
+        }
+        tags = {TB_TAGS[k]: v for k, v in record.items() if k in TB_TAGS and k != "step" and v is not None}
+        for layer, load in (m.expert_load or {}).items():
+            tags[f"moe/expert_load_max_over_mean/{layer}"] = load["max_over_mean"]
+        self._record(self.jsonl, m.step, record, tags)
 
     def log_validation(self, step: int, loss: float, perplexity: float) -> None:
         c = _Colors(self.color)
@@ -152,6 +166,15 @@ class MetricsLogger:
                 sink.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _moe_summary(m: StepMetrics) -> str:
+    """The console's expert-load summary: the worst layer's max/mean tokens per expert (1.00: balanced)."""
+    if not m.expert_load:
+        return ""
+    worst = max(load["max_over_mean"] for load in m.expert_load.values())
+    aux = f"  aux_loss: {m.aux_loss:.4f}" if m.aux_loss is not None else ""
+    return f"  expert_load(max/mean): {worst:.2f}{aux}"
 
 
 class _Colors:

@@ -24,7 +24,7 @@ from titan_parallel import blocks_of, clip_grad_norm_, precompute_float8_scales,
 from titan_parallel.cuda_kernel_memory import use_cuda_kernel_memory
 from titan_parallel.memory_trace import MemoryTrace, TraceResult
 from titan_parallel.pipeline_replay import ReplayError, can_replay, replaying_microbatches
-from titan_train.plan import RunPlan
+from titan_train.plan import RunPlan, counting_args
 from titan_train.wiring.model import build_model
 from titan_train.wiring.optimizers import build_optimizer
 from titan_train.wiring.precision import autocast_dtype
@@ -83,7 +83,12 @@ def trace_step(
     dims.build_mesh(device.type)
     plan = replace(plan, dims=dims, loss_fn=labelled_loss)
     built = build_model(
-        plan, device, eos_id=plan.model_args.eos_id, seed=0, n_layers=n_layers, materialize=not fake
+        plan,
+        device,
+        eos_id=counting_args(plan.model_args).eos_id,
+        seed=0,
+        n_layers=n_layers,
+        materialize=not fake,
     )
     parts, pipeline, args = built.parts, built.pipeline, built.args
     mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()

@@ -1,0 +1,80 @@
+"""The mixture-of-experts families (DeepSeek-V3, Qwen3, Llama 4), registered under torchtitan 0.2.2's
+model names (`--model.name deepseek_v3 --model.flavor debugmodel`).
+
+Registered through `register_model_family` like any family; `titan_train.registry` imports this module
+at its bottom so the names exist wherever the registry does. Parameter counts are the model's total
+(memory and checkpoints hold every expert); FLOPs per token count only the parameters a token goes
+through (`titan_models.moe.count_active_parameters`), so throughput and MFU are right for MoE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_models import deepseek_v3, llama4, qwen3
+from titan_models.moe import count_active_parameters
+from titan_train.registry import HFMapping, ModelFamily, register_model_family
+
+
+def _on_meta(build: Callable[[Any], nn.Module], args: Any) -> nn.Module:
+    # eos_id only names the token that separates packed documents; DeepSeek refuses block_causal without it.
+    with torch.device("meta"):
+        return build(replace(args, eos_id=0) if args.eos_id is None else args)
+
+
+def _active_flops(build: Callable[[Any], nn.Module]) -> Callable[[Any, int, int, int], float]:
+    """FLOPs per token of Qwen3/Llama 4 from the active parameters of a meta-device model of `args`
+    (the registry's total and embedding counts include every expert, which a token does not use)."""
+
+    def flops(args: Any, total: int, embedding: int, seq_len: int) -> float:
+        return qwen3.moe_flops_per_token(args, _on_meta(build, args), seq_len)
+
+    return flops
+
+
+def _deepseek_flops(args: Any, total: int, embedding: int, seq_len: int) -> float:
+    model = _on_meta(deepseek_v3.DeepSeekV3Model, args)
+    active = count_active_parameters(model)
+    embedding_active = active - count_active_parameters(model, exclude_embedding=True)
+    return deepseek_v3.deepseek_flops_per_token(args, active, embedding_active, seq_len)
+
+
+def _hf(module: Any, adapter: Callable[..., Any]) -> HFMapping:
+    return HFMapping(
+        adapter=adapter,
+        args_from_config=module.args_from_hf_config,
+        config_differences=module.hf_config_differences,
+    )
+
+
+MOE_FAMILIES = (
+    ModelFamily(
+        "deepseek_v3",
+        deepseek_v3.DEEPSEEK_V3_FLAVORS,
+        deepseek_v3.DeepSeekV3Model,
+        _deepseek_flops,
+        hf=_hf(deepseek_v3, deepseek_v3.DeepSeekV3StateDictAdapter),
+    ),
+    ModelFamily(
+        "qwen3",
+        qwen3.QWEN3_FLAVORS,
+        qwen3.Qwen3Model,
+        _active_flops(qwen3.Qwen3Model),
+        hf=_hf(qwen3, qwen3.Qwen3StateDictAdapter),
+    ),
+    ModelFamily(
+        "llama4",
+        llama4.LLAMA4_FLAVORS,
+        llama4.Llama4Model,
+        _active_flops(llama4.Llama4Model),
+        hf=_hf(llama4, llama4.Llama4StateDictAdapter),
+    ),
+)
+
+for _family in MOE_FAMILIES:
+    register_model_family(_family)
