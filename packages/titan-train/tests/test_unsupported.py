@@ -20,7 +20,10 @@ RUNNABLE = ("--activation_checkpoint.mode", "none")
     [
         (["--fault_tolerance.enable"], "torchft fault tolerance is not supported"),
         (["--comm.mode", "local_tensor"], "simulating every rank in one process is not supported"),
-        (["--parallelism.expert_parallel_degree", "2"], "expert parallelism is not wired into the trainer yet"),
+        (
+            ["--parallelism.expert_parallel_degree", "2"],
+            "expert parallelism is not wired into the trainer yet",
+        ),
         (["--profiling.enable_memory_snapshot"], "memory snapshots record the CUDA caching allocator"),
     ],
 )

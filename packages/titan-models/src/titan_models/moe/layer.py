@@ -56,7 +56,11 @@ class MoE(nn.Module):
         flat = x.reshape(-1, dim)
         weights, indices, scores = self.router(flat, self.expert_bias)
 
-        counts = torch.bincount(indices.view(-1), minlength=num_experts)
+        # A scatter-add, not bincount: its output shape is static, so a dry run traces it on fake tensors.
+        choices = indices.view(-1)
+        counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, choices, torch.ones_like(choices)
+        )
         with torch.no_grad():
             self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
 
