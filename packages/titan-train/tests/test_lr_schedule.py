@@ -12,6 +12,7 @@ import torch
 
 from titan_train.config import load_job_config
 from titan_train.config.schema import LRScheduler
+from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.lr_schedule import lr_factor
 from titan_train.wiring.optimizers import build_lr_schedule, build_optimizer
@@ -147,7 +148,9 @@ def test_decay_cut_short_by_warmup_is_said(caplog):
 @pytest.mark.slow
 def test_metrics_jsonl_logs_the_published_lr_at_every_step(tmp_path, small_config, one_rank):
     flags = _flags(total_steps=6, warmup=2, decay_ratio=0.5, decay_type="cosine", floor=0.1, steps=5)
-    Trainer(small_config(tmp_path, *flags, "--training.local_batch_size", "1"), one_rank).train()
+    Trainer(
+        resolve(small_config(tmp_path, *flags, "--training.local_batch_size", "1"), 1, "cpu"), one_rank
+    ).train()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     # T = 6, W = 2, D = 3: the peak through step 4; step 5 is 1/3 into the cosine: 0.1 + 0.9 * 0.75.

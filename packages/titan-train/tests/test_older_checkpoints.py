@@ -8,6 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_train.commands.checkpoint_model import load_checkpoint_model
+from titan_train.plan import resolve
 from titan_train.train_state import TrainState
 from titan_train.trainer import Trainer
 
@@ -24,7 +25,7 @@ def old_layout(tmp_path_factory, small_config, one_rank):
     patch.setattr(TrainState, "state_dict", lambda self: {"step": self.step, "tokens_seen": self.tokens_seen})
     patch.setattr(TrainState, "optional_keys", ())  # the old layout had no training_steps either
     try:
-        first = Trainer(small_config(dump, *FLAGS, "--training.steps", "2"), one_rank)
+        first = Trainer(resolve(small_config(dump, *FLAGS, "--training.steps", "2"), 1, "cpu"), one_rank)
         first.train()
     finally:
         patch.undo()
@@ -37,7 +38,7 @@ def test_a_checkpoint_with_the_old_train_state_key_resumes_and_says_so(
     old_layout, small_config, one_rank, caplog
 ):
     dump, tokens_seen = old_layout
-    resumed = Trainer(small_config(dump, *FLAGS, "--training.steps", "3"), one_rank)
+    resumed = Trainer(resolve(small_config(dump, *FLAGS, "--training.steps", "3"), 1, "cpu"), one_rank)
     with caplog.at_level(logging.INFO):
         losses = resumed.train()
     assert "resuming from step-2" in caplog.text

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.lr_schedule import build_lr_scheduler
 from titan_train.wiring.optimizers import PartOptimizers
@@ -64,8 +65,8 @@ def test_fused_step_equals_a_plain_step_when_not_skipped():
 @pytest.mark.slow
 def test_lr_0_trains_without_moving_a_weight(tmp_path, small_config, one_rank):
     """torch's optimizers and torchtitan accept lr 0 (a run that measures without learning); so does Titan."""
-    trainer = Trainer(small_config(tmp_path, "--optimizer.lr", "0", "--training.steps", "2",
-                                   "--training.local_batch_size", "1"), one_rank)  # fmt: skip
+    trainer = Trainer(resolve(small_config(tmp_path, "--optimizer.lr", "0", "--training.steps", "2",
+                                   "--training.local_batch_size", "1"), 1, "cpu"), one_rank)  # fmt: skip
     before = {k: v.detach().clone() for k, v in trainer.model_parts[0].state_dict().items()}
     trainer.train()
     after = trainer.model_parts[0].state_dict()

@@ -1,8 +1,8 @@
 """The mixture-of-experts families (DeepSeek-V3, Qwen3, Llama 4), registered under torchtitan 0.2.2's
 model names (`--model.name deepseek_v3 --model.flavor debugmodel`).
 
-Registered through `register_model_family` like any family; `titan_train.registry` imports this module
-at its bottom so the names exist wherever the registry does. Parameter counts are the model's total
+`titan_train.registry` registers `MOE_FAMILIES` through `register_model_family`, as it does Llama's, so
+the names exist wherever the registry does. Parameter counts are the model's total
 (memory and checkpoints hold every expert); FLOPs per token count only the parameters a token goes
 through (`titan_models.moe.count_active_parameters`), so throughput and MFU are right for MoE.
 """
@@ -18,7 +18,7 @@ from torch import nn
 
 from titan_models import deepseek_v3, llama4, qwen3
 from titan_models.moe import count_active_parameters
-from titan_train.registry import HFMapping, ModelFamily, register_model_family
+from titan_train.model_family import HFMapping, ModelFamily
 
 
 def _on_meta(build: Callable[[Any], nn.Module], args: Any) -> nn.Module:
@@ -75,6 +75,3 @@ MOE_FAMILIES = (
         hf=_hf(llama4, llama4.Llama4StateDictAdapter),
     ),
 )
-
-for _family in MOE_FAMILIES:
-    register_model_family(_family)

@@ -23,73 +23,32 @@ A family brings:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
-
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 import titan_models
 from titan_models import LLAMA2_FLAVORS, LLAMA3_FLAVORS, LlamaStateDictAdapter, Transformer
 from titan_train.errors import ConfigError
+from titan_train.model_families import MOE_FAMILIES
+from titan_train.model_family import (  # re-exported: the registry is where users look for them
+    FROM_HF,
+    HFMapping,
+    LossFn,
+    ModelFamily,
+    cross_entropy_loss,
+)
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# The flavor that takes a family's shape from a Hugging Face config.json (through the family's `hf`).
-FROM_HF = "from_hf"
-
-
-def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position, computed in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-
-
-@dataclass(frozen=True)
-class HFMapping:
-    """How a family's checkpoints map to and from Hugging Face's.
-
-    `adapter(args, bos_id=..., eos_id=...)` returns the object titan-ckpt converts weights with
-    (`to_hf`, `from_hf`, `hf_config`); `args_from_config(config_json, **overrides)` reads the args a
-    `config.json` describes; `config_differences(args, config_json)` names every field in which a
-    `config.json` describes another function than `args` (empty when they agree)."""
-
-    adapter: Callable[..., Any]
-    args_from_config: Callable[..., Any]
-    config_differences: Callable[[Any, dict], list[str]]
-
-
-def _count_embedded(model: nn.Module) -> tuple[int, int]:
-    total = titan_models.count_parameters(model)
-    return total, total - titan_models.count_parameters(model, exclude_embedding=True)
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """A model family: its flavors, how to build it, its loss, its FLOPs and its Hugging Face mapping
-    (the module docstring lists what titan-train reads of a flavor's args)."""
-
-    name: str
-    flavors: Mapping[str, Any]
-    build: Callable[[Any], nn.Module]
-    flops_per_token: Callable[[Any, int, int, int], float]
-    count_parameters: Callable[[nn.Module], tuple[int, int]] = _count_embedded
-    loss_fn: LossFn = cross_entropy_loss
-    hf: HFMapping | None = None
-
-    def __post_init__(self) -> None:
-        # A copy: the family's flavors change only through `register_flavor`, never through the dict
-        # it was given (a test or benchmark assigning into titan_models.LLAMA3_FLAVORS changes nothing).
-        object.__setattr__(self, "flavors", dict(self.flavors))
-
-    def args_for(self, flavor: str, **overrides) -> Any:
-        """The args of `flavor`, with `overrides` (fields of the common surface)."""
-        if flavor not in self.flavors:
-            raise ConfigError(
-                f"config: model.flavor '{flavor}' is not a {self.name} flavor; choose one of {', '.join(self.flavors)}"
-            )
-        return replace(self.flavors[flavor], **overrides)
-
+__all__ = [
+    "FROM_HF",
+    "HFMapping",
+    "LossFn",
+    "ModelFamily",
+    "cross_entropy_loss",
+    "get_model_family",
+    "model_family_names",
+    "register_flavor",
+    "register_model_family",
+]
 
 _FAMILIES: dict[str, ModelFamily] = {}
 
@@ -132,6 +91,6 @@ for _name, _flavors in (("llama3", LLAMA3_FLAVORS), ("llama2", LLAMA2_FLAVORS)):
     register_model_family(
         ModelFamily(_name, _flavors, Transformer, titan_models.flops_per_token, hf=_LLAMA_HF)
     )
-
-# The mixture-of-experts families register themselves through the public function above.
-import titan_train.model_families  # noqa: E402, F401
+# The mixture-of-experts families (titan_train.model_families), through the same public function.
+for _family in MOE_FAMILIES:
+    register_model_family(_family)

@@ -24,12 +24,16 @@ from torch import nn
 
 
 def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The model's MoE layers by FQN: `model.moe_layers()` when it has one, else every MoE submodule."""
-    from titan_models.moe.layer import MoE
-
+    """The model's MoE layers by FQN: `model.moe_layers()` when it has one, else every submodule that
+    counts tokens per expert (recognised by its buffers and experts, so this module need not import the
+    layer that imports it)."""
     if hasattr(model, "moe_layers"):
         return model.moe_layers()
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if hasattr(m, "tokens_per_expert") and hasattr(m, "experts") and hasattr(m, "router")
+    }
 
 
 @torch.no_grad()
