@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from titan_parallel.mx import mx_available
+
 WORKER = Path(__file__).parent / "workers" / "layouts.py"
 REL = 1e-4
 
@@ -99,6 +101,8 @@ def _check(result: dict, case: str, expected_facts: dict) -> None:
 def test_two_rank_layout_trains_like_one_process(two_ranks, case, skip_unless_cpu_runs_float8):
     if case.startswith("float8_"):
         skip_unless_cpu_runs_float8(case.split("_")[1])
+    if case.startswith("mx_") and not mx_available():
+        pytest.skip("MXFP8 training needs torchao >= 0.18 (the floor run has 0.17)")
     _check(two_ranks[case], case, TWO_RANKS[case])
 
 

@@ -7,7 +7,11 @@ import torch
 from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
 
 from titan_parallel import ParallelConfigError, ParallelOptions, UnsupportedDeviceError, apply_mx
-from titan_parallel.mx import check_mx_device
+from titan_parallel.mx import check_mx_device, mx_available
+
+needs_mx = pytest.mark.skipif(
+    not mx_available(), reason="MXFP8 training needs torchao >= 0.18 (the floor run has 0.17)"
+)
 
 
 def _train(model: torch.nn.Module, steps: int = 5) -> list[float]:
@@ -23,6 +27,7 @@ def _train(model: torch.nn.Module, steps: int = 5) -> list[float]:
     return losses
 
 
+@needs_mx
 @pytest.mark.parametrize("recipe", ["mxfp8_emulated", "mxfp8_emulated_rceil"])
 def test_emulated_mx_converts_block_linears_and_trains_like_float32(recipe):
     torch.manual_seed(0)
@@ -58,3 +63,9 @@ def test_mx_settings_are_checked():
         ParallelOptions(mx="mxfp8_emulated", float8="tensorwise")
     with pytest.raises(ParallelConfigError, match=r"mx_dim1_cast_kernel='cutedsl' is unknown"):
         ParallelOptions(mx_dim1_cast_kernel="cutedsl")
+
+
+@pytest.mark.skipif(mx_available(), reason="this torchao has MXFP8 training")
+def test_mx_on_a_torchao_without_it_is_refused_in_one_line():
+    with pytest.raises(UnsupportedDeviceError, match=r"MXFP8 training needs torchao >= 0\.18"):
+        apply_mx(ToyTransformer(), recipe="mxfp8_emulated", dim1_cast_kernel="torch", device_type="cpu")

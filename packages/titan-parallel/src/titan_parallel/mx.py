@@ -129,7 +129,13 @@ def check_mx_device(device_type: str, capability: tuple[int, int] | None = None,
 @functools.cache
 def _mx_linear_class() -> type[nn.Linear]:
     """torchao's MXFP8 linear, with the dim-1 cast kernel chosen here rather than fixed by torchao."""
-    import torchao.prototype.moe_training.mxfp8_linear as mx_linear
+    try:
+        import torchao.prototype.moe_training.mxfp8_linear as mx_linear
+    except ImportError as missing:  # torchao 0.17 has no MXFP8 linear of this shape
+        raise UnsupportedDeviceError(
+            f"quantize.linear.mx: MXFP8 training needs torchao >= 0.18 (this is torchao "
+            f"{_torchao_version()}); upgrade torchao or use quantize.linear.float8"
+        ) from missing
     from torchao.prototype.mx_formats.config import MXFP8Dim0CastKernelChoice
     from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
 
@@ -153,3 +159,18 @@ def _mx_linear_class() -> type[nn.Linear]:
             return out if self.bias is None else out + self.bias.to(out.dtype)
 
     return MXLinear
+
+
+def _torchao_version() -> str:
+    import torchao
+
+    return getattr(torchao, "__version__", "unknown")
+
+
+def mx_available() -> bool:
+    """Whether this torchao has the MXFP8 linear titan-parallel builds on (torchao >= 0.18)."""
+    try:
+        _mx_linear_class()
+    except UnsupportedDeviceError:
+        return False
+    return True
