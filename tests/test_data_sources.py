@@ -1,7 +1,8 @@
 """titan-train on C4 from a loopback stand-in for the hub: an unreachable hub or an empty dataset_path is
 one line and exit 2 at start; dropped connections change nothing in the losses; a hub that stays down
 ends the run with a checkpoint of the last completed step and the retryable exit status 3, and the
-rerun continues exactly."""
+rerun continues exactly. With two ranks, a hub down for one of them stops both at the same step, saved
+together (the ranks agree each step that all have their batches, `titan_train.faults.data_outage`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fault_runs import REPO, cli_args, start_forked  # noqa: E402
+from fault_runs import REPO, cli_args, start_forked, start_forked_ranks  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "c4_hub_server", REPO / "packages" / "titan-data" / "tests" / "c4_hub_server.py"
@@ -36,16 +37,26 @@ def _env(endpoint: str) -> dict[str, str]:
             "TITAN_DATA_HTTP_ATTEMPTS": "2", "TITAN_DATA_HTTP_BACKOFF_S": "0.05", "TITAN_DATA_HTTP_TIMEOUT_S": "10"}  # fmt: skip
 
 
-def _run_all(runs: dict[str, tuple[list[str], dict[str, str]]], logs: Path) -> dict[str, tuple[int, str]]:
-    """Each run, all at once, in its own forked titan-train process: (exit status, output) by name."""
+def _run_all(runs: dict[str, tuple[list[str], dict | list[dict]]], logs: Path) -> dict[str, tuple[int, str]]:
+    """Each run, all at once, forked titan-train processes: (exit status, output) by name. A run given a
+    list of environments is that many ranks of one process group (gloo), named `NAME.rankR`."""
     logs.mkdir(parents=True, exist_ok=True)
-    processes = {name: start_forked(argv, env, logs / f"{name}.log") for name, (argv, env) in runs.items()}
-    for process in processes.values():
+    processes = {}
+    for name, (argv, env) in runs.items():
+        if isinstance(env, list):
+            (logs / name).mkdir()
+            ranks = start_forked_ranks(argv, len(env), logs / name, lambda rank, env=env: env[rank])
+            processes.update(
+                {f"{name}.rank{r}": (p, logs / name / f"rank{r}.log") for r, p in enumerate(ranks)}
+            )
+        else:
+            processes[name] = (start_forked(argv, env, logs / f"{name}.log"), logs / f"{name}.log")
+    for process, _ in processes.values():
         process.join(timeout=300)
-    for process in processes.values():
+    for process, _ in processes.values():
         if process.exitcode is None:
             process.kill()
-    return {name: (p.exitcode, (logs / f"{name}.log").read_text()) for name, p in processes.items()}
+    return {name: (p.exitcode, log.read_text()) for name, (p, log) in processes.items()}
 
 
 def _losses(dump: Path) -> dict[int, float]:
@@ -55,13 +66,21 @@ def _losses(dump: Path) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
-    """One launch of six runs, then two: three that cannot reach their data (exit 2, one line); one
-    undisturbed, one through dropped connections (the same losses), one whose hub goes down for good
-    (a checkpoint and exit 3); then the rerun of that one (the same losses again) and a run from a
-    copy `titan-data prepare` wrote (trains)."""
+    """One launch of six runs and a two-rank run, then three: three that cannot reach their data (exit
+    2, one line); one undisturbed, one through dropped connections (the same losses), one whose hub goes
+    down for good (a checkpoint and exit 3); two ranks whose hub goes down for rank 1 only (both exit 3
+    at the same step, one checkpoint); then the reruns of those two (the undisturbed run's losses again)
+    and a run from a copy `titan-data prepare` wrote (trains).
+
+    Two streams everywhere: the two ranks at batch 1 train on the global batches of one process at
+    batch 2, so the undisturbed run is the reference of both (to float rounding: FSDP sums over ranks).
+    """
     from titan_data.cli import main as titan_data
 
-    ckpt = ("--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "100")
+    ckpt = ("--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "100",
+            "--training.dataloader.num_streams", "2")  # fmt: skip
+    # A rank that skips the agreement leaves the other inside a collective: a hang, exit 5, not 300 s.
+    two_ranks = ("--training.local_batch_size", "1", "--comm.train_timeout_seconds", "60")
     validation = ("--validation.enable", "--validation.freq", "2", "--validation.steps", "1")
     (tmp_path / "empty").mkdir()
     with (
@@ -69,16 +88,25 @@ def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
         C4HubServer(TEXTS, docs_per_file=DOCS_PER_FILE) as steady,
         C4HubServer(TEXTS, docs_per_file=DOCS_PER_FILE) as flaky,
         C4HubServer(TEXTS, docs_per_file=DOCS_PER_FILE) as failing,
+        C4HubServer(TEXTS, docs_per_file=DOCS_PER_FILE) as failing_rank1,
     ):
         dead = _env(gone)
         for name in (FIRST, SECOND, "en/c4-train.00002-of-01024.json.gz"):
             size = len(flaky.file(name))
             flaky.cut[name] = [size // 4, size // 3, size // 5]  # three drops inside each file
         failing.down_after_bytes = len(failing.file(FIRST)) + len(failing.file(SECOND)) // 2
+        failing_rank1.down_after_bytes = 1 + len(failing.file(SECOND)) // 2  # its start check, half of SECOND
         runs = {
             name: (cli_args(tmp_path / name, "--training.dataset", "c4", *ckpt), _env(hub.url))
             for name, hub in (("steady", steady), ("flaky", flaky), ("failing", failing))
         }
+        runs["two_ranks"] = (
+            cli_args(tmp_path / "two_ranks", "--training.dataset", "c4", *ckpt, *two_ranks),
+            [
+                _env(steady.url),
+                _env(failing_rank1.url),
+            ],  # rank 1 reads SECOND (stream 1), through its own proxy
+        )
         runs["c4"] = (cli_args(tmp_path / "a", "--training.dataset", "c4"), dead)
         runs["c4_validation"] = (
             cli_args(tmp_path / "b", *validation, "--validation.dataset", "c4_validation"),
@@ -92,6 +120,7 @@ def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
         )
         results = _run_all(runs, tmp_path / "logs")
         done = max(_losses(tmp_path / "failing"))
+        done_two_ranks = max(_losses(tmp_path / "two_ranks"), default=0)
         with C4HubServer(TEXTS, docs_per_file=DOCS_PER_FILE, listed={"train": 2, "validation": 1}) as back:
             monkeypatch.setenv("HF_ENDPOINT", back.url)
             for dataset, shards in (("c4", "2"), ("c4_validation", "1")):
@@ -117,6 +146,7 @@ def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
             )
             later = {
                 "rerun": (runs["failing"][0], _env(back.url)),  # the hub answers again, at another address
+                "rerun_two_ranks": (runs["two_ranks"][0], [_env(back.url)] * 2),
                 "prepared": (cli_args(tmp_path / "d", "--training.dataset", "c4", "--training.steps", "2", *validation,
                                       "--validation.dataset", "c4_validation", *copy), dead),
             }  # fmt: skip
@@ -154,3 +184,19 @@ def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
     assert (tmp_path / "failing" / "checkpoint" / f"step-{done}").is_dir()
     assert results["rerun"][0] == 0, results["rerun"][1][-3000:]
     assert _losses(tmp_path / "failing") == reference  # the rerun resumed at the step after, on the same data
+
+    for rank in (0, 1):
+        status, output = results[f"two_ranks.rank{rank}"]
+        stops = [line for line in output.splitlines() if "data unavailable:" in line]
+        assert status == 3 and "Traceback" not in output, output[-3000:]
+        assert len(stops) == 1, output[-3000:]
+        assert f"rank 1's source: dataset: {failing_rank1.url}" in stops[0] and SECOND in stops[0]
+        assert f"finished step {done_two_ranks} and saved" in stops[0]
+        assert results[f"rerun_two_ranks.rank{rank}"][0] == 0, results[f"rerun_two_ranks.rank{rank}"][1][
+            -3000:
+        ]
+    assert 0 < done_two_ranks < STEPS
+    assert (tmp_path / "two_ranks" / "checkpoint" / f"step-{done_two_ranks}").is_dir()
+    two_ranks_losses = _losses(tmp_path / "two_ranks")
+    assert set(two_ranks_losses) == set(reference)
+    assert two_ranks_losses == pytest.approx(reference, rel=1e-5, abs=0)
