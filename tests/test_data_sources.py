@@ -29,6 +29,7 @@ TEXTS = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()]
 DOCS_PER_FILE = 4  # about 800 tokens a file: a few steps of 2 x 65 tokens each
 FIRST = "en/c4-train.00000-of-01024.json.gz"
 SECOND = "en/c4-train.00001-of-01024.json.gz"
+FOURTH = "en/c4-train.00003-of-01024.json.gz"  # stream 1 reads files 1, 3, ...; stream 0 never leaves file 0
 STEPS = 12
 
 
@@ -91,11 +92,14 @@ def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
         C4HubServer(TEXTS, docs_per_file=DOCS_PER_FILE) as failing_rank1,
     ):
         dead = _env(gone)
-        for name in (FIRST, SECOND, "en/c4-train.00002-of-01024.json.gz"):
+        for name in (FIRST, SECOND, FOURTH):
             size = len(flaky.file(name))
             flaky.cut[name] = [size // 4, size // 3, size // 5]  # three drops inside each file
-        failing.down_after_bytes = len(failing.file(FIRST)) + len(failing.file(SECOND)) // 2
-        failing_rank1.down_after_bytes = 1 + len(failing.file(SECOND)) // 2  # its start check, half of SECOND
+        # Down in the middle of stream 1's second file, step 8 or so: the start check's byte, FIRST (stream
+        # 0: the one process only), SECOND, half of FOURTH.
+        stream1 = 1 + len(failing.file(SECOND)) + len(failing.file(FOURTH)) // 2
+        failing.down_after_bytes = len(failing.file(FIRST)) + stream1
+        failing_rank1.down_after_bytes = stream1
         runs = {
             name: (cli_args(tmp_path / name, "--training.dataset", "c4", *ckpt), _env(hub.url))
             for name, hub in (("steady", steady), ("flaky", flaky), ("failing", failing))
@@ -105,7 +109,7 @@ def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
             [
                 _env(steady.url),
                 _env(failing_rank1.url),
-            ],  # rank 1 reads SECOND (stream 1), through its own proxy
+            ],  # rank 1 reads stream 1 (SECOND, FOURTH) through its own proxy
         )
         runs["c4"] = (cli_args(tmp_path / "a", "--training.dataset", "c4"), dead)
         runs["c4_validation"] = (
@@ -180,7 +184,7 @@ def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
     stops = [line for line in output.splitlines() if "data unavailable:" in line]
     assert status == 3 and "Traceback" not in output, output[-3000:]
     assert len(stops) == 1 and "stopped answering" in stops[0] and "run the same command again" in stops[0]
-    assert 0 < done < STEPS and f"finished step {done} and saved" in stops[0]
+    assert STEPS // 2 < done < STEPS and f"finished step {done} and saved" in stops[0]
     assert (tmp_path / "failing" / "checkpoint" / f"step-{done}").is_dir()
     assert results["rerun"][0] == 0, results["rerun"][1][-3000:]
     assert _losses(tmp_path / "failing") == reference  # the rerun resumed at the step after, on the same data
@@ -190,12 +194,12 @@ def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
         stops = [line for line in output.splitlines() if "data unavailable:" in line]
         assert status == 3 and "Traceback" not in output, output[-3000:]
         assert len(stops) == 1, output[-3000:]
-        assert f"rank 1's source: dataset: {failing_rank1.url}" in stops[0] and SECOND in stops[0]
+        assert f"rank 1's source: dataset: {failing_rank1.url}" in stops[0] and FOURTH in stops[0]
         assert f"finished step {done_two_ranks} and saved" in stops[0]
         assert results[f"rerun_two_ranks.rank{rank}"][0] == 0, results[f"rerun_two_ranks.rank{rank}"][1][
             -3000:
         ]
-    assert 0 < done_two_ranks < STEPS
+    assert done_two_ranks == done  # rank 1 lost its source where the one process lost stream 1's
     assert (tmp_path / "two_ranks" / "checkpoint" / f"step-{done_two_ranks}").is_dir()
     two_ranks_losses = _losses(tmp_path / "two_ranks")
     assert set(two_ranks_losses) == set(reference)
