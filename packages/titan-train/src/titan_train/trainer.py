@@ -305,7 +305,7 @@ class Trainer:
             # ranks agree that all have them, so an outage on one rank stops all at a clean step.
             per_step = 1 if isinstance(self.optimizers, BackwardStepOptimizers) else self.grad_accum_steps
             remote = self.loader.remote and self.info.world_size > 1
-            batches = StepBatches(self._batches(), per_step, agree=remote, device=self.device)
+            batches = StepBatches(self._batches(), per_step, agree=remote)
             losses: list[float] = []
             window = _Window()
             gc_schedule = GarbageCollection(c.training.gc_freq, c.training.gc_debug)
