@@ -80,8 +80,9 @@ def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
 
     ckpt = ("--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "100",
             "--training.dataloader.num_streams", "2")  # fmt: skip
-    # A rank that skips the agreement leaves the other inside a collective: a hang, exit 5, not 300 s.
-    two_ranks = ("--training.local_batch_size", "1", "--comm.train_timeout_seconds", "60")
+    # Rank 1 retries for 3 x 6 s before giving up, longer than training's collective timeout: rank 0 must
+    # wait for it in the agreement (its own group's timeout covers the retries), not time out with exit 5.
+    two_ranks = ("--training.local_batch_size", "1", "--comm.train_timeout_seconds", "10")
     validation = ("--validation.enable", "--validation.freq", "2", "--validation.steps", "1")
     (tmp_path / "empty").mkdir()
     with (
@@ -108,7 +109,7 @@ def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
             cli_args(tmp_path / "two_ranks", "--training.dataset", "c4", *ckpt, *two_ranks),
             [
                 _env(steady.url),
-                _env(failing_rank1.url),
+                {**_env(failing_rank1.url), "TITAN_DATA_HTTP_BACKOFF_S": "6"},
             ],  # rank 1 reads stream 1 (SECOND, FOURTH) through its own proxy
         )
         runs["c4"] = (cli_args(tmp_path / "a", "--training.dataset", "c4"), dead)
