@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from titan_train import torchrun
@@ -155,8 +156,11 @@ def start_forked(argv: list[str], env: dict[str, str], log: Path) -> multiproces
     return process
 
 
-def start_forked_ranks(argv: list[str], nproc: int, logs: Path) -> list[multiprocessing.process.BaseProcess]:
-    """`nproc` forked titan-train ranks forming one process group (env:// on a free port)."""
+def start_forked_ranks(
+    argv: list[str], nproc: int, logs: Path, rank_env: Callable[[int], dict[str, str]] | None = None
+) -> list[multiprocessing.process.BaseProcess]:
+    """`nproc` forked titan-train ranks forming one process group (env:// on a free port); `rank_env(rank)`
+    adds variables to one rank's environment (each rank its own data endpoint, say)."""
     port = str(free_port())
     return [
         start_forked(
@@ -168,6 +172,7 @@ def start_forked_ranks(argv: list[str], nproc: int, logs: Path) -> list[multipro
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": port,
                 "PYTHONUNBUFFERED": "1",
+                **(rank_env(rank) if rank_env else {}),
             },
             logs / f"rank{rank}.log",
         )  # fmt: skip

@@ -107,6 +107,7 @@ def test_loader_batches_and_resume_through_drops_equal_a_local_copy(
         assert streamed.packed.dealing == "shard" and state["stream_1"] != resumed_from_start(
             llama3_tokenizer
         )
+        assert streamed.remote and not _loader(local, llama3_tokenizer).remote  # a trainer agrees per step
         drops = sum(1 for _, r in hub.requests if r)
     resumed = _loader(local, llama3_tokenizer)
     resumed.load_state_dict(state)

@@ -1,5 +1,6 @@
-"""FSDP on two real gloo ranks: accumulation gives the same losses with one reduce-scatter per step, and
-validation over a set the ranks hold unequal shares of stops on every rank together."""
+"""FSDP on two real gloo ranks: accumulation gives the same losses with one reduce-scatter per step,
+validation over a set the ranks hold unequal shares of stops on every rank together, and a validation
+source that goes down on one rank stops every rank together, saved."""
 
 import json
 import math
@@ -40,3 +41,12 @@ def test_validation_on_unequal_rank_shares_stops_together(fsdp_runs):
     records = [json.loads(line) for line in fsdp_runs["uneven_validation"]["validation"].splitlines()]
     assert [r["step"] for r in records] == [2]
     assert math.isfinite(records[0]["loss"]) and records[0]["perplexity"] > 1
+
+
+@pytest.mark.slow
+def test_validation_source_down_on_one_rank_stops_every_rank_saved(fsdp_runs):
+    stop = fsdp_runs["validation_outage"]
+    assert stop["line"] is not None and stop["line"].startswith(
+        "data unavailable: rank 1's source: dataset: "
+    )
+    assert "finished step 2 and saved" in stop["line"] and stop["saved"]

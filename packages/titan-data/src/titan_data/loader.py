@@ -121,6 +121,11 @@ class TokenLoader(StatefulDataLoader):
         if rows:
             yield _stack(rows)
 
+    @property
+    def remote(self) -> bool:
+        """Whether the batches come from a source read over a network, which may stop answering mid-run."""
+        return self.packed.remote
+
     def state_dict(self) -> dict[str, Any]:
         return {**self.packed.state_dict(), **self._consumed}
 

@@ -18,7 +18,7 @@ from titan_ckpt import ModelState, OptimizerState
 from titan_parallel import clip_grad_norm_, precompute_float8_scales, training_context
 from titan_train.config import config_to_dict
 from titan_train.distributed import DistInfo
-from titan_train.faults.data_outage import stop_on_data_outage
+from titan_train.faults.data_outage import StepBatches, stop_on_data_outage
 from titan_train.faults.step_guard import AgreedNumbers, StepGuard, StepNumbers
 from titan_train.plan import RunPlan
 from titan_train.reporting.device_peaks import peak_flops
@@ -301,7 +301,11 @@ class Trainer:
             if restore_run(self.checkpointer, self.config, self.state, self._use_num_streams):
                 return []
             c, rank, dump = self.config, self.info.rank, Path(self.config.job.dump_folder)
-            batches = self._batches()
+            # Remote data on several ranks: a step's batches are taken before its collectives, and the
+            # ranks agree that all have them, so an outage on one rank stops all at a clean step.
+            per_step = 1 if isinstance(self.optimizers, BackwardStepOptimizers) else self.grad_accum_steps
+            remote = self.loader.remote and self.info.world_size > 1
+            batches = StepBatches(self._batches(), per_step, agree=remote)
             losses: list[float] = []
             window = _Window()
             gc_schedule = GarbageCollection(c.training.gc_freq, c.training.gc_debug)
@@ -330,12 +334,13 @@ class Trainer:
             while self.state.step < c.training.steps:
                 self.guard.begin_step(self.state.step + 1)
                 with stop_on_data_outage(self.state.step, self.checkpointer, self.loader):
+                    fetch_seconds = batches.fetch()
                     step = self.train_step(batches)
                 self.state.step += 1
                 self.state.tokens_seen += step.tokens * self.dims.dp_degree
                 window.steps += 1
                 window.tokens += step.tokens
-                window.data_seconds += step.data_seconds
+                window.data_seconds += step.data_seconds + fetch_seconds
                 if self.metrics.should_log(self.state.step):
                     losses.append(self._log(step.numbers.read(), window, step.moe))
                     window = _Window()

@@ -1,5 +1,6 @@
 """torchrun worker: FSDP over the ranks trains three steps with local batch 4, then with 2 x 2 accumulation,
-then validates on a set that gives rank 0 several times more batches than rank 1.
+then validates on a set that gives rank 0 several times more batches than rank 1, then on batches whose
+source goes down on rank 1 only.
 
 Counts FSDP's gradient reductions by wrapping (and calling) the function FSDP uses for them, to show
 that accumulation skips the reduce-scatter of every micro-batch but the last.
@@ -9,14 +10,19 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
+from titan_ckpt import Checkpointer
+from titan_data import SourceUnavailable
 from titan_train.config import load_job_config
 from titan_train.distributed import init_distributed
+from titan_train.faults.data_outage import DataUnavailable, stop_on_data_outage
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
+from titan_train.wiring.validation import Validator
 
 SMALL = [
     "--training.seq_len", "32", "--training.steps", "3", "--activation_checkpoint.mode", "none",
@@ -58,6 +64,26 @@ def _read_if_written(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
+def validation_outage(trainer: Trainer, rank: int, folder: Path) -> dict:
+    """Validate `trainer`'s FSDP model on batches whose source is down on rank 1 at its second batch (rank
+    0 has three): every rank must stop together and save step 2 together (the one line naming rank 1)."""
+
+    def batches():
+        for i in range(3):
+            if rank == 1 and i == 1:
+                raise SourceUnavailable("dataset: http://127.0.0.1:9/validation.json.gz stopped answering")
+            yield (torch.randint(0, 2000, (2, 32)), torch.randint(0, 2000, (2, 32)))
+
+    validator = Validator(batches, trainer._validation_loss, device=trainer.device, freq=1, steps=-1)
+    checkpointer = Checkpointer(folder, {"train_state": trainer.state})
+    try:
+        with stop_on_data_outage(2, checkpointer):
+            validator.validate(trainer.model_parts)
+    except DataUnavailable as stop:
+        return {"line": str(stop), "saved": checkpointer.step_folder(2).is_dir()}
+    return {"line": None}
+
+
 def main(out: Path) -> None:
     info = init_distributed(300)
     calls = count_reductions()
@@ -91,6 +117,7 @@ def main(out: Path) -> None:
             "fsdp": isinstance(trainer.model_parts[0], FSDPModule),
             "validation": _read_if_written(out.parent / name / "validation.jsonl"),
         }
+    results["validation_outage"] = validation_outage(trainer, info.rank, out.parent / "validation_outage")
     if info.rank == 0:
         out.write_text(json.dumps(results))
     dist.barrier()

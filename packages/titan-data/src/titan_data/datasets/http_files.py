@@ -157,6 +157,8 @@ def read_gzip_lines(
 class HttpJsonLinesSource(TextSource):
     """Gzipped JSON lines at `urls`, one shard per file, read in order over HTTP."""
 
+    remote = True
+
     def __init__(
         self,
         name: str,

@@ -38,6 +38,7 @@ class PackedTokenDataset(WindowDataset):
         layout = {"kind": "packed", "source": source.name, "dealing": self.dealing}
         super().__init__(seq_len, streams, layout)
         self.source, self.tokenizer, self.infinite = source, tokenizer, infinite
+        self.remote = source.remote
         self._feeder: Dealing | None = None
 
     def _encode(self, text: str) -> np.ndarray:

@@ -53,6 +53,10 @@ class TextSource(ABC):
     name: str
     location: str
     equal_shards: bool = False
+    # Read over a network, so it may stop answering mid-run (`SourceUnavailable`): a trainer with several
+    # ranks then checks each step that every rank got its batches before any collective (a local source
+    # costs that check nothing).
+    remote: bool = False
 
     @property
     @abstractmethod

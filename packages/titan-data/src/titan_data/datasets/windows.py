@@ -67,6 +67,8 @@ class WindowDataset(IterableDataset):
     next (lowest id on ties), which needs no saved cursor and gives the same global order at any
     number of ranks. Subclasses say how a stream makes its next window."""
 
+    remote = False  # whether windows come from a source read over a network (see TextSource.remote)
+
     def __init__(self, seq_len: int, streams: StreamLayout, layout: dict[str, Any]):
         if seq_len < 1:
             raise DataError(f"dataset: seq_len must be >= 1, got {seq_len}")

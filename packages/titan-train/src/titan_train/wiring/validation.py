@@ -9,18 +9,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from titan_data import SourceUnavailable
 from titan_train.errors import ConfigError
+from titan_train.faults.data_outage import agree_on_batches
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
-
-
-def _every_rank_has_a_batch(has_batch: bool, device: torch.device) -> bool:
-    """True while no rank has run out; sharded models need every rank in each forward, so all stop together."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return has_batch
-    flag = torch.tensor([int(has_batch)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 class Validator:
@@ -57,8 +50,14 @@ class Validator:
         batches = iter(self.make_batches())
         try:
             while self.steps == -1 or count < self.steps:
-                batch = next(batches, None)
-                if not _every_rank_has_a_batch(batch is not None, self.device):
+                # Sharded models need every rank in each forward: all stop together when one rank's
+                # data ends, or its source goes down (then all save together, see data_outage).
+                batch, failure = None, None
+                try:
+                    batch = next(batches, None)
+                except SourceUnavailable as err:
+                    failure = str(err)
+                if not agree_on_batches(batch is not None, failure, self.device):
                     break
                 inputs, labels = (t.to(self.device) for t in batch)
                 total += self.batch_loss(inputs, labels).float()
