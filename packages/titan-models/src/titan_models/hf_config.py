@@ -2,16 +2,22 @@
 
 Loading weights checks shapes only, so a checkpoint whose rotary scaling, rope theta, norm epsilon or
 tied embeddings differ from the model it is loaded into would load and train a different function
-without a word. Comparing every field that changes the computed function catches that before a step.
+without a word. Comparing every field that changes the computed function catches that before a step
+(the comparison itself: `titan_models.hf_config_fields`, shared by every family).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from titan_models.args import ModelArgs, RopeScaling
-from titan_models.errors import ModelConfigError
+from titan_models.hf_config_fields import (
+    add_token_ids,
+    config_differences,
+    missing_keys,
+    refuse_unsupported,
+    rope_from_config,
+)
 
 # What `LlamaConfig` assumes for a key its config.json leaves out.
 _HF_DEFAULTS = {
@@ -20,7 +26,6 @@ _HF_DEFAULTS = {
     "attention_bias": False,
     "mlp_bias": False,
     "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
     "tie_word_embeddings": False,
     "max_position_embeddings": 2048,
 }
@@ -30,7 +35,6 @@ _SCALING_KEYS = {
     "high_freq_factor": "high_freq_factor",
     "original_max_position_embeddings": "original_max_seq_len",
 }
-_DTYPE_NAMES = {"float32", "bfloat16", "float16"}
 
 
 def to_hf_config(
@@ -68,25 +72,7 @@ def to_hf_config(
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_seq_len,
         }
-    eos_id = args.eos_id if eos_id is None else eos_id
-    if bos_id is not None:
-        config["bos_token_id"] = bos_id
-    if eos_id is not None:
-        config["eos_token_id"] = eos_id
-    if dtype is not None:
-        if dtype not in _DTYPE_NAMES:
-            raise ModelConfigError(f"model: dtype '{dtype}' is not one of {sorted(_DTYPE_NAMES)}")
-        config["torch_dtype"] = dtype
-    return config
-
-
-def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope theta, rope scaling or None), from transformers 4's `rope_scaling` or 5's `rope_parameters`."""
-    params = config.get("rope_parameters") or {}
-    theta = float(config.get("rope_theta", params.get("rope_theta", _HF_DEFAULTS["rope_theta"])))
-    scaling = config.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    return theta, (None if kind == "default" else {**scaling, "rope_type": kind})
+    return add_token_ids(config, args, bos_id, eos_id, dtype)
 
 
 def _unsupported(config: dict[str, Any]) -> list[str]:
@@ -102,7 +88,7 @@ def _unsupported(config: dict[str, Any]) -> list[str]:
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     if heads and hidden and config.get("head_dim") not in (None, hidden // heads):
         problems.append(f"head_dim {config['head_dim']} (Titan's is hidden_size / num_attention_heads)")
-    _, scaling = _rope(config)
+    _, scaling = rope_from_config(config)
     if scaling is not None and scaling["rope_type"] != "llama3":
         problems.append(f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan implements 'llama3' only)")
     return problems
@@ -110,19 +96,8 @@ def _unsupported(config: dict[str, Any]) -> list[str]:
 
 def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> ModelArgs:
     """The ModelArgs of the model a Hugging Face `config.json` describes (refusing what Titan cannot compute)."""
-    problems = _unsupported(config)
-    missing = [
-        k
-        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        if k not in config
-    ]
-    if missing:
-        problems.append(f"no {', '.join(missing)}")
-    if problems:
-        raise ModelConfigError(
-            f"model: the Hugging Face config cannot be trained by Titan: {'; '.join(problems)}"
-        )
-    theta, scaling = _rope(config)
+    refuse_unsupported(_unsupported(config) + missing_keys(config))
+    theta, scaling = rope_from_config(config)
     context = int(config.get("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]))
     args = dict(
         dim=config["hidden_size"],
@@ -163,24 +138,13 @@ def _computed_fields(args: ModelArgs) -> dict[str, Any]:
     return fields
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9)
-    return a == b
-
-
 def hf_config_differences(args: ModelArgs, config: dict[str, Any]) -> list[str]:
     """Every field in which `config` (a Hugging Face `config.json`) describes another function than `args`,
     as 'field: checkpoint X, flavor Y'; unsupported settings are listed too. Empty when they agree."""
-    differences = _unsupported(config)
-    if differences:
-        return differences
-    theirs = _computed_fields(args_from_hf_config(config))
-    ours = _computed_fields(args)
-    scaling_differs = theirs["rope_scaling"] != ours["rope_scaling"]  # then its parameters say nothing more
-    for key in dict.fromkeys([*ours, *theirs]):
-        if key.startswith("rope_scaling.") and scaling_differs:
-            continue
-        if not _same(theirs.get(key), ours.get(key)):
-            differences.append(f"{key}: checkpoint {theirs.get(key)}, flavor {ours.get(key)}")
-    return differences
+    return config_differences(
+        args,
+        config,
+        unsupported=_unsupported,
+        args_from_config=args_from_hf_config,
+        computed_fields=_computed_fields,
+    )

@@ -6,8 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from titan_models.args import RopeScaling
-from titan_models.errors import ModelConfigError
-from titan_models.hf_config import _rope, _same
+from titan_models.hf_config_fields import (
+    add_token_ids,
+    config_differences,
+    missing_keys,
+    refuse_unsupported,
+    rope_from_config,
+)
 from titan_models.llama4.args import Llama4Args, llama4_moe_args
 
 _SCALING_KEYS = {
@@ -84,14 +89,7 @@ def to_hf_config(
         config["rope_scaling"] = {"rope_type": "llama3"} | {
             theirs: getattr(s, ours) for theirs, ours in _SCALING_KEYS.items()
         }
-    if bos_id is not None:
-        config["bos_token_id"] = bos_id
-    eos_id = args.eos_id if eos_id is None else eos_id
-    if eos_id is not None:
-        config["eos_token_id"] = eos_id
-    if dtype is not None:
-        config["torch_dtype"] = dtype
-    return config
+    return add_token_ids(config, args, bos_id, eos_id, dtype)
 
 
 def _layer_pattern(values: list[int], n_layers: int) -> int | None:
@@ -142,16 +140,11 @@ def _unsupported(config: dict[str, Any]) -> list[str]:
         problems.append(f"hidden_act '{_get(config, 'hidden_act')}' (only 'silu')")
     if _get(config, "attention_bias"):
         problems.append("attention_bias true (Titan's Llama 4 has no biases)")
-    _, scaling = _rope(config)
+    _, scaling = rope_from_config(config)
     if scaling is not None and scaling["rope_type"] != "llama3":
         problems.append(f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan implements 'llama3' only)")
-    missing = [
-        k
-        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        if k not in config
-    ]
-    if missing:
-        problems.append(f"no {', '.join(missing)}")
+    missing = missing_keys(config)
+    problems += missing
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     if heads and hidden and config.get("head_dim") not in (None, hidden // heads):
         problems.append(f"head_dim {config['head_dim']} (Titan's is hidden_size / num_attention_heads)")
@@ -163,12 +156,8 @@ def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> Llama4Args:
 
     A multimodal `llama4` config holds the text model under `text_config`: pass that.
     """
-    problems = _unsupported(config)
-    if problems:
-        raise ModelConfigError(
-            f"model: the Hugging Face config cannot be trained by Titan: {'; '.join(problems)}"
-        )
-    theta, scaling = _rope(config)
+    refuse_unsupported(_unsupported(config))
+    theta, scaling = rope_from_config(config)
     context = int(_get(config, "max_position_embeddings"))
     args = dict(
         dim=config["hidden_size"],
@@ -211,11 +200,10 @@ def _computed_fields(args: Llama4Args) -> dict[str, Any]:
 def hf_config_differences(args: Llama4Args, config: dict[str, Any]) -> list[str]:
     """Every field in which `config` describes another function than `args`, as
     'field: checkpoint X, flavor Y'; unsupported settings are listed too. Empty when they agree."""
-    differences = _unsupported(config)
-    if differences:
-        return differences
-    theirs, ours = _computed_fields(args_from_hf_config(config)), _computed_fields(args)
-    for key in dict.fromkeys([*ours, *theirs]):
-        if not _same(theirs.get(key), ours.get(key)):
-            differences.append(f"{key}: checkpoint {theirs.get(key)}, flavor {ours.get(key)}")
-    return differences
+    return config_differences(
+        args,
+        config,
+        unsupported=_unsupported,
+        args_from_config=args_from_hf_config,
+        computed_fields=_computed_fields,
+    )

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_models.errors import ModelConfigError
-from titan_models.hf_config import _same
+from titan_models.hf_config_fields import (
+    add_token_ids,
+    config_differences,
+    missing_keys,
+    refuse_unsupported,
+    rope_from_config,
+)
 from titan_models.qwen3.args import Qwen3Args, qwen3_moe_args
 
 # What Qwen3Config / Qwen3MoeConfig assume for a key their config.json leaves out.
@@ -15,7 +20,6 @@ _HF_DEFAULTS = {
     "attention_bias": False,
     "use_sliding_window": False,
     "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
     "tie_word_embeddings": False,
     "max_position_embeddings": 32768,
     "norm_topk_prob": False,
@@ -58,24 +62,11 @@ def to_hf_config(
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
-    if bos_id is not None:
-        config["bos_token_id"] = bos_id
-    eos_id = args.eos_id if eos_id is None else eos_id
-    if eos_id is not None:
-        config["eos_token_id"] = eos_id
-    if dtype is not None:
-        config["torch_dtype"] = dtype
-    return config
+    return add_token_ids(config, args, bos_id, eos_id, dtype)
 
 
 def _get(config: dict[str, Any], key: str) -> Any:
     return config.get(key, _HF_DEFAULTS.get(key))
-
-
-def _theta(config: dict[str, Any]) -> float:
-    """Rope theta from transformers 4's `rope_theta` or 5's `rope_parameters`."""
-    params = config.get("rope_parameters") or {}
-    return float(config.get("rope_theta", params.get("rope_theta", _HF_DEFAULTS["rope_theta"])))
 
 
 def _unsupported(config: dict[str, Any]) -> list[str]:
@@ -90,10 +81,11 @@ def _unsupported(config: dict[str, Any]) -> list[str]:
         problems.append("attention_bias true (Titan's Qwen3 has no biases)")
     if _get(config, "use_sliding_window"):
         problems.append("use_sliding_window true (Titan's Qwen3 attends over the whole sequence)")
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind != "default":
-        problems.append(f"rope_scaling.rope_type '{kind}' (Titan's Qwen3 has no rotary scaling)")
+    _, scaling = rope_from_config(config)
+    if scaling is not None:
+        problems.append(
+            f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan's Qwen3 has no rotary scaling)"
+        )
     if config.get("model_type") == "qwen3_moe":
         if _get(config, "decoder_sparse_step") != 1:
             problems.append(
@@ -101,23 +93,12 @@ def _unsupported(config: dict[str, Any]) -> list[str]:
             )
         if _get(config, "mlp_only_layers"):
             problems.append(f"mlp_only_layers {config['mlp_only_layers']} (every layer is MoE in Titan)")
-    missing = [
-        k
-        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        if k not in config
-    ]
-    if missing:
-        problems.append(f"no {', '.join(missing)}")
-    return problems
+    return problems + missing_keys(config)
 
 
 def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> Qwen3Args:
     """The Qwen3Args of the model a Hugging Face `config.json` describes (refusing what Titan cannot compute)."""
-    problems = _unsupported(config)
-    if problems:
-        raise ModelConfigError(
-            f"model: the Hugging Face config cannot be trained by Titan: {'; '.join(problems)}"
-        )
+    refuse_unsupported(_unsupported(config))
     context = int(_get(config, "max_position_embeddings"))
     args: dict[str, Any] = dict(
         dim=config["hidden_size"],
@@ -128,7 +109,7 @@ def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> Qwen3Args:
         vocab_size=config["vocab_size"],
         hidden_dim=config.get("intermediate_size", 0),
         norm_eps=float(_get(config, "rms_norm_eps")),
-        rope_theta=_theta(config),
+        rope_theta=rope_from_config(config)[0],
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings")),
         max_seq_len=min(context, 4096),
         context_len=context,
@@ -162,11 +143,10 @@ def _computed_fields(args: Qwen3Args) -> dict[str, Any]:
 def hf_config_differences(args: Qwen3Args, config: dict[str, Any]) -> list[str]:
     """Every field in which `config` describes another function than `args`, as
     'field: checkpoint X, flavor Y'; unsupported settings are listed too. Empty when they agree."""
-    differences = _unsupported(config)
-    if differences:
-        return differences
-    theirs, ours = _computed_fields(args_from_hf_config(config)), _computed_fields(args)
-    for key in dict.fromkeys([*ours, *theirs]):
-        if not _same(theirs.get(key), ours.get(key)):
-            differences.append(f"{key}: checkpoint {theirs.get(key)}, flavor {ours.get(key)}")
-    return differences
+    return config_differences(
+        args,
+        config,
+        unsupported=_unsupported,
+        args_from_config=args_from_hf_config,
+        computed_fields=_computed_fields,
+    )
