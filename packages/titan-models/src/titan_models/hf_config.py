@@ -13,7 +13,9 @@ from typing import Any
 from titan_models.args import ModelArgs, RopeScaling
 from titan_models.hf_config_fields import (
     add_token_ids,
-    config_differences,
+    basic_problems,
+    decoder_hf_config,
+    differences_checker,
     missing_keys,
     refuse_unsupported,
     rope_from_config,
@@ -29,12 +31,28 @@ _HF_DEFAULTS = {
     "tie_word_embeddings": False,
     "max_position_embeddings": 2048,
 }
-_SCALING_KEYS = {
+LLAMA3_SCALING_KEYS = {
     "factor": "factor",
     "low_freq_factor": "low_freq_factor",
     "high_freq_factor": "high_freq_factor",
     "original_max_position_embeddings": "original_max_seq_len",
 }
+
+
+def llama3_scaling_to_hf(scaling: RopeScaling | None) -> dict[str, Any] | None:
+    """The `rope_scaling` entry of a config.json for Llama 3.1's rotary stretch (None: no scaling)."""
+    if scaling is None:
+        return None
+    return {"rope_type": "llama3"} | {
+        theirs: getattr(scaling, ours) for theirs, ours in LLAMA3_SCALING_KEYS.items()
+    }
+
+
+def llama3_scaling_from_hf(scaling: dict[str, Any] | None) -> RopeScaling | None:
+    """Llama 3.1's rotary stretch from a config's `rope_scaling` (None: no scaling)."""
+    if scaling is None:
+        return None
+    return RopeScaling(**{ours: scaling[theirs] for theirs, ours in LLAMA3_SCALING_KEYS.items()})
 
 
 def to_hf_config(
@@ -44,47 +62,17 @@ def to_hf_config(
 
     `max_position_embeddings` is the flavor's context (`context_len`), not the length a run trained at.
     """
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.context_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": float(args.rope_theta),
-        "rope_scaling": None,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": args.tie_word_embeddings,
-    }
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
-        config["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_seq_len,
-        }
+    config = decoder_hf_config(args, architecture="LlamaForCausalLM", model_type="llama")
+    config |= {"intermediate_size": args.ffn_hidden_dim, "mlp_bias": False}
+    config["rope_scaling"] = llama3_scaling_to_hf(args.rope_scaling)
     return add_token_ids(config, args, bos_id, eos_id, dtype)
 
 
 def _unsupported(config: dict[str, Any]) -> list[str]:
     get = lambda key: config.get(key, _HF_DEFAULTS.get(key))  # noqa: E731
-    problems = []
-    if get("model_type") != "llama":
-        problems.append(f"model_type '{get('model_type')}' (only 'llama' is supported)")
-    if get("hidden_act") != "silu":
-        problems.append(f"hidden_act '{get('hidden_act')}' (only 'silu')")
-    for key in ("attention_bias", "mlp_bias"):
-        if get(key):
-            problems.append(f"{key} true (Titan's Llama has no biases)")
+    problems = basic_problems(get, ("llama",), "Llama")
+    if get("mlp_bias"):
+        problems.append("mlp_bias true (Titan's Llama has no biases)")
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     if heads and hidden and config.get("head_dim") not in (None, hidden // heads):
         problems.append(f"head_dim {config['head_dim']} (Titan's is hidden_size / num_attention_heads)")
@@ -107,9 +95,7 @@ def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> ModelArgs:
         vocab_size=config["vocab_size"],
         norm_eps=float(config.get("rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"])),
         rope_theta=theta,
-        rope_scaling=None
-        if scaling is None
-        else RopeScaling(**{ours: scaling[theirs] for theirs, ours in _SCALING_KEYS.items()}),
+        rope_scaling=llama3_scaling_from_hf(scaling),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", _HF_DEFAULTS["tie_word_embeddings"])),
         ffn_hidden_dim_override=config.get("intermediate_size"),
         max_seq_len=min(context, 2048),
@@ -133,18 +119,11 @@ def _computed_fields(args: ModelArgs) -> dict[str, Any]:
         "rope_scaling": None if args.rope_scaling is None else "llama3",
     }
     if args.rope_scaling is not None:
-        for theirs, ours in _SCALING_KEYS.items():
+        for theirs, ours in LLAMA3_SCALING_KEYS.items():
             fields[f"rope_scaling.{theirs}"] = getattr(args.rope_scaling, ours)
     return fields
 
 
-def hf_config_differences(args: ModelArgs, config: dict[str, Any]) -> list[str]:
-    """Every field in which `config` (a Hugging Face `config.json`) describes another function than `args`,
-    as 'field: checkpoint X, flavor Y'; unsupported settings are listed too. Empty when they agree."""
-    return config_differences(
-        args,
-        config,
-        unsupported=_unsupported,
-        args_from_config=args_from_hf_config,
-        computed_fields=_computed_fields,
-    )
+hf_config_differences = differences_checker(
+    unsupported=_unsupported, args_from_config=args_from_hf_config, computed_fields=_computed_fields
+)

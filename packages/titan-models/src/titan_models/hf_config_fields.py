@@ -21,6 +21,43 @@ DEFAULT_ROPE_THETA = 10000.0
 _DTYPE_NAMES = {"float32", "bfloat16", "float16"}
 
 
+def decoder_hf_config(args: Any, *, architecture: str, model_type: str) -> dict[str, Any]:
+    """The `config.json` fields a grouped-query-attention family (Llama, Qwen3, Llama 4) writes alike.
+
+    `max_position_embeddings` is the flavor's context (`context_len`), not the length a run trained at.
+    """
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.context_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": float(args.rope_theta),
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": args.tie_word_embeddings,
+    }
+
+
+def basic_problems(get: Callable[[str], Any], model_types: tuple[str, ...], family: str) -> list[str]:
+    """The refusals every family shares: another model type, an activation other than SiLU, attention
+    biases. `get(key)` reads the config with the family's defaults."""
+    problems = []
+    if get("model_type") not in model_types:
+        problems.append(f"model_type '{get('model_type')}' (expected {' or '.join(map(repr, model_types))})")
+    if get("hidden_act") != "silu":
+        problems.append(f"hidden_act '{get('hidden_act')}' (only 'silu')")
+    if get("attention_bias"):
+        problems.append(f"attention_bias true (Titan's {family} has no biases)")
+    return problems
+
+
 def rope_from_config(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope theta, rope scaling with its `rope_type`, or None when plain), from transformers 4's
     `rope_theta`/`rope_scaling` or 5's `rope_parameters`."""
@@ -65,27 +102,32 @@ def same_value(a: Any, b: Any) -> bool:
     return a == b
 
 
-def config_differences(
-    args: Any,
-    config: dict[str, Any],
+def differences_checker(
     *,
     unsupported: Callable[[dict[str, Any]], list[str]],
     args_from_config: Callable[[dict[str, Any]], Any],
     computed_fields: Callable[[Any], dict[str, Any]],
-) -> list[str]:
-    """Every field in which `config` describes another function than `args`, as 'field: checkpoint X,
-    flavor Y'; `unsupported` settings are listed instead when there are any. Empty when they agree.
+) -> Callable[[Any, dict[str, Any]], list[str]]:
+    """A family's `hf_config_differences(args, config)`, from how it reads a config and which of its
+    fields change the computed function."""
 
-    A `rope_scaling.*` parameter is not compared once `rope_scaling` itself differs: it says nothing more.
-    """
-    differences = unsupported(config)
-    if differences:
+    def hf_config_differences(args: Any, config: dict[str, Any]) -> list[str]:
+        """Every field in which `config` (a Hugging Face `config.json`) describes another function than
+        `args`, as 'field: checkpoint X, flavor Y'; unsupported settings are listed instead when there
+        are any. Empty when they agree.
+
+        A `rope_scaling.*` parameter is not compared once `rope_scaling` itself differs.
+        """
+        differences = unsupported(config)
+        if differences:
+            return differences
+        theirs, ours = computed_fields(args_from_config(config)), computed_fields(args)
+        scaling_differs = theirs.get("rope_scaling") != ours.get("rope_scaling")
+        for key in dict.fromkeys([*ours, *theirs]):
+            if key.startswith("rope_scaling.") and scaling_differs:
+                continue
+            if not same_value(theirs.get(key), ours.get(key)):
+                differences.append(f"{key}: checkpoint {theirs.get(key)}, flavor {ours.get(key)}")
         return differences
-    theirs, ours = computed_fields(args_from_config(config)), computed_fields(args)
-    scaling_differs = theirs.get("rope_scaling") != ours.get("rope_scaling")
-    for key in dict.fromkeys([*ours, *theirs]):
-        if key.startswith("rope_scaling.") and scaling_differs:
-            continue
-        if not same_value(theirs.get(key), ours.get(key)):
-            differences.append(f"{key}: checkpoint {theirs.get(key)}, flavor {ours.get(key)}")
-    return differences
+
+    return hf_config_differences

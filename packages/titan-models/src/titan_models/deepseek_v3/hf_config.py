@@ -16,7 +16,8 @@ from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.errors import ModelConfigError
 from titan_models.hf_config_fields import (
     add_token_ids,
-    config_differences,
+    basic_problems,
+    differences_checker,
     missing_keys,
     refuse_unsupported,
     rope_from_config,
@@ -136,13 +137,7 @@ def to_hf_config(
 
 def _import_problems(config: dict[str, Any]) -> list[str]:
     get = lambda key: config.get(key, _DEFAULTS.get(key))  # noqa: E731
-    problems = []
-    if get("model_type") != "deepseek_v3":
-        problems.append(f"model_type '{get('model_type')}' (only 'deepseek_v3')")
-    if get("hidden_act") != "silu":
-        problems.append(f"hidden_act '{get('hidden_act')}' (only 'silu')")
-    if get("attention_bias"):
-        problems.append("attention_bias true (Titan's MLA has no biases)")
+    problems = basic_problems(get, ("deepseek_v3",), "MLA")
     if not get("rope_interleave"):
         problems.append("rope_interleave false (Titan rotates interleaved pairs)")
     if get("tie_word_embeddings"):
@@ -235,13 +230,6 @@ def _computed_fields(args: DeepSeekV3Args) -> dict[str, Any]:
     return fields
 
 
-def hf_config_differences(args: DeepSeekV3Args, config: dict[str, Any]) -> list[str]:
-    """Every field in which `config` describes another function than `args`, as 'field: checkpoint X,
-    flavor Y' (unsupported settings too); empty when they agree."""
-    return config_differences(
-        args,
-        config,
-        unsupported=_import_problems,
-        args_from_config=args_from_hf_config,
-        computed_fields=_computed_fields,
-    )
+hf_config_differences = differences_checker(
+    unsupported=_import_problems, args_from_config=args_from_hf_config, computed_fields=_computed_fields
+)

@@ -5,22 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_models.args import RopeScaling
+from titan_models.hf_config import llama3_scaling_from_hf, llama3_scaling_to_hf
 from titan_models.hf_config_fields import (
     add_token_ids,
-    config_differences,
+    basic_problems,
+    decoder_hf_config,
+    differences_checker,
     missing_keys,
     refuse_unsupported,
     rope_from_config,
 )
 from titan_models.llama4.args import Llama4Args, llama4_moe_args
 
-_SCALING_KEYS = {
-    "factor": "factor",
-    "low_freq_factor": "low_freq_factor",
-    "high_freq_factor": "high_freq_factor",
-    "original_max_position_embeddings": "original_max_seq_len",
-}
 # What Llama4TextConfig assumes for a key its config.json leaves out.
 _HF_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu",
@@ -53,24 +49,11 @@ def to_hf_config(
     """The `config.json` of the equivalent `Llama4ForCausalLM` (text only)."""
     n = args.n_layers
     chunked = [args.attn_chunk_size is not None and args.uses_rope(i) for i in range(n)]
-    config: dict[str, Any] = {
-        "architectures": ["Llama4ForCausalLM"],
-        "model_type": "llama4_text",
-        "hidden_size": args.dim,
+    config = decoder_hf_config(args, architecture="Llama4ForCausalLM", model_type="llama4_text")
+    config |= {
         "intermediate_size": args.moe_hidden_dim,
         "intermediate_size_mlp": args.ffn_hidden_dim,
-        "num_hidden_layers": n,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.context_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": float(args.rope_theta),
-        "rope_scaling": None,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "tie_word_embeddings": args.tie_word_embeddings,
+        "rope_scaling": llama3_scaling_to_hf(args.rope_scaling),
         "num_local_experts": args.moe_args.num_experts,
         "num_experts_per_tok": args.moe_args.top_k,
         "interleave_moe_layer_step": args.interleave_moe_layer_step,
@@ -84,11 +67,6 @@ def to_hf_config(
         "floor_scale": args.floor_scale,
         "attn_scale": args.attn_scale,
     }
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
-        config["rope_scaling"] = {"rope_type": "llama3"} | {
-            theirs: getattr(s, ours) for theirs, ours in _SCALING_KEYS.items()
-        }
     return add_token_ids(config, args, bos_id, eos_id, dtype)
 
 
@@ -133,13 +111,8 @@ def _layout(config: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
 
 
 def _unsupported(config: dict[str, Any]) -> list[str]:
-    problems = []
-    if config.get("model_type") != "llama4_text":
-        problems.append(f"model_type '{config.get('model_type')}' (expected 'llama4_text', the text config)")
-    if _get(config, "hidden_act") != "silu":
-        problems.append(f"hidden_act '{_get(config, 'hidden_act')}' (only 'silu')")
-    if _get(config, "attention_bias"):
-        problems.append("attention_bias true (Titan's Llama 4 has no biases)")
+    # A multimodal `llama4` config holds the text model under `text_config`.
+    problems = basic_problems(lambda key: _get(config, key), ("llama4_text",), "Llama 4")
     _, scaling = rope_from_config(config)
     if scaling is not None and scaling["rope_type"] != "llama3":
         problems.append(f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan implements 'llama3' only)")
@@ -167,9 +140,7 @@ def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> Llama4Args:
         vocab_size=config["vocab_size"],
         norm_eps=float(_get(config, "rms_norm_eps")),
         rope_theta=theta,
-        rope_scaling=None
-        if scaling is None
-        else RopeScaling(**{ours: scaling[theirs] for theirs, ours in _SCALING_KEYS.items()}),
+        rope_scaling=llama3_scaling_from_hf(scaling),
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings")),
         max_seq_len=min(context, 8192),
         context_len=context,
@@ -197,13 +168,6 @@ def _computed_fields(args: Llama4Args) -> dict[str, Any]:
     return fields
 
 
-def hf_config_differences(args: Llama4Args, config: dict[str, Any]) -> list[str]:
-    """Every field in which `config` describes another function than `args`, as
-    'field: checkpoint X, flavor Y'; unsupported settings are listed too. Empty when they agree."""
-    return config_differences(
-        args,
-        config,
-        unsupported=_unsupported,
-        args_from_config=args_from_hf_config,
-        computed_fields=_computed_fields,
-    )
+hf_config_differences = differences_checker(
+    unsupported=_unsupported, args_from_config=args_from_hf_config, computed_fields=_computed_fields
+)

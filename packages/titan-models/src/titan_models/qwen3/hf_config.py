@@ -7,7 +7,9 @@ from typing import Any
 
 from titan_models.hf_config_fields import (
     add_token_ids,
-    config_differences,
+    basic_problems,
+    decoder_hf_config,
+    differences_checker,
     missing_keys,
     refuse_unsupported,
     rope_from_config,
@@ -34,25 +36,12 @@ def to_hf_config(
 ) -> dict[str, Any]:
     """The `config.json` of the equivalent Hugging Face model, as the published Qwen3 checkpoints write it."""
     moe = args.moe_args
-    config: dict[str, Any] = {
-        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
-        "model_type": "qwen3_moe" if moe else "qwen3",
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.context_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": float(args.rope_theta),
-        "rope_scaling": None,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "tie_word_embeddings": args.tie_word_embeddings,
-    }
+    config = decoder_hf_config(
+        args,
+        architecture="Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM",
+        model_type="qwen3_moe" if moe else "qwen3",
+    )
+    config |= {"intermediate_size": args.hidden_dim, "use_sliding_window": False}
     if moe is not None:
         config |= {
             "moe_intermediate_size": args.moe_inter_dim,
@@ -70,15 +59,7 @@ def _get(config: dict[str, Any], key: str) -> Any:
 
 
 def _unsupported(config: dict[str, Any]) -> list[str]:
-    problems = []
-    if config.get("model_type") not in _MODEL_TYPES:
-        problems.append(
-            f"model_type '{config.get('model_type')}' (expected one of {', '.join(_MODEL_TYPES)})"
-        )
-    if _get(config, "hidden_act") != "silu":
-        problems.append(f"hidden_act '{_get(config, 'hidden_act')}' (only 'silu')")
-    if _get(config, "attention_bias"):
-        problems.append("attention_bias true (Titan's Qwen3 has no biases)")
+    problems = basic_problems(lambda key: _get(config, key), _MODEL_TYPES, "Qwen3")
     if _get(config, "use_sliding_window"):
         problems.append("use_sliding_window true (Titan's Qwen3 attends over the whole sequence)")
     _, scaling = rope_from_config(config)
@@ -140,13 +121,6 @@ def _computed_fields(args: Qwen3Args) -> dict[str, Any]:
     return fields
 
 
-def hf_config_differences(args: Qwen3Args, config: dict[str, Any]) -> list[str]:
-    """Every field in which `config` describes another function than `args`, as
-    'field: checkpoint X, flavor Y'; unsupported settings are listed too. Empty when they agree."""
-    return config_differences(
-        args,
-        config,
-        unsupported=_unsupported,
-        args_from_config=args_from_hf_config,
-        computed_fields=_computed_fields,
-    )
+hf_config_differences = differences_checker(
+    unsupported=_unsupported, args_from_config=args_from_hf_config, computed_fields=_computed_fields
+)
