@@ -10,25 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from titan_models import hf_config_fields as shared
 from titan_models.args import ModelArgs, RopeScaling
-from titan_models.hf_config_fields import (
-    add_token_ids,
-    basic_problems,
-    decoder_hf_config,
-    differences_checker,
-    missing_keys,
-    refuse_unsupported,
-    rope_from_config,
-)
 
 # What `LlamaConfig` assumes for a key its config.json leaves out.
-_HF_DEFAULTS = {
+_HF_DEFAULTS = shared.DECODER_HF_DEFAULTS | {
     "model_type": "llama",
-    "hidden_act": "silu",
-    "attention_bias": False,
     "mlp_bias": False,
     "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
     "max_position_embeddings": 2048,
 }
 LLAMA3_SCALING_KEYS = {
@@ -62,21 +51,21 @@ def to_hf_config(
 
     `max_position_embeddings` is the flavor's context (`context_len`), not the length a run trained at.
     """
-    config = decoder_hf_config(args, architecture="LlamaForCausalLM", model_type="llama")
+    config = shared.decoder_hf_config(args, architecture="LlamaForCausalLM", model_type="llama")
     config |= {"intermediate_size": args.ffn_hidden_dim, "mlp_bias": False}
     config["rope_scaling"] = llama3_scaling_to_hf(args.rope_scaling)
-    return add_token_ids(config, args, bos_id, eos_id, dtype)
+    return shared.add_token_ids(config, args, bos_id, eos_id, dtype)
 
 
 def _unsupported(config: dict[str, Any]) -> list[str]:
     get = lambda key: config.get(key, _HF_DEFAULTS.get(key))  # noqa: E731
-    problems = basic_problems(get, ("llama",), "Llama")
+    problems = shared.basic_problems(get, ("llama",), "Llama")
     if get("mlp_bias"):
         problems.append("mlp_bias true (Titan's Llama has no biases)")
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     if heads and hidden and config.get("head_dim") not in (None, hidden // heads):
         problems.append(f"head_dim {config['head_dim']} (Titan's is hidden_size / num_attention_heads)")
-    _, scaling = rope_from_config(config)
+    _, scaling = shared.rope_from_config(config)
     if scaling is not None and scaling["rope_type"] != "llama3":
         problems.append(f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan implements 'llama3' only)")
     return problems
@@ -84,22 +73,12 @@ def _unsupported(config: dict[str, Any]) -> list[str]:
 
 def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> ModelArgs:
     """The ModelArgs of the model a Hugging Face `config.json` describes (refusing what Titan cannot compute)."""
-    refuse_unsupported(_unsupported(config) + missing_keys(config))
-    theta, scaling = rope_from_config(config)
-    context = int(config.get("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]))
-    args = dict(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads"),
-        vocab_size=config["vocab_size"],
-        norm_eps=float(config.get("rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"])),
-        rope_theta=theta,
-        rope_scaling=llama3_scaling_from_hf(scaling),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", _HF_DEFAULTS["tie_word_embeddings"])),
+    shared.refuse_unsupported(_unsupported(config) + shared.missing_keys(config))
+    get = lambda key: config.get(key, _HF_DEFAULTS.get(key))  # noqa: E731
+    args = shared.decoder_args_from_config(config, get, max_seq_len_cap=2048)
+    args |= dict(
+        rope_scaling=llama3_scaling_from_hf(shared.rope_from_config(config)[1]),
         ffn_hidden_dim_override=config.get("intermediate_size"),
-        max_seq_len=min(context, 2048),
-        context_len=context,
     )
     return ModelArgs(**{**args, **overrides})
 
@@ -124,6 +103,6 @@ def _computed_fields(args: ModelArgs) -> dict[str, Any]:
     return fields
 
 
-hf_config_differences = differences_checker(
+hf_config_differences = shared.differences_checker(
     unsupported=_unsupported, args_from_config=args_from_hf_config, computed_fields=_computed_fields
 )

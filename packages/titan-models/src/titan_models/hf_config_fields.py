@@ -18,6 +18,12 @@ from titan_models.errors import ModelConfigError
 # The keys without which no family's config describes a model.
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 DEFAULT_ROPE_THETA = 10000.0
+# What every family's transformers config class assumes for these keys when config.json leaves them out.
+DECODER_HF_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
 _DTYPE_NAMES = {"float32", "bfloat16", "float16"}
 
 
@@ -43,6 +49,26 @@ def decoder_hf_config(args: Any, *, architecture: str, model_type: str) -> dict[
         "attention_bias": False,
         "tie_word_embeddings": args.tie_word_embeddings,
     }
+
+
+def decoder_args_from_config(
+    config: dict[str, Any], get: Callable[[str], Any], *, max_seq_len_cap: int
+) -> dict[str, Any]:
+    """The args fields every grouped-query-attention family reads alike from a config, `get(key)` reading
+    it with the family's defaults. A run's `max_seq_len` starts at the context, at most `max_seq_len_cap`."""
+    context = int(get("max_position_embeddings"))
+    return dict(
+        dim=config["hidden_size"],
+        n_layers=config["num_hidden_layers"],
+        n_heads=config["num_attention_heads"],
+        n_kv_heads=config.get("num_key_value_heads"),
+        vocab_size=config["vocab_size"],
+        norm_eps=float(get("rms_norm_eps")),
+        rope_theta=rope_from_config(config)[0],
+        tie_word_embeddings=bool(get("tie_word_embeddings")),
+        max_seq_len=min(context, max_seq_len_cap),
+        context_len=context,
+    )
 
 
 def basic_problems(get: Callable[[str], Any], model_types: tuple[str, ...], family: str) -> list[str]:

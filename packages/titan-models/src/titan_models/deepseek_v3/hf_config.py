@@ -12,16 +12,9 @@ import logging
 import math
 from typing import Any
 
+from titan_models import hf_config_fields as shared
 from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.errors import ModelConfigError
-from titan_models.hf_config_fields import (
-    add_token_ids,
-    basic_problems,
-    differences_checker,
-    missing_keys,
-    refuse_unsupported,
-    rope_from_config,
-)
 from titan_models.moe import MoEArgs
 
 logger = logging.getLogger(__name__)
@@ -132,17 +125,17 @@ def to_hf_config(
             _latent_eps(args),
             HF_LATENT_NORM_EPS,
         )
-    return add_token_ids(_describe(args), args, bos_id, eos_id, dtype)
+    return shared.add_token_ids(_describe(args), args, bos_id, eos_id, dtype)
 
 
 def _import_problems(config: dict[str, Any]) -> list[str]:
     get = lambda key: config.get(key, _DEFAULTS.get(key))  # noqa: E731
-    problems = basic_problems(get, ("deepseek_v3",), "MLA")
+    problems = shared.basic_problems(get, ("deepseek_v3",), "MLA")
     if not get("rope_interleave"):
         problems.append("rope_interleave false (Titan rotates interleaved pairs)")
     if get("tie_word_embeddings"):
         problems.append("tie_word_embeddings true (DeepSeek-V3 keeps them apart)")
-    _, scaling = rope_from_config(config)
+    _, scaling = shared.rope_from_config(config)
     if scaling is not None:
         if scaling["rope_type"] != "yarn":
             problems.append(f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan implements 'yarn' only)")
@@ -155,19 +148,19 @@ def _import_problems(config: dict[str, Any]) -> list[str]:
             )
         elif scaling.get("attention_factor") not in (None, 1, 1.0):
             problems.append(f"rope_scaling.attention_factor {scaling['attention_factor']} (Titan's is 1)")
-    return problems + missing_keys(config, _REQUIRED)
+    return problems + shared.missing_keys(config, _REQUIRED)
 
 
 def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> DeepSeekV3Args:
     """The DeepSeekV3Args of the model a `DeepseekV3ForCausalLM` config.json describes (refusing what Titan
     cannot compute). Multi-token-prediction layers are not part of the model."""
-    refuse_unsupported(_import_problems(config))
+    shared.refuse_unsupported(_import_problems(config))
     get = lambda key: config.get(key, _DEFAULTS.get(key))  # noqa: E731
     groups, limited = get("n_group"), get("topk_group")
     if groups in (None, 1):  # one group holding every expert: plain top-k
         groups = limited = None
     context = int(get("max_position_embeddings"))
-    theta, scaling = rope_from_config(config)
+    theta, scaling = shared.rope_from_config(config)
     rope: dict[str, Any] = {"yarn": False, "rope_theta": theta}
     if scaling is not None:
         original = int(scaling["original_max_position_embeddings"])
@@ -230,6 +223,6 @@ def _computed_fields(args: DeepSeekV3Args) -> dict[str, Any]:
     return fields
 
 
-hf_config_differences = differences_checker(
+hf_config_differences = shared.differences_checker(
     unsupported=_import_problems, args_from_config=args_from_hf_config, computed_fields=_computed_fields
 )

@@ -5,24 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from titan_models import hf_config_fields as shared
 from titan_models.hf_config import llama3_scaling_from_hf, llama3_scaling_to_hf
-from titan_models.hf_config_fields import (
-    add_token_ids,
-    basic_problems,
-    decoder_hf_config,
-    differences_checker,
-    missing_keys,
-    refuse_unsupported,
-    rope_from_config,
-)
 from titan_models.llama4.args import Llama4Args, llama4_moe_args
 
 # What Llama4TextConfig assumes for a key its config.json leaves out.
-_HF_DEFAULTS: dict[str, Any] = {
-    "hidden_act": "silu",
-    "attention_bias": False,
+_HF_DEFAULTS: dict[str, Any] = shared.DECODER_HF_DEFAULTS | {
     "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
     "max_position_embeddings": 131072,
     "num_experts_per_tok": 1,
     "num_local_experts": 16,
@@ -49,7 +38,7 @@ def to_hf_config(
     """The `config.json` of the equivalent `Llama4ForCausalLM` (text only)."""
     n = args.n_layers
     chunked = [args.attn_chunk_size is not None and args.uses_rope(i) for i in range(n)]
-    config = decoder_hf_config(args, architecture="Llama4ForCausalLM", model_type="llama4_text")
+    config = shared.decoder_hf_config(args, architecture="Llama4ForCausalLM", model_type="llama4_text")
     config |= {
         "intermediate_size": args.moe_hidden_dim,
         "intermediate_size_mlp": args.ffn_hidden_dim,
@@ -67,7 +56,7 @@ def to_hf_config(
         "floor_scale": args.floor_scale,
         "attn_scale": args.attn_scale,
     }
-    return add_token_ids(config, args, bos_id, eos_id, dtype)
+    return shared.add_token_ids(config, args, bos_id, eos_id, dtype)
 
 
 def _layer_pattern(values: list[int], n_layers: int) -> int | None:
@@ -112,11 +101,11 @@ def _layout(config: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
 
 def _unsupported(config: dict[str, Any]) -> list[str]:
     # A multimodal `llama4` config holds the text model under `text_config`.
-    problems = basic_problems(lambda key: _get(config, key), ("llama4_text",), "Llama 4")
-    _, scaling = rope_from_config(config)
+    problems = shared.basic_problems(lambda key: _get(config, key), ("llama4_text",), "Llama 4")
+    _, scaling = shared.rope_from_config(config)
     if scaling is not None and scaling["rope_type"] != "llama3":
         problems.append(f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan implements 'llama3' only)")
-    missing = missing_keys(config)
+    missing = shared.missing_keys(config)
     problems += missing
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     if heads and hidden and config.get("head_dim") not in (None, hidden // heads):
@@ -129,21 +118,11 @@ def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> Llama4Args:
 
     A multimodal `llama4` config holds the text model under `text_config`: pass that.
     """
-    refuse_unsupported(_unsupported(config))
-    theta, scaling = rope_from_config(config)
-    context = int(_get(config, "max_position_embeddings"))
-    args = dict(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads"),
-        vocab_size=config["vocab_size"],
-        norm_eps=float(_get(config, "rms_norm_eps")),
-        rope_theta=theta,
+    shared.refuse_unsupported(_unsupported(config))
+    _, scaling = shared.rope_from_config(config)
+    args = shared.decoder_args_from_config(config, lambda key: _get(config, key), max_seq_len_cap=8192)
+    args |= dict(
         rope_scaling=llama3_scaling_from_hf(scaling),
-        tie_word_embeddings=bool(_get(config, "tie_word_embeddings")),
-        max_seq_len=min(context, 8192),
-        context_len=context,
         use_qk_norm=bool(_get(config, "use_qk_norm")),
         attn_temperature_tuning=bool(_get(config, "attn_temperature_tuning")),
         floor_scale=int(_get(config, "floor_scale")),
@@ -168,6 +147,6 @@ def _computed_fields(args: Llama4Args) -> dict[str, Any]:
     return fields
 
 
-hf_config_differences = differences_checker(
+hf_config_differences = shared.differences_checker(
     unsupported=_unsupported, args_from_config=args_from_hf_config, computed_fields=_computed_fields
 )

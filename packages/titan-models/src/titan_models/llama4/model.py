@@ -15,10 +15,9 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_models.attention import Attention, attend
 from titan_models.decoder import Decoder
-from titan_models.feed_forward import FeedForward
+from titan_models.decoder_block import DecoderBlock
 from titan_models.llama4.args import Llama4Args
 from titan_models.llama4.masks import Llama4Masks, build_llama4_masks
-from titan_models.moe import MoE
 from titan_models.rope import apply_rotary
 from titan_models.tensor_parallel_plan import gqa_tp_entries
 
@@ -58,24 +57,16 @@ class Llama4Attention(Attention):
         return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
 
 
-class Llama4Block(nn.Module):
-    """Pre-norm attention then pre-norm feed-forward: `moe` on MoE layers, `feed_forward` elsewhere."""
-
-    def __init__(self, args: Llama4Args, layer: int):
-        super().__init__()
-        self.attention = Llama4Attention(args, layer)
-        self.moe_enabled = args.is_moe_layer(layer)
-        if self.moe_enabled:
-            self.moe = MoE(args.moe_args, dim=args.dim, hidden_dim=args.moe_hidden_dim)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, masks: Llama4Masks) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, masks)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+def llama4_block(args: Llama4Args, layer: int) -> DecoderBlock:
+    """Llama 4's attention of `layer`, then `moe` on MoE layers and a SwiGLU `feed_forward` elsewhere."""
+    return DecoderBlock(
+        Llama4Attention(args, layer),
+        dim=args.dim,
+        norm_eps=args.norm_eps,
+        ffn_hidden_dim=args.ffn_hidden_dim,
+        moe_args=args.moe_args if args.is_moe_layer(layer) else None,
+        moe_hidden_dim=args.moe_hidden_dim,
+    )
 
 
 class Llama4Model(Decoder):
@@ -83,7 +74,7 @@ class Llama4Model(Decoder):
     `titan_models.decoder.Decoder`)."""
 
     def build_block(self, layer: int) -> nn.Module:
-        return Llama4Block(self.args, layer)
+        return llama4_block(self.args, layer)
 
     def _attention_masks(
         self, doc_ids: torch.Tensor | None, seq_len: int, device: torch.device

@@ -5,24 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_models.hf_config_fields import (
-    add_token_ids,
-    basic_problems,
-    decoder_hf_config,
-    differences_checker,
-    missing_keys,
-    refuse_unsupported,
-    rope_from_config,
-)
+from titan_models import hf_config_fields as shared
 from titan_models.qwen3.args import Qwen3Args, qwen3_moe_args
 
 # What Qwen3Config / Qwen3MoeConfig assume for a key their config.json leaves out.
-_HF_DEFAULTS = {
-    "hidden_act": "silu",
-    "attention_bias": False,
+_HF_DEFAULTS = shared.DECODER_HF_DEFAULTS | {
     "use_sliding_window": False,
     "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
     "max_position_embeddings": 32768,
     "norm_topk_prob": False,
     "decoder_sparse_step": 1,
@@ -36,7 +25,7 @@ def to_hf_config(
 ) -> dict[str, Any]:
     """The `config.json` of the equivalent Hugging Face model, as the published Qwen3 checkpoints write it."""
     moe = args.moe_args
-    config = decoder_hf_config(
+    config = shared.decoder_hf_config(
         args,
         architecture="Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM",
         model_type="qwen3_moe" if moe else "qwen3",
@@ -51,7 +40,7 @@ def to_hf_config(
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
-    return add_token_ids(config, args, bos_id, eos_id, dtype)
+    return shared.add_token_ids(config, args, bos_id, eos_id, dtype)
 
 
 def _get(config: dict[str, Any], key: str) -> Any:
@@ -59,10 +48,10 @@ def _get(config: dict[str, Any], key: str) -> Any:
 
 
 def _unsupported(config: dict[str, Any]) -> list[str]:
-    problems = basic_problems(lambda key: _get(config, key), _MODEL_TYPES, "Qwen3")
+    problems = shared.basic_problems(lambda key: _get(config, key), _MODEL_TYPES, "Qwen3")
     if _get(config, "use_sliding_window"):
         problems.append("use_sliding_window true (Titan's Qwen3 attends over the whole sequence)")
-    _, scaling = rope_from_config(config)
+    _, scaling = shared.rope_from_config(config)
     if scaling is not None:
         problems.append(
             f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan's Qwen3 has no rotary scaling)"
@@ -74,26 +63,16 @@ def _unsupported(config: dict[str, Any]) -> list[str]:
             )
         if _get(config, "mlp_only_layers"):
             problems.append(f"mlp_only_layers {config['mlp_only_layers']} (every layer is MoE in Titan)")
-    return problems + missing_keys(config)
+    return problems + shared.missing_keys(config)
 
 
 def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> Qwen3Args:
     """The Qwen3Args of the model a Hugging Face `config.json` describes (refusing what Titan cannot compute)."""
-    refuse_unsupported(_unsupported(config))
-    context = int(_get(config, "max_position_embeddings"))
-    args: dict[str, Any] = dict(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads"),
+    shared.refuse_unsupported(_unsupported(config))
+    args = shared.decoder_args_from_config(config, lambda key: _get(config, key), max_seq_len_cap=4096)
+    args |= dict(
         head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        vocab_size=config["vocab_size"],
         hidden_dim=config.get("intermediate_size", 0),
-        norm_eps=float(_get(config, "rms_norm_eps")),
-        rope_theta=rope_from_config(config)[0],
-        tie_word_embeddings=bool(_get(config, "tie_word_embeddings")),
-        max_seq_len=min(context, 4096),
-        context_len=context,
     )
     if config["model_type"] == "qwen3_moe":
         experts = config.get("num_experts", config.get("num_local_experts"))
@@ -121,6 +100,6 @@ def _computed_fields(args: Qwen3Args) -> dict[str, Any]:
     return fields
 
 
-hf_config_differences = differences_checker(
+hf_config_differences = shared.differences_checker(
     unsupported=_unsupported, args_from_config=args_from_hf_config, computed_fields=_computed_fields
 )

@@ -15,8 +15,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from titan_models.attention import Attention, attend
 from titan_models.attention_masks import AttentionMask
 from titan_models.decoder import Decoder
-from titan_models.feed_forward import FeedForward
-from titan_models.moe import MoE
+from titan_models.decoder_block import DecoderBlock
 from titan_models.qwen3.args import Qwen3Args
 from titan_models.qwen3.rotary import apply_rotary_half_split
 from titan_models.qwen3.tensor_parallel_plan import qk_norm_tp_entries
@@ -44,24 +43,16 @@ class Qwen3Attention(Attention):
         return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
 
 
-class Qwen3Block(nn.Module):
-    """Pre-norm attention then pre-norm feed-forward (`feed_forward`, or `moe` in MoE flavors)."""
-
-    def __init__(self, args: Qwen3Args):
-        super().__init__()
-        self.attention = Qwen3Attention(args)
-        self.moe_enabled = args.moe_enabled
-        if self.moe_enabled:
-            self.moe = MoE(args.moe_args, dim=args.dim, hidden_dim=args.moe_inter_dim)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+def qwen3_block(args: Qwen3Args) -> DecoderBlock:
+    """Qwen3's attention, then its SwiGLU (`feed_forward`) or, in MoE flavors, its `moe`."""
+    return DecoderBlock(
+        Qwen3Attention(args),
+        dim=args.dim,
+        norm_eps=args.norm_eps,
+        ffn_hidden_dim=args.hidden_dim,
+        moe_args=args.moe_args,
+        moe_hidden_dim=args.moe_inter_dim,
+    )
 
 
 class Qwen3Model(Decoder):
@@ -69,7 +60,7 @@ class Qwen3Model(Decoder):
     `titan_models.decoder.Decoder`)."""
 
     def build_block(self, layer: int) -> nn.Module:
-        return Qwen3Block(self.args)
+        return qwen3_block(self.args)
 
     def attention_tp_entries(self) -> dict[str, ParallelStyle]:
         """Heads split Megatron-style, the QK norms split by head (see `qwen3.tensor_parallel_plan`)."""
