@@ -9,10 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from titan_models import load_safetensors_sharded, save_safetensors_sharded
+from titan_models import ModelConfigError, load_safetensors_sharded, save_safetensors_sharded
 
 
 def materialised(cls, args, seed: int = 0) -> torch.nn.Module:
@@ -88,3 +89,12 @@ def check_hf_export(
     assert type(hf).__name__ == hf_class
     with torch.no_grad():
         assert (hf(tokens_for(args)).logits - ours(tokens_for(args))).abs().max().item() <= 1e-5
+
+
+def check_refused_in_one_line(
+    args_from_hf_config: Callable[..., Any], config: dict[str, Any], field: str
+) -> None:
+    """Reading `config` fails with one `ModelConfigError` line that names `field`."""
+    with pytest.raises(ModelConfigError, match=field) as caught:
+        args_from_hf_config(config)
+    assert "\n" not in str(caught.value)
