@@ -4,6 +4,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from family_checks import materialised
 
 from titan_models import ModelConfigError, count_parameters, document_ids
 from titan_models.llama4 import (
@@ -51,11 +52,7 @@ def _tiny(**kw) -> Llama4Args:
 
 
 def _built(args, seed=1):
-    with torch.device("meta"):
-        model = Llama4Model(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
+    return materialised(Llama4Model, args, seed)
 
 
 def test_rope_layers_attend_within_their_chunk_and_no_rope_layers_over_everything():

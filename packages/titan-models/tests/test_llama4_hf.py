@@ -1,18 +1,12 @@
 """Titan's Llama 4 against Hugging Face's `Llama4ForCausalLM` (text, `Llama4TextConfig`, transformers 5),
 an implementation nobody here wrote: weights both ways (fused experts), config both ways, refusals."""
 
-import json
-
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from family_checks import check_hf_export, check_hf_import, check_refused_in_one_line
 
 from titan_models import (
-    ModelConfigError,
     RopeScaling,
     WeightMappingError,
-    load_safetensors_sharded,
-    save_safetensors_sharded,
 )
 from titan_models.llama4 import (
     Llama4Args,
@@ -46,76 +40,37 @@ SHAPES = {
 }  # fmt: skip
 
 
-def _hf_model(config: dict):
-    hf_config = AutoConfig.for_model(**config)
-    hf_config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(hf_config).eval()
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
-
-
-def _tokens(args) -> torch.Tensor:
-    return torch.randint(
-        0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(0)
-    )
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_hugging_face_checkpoint_imports_with_equal_logits_and_maps_back_identically(shape, tmp_path):
     args = SHAPES[shape]
-    adapter = Llama4StateDictAdapter(args)
-    hf = _hf_model(adapter.hf_config())
-    _perturb(hf, seed=len(shape))
-    hf.save_pretrained(tmp_path)
-    hf_state = load_safetensors_sharded(tmp_path)
+    hf_state = check_hf_import(
+        args, Llama4StateDictAdapter(args), Llama4Model, tmp_path, args_from_hf_config=args_from_hf_config,
+        hf_config_differences=hf_config_differences, attn_implementation="sdpa", seed=len(shape),
+    )  # fmt: skip
+    # Hugging Face fuses the experts' gate and up projections into one tensor per layer.
     assert hf_state["model.layers.3.feed_forward.experts.gate_up_proj"].shape == (
         4,
         64,
         2 * args.moe_hidden_dim,
     )
 
-    config = json.loads((tmp_path / "config.json").read_text())
-    assert hf_config_differences(args, config) == []
-    ours = Llama4Model(args_from_hf_config(config, max_seq_len=args.max_seq_len)).eval()
-    ours.load_state_dict(adapter.from_hf(hf_state), strict=True)
-    with torch.no_grad():
-        expected, got = hf(_tokens(args)).logits, ours(_tokens(args))
-    assert (got - expected).abs().max().item() <= 1e-5
-    assert expected.abs().max().item() > 0.5
-
-    back = adapter.to_hf(ours.state_dict())
-    assert back.keys() == hf_state.keys()
-    assert all(torch.equal(back[k], hf_state[k]) for k in hf_state)
-
 
 def test_titan_export_loads_in_transformers_with_equal_logits(tmp_path):
     args = SHAPES["17bx16e_irope"]
-    adapter = Llama4StateDictAdapter(args)
-    with torch.device("meta"):
-        ours = Llama4Model(args)
-    ours.to_empty(device="cpu")
-    ours.init_weights(seed=5)
-    _perturb(ours, seed=6)
-    ours.eval()
-    save_safetensors_sharded(adapter.to_hf(ours.state_dict()), tmp_path, config=adapter.hf_config())
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
-    assert type(hf).__name__ == "Llama4ForCausalLM"
-    with torch.no_grad():
-        assert (hf(_tokens(args)).logits - ours(_tokens(args))).abs().max().item() <= 1e-5
+    check_hf_export(
+        args,
+        Llama4StateDictAdapter(args),
+        Llama4Model,
+        tmp_path,
+        attn_implementation="sdpa",
+        hf_class="Llama4ForCausalLM",
+    )
 
 
 def test_flavor_configs_match_the_published_scout_and_maverick():
     scout = Llama4StateDictAdapter(llama4_args("17bx16e_irope")).hf_config()
-    assert (scout["intermediate_size"], scout["intermediate_size_mlp"], scout["num_local_experts"]) == (
-        8192,
-        16384,
-        16,
-    )
+    widths = ("intermediate_size", "intermediate_size_mlp", "num_local_experts")
+    assert [scout[k] for k in widths] == [8192, 16384, 16]
     assert scout["moe_layers"] == list(range(48)) and scout["no_rope_layers"][:4] == [1, 1, 1, 0]
     assert scout["rope_scaling"]["factor"] == 16.0 and scout["use_qk_norm"] is True
     assert scout["attention_chunk_size"] == 8192 and scout["vocab_size"] == 202048
@@ -135,10 +90,9 @@ def test_flavor_configs_match_the_published_scout_and_maverick():
     ],
 )
 def test_a_config_titan_cannot_compute_is_refused_in_one_line_naming_the_field(change, field):
-    config = {**Llama4StateDictAdapter(SHAPES["17bx16e_irope"]).hf_config(), **change}
-    with pytest.raises(ModelConfigError, match=field) as caught:
-        args_from_hf_config(config)
-    assert "\n" not in str(caught.value)
+    check_refused_in_one_line(
+        args_from_hf_config, {**Llama4StateDictAdapter(SHAPES["17bx16e_irope"]).hf_config(), **change}, field
+    )
 
 
 def test_a_checkpoint_of_another_shape_names_the_differing_fields_and_missing_tensors():

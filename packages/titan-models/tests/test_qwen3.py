@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from family_checks import materialised
 
 from titan_models import ModelConfigError, count_parameters
 from titan_models.moe import count_active_parameters
@@ -75,10 +76,7 @@ def _tiny(**kw) -> Qwen3Args:
 
 
 def _built(args, seed=1):
-    model = _meta(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
+    return materialised(Qwen3Model, args, seed)
 
 
 @pytest.mark.parametrize("moe", [False, True])

@@ -1,17 +1,11 @@
 """Titan's Qwen3 against Hugging Face's `Qwen3ForCausalLM` and `Qwen3MoeForCausalLM` (transformers 5),
 an implementation nobody here wrote: weights both ways, config both ways, refusals in one line."""
 
-import json
-
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from family_checks import check_hf_export, check_hf_import, check_refused_in_one_line
 
 from titan_models import (
-    ModelConfigError,
     WeightMappingError,
-    load_safetensors_sharded,
-    save_safetensors_sharded,
 )
 from titan_models.qwen3 import (
     Qwen3Args,
@@ -36,66 +30,27 @@ SHAPES = {
 }
 
 
-def _hf_model(config: dict):
-    hf_config = AutoConfig.for_model(**config)
-    hf_config._attn_implementation = "eager"
-    return AutoModelForCausalLM.from_config(hf_config).eval()
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    """Random weights, norms away from 1 so that a swapped or missing norm would show."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
-
-
-def _tokens(args) -> torch.Tensor:
-    return torch.randint(
-        0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(0)
-    )
-
-
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_hugging_face_checkpoint_imports_with_equal_logits_and_maps_back_identically(shape, tmp_path):
     args = SHAPES[shape]
-    adapter = Qwen3StateDictAdapter(args)
-    hf = _hf_model(adapter.hf_config())
-    _perturb(hf, seed=len(shape))
-    hf.save_pretrained(tmp_path)
-    hf_state = load_safetensors_sharded(tmp_path)
-
-    config = json.loads((tmp_path / "config.json").read_text())
-    assert hf_config_differences(args, config) == []
-    imported = args_from_hf_config(config, max_seq_len=args.max_seq_len)
-    ours = Qwen3Model(imported).eval()
-    ours.load_state_dict(adapter.from_hf(hf_state), strict=True)
-    with torch.no_grad():
-        expected, got = hf(_tokens(args)).logits, ours(_tokens(args))
-    assert (got - expected).abs().max().item() <= 1e-5
-    assert expected.abs().max().item() > 0.5  # not a comparison of near-zero logits
-
-    back = adapter.to_hf(ours.state_dict())
-    assert back.keys() == hf_state.keys()
-    assert all(torch.equal(back[k], hf_state[k]) for k in hf_state)
+    check_hf_import(
+        args, Qwen3StateDictAdapter(args), Qwen3Model, tmp_path, args_from_hf_config=args_from_hf_config,
+        hf_config_differences=hf_config_differences, attn_implementation="eager", seed=len(shape),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", ["dense-tied", "moe"])
 def test_titan_export_loads_in_transformers_with_equal_logits(shape, tmp_path):
     args = SHAPES[shape]
-    adapter = Qwen3StateDictAdapter(args)
-    with torch.device("meta"):
-        ours = Qwen3Model(args)
-    ours.to_empty(device="cpu")
-    ours.init_weights(seed=5)
-    _perturb(ours, seed=6)
-    ours.eval()
-    save_safetensors_sharded(adapter.to_hf(ours.state_dict()), tmp_path, config=adapter.hf_config())
-
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(hf).__name__ == ("Qwen3MoeForCausalLM" if args.moe_args else "Qwen3ForCausalLM")
-    with torch.no_grad():
-        assert (hf(_tokens(args)).logits - ours(_tokens(args))).abs().max().item() <= 1e-5
+    hf_class = "Qwen3MoeForCausalLM" if args.moe_args else "Qwen3ForCausalLM"
+    check_hf_export(
+        args,
+        Qwen3StateDictAdapter(args),
+        Qwen3Model,
+        tmp_path,
+        attn_implementation="eager",
+        hf_class=hf_class,
+    )
 
 
 def test_flavor_configs_match_the_published_qwen3_releases():
@@ -126,10 +81,9 @@ def test_flavor_configs_match_the_published_qwen3_releases():
     ],
 )
 def test_a_config_titan_cannot_compute_is_refused_in_one_line_naming_the_field(change, field):
-    config = {**Qwen3StateDictAdapter(SHAPES["moe"]).hf_config(), **change}
-    with pytest.raises(ModelConfigError, match=field) as caught:
-        args_from_hf_config(config)
-    assert "\n" not in str(caught.value)
+    check_refused_in_one_line(
+        args_from_hf_config, {**Qwen3StateDictAdapter(SHAPES["moe"]).hf_config(), **change}, field
+    )
 
 
 def test_a_checkpoint_of_another_shape_names_the_differing_fields_and_missing_tensors():

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from family_checks import materialised
 from torch import nn
 
 from titan_models import ModelArgs, ModelError, Transformer
@@ -14,12 +15,8 @@ def _tiny(**overrides) -> ModelArgs:
     return ModelArgs(**{**args, **overrides})
 
 
-def _materialised(args: ModelArgs, seed: int = 0) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=seed)
-    return model
+def _materialised(args, seed=0):
+    return materialised(Transformer, args, seed)
 
 
 def test_forward_gives_logits_per_position():

@@ -2,35 +2,46 @@
 
 Loading weights checks shapes only, so a checkpoint whose rotary scaling, rope theta, norm epsilon or
 tied embeddings differ from the model it is loaded into would load and train a different function
-without a word. Comparing every field that changes the computed function catches that before a step.
+without a word. Comparing every field that changes the computed function catches that before a step
+(the comparison itself: `titan_models.hf_config_fields`, shared by every family).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+from titan_models import hf_config_fields as shared
 from titan_models.args import ModelArgs, RopeScaling
-from titan_models.errors import ModelConfigError
 
 # What `LlamaConfig` assumes for a key its config.json leaves out.
-_HF_DEFAULTS = {
+_HF_DEFAULTS = shared.DECODER_HF_DEFAULTS | {
     "model_type": "llama",
-    "hidden_act": "silu",
-    "attention_bias": False,
     "mlp_bias": False,
     "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
     "max_position_embeddings": 2048,
 }
-_SCALING_KEYS = {
+LLAMA3_SCALING_KEYS = {
     "factor": "factor",
     "low_freq_factor": "low_freq_factor",
     "high_freq_factor": "high_freq_factor",
     "original_max_position_embeddings": "original_max_seq_len",
 }
-_DTYPE_NAMES = {"float32", "bfloat16", "float16"}
+
+
+def llama3_scaling_to_hf(scaling: RopeScaling | None) -> dict[str, Any] | None:
+    """The `rope_scaling` entry of a config.json for Llama 3.1's rotary stretch (None: no scaling)."""
+    if scaling is None:
+        return None
+    return {"rope_type": "llama3"} | {
+        theirs: getattr(scaling, ours) for theirs, ours in LLAMA3_SCALING_KEYS.items()
+    }
+
+
+def llama3_scaling_from_hf(scaling: dict[str, Any] | None) -> RopeScaling | None:
+    """Llama 3.1's rotary stretch from a config's `rope_scaling` (None: no scaling)."""
+    if scaling is None:
+        return None
+    return RopeScaling(**{ours: scaling[theirs] for theirs, ours in LLAMA3_SCALING_KEYS.items()})
 
 
 def to_hf_config(
@@ -40,69 +51,21 @@ def to_hf_config(
 
     `max_position_embeddings` is the flavor's context (`context_len`), not the length a run trained at.
     """
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.context_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": float(args.rope_theta),
-        "rope_scaling": None,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": args.tie_word_embeddings,
-    }
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
-        config["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_seq_len,
-        }
-    eos_id = args.eos_id if eos_id is None else eos_id
-    if bos_id is not None:
-        config["bos_token_id"] = bos_id
-    if eos_id is not None:
-        config["eos_token_id"] = eos_id
-    if dtype is not None:
-        if dtype not in _DTYPE_NAMES:
-            raise ModelConfigError(f"model: dtype '{dtype}' is not one of {sorted(_DTYPE_NAMES)}")
-        config["torch_dtype"] = dtype
-    return config
-
-
-def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope theta, rope scaling or None), from transformers 4's `rope_scaling` or 5's `rope_parameters`."""
-    params = config.get("rope_parameters") or {}
-    theta = float(config.get("rope_theta", params.get("rope_theta", _HF_DEFAULTS["rope_theta"])))
-    scaling = config.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    return theta, (None if kind == "default" else {**scaling, "rope_type": kind})
+    config = shared.decoder_hf_config(args, architecture="LlamaForCausalLM", model_type="llama")
+    config |= {"intermediate_size": args.ffn_hidden_dim, "mlp_bias": False}
+    config["rope_scaling"] = llama3_scaling_to_hf(args.rope_scaling)
+    return shared.add_token_ids(config, args, bos_id, eos_id, dtype)
 
 
 def _unsupported(config: dict[str, Any]) -> list[str]:
     get = lambda key: config.get(key, _HF_DEFAULTS.get(key))  # noqa: E731
-    problems = []
-    if get("model_type") != "llama":
-        problems.append(f"model_type '{get('model_type')}' (only 'llama' is supported)")
-    if get("hidden_act") != "silu":
-        problems.append(f"hidden_act '{get('hidden_act')}' (only 'silu')")
-    for key in ("attention_bias", "mlp_bias"):
-        if get(key):
-            problems.append(f"{key} true (Titan's Llama has no biases)")
+    problems = shared.basic_problems(get, ("llama",), "Llama")
+    if get("mlp_bias"):
+        problems.append("mlp_bias true (Titan's Llama has no biases)")
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     if heads and hidden and config.get("head_dim") not in (None, hidden // heads):
         problems.append(f"head_dim {config['head_dim']} (Titan's is hidden_size / num_attention_heads)")
-    _, scaling = _rope(config)
+    _, scaling = shared.rope_from_config(config)
     if scaling is not None and scaling["rope_type"] != "llama3":
         problems.append(f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan implements 'llama3' only)")
     return problems
@@ -110,35 +73,12 @@ def _unsupported(config: dict[str, Any]) -> list[str]:
 
 def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> ModelArgs:
     """The ModelArgs of the model a Hugging Face `config.json` describes (refusing what Titan cannot compute)."""
-    problems = _unsupported(config)
-    missing = [
-        k
-        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        if k not in config
-    ]
-    if missing:
-        problems.append(f"no {', '.join(missing)}")
-    if problems:
-        raise ModelConfigError(
-            f"model: the Hugging Face config cannot be trained by Titan: {'; '.join(problems)}"
-        )
-    theta, scaling = _rope(config)
-    context = int(config.get("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]))
-    args = dict(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads"),
-        vocab_size=config["vocab_size"],
-        norm_eps=float(config.get("rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"])),
-        rope_theta=theta,
-        rope_scaling=None
-        if scaling is None
-        else RopeScaling(**{ours: scaling[theirs] for theirs, ours in _SCALING_KEYS.items()}),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", _HF_DEFAULTS["tie_word_embeddings"])),
+    shared.refuse_unsupported(_unsupported(config) + shared.missing_keys(config))
+    get = lambda key: config.get(key, _HF_DEFAULTS.get(key))  # noqa: E731
+    args = shared.decoder_args_from_config(config, get, max_seq_len_cap=2048)
+    args |= dict(
+        rope_scaling=llama3_scaling_from_hf(shared.rope_from_config(config)[1]),
         ffn_hidden_dim_override=config.get("intermediate_size"),
-        max_seq_len=min(context, 2048),
-        context_len=context,
     )
     return ModelArgs(**{**args, **overrides})
 
@@ -158,29 +98,11 @@ def _computed_fields(args: ModelArgs) -> dict[str, Any]:
         "rope_scaling": None if args.rope_scaling is None else "llama3",
     }
     if args.rope_scaling is not None:
-        for theirs, ours in _SCALING_KEYS.items():
+        for theirs, ours in LLAMA3_SCALING_KEYS.items():
             fields[f"rope_scaling.{theirs}"] = getattr(args.rope_scaling, ours)
     return fields
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9)
-    return a == b
-
-
-def hf_config_differences(args: ModelArgs, config: dict[str, Any]) -> list[str]:
-    """Every field in which `config` (a Hugging Face `config.json`) describes another function than `args`,
-    as 'field: checkpoint X, flavor Y'; unsupported settings are listed too. Empty when they agree."""
-    differences = _unsupported(config)
-    if differences:
-        return differences
-    theirs = _computed_fields(args_from_hf_config(config))
-    ours = _computed_fields(args)
-    scaling_differs = theirs["rope_scaling"] != ours["rope_scaling"]  # then its parameters say nothing more
-    for key in dict.fromkeys([*ours, *theirs]):
-        if key.startswith("rope_scaling.") and scaling_differs:
-            continue
-        if not _same(theirs.get(key), ours.get(key)):
-            differences.append(f"{key}: checkpoint {theirs.get(key)}, flavor {ours.get(key)}")
-    return differences
+hf_config_differences = shared.differences_checker(
+    unsupported=_unsupported, args_from_config=args_from_hf_config, computed_fields=_computed_fields
+)

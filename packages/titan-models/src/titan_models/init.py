@@ -11,28 +11,32 @@ from __future__ import annotations
 import re
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_models.args import ModelArgs
 from titan_models.errors import ModelConfigError
+from titan_models.moe.init import moe_init_std
 
 Filler = Callable[[torch.Tensor, torch.Generator], None]
 _LAYER = re.compile(r"layers\.(\d+)\.")
+# Parameter-name endings of the projections that read a block's input (Llama's, Qwen3's, Llama 4's).
+INPUT_PROJECTIONS = ("wq.weight", "wk.weight", "wv.weight", "w1.weight")
 
 
-def _trunc_normal(std: float, bound: float = 2.0) -> Filler:
+def trunc_normal(std: float, bound: float = 2.0) -> Filler:
     """Normal(0, std) truncated to [-bound, bound] (absolute, as nn.init's default of 2)."""
     return lambda t, g: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-bound, b=bound, generator=g)
 
 
-def filler_for(name: str, args: ModelArgs) -> Filler:
-    """How the parameter called `name` is initialised.
+def filler_for(name: str, args: Any, input_projections: tuple[str, ...] = INPUT_PROJECTIONS) -> Filler:
+    """How the parameter called `name` is initialised (any decoder family's `args`).
 
     Output projections of attention and feed-forward (`wo`, `w2`, `w3`) shrink with depth,
-    0.02 / sqrt(2 * (layer + 1)), so the residual stream's variance stays bounded.
+    0.02 / sqrt(2 * (layer + 1)), so the residual stream's variance stays bounded; parameters inside
+    an MoE layer follow `titan_models.moe.moe_init_std`; `input_projections` draw with std 0.02.
     """
     if name.endswith("norm.weight"):
         return lambda t, g: nn.init.ones_(t)
@@ -42,13 +46,19 @@ def filler_for(name: str, args: ModelArgs) -> Filler:
     # embeddings would make the initial logits sqrt(dim) times too large.
     if name in ("output.weight", "tok_embeddings.weight"):
         std = args.dim**-0.5
-        return _trunc_normal(std, bound=3 * std)
+        return trunc_normal(std, bound=3 * std)
     layer = _LAYER.search(name)
-    if layer and name.endswith(("wo.weight", "w2.weight", "w3.weight")):
+    if layer:
         depth = int(layer.group(1)) + 1 if args.depth_init else args.n_layers
-        return _trunc_normal(0.02 / (2 * depth) ** 0.5)
-    if layer and name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1.weight")):
-        return _trunc_normal(0.02)
+        depth_std = 0.02 / (2 * depth) ** 0.5
+        if ".moe." in name:
+            std = moe_init_std(name, depth_std)
+            if std is not None:
+                return trunc_normal(std)
+        elif name.endswith(("wo.weight", "w2.weight", "w3.weight")):
+            return trunc_normal(depth_std)
+        elif name.endswith(input_projections):
+            return trunc_normal(0.02)
     raise ModelConfigError(f"model: no initialisation rule for parameter '{name}'")
 
 
@@ -61,13 +71,24 @@ def _local_slice(full: torch.Tensor, param: DTensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, args: ModelArgs, seed: int) -> None:
-    """Fill every parameter of `model` (plain or DTensor, on any device) from `seed` and its name."""
+def init_parameters(
+    model: nn.Module,
+    args: Any,
+    seed: int,
+    *,
+    input_projections: tuple[str, ...] = INPUT_PROJECTIONS,
+    draw_dtype: torch.dtype | None = None,
+) -> None:
+    """Fill every parameter of `model` (plain or DTensor, on any device) from `seed` and its name.
+
+    `draw_dtype` is the dtype a full tensor is drawn in before the copy (None: the parameter's own);
+    DeepSeek-V3 draws in float32, as it always has.
+    """
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         generator = torch.Generator(device=local.device).manual_seed(
             seed * 1_000_003 + zlib.crc32(name.encode())
         )
-        full = torch.empty(param.shape, dtype=local.dtype, device=local.device)
-        filler_for(name, args)(full, generator)
+        full = torch.empty(param.shape, dtype=draw_dtype or local.dtype, device=local.device)
+        filler_for(name, args, input_projections)(full, generator)
         local.copy_(_local_slice(full, param) if isinstance(param, DTensor) else full)

@@ -6,7 +6,7 @@ from titan_models.deepseek_v3.flops import deepseek_flops_per_token
 from titan_models.deepseek_v3.hf_adapter import DeepSeekV3StateDictAdapter
 from titan_models.deepseek_v3.hf_config import args_from_hf_config, hf_config_differences, to_hf_config
 from titan_models.deepseek_v3.model import DeepSeekV3Block, DeepSeekV3Model
-from titan_models.deepseek_v3.tensor_parallel_plan import ReplicatedParams, SumGradients, deepseek_tp_plan
+from titan_models.deepseek_v3.tensor_parallel_plan import mla_tp_entries
 
 __all__ = [
     "DEEPSEEK_V3_FLAVORS",
@@ -14,12 +14,10 @@ __all__ = [
     "DeepSeekV3Block",
     "DeepSeekV3Model",
     "DeepSeekV3StateDictAdapter",
-    "ReplicatedParams",
-    "SumGradients",
     "args_from_hf_config",
     "deepseek_flops_per_token",
-    "deepseek_tp_plan",
     "deepseek_v3_args",
     "hf_config_differences",
+    "mla_tp_entries",
     "to_hf_config",
 ]

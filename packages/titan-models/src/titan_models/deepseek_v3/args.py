@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from titan_models.errors import ModelConfigError
+from titan_models.decoder_args import attention_checks, require
 from titan_models.moe import MoEArgs
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
-MASK_TYPES = ("causal", "block_causal")
+_NARROW_VALUE_HEADS = " for DeepSeek-V3 (its value heads are narrower than its query/key heads)"
 
 
 @dataclass
@@ -38,6 +38,7 @@ class DeepSeekV3Args:
     moe_inter_dim: int = 1408
     norm_eps: float = 1e-5
     moe_args: MoEArgs = field(default_factory=MoEArgs)
+    # Multi-head latent attention: low-rank query and key/value latents, decoupled rotary part.
     q_lora_rank: int = 0
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
@@ -51,6 +52,7 @@ class DeepSeekV3Args:
     max_seq_len: int = 4096 * 4
     # The longest sequence the flavor is published for; None: max_seq_len.
     context_len: int | None = None
+    # YaRN: the rotary frequencies stretched beyond original_seq_len.
     original_seq_len: int = 4096
     rope_theta: float = 10000.0
     rope_factor: float = 40.0
@@ -67,32 +69,26 @@ class DeepSeekV3Args:
         if self.context_len is None:
             self.context_len = self.max_seq_len
         positive = ("dim", "n_layers", "n_heads", "vocab_size", "inter_dim", "moe_inter_dim", "kv_lora_rank")
-        for name in (*positive, "qk_rope_head_dim", "v_head_dim"):
-            if getattr(self, name) < 1:
-                raise ModelConfigError(f"model: {name} ({getattr(self, name)}) must be at least 1")
-        if self.q_lora_rank < 0:
-            raise ModelConfigError(
-                f"model: q_lora_rank ({self.q_lora_rank}) must be 0 (no bottleneck) or more"
-            )
-        if not 0 <= self.n_dense_layers <= self.n_layers:
-            raise ModelConfigError(
-                f"model: n_dense_layers ({self.n_dense_layers}) must be between 0 and n_layers ({self.n_layers})"
-            )
-        if self.qk_rope_head_dim % 2:
-            raise ModelConfigError(
-                f"model: qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for rotary pairs"
-            )
-        if self.rope_factor < 1:
-            raise ModelConfigError(f"model: rope_factor ({self.rope_factor}) must be at least 1")
-        if self.attn_backend not in ATTENTION_BACKENDS:
-            raise ModelConfigError(
-                f"model: attn_backend '{self.attn_backend}' is not available for DeepSeek-V3 (its value heads are "
-                f"narrower than its query/key heads); choose one of {', '.join(ATTENTION_BACKENDS)}"
-            )
-        if self.attn_mask_type not in MASK_TYPES:
-            raise ModelConfigError(
-                f"model: attn_mask_type '{self.attn_mask_type}' is unknown; choose one of {', '.join(MASK_TYPES)}"
-            )
+        positive += ("qk_rope_head_dim", "v_head_dim")
+        require(
+            [
+                *((getattr(self, n) >= 1, f"{n} ({getattr(self, n)}) must be at least 1") for n in positive),
+                (
+                    self.q_lora_rank >= 0,
+                    f"q_lora_rank ({self.q_lora_rank}) must be 0 (no bottleneck) or more",
+                ),
+                (
+                    0 <= self.n_dense_layers <= self.n_layers,
+                    f"n_dense_layers ({self.n_dense_layers}) must be between 0 and n_layers ({self.n_layers})",
+                ),
+                (
+                    self.qk_rope_head_dim % 2 == 0,
+                    f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for rotary pairs",
+                ),
+                (self.rope_factor >= 1, f"rope_factor ({self.rope_factor}) must be at least 1"),
+                *attention_checks(self, ATTENTION_BACKENDS, _NARROW_VALUE_HEADS),
+            ]
+        )
 
     @property
     def kv_heads(self) -> int:

@@ -12,6 +12,7 @@ import logging
 import math
 from typing import Any
 
+from titan_models import hf_config_fields as shared
 from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.errors import ModelConfigError
 from titan_models.moe import MoEArgs
@@ -26,7 +27,6 @@ _DEFAULTS = {
     "rope_interleave": True,
     "tie_word_embeddings": False,
     "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
     "max_position_embeddings": 4096,
     "n_group": 8,
     "topk_group": 4,
@@ -125,35 +125,17 @@ def to_hf_config(
             _latent_eps(args),
             HF_LATENT_NORM_EPS,
         )
-    config = _describe(args)
-    eos_id = args.eos_id if eos_id is None else eos_id
-    for key, value in (("bos_token_id", bos_id), ("eos_token_id", eos_id), ("torch_dtype", dtype)):
-        if value is not None:
-            config[key] = value
-    return config
-
-
-def _rope(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The rope scaling of a config (transformers 4's `rope_scaling` or 5's `rope_parameters`); None: plain."""
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    return None if kind == "default" else {**scaling, "rope_type": kind}
+    return shared.add_token_ids(_describe(args), args, bos_id, eos_id, dtype)
 
 
 def _import_problems(config: dict[str, Any]) -> list[str]:
     get = lambda key: config.get(key, _DEFAULTS.get(key))  # noqa: E731
-    problems = []
-    if get("model_type") != "deepseek_v3":
-        problems.append(f"model_type '{get('model_type')}' (only 'deepseek_v3')")
-    if get("hidden_act") != "silu":
-        problems.append(f"hidden_act '{get('hidden_act')}' (only 'silu')")
-    if get("attention_bias"):
-        problems.append("attention_bias true (Titan's MLA has no biases)")
+    problems = shared.basic_problems(get, ("deepseek_v3",), "MLA")
     if not get("rope_interleave"):
         problems.append("rope_interleave false (Titan rotates interleaved pairs)")
     if get("tie_word_embeddings"):
         problems.append("tie_word_embeddings true (DeepSeek-V3 keeps them apart)")
-    scaling = _rope(config)
+    _, scaling = shared.rope_from_config(config)
     if scaling is not None:
         if scaling["rope_type"] != "yarn":
             problems.append(f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan implements 'yarn' only)")
@@ -166,35 +148,25 @@ def _import_problems(config: dict[str, Any]) -> list[str]:
             )
         elif scaling.get("attention_factor") not in (None, 1, 1.0):
             problems.append(f"rope_scaling.attention_factor {scaling['attention_factor']} (Titan's is 1)")
-    missing = [k for k in _REQUIRED if k not in config]
-    if missing:
-        problems.append(f"no {', '.join(missing)}")
-    return problems
+    return problems + shared.missing_keys(config, _REQUIRED)
 
 
 def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> DeepSeekV3Args:
     """The DeepSeekV3Args of the model a `DeepseekV3ForCausalLM` config.json describes (refusing what Titan
     cannot compute). Multi-token-prediction layers are not part of the model."""
-    problems = _import_problems(config)
-    if problems:
-        raise ModelConfigError(
-            f"model: the Hugging Face config cannot be trained by Titan: {'; '.join(problems)}"
-        )
+    shared.refuse_unsupported(_import_problems(config))
     get = lambda key: config.get(key, _DEFAULTS.get(key))  # noqa: E731
     groups, limited = get("n_group"), get("topk_group")
     if groups in (None, 1):  # one group holding every expert: plain top-k
         groups = limited = None
     context = int(get("max_position_embeddings"))
-    scaling = _rope(config)
-    theta = config.get(
-        "rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", _DEFAULTS["rope_theta"])
-    )
-    rope: dict[str, Any] = {"yarn": False, "rope_theta": float(theta)}
+    theta, scaling = shared.rope_from_config(config)
+    rope: dict[str, Any] = {"yarn": False, "rope_theta": theta}
     if scaling is not None:
         original = int(scaling["original_max_position_embeddings"])
         factor = scaling.get("factor") or context / original
         rope = dict(
-            yarn=True, rope_theta=float(theta), rope_factor=float(factor), original_seq_len=original,
+            yarn=True, rope_theta=theta, rope_factor=float(factor), original_seq_len=original,
             beta_fast=scaling.get("beta_fast") or 32, beta_slow=scaling.get("beta_slow") or 1,
             mscale=float(scaling["mscale_all_dim"]),
         )  # fmt: skip
@@ -251,17 +223,6 @@ def _computed_fields(args: DeepSeekV3Args) -> dict[str, Any]:
     return fields
 
 
-def hf_config_differences(args: DeepSeekV3Args, config: dict[str, Any]) -> list[str]:
-    """Every field in which `config` describes another function than `args`, as 'field: checkpoint X,
-    flavor Y' (unsupported settings too); empty when they agree."""
-    problems = _import_problems(config)
-    if problems:
-        return problems
-    theirs, ours = _computed_fields(args_from_hf_config(config)), _computed_fields(args)
-    differences = []
-    for key in dict.fromkeys([*ours, *theirs]):
-        a, b = theirs.get(key), ours.get(key)
-        same = math.isclose(a, b, rel_tol=1e-9) if isinstance(a, float) and isinstance(b, float) else a == b
-        if not same:
-            differences.append(f"{key}: checkpoint {a}, flavor {b}")
-    return differences
+hf_config_differences = shared.differences_checker(
+    unsupported=_import_problems, args_from_config=args_from_hf_config, computed_fields=_computed_fields
+)

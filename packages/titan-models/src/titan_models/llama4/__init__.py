@@ -5,7 +5,7 @@ from titan_models.llama4.flavors import LLAMA4_FLAVORS, llama4_args
 from titan_models.llama4.hf_adapter import Llama4StateDictAdapter
 from titan_models.llama4.hf_config import args_from_hf_config, hf_config_differences, to_hf_config
 from titan_models.llama4.model import Llama4Model
-from titan_models.qwen3.sizes import moe_flops_per_token
+from titan_models.moe.flops import moe_flops_per_token
 
 __all__ = [
     "LLAMA4_FLAVORS",

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titan_models.args import MASK_TYPES, RopeScaling
-from titan_models.errors import ModelConfigError
+from titan_models.args import RopeScaling, llama_ffn_width
+from titan_models.decoder_args import DecoderArgs
 from titan_models.moe import MoEArgs
-
-ATTENTION_BACKENDS = ("sdpa", "flex")  # varlen cannot express chunked attention
 
 
 def llama4_moe_args(num_experts: int, top_k: int = 1) -> MoEArgs:
@@ -21,8 +19,8 @@ def llama4_moe_args(num_experts: int, top_k: int = 1) -> MoEArgs:
 
 
 @dataclass
-class Llama4Args:
-    """Hyper-parameters of a Llama 4 decoder (text).
+class Llama4Args(DecoderArgs):
+    """Hyper-parameters of a Llama 4 decoder (text; shared fields: `titan_models.decoder_args.DecoderArgs`).
 
     Every `interleave_moe_layer_step`-th block (layers step-1, 2*step-1, ...) has a mixture-of-experts
     feed-forward; the others a dense SwiGLU. Widths follow Llama's rule (2/3 of 4*dim, times
@@ -37,23 +35,12 @@ class Llama4Args:
     `Llama4ForCausalLM`.
     """
 
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None
+    attention_backends = ("sdpa", "flex")  # varlen cannot express chunked attention
+
     vocab_size: int = 202048
     multiple_of: int = 256
     ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
-    max_seq_len: int = 2048
-    context_len: int | None = None
-    depth_init: bool = True
-    attn_backend: str = "sdpa"
-    attn_mask_type: str = "causal"
-    eos_id: int | None = None
-    tie_word_embeddings: bool = False
     # iRoPE
     every_n_layers_nope: int | None = None
     attn_chunk_size: int | None = None
@@ -69,16 +56,9 @@ class Llama4Args:
     dense_hidden_dim_override: int | None = None
     moe_hidden_dim_override: int | None = None
 
-    def __post_init__(self) -> None:
-        if self.context_len is None:
-            self.context_len = self.max_seq_len
-        checks = [
+    def family_checks(self) -> list[tuple[bool, str]]:
+        return [
             (self.dim % self.n_heads == 0, f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"),
-            (self.n_heads % self.kv_heads == 0, f"n_heads ({self.n_heads}) must be divisible by n_kv_heads"),
-            (self.head_dim % 2 == 0, f"head_dim = dim / n_heads = {self.head_dim} must be even for rotary"),
-            (self.attn_backend in ATTENTION_BACKENDS,
-             f"attn_backend '{self.attn_backend}' is not one of {', '.join(ATTENTION_BACKENDS)} for llama4"),
-            (self.attn_mask_type in MASK_TYPES, f"attn_mask_type '{self.attn_mask_type}' is not one of {MASK_TYPES}"),
             (self.every_n_layers_nope is None or self.every_n_layers_nope > 1,
              f"every_n_layers_nope ({self.every_n_layers_nope}) must be greater than 1"),
             (self.attn_chunk_size is None or self.attn_chunk_size > 0,
@@ -86,43 +66,22 @@ class Llama4Args:
             (self.interleave_moe_layer_step >= 1,
              f"interleave_moe_layer_step ({self.interleave_moe_layer_step}) must be at least 1"),
         ]  # fmt: skip
-        for ok, message in checks:
-            if not ok:
-                raise ModelConfigError(f"model: {message}")
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def _rule_width(self) -> int:
-        hidden = int(2 * (4 * self.dim) / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return hidden
-
-    def _round(self, hidden: int) -> int:
-        return hidden + (-hidden % self.multiple_of)
 
     @property
     def ffn_hidden_dim(self) -> int:
         """The width of a dense block's SwiGLU."""
         if self.dense_hidden_dim_override is not None:
             return self.dense_hidden_dim_override
-        return self._round(self._rule_width())
+        return llama_ffn_width(self.dim, self.ffn_dim_multiplier, self.multiple_of)
 
     @property
     def moe_hidden_dim(self) -> int:
         """The width of each routed (and the shared) expert's SwiGLU."""
         if self.moe_hidden_dim_override is not None:
             return self.moe_hidden_dim_override
-        hidden = self._rule_width()
-        if self.auto_scale_hidden_dim:
-            hidden = int(hidden / (self.moe_args.top_k + self.moe_args.num_shared_experts))
-        return self._round(hidden)
+        experts_per_token = self.moe_args.top_k + self.moe_args.num_shared_experts
+        divide_by = experts_per_token if self.auto_scale_hidden_dim else 1
+        return llama_ffn_width(self.dim, self.ffn_dim_multiplier, self.multiple_of, divide_by)
 
     def is_moe_layer(self, layer: int) -> bool:
         return (layer + 1) % self.interleave_moe_layer_step == 0

@@ -5,23 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_models.args import RopeScaling
-from titan_models.errors import ModelConfigError
-from titan_models.hf_config import _rope, _same
+from titan_models import hf_config_fields as shared
+from titan_models.hf_config import llama3_scaling_from_hf, llama3_scaling_to_hf
 from titan_models.llama4.args import Llama4Args, llama4_moe_args
 
-_SCALING_KEYS = {
-    "factor": "factor",
-    "low_freq_factor": "low_freq_factor",
-    "high_freq_factor": "high_freq_factor",
-    "original_max_position_embeddings": "original_max_seq_len",
-}
 # What Llama4TextConfig assumes for a key its config.json leaves out.
-_HF_DEFAULTS: dict[str, Any] = {
-    "hidden_act": "silu",
-    "attention_bias": False,
+_HF_DEFAULTS: dict[str, Any] = shared.DECODER_HF_DEFAULTS | {
     "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
     "max_position_embeddings": 131072,
     "num_experts_per_tok": 1,
     "num_local_experts": 16,
@@ -48,24 +38,11 @@ def to_hf_config(
     """The `config.json` of the equivalent `Llama4ForCausalLM` (text only)."""
     n = args.n_layers
     chunked = [args.attn_chunk_size is not None and args.uses_rope(i) for i in range(n)]
-    config: dict[str, Any] = {
-        "architectures": ["Llama4ForCausalLM"],
-        "model_type": "llama4_text",
-        "hidden_size": args.dim,
+    config = shared.decoder_hf_config(args, architecture="Llama4ForCausalLM", model_type="llama4_text")
+    config |= {
         "intermediate_size": args.moe_hidden_dim,
         "intermediate_size_mlp": args.ffn_hidden_dim,
-        "num_hidden_layers": n,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.context_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": float(args.rope_theta),
-        "rope_scaling": None,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "tie_word_embeddings": args.tie_word_embeddings,
+        "rope_scaling": llama3_scaling_to_hf(args.rope_scaling),
         "num_local_experts": args.moe_args.num_experts,
         "num_experts_per_tok": args.moe_args.top_k,
         "interleave_moe_layer_step": args.interleave_moe_layer_step,
@@ -79,19 +56,7 @@ def to_hf_config(
         "floor_scale": args.floor_scale,
         "attn_scale": args.attn_scale,
     }
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
-        config["rope_scaling"] = {"rope_type": "llama3"} | {
-            theirs: getattr(s, ours) for theirs, ours in _SCALING_KEYS.items()
-        }
-    if bos_id is not None:
-        config["bos_token_id"] = bos_id
-    eos_id = args.eos_id if eos_id is None else eos_id
-    if eos_id is not None:
-        config["eos_token_id"] = eos_id
-    if dtype is not None:
-        config["torch_dtype"] = dtype
-    return config
+    return shared.add_token_ids(config, args, bos_id, eos_id, dtype)
 
 
 def _layer_pattern(values: list[int], n_layers: int) -> int | None:
@@ -135,23 +100,13 @@ def _layout(config: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
 
 
 def _unsupported(config: dict[str, Any]) -> list[str]:
-    problems = []
-    if config.get("model_type") != "llama4_text":
-        problems.append(f"model_type '{config.get('model_type')}' (expected 'llama4_text', the text config)")
-    if _get(config, "hidden_act") != "silu":
-        problems.append(f"hidden_act '{_get(config, 'hidden_act')}' (only 'silu')")
-    if _get(config, "attention_bias"):
-        problems.append("attention_bias true (Titan's Llama 4 has no biases)")
-    _, scaling = _rope(config)
+    # A multimodal `llama4` config holds the text model under `text_config`.
+    problems = shared.basic_problems(lambda key: _get(config, key), ("llama4_text",), "Llama 4")
+    _, scaling = shared.rope_from_config(config)
     if scaling is not None and scaling["rope_type"] != "llama3":
         problems.append(f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan implements 'llama3' only)")
-    missing = [
-        k
-        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        if k not in config
-    ]
-    if missing:
-        problems.append(f"no {', '.join(missing)}")
+    missing = shared.missing_keys(config)
+    problems += missing
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     if heads and hidden and config.get("head_dim") not in (None, hidden // heads):
         problems.append(f"head_dim {config['head_dim']} (Titan's is hidden_size / num_attention_heads)")
@@ -163,27 +118,11 @@ def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> Llama4Args:
 
     A multimodal `llama4` config holds the text model under `text_config`: pass that.
     """
-    problems = _unsupported(config)
-    if problems:
-        raise ModelConfigError(
-            f"model: the Hugging Face config cannot be trained by Titan: {'; '.join(problems)}"
-        )
-    theta, scaling = _rope(config)
-    context = int(_get(config, "max_position_embeddings"))
-    args = dict(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads"),
-        vocab_size=config["vocab_size"],
-        norm_eps=float(_get(config, "rms_norm_eps")),
-        rope_theta=theta,
-        rope_scaling=None
-        if scaling is None
-        else RopeScaling(**{ours: scaling[theirs] for theirs, ours in _SCALING_KEYS.items()}),
-        tie_word_embeddings=bool(_get(config, "tie_word_embeddings")),
-        max_seq_len=min(context, 8192),
-        context_len=context,
+    shared.refuse_unsupported(_unsupported(config))
+    _, scaling = shared.rope_from_config(config)
+    args = shared.decoder_args_from_config(config, lambda key: _get(config, key), max_seq_len_cap=8192)
+    args |= dict(
+        rope_scaling=llama3_scaling_from_hf(scaling),
         use_qk_norm=bool(_get(config, "use_qk_norm")),
         attn_temperature_tuning=bool(_get(config, "attn_temperature_tuning")),
         floor_scale=int(_get(config, "floor_scale")),
@@ -208,14 +147,6 @@ def _computed_fields(args: Llama4Args) -> dict[str, Any]:
     return fields
 
 
-def hf_config_differences(args: Llama4Args, config: dict[str, Any]) -> list[str]:
-    """Every field in which `config` describes another function than `args`, as
-    'field: checkpoint X, flavor Y'; unsupported settings are listed too. Empty when they agree."""
-    differences = _unsupported(config)
-    if differences:
-        return differences
-    theirs, ours = _computed_fields(args_from_hf_config(config)), _computed_fields(args)
-    for key in dict.fromkeys([*ours, *theirs]):
-        if not _same(theirs.get(key), ours.get(key)):
-            differences.append(f"{key}: checkpoint {theirs.get(key)}, flavor {ours.get(key)}")
-    return differences
+hf_config_differences = shared.differences_checker(
+    unsupported=_unsupported, args_from_config=args_from_hf_config, computed_fields=_computed_fields
+)

@@ -2,6 +2,7 @@
 
 from titan_models.moe.args import SCORE_FUNCS, MoEArgs, check_moe_args
 from titan_models.moe.experts import GroupedExperts, experts_for_loop, experts_grouped_mm, grouped_mm_applies
+from titan_models.moe.flops import moe_flops_per_token
 from titan_models.moe.init import moe_init_std
 from titan_models.moe.layer import MoE
 from titan_models.moe.load_balance import (
@@ -28,6 +29,7 @@ __all__ = [
     "experts_for_loop",
     "experts_grouped_mm",
     "grouped_mm_applies",
+    "moe_flops_per_token",
     "moe_init_std",
     "moe_modules",
     "sequence_aux_loss",

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from titan_models.feed_forward import FeedForward
 from titan_models.moe.args import MoEArgs
 from titan_models.moe.experts import GroupedExperts
 from titan_models.moe.load_balance import attach_aux_loss, sequence_aux_loss
 from titan_models.moe.router import TokenChoiceRouter
-from titan_models.transformer import FeedForward
 
 
 class MoE(nn.Module):

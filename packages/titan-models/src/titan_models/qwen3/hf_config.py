@@ -5,18 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_models.errors import ModelConfigError
-from titan_models.hf_config import _same
+from titan_models import hf_config_fields as shared
 from titan_models.qwen3.args import Qwen3Args, qwen3_moe_args
 
 # What Qwen3Config / Qwen3MoeConfig assume for a key their config.json leaves out.
-_HF_DEFAULTS = {
-    "hidden_act": "silu",
-    "attention_bias": False,
+_HF_DEFAULTS = shared.DECODER_HF_DEFAULTS | {
     "use_sliding_window": False,
     "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
     "max_position_embeddings": 32768,
     "norm_topk_prob": False,
     "decoder_sparse_step": 1,
@@ -30,25 +25,12 @@ def to_hf_config(
 ) -> dict[str, Any]:
     """The `config.json` of the equivalent Hugging Face model, as the published Qwen3 checkpoints write it."""
     moe = args.moe_args
-    config: dict[str, Any] = {
-        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
-        "model_type": "qwen3_moe" if moe else "qwen3",
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.context_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": float(args.rope_theta),
-        "rope_scaling": None,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "tie_word_embeddings": args.tie_word_embeddings,
-    }
+    config = shared.decoder_hf_config(
+        args,
+        architecture="Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM",
+        model_type="qwen3_moe" if moe else "qwen3",
+    )
+    config |= {"intermediate_size": args.hidden_dim, "use_sliding_window": False}
     if moe is not None:
         config |= {
             "moe_intermediate_size": args.moe_inter_dim,
@@ -58,42 +40,22 @@ def to_hf_config(
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
-    if bos_id is not None:
-        config["bos_token_id"] = bos_id
-    eos_id = args.eos_id if eos_id is None else eos_id
-    if eos_id is not None:
-        config["eos_token_id"] = eos_id
-    if dtype is not None:
-        config["torch_dtype"] = dtype
-    return config
+    return shared.add_token_ids(config, args, bos_id, eos_id, dtype)
 
 
 def _get(config: dict[str, Any], key: str) -> Any:
     return config.get(key, _HF_DEFAULTS.get(key))
 
 
-def _theta(config: dict[str, Any]) -> float:
-    """Rope theta from transformers 4's `rope_theta` or 5's `rope_parameters`."""
-    params = config.get("rope_parameters") or {}
-    return float(config.get("rope_theta", params.get("rope_theta", _HF_DEFAULTS["rope_theta"])))
-
-
 def _unsupported(config: dict[str, Any]) -> list[str]:
-    problems = []
-    if config.get("model_type") not in _MODEL_TYPES:
-        problems.append(
-            f"model_type '{config.get('model_type')}' (expected one of {', '.join(_MODEL_TYPES)})"
-        )
-    if _get(config, "hidden_act") != "silu":
-        problems.append(f"hidden_act '{_get(config, 'hidden_act')}' (only 'silu')")
-    if _get(config, "attention_bias"):
-        problems.append("attention_bias true (Titan's Qwen3 has no biases)")
+    problems = shared.basic_problems(lambda key: _get(config, key), _MODEL_TYPES, "Qwen3")
     if _get(config, "use_sliding_window"):
         problems.append("use_sliding_window true (Titan's Qwen3 attends over the whole sequence)")
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind != "default":
-        problems.append(f"rope_scaling.rope_type '{kind}' (Titan's Qwen3 has no rotary scaling)")
+    _, scaling = shared.rope_from_config(config)
+    if scaling is not None:
+        problems.append(
+            f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan's Qwen3 has no rotary scaling)"
+        )
     if config.get("model_type") == "qwen3_moe":
         if _get(config, "decoder_sparse_step") != 1:
             problems.append(
@@ -101,37 +63,16 @@ def _unsupported(config: dict[str, Any]) -> list[str]:
             )
         if _get(config, "mlp_only_layers"):
             problems.append(f"mlp_only_layers {config['mlp_only_layers']} (every layer is MoE in Titan)")
-    missing = [
-        k
-        for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-        if k not in config
-    ]
-    if missing:
-        problems.append(f"no {', '.join(missing)}")
-    return problems
+    return problems + shared.missing_keys(config)
 
 
 def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> Qwen3Args:
     """The Qwen3Args of the model a Hugging Face `config.json` describes (refusing what Titan cannot compute)."""
-    problems = _unsupported(config)
-    if problems:
-        raise ModelConfigError(
-            f"model: the Hugging Face config cannot be trained by Titan: {'; '.join(problems)}"
-        )
-    context = int(_get(config, "max_position_embeddings"))
-    args: dict[str, Any] = dict(
-        dim=config["hidden_size"],
-        n_layers=config["num_hidden_layers"],
-        n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads"),
+    shared.refuse_unsupported(_unsupported(config))
+    args = shared.decoder_args_from_config(config, lambda key: _get(config, key), max_seq_len_cap=4096)
+    args |= dict(
         head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        vocab_size=config["vocab_size"],
         hidden_dim=config.get("intermediate_size", 0),
-        norm_eps=float(_get(config, "rms_norm_eps")),
-        rope_theta=_theta(config),
-        tie_word_embeddings=bool(_get(config, "tie_word_embeddings")),
-        max_seq_len=min(context, 4096),
-        context_len=context,
     )
     if config["model_type"] == "qwen3_moe":
         experts = config.get("num_experts", config.get("num_local_experts"))
@@ -159,14 +100,6 @@ def _computed_fields(args: Qwen3Args) -> dict[str, Any]:
     return fields
 
 
-def hf_config_differences(args: Qwen3Args, config: dict[str, Any]) -> list[str]:
-    """Every field in which `config` describes another function than `args`, as
-    'field: checkpoint X, flavor Y'; unsupported settings are listed too. Empty when they agree."""
-    differences = _unsupported(config)
-    if differences:
-        return differences
-    theirs, ours = _computed_fields(args_from_hf_config(config)), _computed_fields(args)
-    for key in dict.fromkeys([*ours, *theirs]):
-        if not _same(theirs.get(key), ours.get(key)):
-            differences.append(f"{key}: checkpoint {theirs.get(key)}, flavor {ours.get(key)}")
-    return differences
+hf_config_differences = shared.differences_checker(
+    unsupported=_unsupported, args_from_config=args_from_hf_config, computed_fields=_computed_fields
+)

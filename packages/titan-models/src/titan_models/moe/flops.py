@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from titan_models.flops import flops_per_token
-from titan_models.moe import count_active_parameters
+from titan_models.moe.params import count_active_parameters
 
 
 def moe_flops_per_token(args: Any, model: nn.Module, seq_len: int) -> int:

@@ -1,0 +1,184 @@
+"""The frame every decoder family shares: embedding, a dict of blocks, final norm, output projection.
+
+Llama, Qwen3, Llama 4 and DeepSeek-V3 differ only inside their blocks, in their rotary table and in
+their attention masks. Everything around the blocks (building the frame with torchtitan 0.2.2's
+parameter names, tying the embedding, seeded layout-independent init, the forward prelude and the
+hooks parallelisms call) lives here once, so a fix to it reaches every family.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from titan_models.attention import check_attention_backend
+from titan_models.attention_masks import build_attention_mask, document_ids
+from titan_models.errors import ModelConfigError, ModelError
+from titan_models.init import INPUT_PROJECTIONS, init_parameters
+from titan_models.moe.tensor_parallel_plan import moe_tp_entries
+from titan_models.rope import rotary_frequencies
+from titan_models.tensor_parallel_plan import decoder_tp_plan
+
+
+class Decoder(nn.Module):
+    """A decoder-only transformer. Build it on the meta device, materialise, then call `init_weights`.
+
+    A family subclasses it and says how to build block `layer` (`build_block`); it may replace the
+    rotary table (`_rotary_table`), the masks its blocks take (`_attention_masks`) and the attention
+    entries of its tensor-parallel plan (`attention_tp_entries`). Blocks live in a `ModuleDict` keyed
+    "0".."n-1" so that pipeline stages can drop blocks and keep the same parameter names.
+    """
+
+    # Parameter-name endings of a block's input projections (initialised with std 0.02).
+    input_projections: tuple[str, ...] = INPUT_PROJECTIONS
+    # The dtype initial weights are drawn in before the copy into the parameter; None: its own.
+    init_draw_dtype: torch.dtype | None = None
+
+    def __init__(self, args: Any):
+        super().__init__()
+        check_attention_backend(args)
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            # One Parameter under two names: state dicts carry both keys, parameters() yields it once.
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("freqs_cis", self._rotary_table(), persistent=False)
+
+    def build_block(self, layer: int) -> nn.Module:
+        """The block at index `layer`, called once per layer by `__init__`."""
+        raise NotImplementedError
+
+    def _rotary_table(self) -> torch.Tensor:
+        a = self.args
+        return rotary_frequencies(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
+
+    def _attention_masks(self, doc_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> Any:
+        """What every block's attention takes as its mask (Llama 4 passes a pair)."""
+        return build_attention_mask(self.args, doc_ids, device)
+
+    def attention_tp_entries(self) -> dict[str, ParallelStyle]:
+        """The tensor-parallel styles of the attention's own projections (besides `wo`)."""
+        raise NotImplementedError
+
+    def to_empty(self, *, device, recurse: bool = True) -> Decoder:
+        """As `nn.Module.to_empty`, keeping a tied embedding/output matrix tied.
+
+        Moving off the meta device gives each module a new Parameter object, which would split the
+        shared matrix in two.
+        """
+        super().to_empty(device=device, recurse=recurse)
+        tok, out = self.tok_embeddings, self.output
+        if (
+            self.args.tie_word_embeddings
+            and tok is not None
+            and out is not None
+            and out.weight is not tok.weight
+        ):
+            out.weight = tok.weight
+        return self
+
+    def init_weights(self, buffer_device: torch.device | None = None, seed: int | None = None) -> None:
+        """Initialise every parameter in place, after `to_empty`; sharded parameters too.
+
+        The result depends only on `seed` (default: the seed given to `torch.manual_seed`), never on
+        the parallel layout (see `titan_models.init`). The rotary table is rebuilt on `buffer_device`
+        and MoE load-balancing state starts at zero.
+        """
+        device = buffer_device or self.freqs_cis.device
+        with torch.device(device):
+            self.freqs_cis = self._rotary_table()
+        for moe in self.moe_layers().values():
+            moe.init_buffers(device)
+        init_parameters(
+            self,
+            self.args,
+            torch.initial_seed() if seed is None else seed,
+            input_projections=self.input_projections,
+            draw_dtype=self.init_draw_dtype,
+        )
+
+    def moe_layers(self) -> dict[str, nn.Module]:
+        """FQN -> MoE module, for the blocks this model (or pipeline stage) holds; empty for dense ones.
+
+        Expert parallelism and load balancing (`titan_models.moe.update_expert_bias`) reach MoE here.
+        """
+        return {
+            f"layers.{name}.moe": block.moe
+            for name, block in self.layers.items()
+            if getattr(block, "moe_enabled", False)
+        }
+
+    def sequence_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """The rotary table, indexed by position along dim 0: context parallelism shards it with the batch."""
+        return [(self.freqs_cis, 0)]
+
+    def parallel_blocks(self) -> dict[str, nn.Module]:
+        """The repeated blocks by fully-qualified name: the units that parallelisms wrap."""
+        return {f"layers.{name}": block for name, block in self.layers.items()}
+
+    def tp_plan(
+        self, *, sequence_parallel: bool = True, loss_parallel: bool = True
+    ) -> dict[str, ParallelStyle]:
+        """Module FQN -> tensor-parallel style, as `parallelize_module(model, tp_mesh, plan)` takes it.
+
+        Block FQNs use "*" for the block name. Under `loss_parallel` the logits stay a DTensor
+        sharded over the vocabulary (use `torch.distributed.tensor.parallel.loss_parallel`). MoE layers
+        are replicated (see `titan_models.moe.tensor_parallel_plan`).
+        """
+        if self.args.tie_word_embeddings:
+            raise ModelConfigError(
+                "model: tensor parallelism would split the tied embedding/output matrix into two separate "
+                "parameters; use a flavor with tie_word_embeddings=False, or FSDP only"
+            )
+        plan = decoder_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        plan |= self.attention_tp_entries()
+        if self.moe_layers():
+            plan |= moe_tp_entries(sequence_parallel=sequence_parallel)
+        return plan
+
+    def pipeline_units(self) -> list[str]:
+        """Top-level FQNs in forward order; a pipeline stage keeps a contiguous run of them.
+
+        Units a stage does not keep are deleted from `layers` or set to None; `forward` runs on
+        what remains.
+        """
+        if self.args.tie_word_embeddings:
+            raise ModelConfigError(
+                "model: pipeline stages would hold the tied embedding/output matrix on two stages that "
+                "update it separately; use a flavor with tie_word_embeddings=False"
+            )
+        return ["tok_embeddings", *self.parallel_blocks(), "norm", "output"]
+
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab) for token ids (batch, seq).
+
+        On a pipeline stage without the embedding, `tokens` is the previous stage's hidden state.
+        `doc_ids` (batch, seq) index the packed documents for block-causal attention; by default
+        they come from the token ids and `eos_id` (`document_ids`), which such a stage must be given.
+        """
+        seq_len = tokens.shape[1]
+        if seq_len > self.args.max_seq_len:
+            raise ModelError(
+                f"model: input of {seq_len} positions is longer than max_seq_len ({self.args.max_seq_len}); "
+                "build the model with a larger max_seq_len"
+            )
+        if self.args.attn_mask_type == "block_causal" and doc_ids is None:
+            if self.tok_embeddings is None:
+                raise ModelError(
+                    "model: block-causal attention on a stage without the token embedding needs "
+                    "forward(h, doc_ids=titan_models.document_ids(tokens, eos_id))"
+                )
+            doc_ids = document_ids(tokens, self.args.eos_id)
+        masks = self._attention_masks(doc_ids, seq_len, tokens.device)
+        # Pipeline stages may have dropped the embedding, norm or output (set to None).
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for block in self.layers.values():
+            h = block(h, self.freqs_cis, masks)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
