@@ -111,6 +111,21 @@ WORKERS_8_STREAMS = (*LOADER_WORKERS, "--training.dataloader.num_streams", "8",
                      "--training.global_batch_size", "6", *SAVE_AT_3)  # fmt: skip
 
 
+# A qwen3 mixture-of-experts model cut to dim 64, 2 layers of 8 experts (top 2, hidden 64): experts split by
+# expert parallelism (ep, with etp = tp or 1) and FSDP over what ep leaves, against one process.
+MOE = ("--model.name", "qwen3", "--model.flavor", "tiny_moe")
+EP, ETP = f"{P}expert_parallel_degree", f"{P}expert_tensor_parallel_degree"
+
+
+def experts(ep: int, etp: int, mesh_dims: list[str] | None, placements: list[str] | None, local: list[int]):
+    return {"experts": {"ep": ep, "etp": etp, "w1_mesh_dims": mesh_dims, "w1_placements": placements,
+                        "w1_local_shape": local}}  # fmt: skip
+
+
+def moe(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
+    return Layout(nproc, (*MOE, *flags), facts, reference="one_process_moe", **kwargs)
+
+
 def pp(schedule: str, *flags: str) -> tuple[str, ...]:
     return (f"{P}pipeline_parallel_degree", "2", f"{P}pipeline_parallel_schedule", schedule, *flags)
 
@@ -262,6 +277,48 @@ LAYOUTS = {
         **FLOAT8_TENSORWISE_RUN,
     ),
     "cp_fsdp": Layout(4, (CP, "2", *local_batch(2)), {"degrees": {"dp_shard": 2, "cp": 2}, "fsdp": True}),
+    "one_process_moe": moe(1, (), experts(1, 1, None, None, [8, 64, 64])),
+    "moe_tp": moe(2, (TP, "2"), experts(1, 1, ["tp"], ["S(1)"], [8, 32, 64])),
+    "moe_ep2": moe(
+        2, (EP, "2", *local_batch(2)), experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64])
+    ),
+    "moe_ep2_borrowing_tp": moe(
+        2, (EP, "2", TP, "2"), experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64])
+    ),
+    "moe_ep2_fsdp": moe(
+        4,
+        (EP, "2", *local_batch(1), *SAVE_AT_3),
+        experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [2, 64, 64]),
+    ),
+    "moe_ep4": moe(
+        4, (EP, "4", *local_batch(1)), experts(4, 1, ["efsdp", "ep"], ["_S(0, 4)", "S(0)"], [2, 64, 64])
+    ),
+    "moe_ep2_etp2_tp2": moe(
+        4,
+        (EP, "2", ETP, "2", TP, "2", *local_batch(2)),
+        experts(2, 2, ["efsdp", "ep", "etp"], ["_S(0, 2)", "S(0)", "S(1)"], [4, 32, 64]),
+    ),
+    "moe_ep2_cp2": moe(
+        4,
+        (EP, "2", CP, "2", *local_batch(2)),
+        experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [2, 64, 64]),
+    ),
+    # Saved at ep 2 on 4 ranks (experts as DTensors), resumed at ep 1 on 2 ranks.
+    "moe_ep2_fsdp_resumed_at_ep1_on_2_ranks": Layout(
+        2,
+        (*MOE, *local_batch(2), *SAVE_AT_3),
+        experts(1, 1, ["dp_shard"], ["S(0)"], [4, 64, 64]),
+        reference="moe_ep2_fsdp",
+        resumed_at=3,
+    ),
+    "moe_ep2_selective_op": Layout(
+        2,
+        (*MOE, EP, "2", *SELECTIVE, "op"),
+        refused="selective_ac_option = 'op' with parallelism.expert_parallel_degree 2",
+    ),
+    "dense_model_ep2": Layout(
+        2, (EP, "2", *local_batch(2)), refused="llama3 debug_2_layers has no experts to split"
+    ),
 }
 
 

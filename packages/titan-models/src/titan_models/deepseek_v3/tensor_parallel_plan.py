@@ -5,7 +5,7 @@ column, `wo` by input row. The low-rank latents (`wq_a`, `q_norm`, `wkv_a`, `kv_
 feed every head, so each rank computes them in full (`ReplicatedParams`). Their gradients arrive whole
 through the column-split projections, except the shared rotary key, which each rank uses for its own
 heads only: `SumGradients` on `attention.shared_rope_key` adds those partial gradients over the ranks.
-MoE experts are left to expert parallelism; the router and shared experts stay replicated.
+MoE experts are left to expert parallelism (not named); the router and shared experts stay replicated.
 """
 
 from __future__ import annotations
@@ -99,10 +99,10 @@ def deepseek_tp_plan(
         "layers.*.feed_forward.w1": ColwiseParallel(),
         "layers.*.feed_forward.w3": ColwiseParallel(),
         "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=residual),
-        # Without expert parallelism every rank runs the whole MoE on the whole sequence.
+        # Every rank runs the whole MoE on the whole sequence; the routed experts are split by the
+        # trainer's expert-parallel plan (titan_parallel.apply_expert_parallel), so not named here.
         "layers.*.moe.router.gate": ReplicatedParams(),
         "layers.*.moe.shared_experts": ReplicatedParams(),
-        "layers.*.moe.experts": ReplicatedParams(convert_io=False),
     }
     if low_rank_q:
         plan |= {

@@ -2,8 +2,8 @@
 
 Per-head query/key norms (Qwen3's QK norm) see only the heads of their rank: marked as split on the
 head dimension (dim 2), their replicated weights get gradients summed over the ranks, as torchtitan
-does. MoE layers are not split across tensor-parallel ranks (that is expert parallelism's job): every
-rank runs the whole MoE on the whole sequence, as DeepSeek-V3's plan does with the same styles.
+does. Every tp rank runs the whole MoE layer on the whole sequence, as DeepSeek-V3's plan does with the
+same styles; the routed experts are not named: the trainer's expert-parallel plan splits them.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ def moe_tp_entries(*, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     entries: dict[str, ParallelStyle] = {
         "layers.*.moe.router.gate": ReplicatedParams(),
         "layers.*.moe.shared_experts": ReplicatedParams(),
-        "layers.*.moe.experts": ReplicatedParams(convert_io=False),
     }
     if sequence_parallel:
         entries["layers.*.moe"] = PrepareModuleInputOutput(
