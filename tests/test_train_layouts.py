@@ -282,16 +282,16 @@ LAYOUTS = {
     "moe_ep2": moe(
         2, (EP, "2", *local_batch(2)), experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64])
     ),
-    "moe_ep2_borrowing_tp": moe(
-        2, (EP, "2", TP, "2"), experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64])
-    ),
     "moe_ep2_fsdp": moe(
         4,
         (EP, "2", *local_batch(1), *SAVE_AT_3),
         experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [2, 64, 64]),
     ),
-    "moe_ep4": moe(
-        4, (EP, "4", *local_batch(1)), experts(4, 1, ["efsdp", "ep"], ["_S(0, 4)", "S(0)"], [2, 64, 64])
+    # ep 4 over dp_shard 2 x tp 2 (etp 1): each tp rank dispatches its slice of the replicated rows.
+    "moe_ep4_borrowing_tp": moe(
+        4,
+        (EP, "4", TP, "2", *local_batch(2)),
+        experts(4, 1, ["efsdp", "ep"], ["_S(0, 4)", "S(0)"], [2, 64, 64]),
     ),
     "moe_ep2_etp2_tp2": moe(
         4,
