@@ -16,6 +16,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -94,6 +95,8 @@ class ExpertParallel(ParallelStyle):
             rows, counts, bounds = _tp_slice(rows, counts, self.tp_mesh)
         ep_mesh = self._ep_mesh(mesh)
         ep, group = ep_mesh.size(), ep_mesh.get_group()
+        if is_fake(counts):
+            return self._dispatch_traced(rows, counts, ep, group, total, bounds)
         with torch.no_grad():
             received = all_to_all_single(counts, None, None, group=group)
             received = torch.ops._c10d_functional.wait_tensor(received)
@@ -103,6 +106,19 @@ class ExpertParallel(ParallelStyle):
         order, local_counts = expert_major_order(received, ep)
         self._state = (order, send, recv, group, total, bounds)
         return rows.index_select(0, order), local_counts
+
+    def _dispatch_traced(
+        self, rows: torch.Tensor, counts: torch.Tensor, ep: int, group, total: int, bounds
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dry run's dispatch on fake tensors, which hold no counts to split by: routing taken as
+        balanced (every rank sends and receives an equal share of rows), so shapes and memory are those
+        of a balanced step."""
+        share = [rows.shape[0] // ep] * ep
+        share[-1] += rows.shape[0] - sum(share)
+        rows = all_to_all_single_autograd(rows, share, share, group)
+        order = torch.arange(rows.shape[0], device=rows.device)
+        self._state = (order, share, share, group, total, bounds)
+        return rows, counts.view(ep, -1).sum(0)
 
     def _combine(self, module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         if self._state is None:
