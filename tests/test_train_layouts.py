@@ -14,6 +14,13 @@ settings) and a 1-rank run with 2 workers taking 6 windows a step from 8 streams
 2-rank runs resume from both saves (`checkpoint.load_step`). Steps 4 and 5 and the final weights must
 be those of the run resumed: bit for bit from 2 ranks, to the layouts' tolerance from 1 rank.
 
+Expert parallelism: a qwen3 mixture-of-experts model cut to dim 64 (2 layers of 8 experts, top 2, its own
+one-process reference `one_process_moe`) trains under tp alone, ep 2, ep 2 with FSDP (4 ranks), ep 4
+borrowing tp, ep 2 with etp = tp = 2 and ep 2 with cp 2, each taking the layout's expert mesh and
+placements as facts; the ep 2 run on 4 ranks saves at step 3 and a 2-rank run at ep 1 resumes it. A
+gradient scaled by 1.5 in the experts' dispatch (input rows) or combine (output rows) made `moe_ep2` fail
+(weights 7e-3 off; grad_norm 8e-5 relative). The MoE layouts add about 57 CPU-seconds (load 9 on 2 cores).
+
 Measured on a 2-core CPU with torch 2.15 (float32): every exact layout within 2.4e-7 relative of one
 process on loss and grad_norm at every step, weights within 4.8e-6 (compile; 4.2e-6 for CP + FSDP);
 float8 drifts up to 7.8e-5 (loss, rowwise) and 1.8e-4 (grad_norm, tensorwise).
