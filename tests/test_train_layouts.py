@@ -16,10 +16,10 @@ be those of the run resumed: bit for bit from 2 ranks, to the layouts' tolerance
 
 Expert parallelism: a qwen3 mixture-of-experts model cut to dim 64 (2 layers of 8 experts, top 2, its own
 one-process reference `one_process_moe`) trains under tp alone, ep 2, ep 2 with FSDP (4 ranks), ep 4
-borrowing tp, ep 2 with etp = tp = 2 and ep 2 with cp 2, each taking the layout's expert mesh and
+borrowing tp, ep 2 with etp = tp = 2, ep 2 with cp 2 and ep 2 with pp 2, each taking the layout's expert mesh and
 placements as facts; the ep 2 run on 4 ranks saves at step 3 and a 2-rank run at ep 1 resumes it. A
 gradient scaled by 1.5 in the experts' dispatch (input rows) or combine (output rows) made `moe_ep2` fail
-(weights 7e-3 off; grad_norm 8e-5 relative). The MoE layouts add about 57 CPU-seconds (load 9 on 2 cores).
+(weights 7e-3 off; grad_norm 8e-5 relative). The MoE layouts add about 62 CPU-seconds (load 9 on 2 cores).
 
 Measured on a 2-core CPU with torch 2.15 (float32): every exact layout within 2.4e-7 relative of one
 process on loss and grad_norm at every step, weights within 4.8e-6 (compile; 4.2e-6 for CP + FSDP);
@@ -309,6 +309,11 @@ LAYOUTS = {
         4,
         (EP, "2", CP, "2", *local_batch(2)),
         experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [2, 64, 64]),
+    ),
+    "moe_ep2_pp2": moe(
+        4,
+        (*pp("1F1B", EP, "2"), *local_batch(2)),
+        experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64]),
     ),
     # Saved at ep 2 on 4 ranks (experts as DTensors), resumed at ep 1 on 2 ranks.
     "moe_ep2_fsdp_resumed_at_ep1_on_2_ranks": Layout(
