@@ -17,7 +17,7 @@ be those of the run resumed: bit for bit from 2 ranks, to the layouts' tolerance
 Expert parallelism: a qwen3 mixture-of-experts model cut to dim 64 (2 layers of 8 experts, top 2, its own
 one-process reference `one_process_moe`) trains under tp alone, ep 2, ep 2 with FSDP (4 ranks), ep 4
 borrowing tp, ep 2 with etp = tp = 2, ep 2 with cp 2 and ep 2 with pp 2, each taking the layout's expert mesh and
-placements as facts; the ep 2 run on 4 ranks saves at step 3 and a 2-rank run at ep 1 resumes it. A
+placements as facts; the ep 2 run on 4 ranks saves at step 3 and runs at ep 1 on 2 ranks and at ep 4 on 4 ranks resume it. A
 gradient scaled by 1.5 in the experts' dispatch (input rows) or combine (output rows) made `moe_ep2` fail
 (weights 7e-3 off; grad_norm 8e-5 relative). The MoE layouts add about 62 CPU-seconds (load 9 on 2 cores).
 
@@ -320,6 +320,14 @@ LAYOUTS = {
         2,
         (*MOE, *local_batch(2), *SAVE_AT_3),
         experts(1, 1, ["dp_shard"], ["S(0)"], [4, 64, 64]),
+        reference="moe_ep2_fsdp",
+        resumed_at=3,
+    ),
+    # ... and at ep 4 on the same 4 ranks (experts resharded from 4 per rank over efsdp 2 to 2 per rank).
+    "moe_ep2_fsdp_resumed_at_ep4": Layout(
+        4,
+        (*MOE, EP, "4", *local_batch(1), *SAVE_AT_3),
+        experts(4, 1, ["efsdp", "ep"], ["_S(0, 4)", "S(0)"], [2, 64, 64]),
         reference="moe_ep2_fsdp",
         resumed_at=3,
     ),
