@@ -14,6 +14,13 @@ settings) and a 1-rank run with 2 workers taking 6 windows a step from 8 streams
 2-rank runs resume from both saves (`checkpoint.load_step`). Steps 4 and 5 and the final weights must
 be those of the run resumed: bit for bit from 2 ranks, to the layouts' tolerance from 1 rank.
 
+Expert parallelism: a qwen3 mixture-of-experts model cut to dim 64 (2 layers of 8 experts, top 2, its own
+one-process reference `one_process_moe`) trains under tp alone, ep 2, ep 2 with FSDP (4 ranks), ep 4
+borrowing tp, ep 2 with etp = tp = 2, ep 2 with cp 2 and ep 2 with pp 2, each taking the layout's expert mesh and
+placements as facts; the ep 2 run on 4 ranks saves at step 3 and runs at ep 1 on 2 ranks and at ep 4 on 4 ranks resume it. A
+gradient scaled by 1.5 in the experts' dispatch (input rows) or combine (output rows) made `moe_ep2` fail
+(weights 7e-3 off; grad_norm 8e-5 relative). The MoE layouts add about 62 CPU-seconds (load 9 on 2 cores).
+
 Measured on a 2-core CPU with torch 2.15 (float32): every exact layout within 2.4e-7 relative of one
 process on loss and grad_norm at every step, weights within 4.8e-6 (compile; 4.2e-6 for CP + FSDP);
 float8 drifts up to 7.8e-5 (loss, rowwise) and 1.8e-4 (grad_norm, tensorwise).
@@ -109,6 +116,21 @@ SAVE_AT_3 = ("--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.
 # streams, mid-round and with the second worker's turn.
 WORKERS_8_STREAMS = (*LOADER_WORKERS, "--training.dataloader.num_streams", "8",
                      "--training.global_batch_size", "6", *SAVE_AT_3)  # fmt: skip
+
+
+# A qwen3 mixture-of-experts model cut to dim 64, 2 layers of 8 experts (top 2, hidden 64): experts split by
+# expert parallelism (ep, with etp = tp or 1) and FSDP over what ep leaves, against one process.
+MOE = ("--model.name", "qwen3", "--model.flavor", "tiny_moe")
+EP, ETP = f"{P}expert_parallel_degree", f"{P}expert_tensor_parallel_degree"
+
+
+def experts(ep: int, etp: int, mesh_dims: list[str] | None, placements: list[str] | None, local: list[int]):
+    return {"experts": {"ep": ep, "etp": etp, "w1_mesh_dims": mesh_dims, "w1_placements": placements,
+                        "w1_local_shape": local}}  # fmt: skip
+
+
+def moe(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
+    return Layout(nproc, (*MOE, *flags), facts, reference="one_process_moe", **kwargs)
 
 
 def pp(schedule: str, *flags: str) -> tuple[str, ...]:
@@ -262,6 +284,61 @@ LAYOUTS = {
         **FLOAT8_TENSORWISE_RUN,
     ),
     "cp_fsdp": Layout(4, (CP, "2", *local_batch(2)), {"degrees": {"dp_shard": 2, "cp": 2}, "fsdp": True}),
+    "one_process_moe": moe(1, (), experts(1, 1, None, None, [8, 64, 64])),
+    "moe_tp": moe(2, (TP, "2"), experts(1, 1, ["tp"], ["S(1)"], [8, 32, 64])),
+    "moe_ep2": moe(
+        2, (EP, "2", *local_batch(2)), experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64])
+    ),
+    "moe_ep2_fsdp": moe(
+        4,
+        (EP, "2", *local_batch(1), *SAVE_AT_3),
+        experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [2, 64, 64]),
+    ),
+    # ep 4 over dp_shard 2 x tp 2 (etp 1): each tp rank dispatches its slice of the replicated rows.
+    "moe_ep4_borrowing_tp": moe(
+        4,
+        (EP, "4", TP, "2", *local_batch(2)),
+        experts(4, 1, ["efsdp", "ep"], ["_S(0, 4)", "S(0)"], [2, 64, 64]),
+    ),
+    "moe_ep2_etp2_tp2": moe(
+        4,
+        (EP, "2", ETP, "2", TP, "2", *local_batch(2)),
+        experts(2, 2, ["efsdp", "ep", "etp"], ["_S(0, 2)", "S(0)", "S(1)"], [4, 32, 64]),
+    ),
+    "moe_ep2_cp2": moe(
+        4,
+        (EP, "2", CP, "2", *local_batch(2)),
+        experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [2, 64, 64]),
+    ),
+    "moe_ep2_pp2": moe(
+        4,
+        (*pp("1F1B", EP, "2"), *local_batch(2)),
+        experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64]),
+    ),
+    # Saved at ep 2 on 4 ranks (experts as DTensors), resumed at ep 1 on 2 ranks.
+    "moe_ep2_fsdp_resumed_at_ep1_on_2_ranks": Layout(
+        2,
+        (*MOE, *local_batch(2), *SAVE_AT_3),
+        experts(1, 1, ["dp_shard"], ["S(0)"], [4, 64, 64]),
+        reference="moe_ep2_fsdp",
+        resumed_at=3,
+    ),
+    # ... and at ep 4 on the same 4 ranks (experts resharded from 4 per rank over efsdp 2 to 2 per rank).
+    "moe_ep2_fsdp_resumed_at_ep4": Layout(
+        4,
+        (*MOE, EP, "4", *local_batch(1), *SAVE_AT_3),
+        experts(4, 1, ["efsdp", "ep"], ["_S(0, 4)", "S(0)"], [2, 64, 64]),
+        reference="moe_ep2_fsdp",
+        resumed_at=3,
+    ),
+    "moe_ep2_selective_op": Layout(
+        2,
+        (*MOE, EP, "2", *SELECTIVE, "op"),
+        refused="selective_ac_option = 'op' with parallelism.expert_parallel_degree 2",
+    ),
+    "dense_model_ep2": Layout(
+        2, (EP, "2", *local_batch(2)), refused="llama3 debug_2_layers has no experts to split"
+    ),
 }
 
 

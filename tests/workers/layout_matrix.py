@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import tiny_moe_flavor  # noqa: F401  (registers qwen3 tiny_moe: this script's folder is on sys.path)
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from titan_parallel import moe_layers_of
 from titan_train.cli import USER_ERRORS, plan_run, train_joined
 from titan_train.config import load_job_config
 from titan_train.distributed import init_distributed, shutdown
@@ -112,6 +114,23 @@ def facts(trainer: Trainer) -> dict:
         "attn_backend": trainer.model_parts[0].args.attn_backend,
         "optimizer_in_backward": type(trainer.optimizers).__name__ == "BackwardStepOptimizers",
         "loader_workers": trainer.loader.num_workers,
+        "experts": expert_facts(trainer),
+    }
+
+
+def expert_facts(trainer: Trainer) -> dict | None:
+    """How the first MoE layer's experts are split: ep, etp, and w1's mesh dims, placements and local shape."""
+    layers = [layer for part in trainer.model_parts for layer in moe_layers_of(part).values()]
+    if not layers:
+        return None
+    w1 = layers[0].experts.w1
+    split = isinstance(w1, DTensor)
+    return {
+        "ep": trainer.dims.ep,
+        "etp": trainer.dims.etp,
+        "w1_mesh_dims": list(w1.device_mesh.mesh_dim_names) if split else None,
+        "w1_placements": [str(p) for p in w1.placements] if split else None,
+        "w1_local_shape": list(w1.to_local().shape if split else w1.shape),
     }
 
 

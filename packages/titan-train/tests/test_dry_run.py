@@ -66,6 +66,16 @@ def test_pipeline_and_tensor_parallel_memory_is_traced_for_each_kind_of_stage(ca
     assert "rank 4 (pp stage 1): peak allocated" in _logged(caplog)
 
 
+def test_expert_parallel_layout_is_named_and_its_memory_traced(caplog):
+    """A mixture-of-experts model at ep 4 over FSDP 8: the expert mesh is named and a step is traced (the
+    experts' dispatch on fake tensors, whose routing is taken as balanced)."""
+    flags = ["--job.config_file", "apps/configs/qwen3_moe_debug.toml", "--parallelism.expert_parallel_degree", "4",
+             "--activation_checkpoint.mode", "full", "--training.seq_len", "64", "--training.local_batch_size", "1"]  # fmt: skip
+    report = dry_run(load_job_config(flags), 8)
+    assert report.mesh.startswith("(dp_shard=8)") and "experts: ep=4, etp=1, efsdp=2" in report.mesh
+    assert "rank 0 (pp stage 0): peak allocated" in _logged(caplog)
+
+
 def test_a_pipeline_traced_whole_has_the_stages_the_model_has():
     """The debug model's 6 blocks on 4 pipeline stages are 1, 2, 2 and 1 blocks (the embedding and the head
     count as one each): the first stage's trace holds the embedding and one block, as training will, not

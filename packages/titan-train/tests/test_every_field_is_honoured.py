@@ -49,6 +49,9 @@ PROFILING = ("--profiling.enable_profiling", "--profiling.profile_freq", "3", "-
              "--training.steps", "3")  # fmt: skip
 PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4")  # 4 microbatches
 CP2 = ("--parallelism.context_parallel_degree", "2")
+TP2 = ("--parallelism.tensor_parallel_degree", "2")
+EP2 = ("--parallelism.expert_parallel_degree", "2")
+MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe")
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,14 @@ def loss_saved_bytes(s: Seen) -> int:
 def held_gradients(s: Seen) -> int:
     """Parameters still holding a gradient after the step."""
     return sum(p.grad is not None for p in s.trainer.model_parts[0].parameters())
+
+
+def experts_split(s: Seen) -> Any:
+    """The first MoE layer's experts weight w1: its mesh dims and placements (plain tensor: None)."""
+    if s.outcome:
+        return s.outcome
+    w1 = next(iter(s.trainer.model_parts[0].moe_layers().values())).experts.w1
+    return (w1.device_mesh.mesh_dim_names, w1.placements) if hasattr(w1, "device_mesh") else None
 
 
 def pipeline(s: Seen) -> Any:
@@ -543,13 +554,10 @@ PROBES: dict[str, Probe] = {
     "parallelism.pipeline_parallel_microbatch_size": Probe(
         ("--parallelism.pipeline_parallel_microbatch_size", "2"), pipeline, base=PP2, world=2
     ),
+    # Inert without DualPipeV, which Titan does not offer: false is refused, the default accepted.
     "parallelism.pipeline_parallel_expert_parallel_overlap": refused(
-        (
-            "--parallelism.no_pipeline_parallel_expert_parallel_overlap",
-            "--parallelism.expert_parallel_degree",
-            "2",
-        ),
-        "not wired into the trainer",
+        ("--parallelism.no_pipeline_parallel_expert_parallel_overlap",),
+        "pipeline_parallel_expert_parallel_overlap = false: it acts only under the DualPipeV schedule",
     ),
     "parallelism.context_parallel_degree": Probe(
         ("--parallelism.context_parallel_degree", "2"), degrees, world=4
@@ -566,15 +574,13 @@ PROBES: dict[str, Probe] = {
         base=CP2,
         world=2,
     ),
-    "parallelism.expert_parallel_degree": refused(
-        ("--parallelism.expert_parallel_degree", "2"), "not wired into the trainer"
-    ),
-    "parallelism.expert_tensor_parallel_degree": refused(
-        ("--parallelism.expert_tensor_parallel_degree", "2"), "not wired into the trainer"
+    "parallelism.expert_parallel_degree": Probe(EP2, experts_split, base=MOE, world=2),
+    "parallelism.expert_tensor_parallel_degree": Probe(
+        ("--parallelism.expert_tensor_parallel_degree", "2"), experts_split, base=(*MOE, *EP2, *TP2), world=4
     ),
     "parallelism.expert_parallel_comm_backend": refused(
-        ("--parallelism.expert_parallel_comm_backend", "deepep", "--parallelism.expert_parallel_degree", "2"),
-        "not wired into the trainer",
+        ("--parallelism.expert_parallel_comm_backend", "deepep", *EP2),
+        "DeepEP's all-to-all kernels are not wired",
     ),
     # [checkpoint]: a 2-step run's checkpoints are copied in where a launch loads them
     "checkpoint.enable": Probe(("--checkpoint.enable",), files, train=True),

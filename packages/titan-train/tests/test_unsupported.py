@@ -21,8 +21,23 @@ RUNNABLE = ("--activation_checkpoint.mode", "none")
         (["--fault_tolerance.enable"], "torchft fault tolerance is not supported"),
         (["--comm.mode", "local_tensor"], "simulating every rank in one process is not supported"),
         (
-            ["--parallelism.expert_parallel_degree", "2"],
-            "expert parallelism is not wired into the trainer yet",
+            ["--parallelism.expert_parallel_comm_backend", "deepep"],
+            "DeepEP's all-to-all kernels are not wired",
+        ),
+        (
+            ["--parallelism.no_pipeline_parallel_expert_parallel_overlap"],
+            "pipeline_parallel_expert_parallel_overlap = false: it acts only under the DualPipeV schedule",
+        ),
+        (
+            [
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "op",
+            ],
+            "selective_ac_option = 'op' with parallelism.expert_parallel_degree 2",
         ),
         (["--profiling.enable_memory_snapshot"], "memory snapshots record the CUDA caching allocator"),
     ],
@@ -34,6 +49,8 @@ def test_unwired_settings_are_refused_with_the_fix(flags, message):
 
 def test_supported_settings_pass():
     refuse_unsupported(load_job_config([*RUNNABLE, "--training.global_batch_size", "64"]), "cpu")
+    ep = ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"]
+    refuse_unsupported(load_job_config([*RUNNABLE, *ep]), "cpu")
 
 
 def test_wandb_without_the_package_says_how_to_install_it(monkeypatch):

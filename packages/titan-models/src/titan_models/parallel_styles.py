@@ -1,7 +1,6 @@
 """Two tensor-parallel styles torch does not ship, which the decoder families' plans use.
 
-`ReplicatedParams` keeps a module whole on every rank (small latents, routers, MoE layers left to
-expert parallelism) while its parameters still become DTensors, so optimizers and checkpoints see
+`ReplicatedParams` keeps a module whole on every rank (small latents, routers, shared experts) while its parameters still become DTensors, so optimizers and checkpoints see
 one kind of parameter. `SumGradients` adds up a gradient each rank holds only part of.
 """
 
@@ -18,14 +17,7 @@ class ReplicatedParams(ParallelStyle):
     """Every rank holds the whole module (parameters as replicated DTensors) and computes it on its
     whole input; inputs and outputs stay plain tensors, and gradients arriving at the output must be
     the same on every rank.
-
-    `convert_io=False` leaves inputs and outputs alone, for a module that computes with its
-    parameters' local tensors itself (the routed experts).
     """
-
-    def __init__(self, convert_io: bool = True):
-        super().__init__()
-        self.convert_io = convert_io
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
@@ -43,8 +35,6 @@ class ReplicatedParams(ParallelStyle):
                 for t in inputs
             )
 
-        if not self.convert_io:
-            return distribute_module(module, device_mesh, replicate)
         return distribute_module(
             module,
             device_mesh,

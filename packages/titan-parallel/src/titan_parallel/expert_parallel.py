@@ -16,6 +16,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -42,11 +43,20 @@ class ExpertParallel(ParallelStyle):
     it (etp = 1, ep borrowing tp ranks) each tp rank sends only its own slice of the rows, and its
     output holds only that slice (the MoE output is then a partial sum over tp, which the model's
     tp_plan reduces). Either way the input rows' gradient is summed over tp in backward.
+    `whole_output` sums the output over tp here instead (an all-reduce), for a MoE layer that needs
+    its experts' outputs whole on every tp rank (see `protocols.HasMoELayers`).
     """
 
-    def __init__(self, *, tp_mesh: DeviceMesh | None = None, split_experts_over_tp: bool = False):
+    def __init__(
+        self,
+        *,
+        tp_mesh: DeviceMesh | None = None,
+        split_experts_over_tp: bool = False,
+        whole_output: bool = False,
+    ):
         super().__init__()
         self.tp_mesh, self.split_experts_over_tp = tp_mesh, split_experts_over_tp
+        self.whole_output = whole_output
         self._state: tuple | None = None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -85,6 +95,8 @@ class ExpertParallel(ParallelStyle):
             rows, counts, bounds = _tp_slice(rows, counts, self.tp_mesh)
         ep_mesh = self._ep_mesh(mesh)
         ep, group = ep_mesh.size(), ep_mesh.get_group()
+        if is_fake(counts):
+            return self._dispatch_traced(rows, counts, ep, group, total, bounds)
         with torch.no_grad():
             received = all_to_all_single(counts, None, None, group=group)
             received = torch.ops._c10d_functional.wait_tensor(received)
@@ -95,6 +107,19 @@ class ExpertParallel(ParallelStyle):
         self._state = (order, send, recv, group, total, bounds)
         return rows.index_select(0, order), local_counts
 
+    def _dispatch_traced(
+        self, rows: torch.Tensor, counts: torch.Tensor, ep: int, group, total: int, bounds
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dry run's dispatch on fake tensors, which hold no counts to split by: routing taken as
+        balanced (every rank sends and receives an equal share of rows), so shapes and memory are those
+        of a balanced step."""
+        share = [rows.shape[0] // ep] * ep
+        share[-1] += rows.shape[0] - sum(share)
+        rows = all_to_all_single_autograd(rows, share, share, group)
+        order = torch.arange(rows.shape[0], device=rows.device)
+        self._state = (order, share, share, group, total, bounds)
+        return rows, counts.view(ep, -1).sum(0)
+
     def _combine(self, module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         if self._state is None:
             raise RuntimeError("expert combine ran without a dispatch before it")
@@ -104,14 +129,24 @@ class ExpertParallel(ParallelStyle):
         out = all_to_all_single_autograd(out, send, recv, group)
         if bounds is not None:  # this tp rank's rows in place, zeros for the other tp ranks' rows
             out = F.pad(out, (0, 0, bounds[0], total - bounds[1]))
+        if self.whole_output and self.tp_mesh is not None:
+            out = sum_over_tp(out, self.tp_mesh)
         return out
 
 
 class TensorParallelExperts(ParallelStyle):
-    """Without ep: split each expert's hidden dim over tp; rows stay put, the output is a partial sum."""
+    """Without ep: split each expert's hidden dim over tp; rows stay put, the output is a partial sum
+    (or, with `whole_output`, that sum, all-reduced over tp)."""
+
+    def __init__(self, *, whole_output: bool = False):
+        super().__init__()
+        self.whole_output = whole_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, partition_fn=self._partition, input_fn=self._prepare)
+        output_fn = (lambda _mod, out, mesh: sum_over_tp(out, mesh)) if self.whole_output else None
+        return distribute_module(
+            module, device_mesh, partition_fn=self._partition, input_fn=self._prepare, output_fn=output_fn
+        )
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if name:
@@ -126,6 +161,16 @@ class TensorParallelExperts(ParallelStyle):
             grad_placements=(Partial(),)
         )
         return rows, counts
+
+
+def sum_over_tp(out: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """The whole of an output each tp rank holds a part of, on every tp rank (all-reduce).
+
+    In backward each rank's part gets the whole gradient once (DTensor keeps the gradient of a
+    Partial -> Replicate redistribution replicated), not a sum of the ranks' copies.
+    """
+    partial = DTensor.from_local(out, tp_mesh, (Partial(),), run_check=False)
+    return partial.redistribute(tp_mesh, (Replicate(),)).to_local()
 
 
 def expert_major_order(received: torch.Tensor, ep: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,17 +225,21 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> dict[str, nn.
     experts = {f"{fqn}.experts" if fqn else "experts": layer.experts for fqn, layer in layers.items()}
     if not experts or (dims.ep == 1 and dims.tp == 1):
         return experts
-    for module in experts.values():
+    for layer in layers.values():
+        module = layer.experts
         n_experts = module.w1.shape[0]
         if n_experts % dims.ep:
             raise ParallelConfigError(
                 f"parallelism: expert_parallel_degree({dims.ep}) does not divide the model's num_experts "
                 f"({n_experts}); each expert-parallel rank holds the same number of whole experts"
             )
+        whole = bool(getattr(layer, "tp_output_whole", False))
         if dims.ep > 1:
-            style = ExpertParallel(tp_mesh=dims.submesh("tp"), split_experts_over_tp=dims.etp > 1)
+            style = ExpertParallel(
+                tp_mesh=dims.submesh("tp"), split_experts_over_tp=dims.etp > 1, whole_output=whole
+            )
             parallelize_module(module, dims.submesh("experts"), style)
         else:
-            parallelize_module(module, dims.submesh("tp"), TensorParallelExperts())
+            parallelize_module(module, dims.submesh("tp"), TensorParallelExperts(whole_output=whole))
     logger.info("experts of %d MoE layers: ep %d, etp %d, tp %d", len(experts), dims.ep, dims.etp, dims.tp)
     return experts

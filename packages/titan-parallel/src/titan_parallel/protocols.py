@@ -88,7 +88,11 @@ class HasMoELayers(Protocol):
 
     Under tensor parallelism the model's tp_plan covers the MoE layer's input (all-gathered to
     Replicate), its output (declared `Partial` and reduce-scattered), the router and the shared
-    experts; titan-parallel splits `experts` itself, so the plan must not name them.
+    experts; titan-parallel splits `experts` itself, so the plan must not name them. A MoE layer
+    whose math needs the experts' outputs whole on every tp rank (one that weights them by the
+    router's scores after the experts: a partial output would give the router a partial gradient)
+    sets `tp_output_whole = True`: the experts' output is then all-reduced over tp, and the tp_plan
+    declares the MoE output Replicate and keeps the router and shared experts replicated.
     """
 
     def moe_layers(self) -> dict[str, nn.Module]:

@@ -9,6 +9,7 @@ through (`titan_models.moe.count_active_parameters`), so throughput and MFU are 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -29,12 +30,15 @@ def _on_meta(build: Callable[[Any], nn.Module], args: Any) -> nn.Module:
 
 def _active_flops(build: Callable[[Any], nn.Module]) -> Callable[[Any, int, int, int], float]:
     """FLOPs per token of Qwen3/Llama 4 from the active parameters of a meta-device model of `args`
-    (the registry's total and embedding counts include every expert, which a token does not use)."""
+    (the registry's total and embedding counts include every expert, which a token does not use).
+    A partial of a module-level function, not a closure: a dry run sends the plan to worker processes."""
+    return functools.partial(_moe_flops, build)
 
-    def flops(args: Any, total: int, embedding: int, seq_len: int) -> float:
-        return qwen3.moe_flops_per_token(args, _on_meta(build, args), seq_len)
 
-    return flops
+def _moe_flops(
+    build: Callable[[Any], nn.Module], args: Any, total: int, embedding: int, seq_len: int
+) -> float:
+    return qwen3.moe_flops_per_token(args, _on_meta(build, args), seq_len)
 
 
 def _deepseek_flops(args: Any, total: int, embedding: int, seq_len: int) -> float:

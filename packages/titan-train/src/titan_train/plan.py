@@ -21,7 +21,14 @@ import torch
 from torch import nn
 
 from titan_models import ModelError
-from titan_parallel import ParallelConfigError, ParallelDims, ParallelOptions, blocks_of, pipeline_stages
+from titan_parallel import (
+    ParallelConfigError,
+    ParallelDims,
+    ParallelOptions,
+    blocks_of,
+    moe_layers_of,
+    pipeline_stages,
+)
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.registry import LossFn, ModelFamily, get_model_family
@@ -121,6 +128,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     # need, and which the builder sets) changes no parameter: a stand-in until then.
     with torch.device("meta"):
         model = family.build(counting_args(args))
+    problems.extend(_expert_problems(config, dims, model))
     if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
         try:
             pipeline_stages(model.pipeline_units(), list(blocks_of(model)), dims.pp, options)
@@ -148,6 +156,32 @@ def counting_args(args: Any) -> Any:
     refuse to be built without its eos_id (DeepSeek-V3 does), which the trainer sets from the
     tokenizer; parameter counts and pipeline units do not depend on its value."""
     return replace(args, eos_id=0) if args.eos_id is None else args
+
+
+def _expert_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) -> list[str]:
+    """What stops this model's experts from being split as `[parallelism]` asks: no experts to split,
+    a number of experts that the ep ranks cannot share evenly, a hidden dim that etp (or tp) cannot split."""
+    m, p = config.model, config.parallelism
+    layers = moe_layers_of(model)
+    if not layers:
+        if dims.ep > 1 or dims.etp > 1:
+            return [
+                f"parallelism.expert_parallel_degree({dims.ep})/expert_tensor_parallel_degree({dims.etp}): "
+                f"{m.name} {m.flavor} has no experts to split; set both to 1 or pick a mixture-of-experts flavor"
+            ]
+        return []
+    if dims.etp > 1 and dims.ep == 1:
+        return [
+            f"parallelism.expert_tensor_parallel_degree({p.expert_tensor_parallel_degree}) needs "
+            "expert_parallel_degree > 1: without expert parallelism the experts are split over tp anyway; "
+            "set it to 1"
+        ]
+    experts = next(iter(layers.values())).experts
+    try:  # w1 is [experts, hidden, dim] (titan_parallel.protocols.HasMoELayers)
+        dims.check_model(num_experts=experts.w1.shape[0], expert_hidden_dim=experts.w1.shape[1])
+    except ParallelConfigError as err:
+        return [str(err)]
+    return []
 
 
 def _check_context(config: JobConfig, args: Any) -> None:

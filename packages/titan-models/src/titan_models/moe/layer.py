@@ -21,6 +21,12 @@ class MoE(nn.Module):
     `tokens_per_expert` (E,) float32, not saved, counted in forward for `update_expert_bias`.
     """
 
+    # Under tensor parallelism every tp rank computes the whole layer (the models' tp_plans keep its
+    # router and shared experts replicated) and needs the experts' outputs whole: weighting them by
+    # the router's scores after the experts would otherwise give the router a partial gradient.
+    # Read by titan-parallel's expert styles (see titan_parallel.protocols.HasMoELayers).
+    tp_output_whole = True
+
     def __init__(self, args: MoEArgs, dim: int, hidden_dim: int):
         super().__init__()
         self.args = args

@@ -1,7 +1,8 @@
 """Tensor-parallel plan entries for MoE layers, the same in every family.
 
-MoE layers are not split across tensor-parallel ranks (that is expert parallelism's job): every rank
-runs the whole MoE on the whole sequence, its parameters replicated DTensors.
+Every tensor-parallel rank runs the whole MoE layer on the whole sequence: the router and shared experts
+are replicated DTensors; the routed experts are not named, since titan-parallel's expert-parallel plan
+(`apply_expert_parallel`, which also splits them over tp when etp = tp) places them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ def moe_tp_entries(*, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     entries: dict[str, ParallelStyle] = {
         "layers.*.moe.router.gate": ReplicatedParams(),
         "layers.*.moe.shared_experts": ReplicatedParams(),
-        "layers.*.moe.experts": ReplicatedParams(convert_io=False),
     }
     if sequence_parallel:
         entries["layers.*.moe"] = PrepareModuleInputOutput(

@@ -50,10 +50,31 @@ _RULES = (
         "set it to false",
     ),
     _Rule(
-        lambda c: c.parallelism.expert_parallel_degree > 1 or c.parallelism.expert_tensor_parallel_degree > 1,
-        lambda c: "parallelism.expert_parallel_degree/expert_tensor_parallel_degree > 1",
-        "expert parallelism is not wired into the trainer yet",
-        "set both to 1",
+        lambda c: c.parallelism.expert_parallel_comm_backend == "deepep",
+        lambda c: "parallelism.expert_parallel_comm_backend = 'deepep'",
+        "DeepEP's all-to-all kernels are not wired into Titan, which dispatches tokens with torch's all-to-all",
+        "use 'standard'",
+    ),
+    _Rule(
+        lambda c: not c.parallelism.pipeline_parallel_expert_parallel_overlap,
+        lambda c: "parallelism.pipeline_parallel_expert_parallel_overlap = false",
+        "it acts only under the DualPipeV schedule, which Titan does not offer (nothing overlaps the experts' "
+        "all-to-all, so there is nothing to switch off)",
+        "leave it at its default",
+    ),
+    _Rule(
+        lambda c: (
+            c.parallelism.expert_parallel_degree > 1
+            and c.activation_checkpoint.mode == "selective"
+            and c.activation_checkpoint.selective_ac_option == "op"
+        ),
+        lambda c: (
+            "activation_checkpoint.selective_ac_option = 'op' with parallelism.expert_parallel_degree "
+            f"{c.parallelism.expert_parallel_degree}"
+        ),
+        "per-op checkpointing matches recomputed ops to saved ones by count, and the experts' own FSDP hooks "
+        "inside each block run a different number of ops when recomputed",
+        "use activation_checkpoint.mode = 'full' or selective_ac_option = N (every N-th block)",
     ),
     _Rule(
         lambda c: c.fault_tolerance.enable,

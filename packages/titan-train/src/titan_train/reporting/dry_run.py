@@ -117,7 +117,8 @@ def _describe_mesh(dims: ParallelDims) -> str:
     shape = ", ".join(f"{name}={size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True))
     views = [name for name in ("dp", "dp_shard_cp", "dp_cp") if dims.submesh(name) is not None]
     flat = f"; flattened views: {', '.join(f'{v}={dims.submesh(v).size()}' for v in views)}" if views else ""
-    return f"({shape}){flat}"
+    experts = f"; experts: ep={dims.ep}, etp={dims.etp}, efsdp={dims.efsdp}" if dims.ep > 1 else ""
+    return f"({shape}){flat}{experts}"
 
 
 def device_memory_of(device: str, memory_gib: float | None) -> tuple[str, int]:

@@ -3,7 +3,10 @@
 Once per optimizer step, after the step's last backward and outside autograd, `MoEBalancing.step`
 sums each layer's tokens per expert over every data-parallel and context-parallel rank (so the update
 is the same for any layout), moves the expert biases (`titan_models.moe.update_expert_bias`) and
-returns the step's expert load and auxiliary loss for the metrics line. The sequence-wise auxiliary
+returns the step's expert load and auxiliary loss for the metrics line. Under expert parallelism the
+group stays dp x cp: each rank counts the tokens it routes, before dispatch, and the ep ranks are among
+those (ep borrows dp_shard and cp ranks; the tp ranks it may borrow route the same tokens, so they are
+not summed over). The sequence-wise auxiliary
 loss is scaled by 1 / gradient-accumulation steps, like the language-model loss it joins.
 A model without MoE layers makes every call here a no-op.
 """

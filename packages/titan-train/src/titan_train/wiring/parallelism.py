@@ -119,6 +119,8 @@ def build_parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
         cp=p.context_parallel_degree,
         tp=p.tensor_parallel_degree,
         pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree,
+        etp=p.expert_tensor_parallel_degree,
         world_size=world_size,
     )
 
