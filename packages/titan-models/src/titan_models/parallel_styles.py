@@ -1,7 +1,7 @@
 """Two tensor-parallel styles torch does not ship, which the decoder families' plans use.
 
-`ReplicatedParams` keeps a module whole on every rank (small latents, routers, shared experts) while its parameters still become DTensors, so optimizers and checkpoints see
-one kind of parameter. `SumGradients` adds up a gradient each rank holds only part of.
+`ReplicatedParams` keeps a module whole on every rank (small latents, routers, shared experts) while
+its parameters still become DTensors, so optimizers and checkpoints see one kind of parameter. `SumGradients` adds up a gradient each rank holds only part of.
 """
 
 from __future__ import annotations

@@ -105,7 +105,9 @@ def tp_case(cls, args, mesh, sequence_parallel: bool, loss_parallel_: bool) -> d
         "worst_grad": max(grads, key=grads.get),
         "sharded_params": sum(isinstance(p, DTensor) for p in model.parameters()),
         # Every parameter but the routed experts', which the plan leaves to expert parallelism (titan-parallel).
-        "all_dtensor": all(isinstance(p, DTensor) for n, p in model.named_parameters() if ".moe.experts." not in n),
+        "all_dtensor": all(
+            isinstance(p, DTensor) for n, p in model.named_parameters() if ".moe.experts." not in n
+        ),
         "sharded_heads": _splits_heads(model.layers["0"].attention),
         "logits_is_dtensor": isinstance(logits, DTensor),
     }
