@@ -385,7 +385,12 @@ class Matrix:
             json.loads(line) for line in (self[name]["dump"] / "metrics.jsonl").read_text().splitlines()
         ]
         assert [r["step"] for r in records] == list(range((LAYOUTS[name].resumed_at or 0) + 1, STEPS + 1))
-        return {key: [r[key] for r in records] for key in ("loss", "grad_norm")}
+        # MoE runs also log each step's tokens per expert, counted over the whole global batch.
+        return {
+            key: [r[key] for r in records]
+            for key in ("loss", "grad_norm", "expert_counts")
+            if key in records[0]
+        }
 
     def weights(self, name: str) -> dict[str, torch.Tensor]:
         """The whole model after the last step, put together from the ranks that wrote a piece."""
@@ -438,6 +443,13 @@ def assert_trains_as_its_reference(matrix, name: str) -> None:
         want = reference[key][layout.resumed_at or 0 :]
         difference = largest_relative_difference(run[key], want)
         assert difference <= layout.rel, f"{key}: {run[key]} against {layout.reference} {want}"
+    if "expert_counts" in reference:
+        # Load balancing is layout-independent: counts summed over the data-parallel ranks move the expert
+        # biases as in one process, so every step routes the same tokens to the same experts.
+        # (A pipeline rank logs the layers of its own stages.)
+        want = reference["expert_counts"][layout.resumed_at or 0 :]
+        assert all(run_step and run_step.items() <= want_step.items() for run_step, want_step in zip(
+            run["expert_counts"], want, strict=True)), (run["expert_counts"], want)  # fmt: skip
     if layout.weights_atol is not None:
         got, want = matrix.weights(name), matrix.weights(layout.reference)
         assert sorted(got) == sorted(want)
