@@ -10,10 +10,12 @@ re-read the file and re-derived these facts on its own.
 import json
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from titan_models import llama3_args, to_hf_config
+from titan_parallel import ParallelConfigError
 from titan_train.cli import run
 from titan_train.commands.check import check_launch
 from titan_train.config import load_job_config
@@ -67,3 +69,19 @@ def test_the_trainer_builds_the_depth_config_json_states(tmp_path, one_rank):
         )
         assert len(trainer.model_parts[0].parallel_blocks()) == layers
         trainer.train()
+
+
+def test_torchtitan_s_llama4_layout_etp_equal_to_tp_without_ep_splits_the_experts_over_tp():
+    """torchtitan 0.2.2's llama4_17bx16e.toml sets etp = tp = 8 with ep = 1: accepted as the layout it is
+    there (experts split over tp, etp = 1); an etp that is neither 1 nor tp is still refused."""
+    toml = str(Path(__file__).parents[3] / "apps" / "configs" / "llama4_17bx16e.toml")
+    config = load_job_config(["--job.config_file", toml])
+    assert (config.parallelism.expert_parallel_degree, config.parallelism.expert_tensor_parallel_degree) == (
+        1,
+        8,
+    )
+    dims = resolve(config, 64, "cuda").dims
+    assert (dims.tp, dims.ep, dims.etp) == (8, 1, 1)
+    config = load_job_config(["--job.config_file", toml, "--parallelism.expert_tensor_parallel_degree", "2"])
+    with pytest.raises(ParallelConfigError, match=r"expert_tensor_parallel_degree\(2\) must be 1 or tp\(8\)"):
+        resolve(config, 64, "cuda")

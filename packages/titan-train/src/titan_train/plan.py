@@ -173,8 +173,8 @@ def _expert_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) ->
     if dims.etp > 1 and dims.ep == 1:
         return [
             f"parallelism.expert_tensor_parallel_degree({p.expert_tensor_parallel_degree}) needs "
-            "expert_parallel_degree > 1: without expert parallelism the experts are split over tp anyway; "
-            "set it to 1"
+            "expert_parallel_degree > 1 unless it equals tp: without expert parallelism the experts are "
+            "split over tp anyway; set it to 1"
         ]
     experts = next(iter(layers.values())).experts
     try:  # w1 is [experts, hidden, dim] (titan_parallel.protocols.HasMoELayers)

@@ -113,6 +113,11 @@ def split_and_wrap(
 
 def build_parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
     p = config.parallelism
+    # Without expert parallelism the experts are split over tp whatever etp says, as in torchtitan 0.2.2,
+    # whose own llama4_17bx16e.toml sets etp = tp = 8 with ep = 1: that is the etp = 1 layout.
+    etp = p.expert_tensor_parallel_degree
+    if p.expert_parallel_degree == 1 and etp == p.tensor_parallel_degree:
+        etp = 1
     return ParallelDims(
         dp_replicate=p.data_parallel_replicate_degree,
         dp_shard=p.data_parallel_shard_degree,
@@ -120,7 +125,7 @@ def build_parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
         tp=p.tensor_parallel_degree,
         pp=p.pipeline_parallel_degree,
         ep=p.expert_parallel_degree,
-        etp=p.expert_tensor_parallel_degree,
+        etp=etp,
         world_size=world_size,
     )
 
