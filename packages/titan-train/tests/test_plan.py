@@ -85,3 +85,13 @@ def test_torchtitan_s_llama4_layout_etp_equal_to_tp_without_ep_splits_the_expert
     config = load_job_config(["--job.config_file", toml, "--parallelism.expert_tensor_parallel_degree", "2"])
     with pytest.raises(ParallelConfigError, match=r"expert_tensor_parallel_degree\(2\) must be 1 or tp\(8\)"):
         resolve(config, 64, "cuda")
+
+
+def test_every_registered_family_pickles():
+    """A run plan holds its family; the dry run sends the plan to child processes to trace pipeline ranks."""
+    import pickle
+
+    from titan_train.registry import get_model_family, model_family_names
+
+    for name in model_family_names():
+        assert pickle.loads(pickle.dumps(get_model_family(name))).name == name

@@ -9,6 +9,8 @@ error wording and the rope parsing are the same for all, so they live here once.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Callable
 from typing import Any
@@ -128,6 +130,33 @@ def same_value(a: Any, b: Any) -> bool:
     return a == b
 
 
+def hf_config_differences(
+    args: Any,
+    config: dict[str, Any],
+    *,
+    unsupported: Callable[[dict[str, Any]], list[str]],
+    args_from_config: Callable[[dict[str, Any]], Any],
+    computed_fields: Callable[[Any], dict[str, Any]],
+) -> list[str]:
+    """Every field in which `config` (a Hugging Face `config.json`) describes another function than
+    `args`, as 'field: checkpoint X, flavor Y'; unsupported settings are listed instead when there
+    are any. Empty when they agree.
+
+    A `rope_scaling.*` parameter is not compared once `rope_scaling` itself differs.
+    """
+    differences = unsupported(config)
+    if differences:
+        return differences
+    theirs, ours = computed_fields(args_from_config(config)), computed_fields(args)
+    scaling_differs = theirs.get("rope_scaling") != ours.get("rope_scaling")
+    for key in dict.fromkeys([*ours, *theirs]):
+        if key.startswith("rope_scaling.") and scaling_differs:
+            continue
+        if not same_value(theirs.get(key), ours.get(key)):
+            differences.append(f"{key}: checkpoint {theirs.get(key)}, flavor {ours.get(key)}")
+    return differences
+
+
 def differences_checker(
     *,
     unsupported: Callable[[dict[str, Any]], list[str]],
@@ -135,25 +164,11 @@ def differences_checker(
     computed_fields: Callable[[Any], dict[str, Any]],
 ) -> Callable[[Any, dict[str, Any]], list[str]]:
     """A family's `hf_config_differences(args, config)`, from how it reads a config and which of its
-    fields change the computed function."""
-
-    def hf_config_differences(args: Any, config: dict[str, Any]) -> list[str]:
-        """Every field in which `config` (a Hugging Face `config.json`) describes another function than
-        `args`, as 'field: checkpoint X, flavor Y'; unsupported settings are listed instead when there
-        are any. Empty when they agree.
-
-        A `rope_scaling.*` parameter is not compared once `rope_scaling` itself differs.
-        """
-        differences = unsupported(config)
-        if differences:
-            return differences
-        theirs, ours = computed_fields(args_from_config(config)), computed_fields(args)
-        scaling_differs = theirs.get("rope_scaling") != ours.get("rope_scaling")
-        for key in dict.fromkeys([*ours, *theirs]):
-            if key.startswith("rope_scaling.") and scaling_differs:
-                continue
-            if not same_value(theirs.get(key), ours.get(key)):
-                differences.append(f"{key}: checkpoint {theirs.get(key)}, flavor {ours.get(key)}")
-        return differences
-
-    return hf_config_differences
+    fields change the computed function. A partial of module-level functions, not a closure, so that a
+    run plan holding it pickles (the dry run traces pipeline ranks in child processes)."""
+    return functools.partial(
+        hf_config_differences,
+        unsupported=unsupported,
+        args_from_config=args_from_config,
+        computed_fields=computed_fields,
+    )
