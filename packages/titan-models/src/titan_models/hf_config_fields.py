@@ -10,7 +10,6 @@ error wording and the rope parsing are the same for all, so they live here once.
 from __future__ import annotations
 
 import functools
-
 import math
 from collections.abc import Callable
 from typing import Any
