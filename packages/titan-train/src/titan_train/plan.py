@@ -161,7 +161,7 @@ def counting_args(args: Any) -> Any:
 def _expert_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) -> list[str]:
     """What stops this model's experts from being split as `[parallelism]` asks: no experts to split,
     a number of experts that the ep ranks cannot share evenly, a hidden dim that etp (or tp) cannot split."""
-    m, p = config.model, config.parallelism
+    m = config.model
     layers = moe_layers_of(model)
     if not layers:
         if dims.ep > 1 or dims.etp > 1:
@@ -170,12 +170,6 @@ def _expert_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) ->
                 f"{m.name} {m.flavor} has no experts to split; set both to 1 or pick a mixture-of-experts flavor"
             ]
         return []
-    if dims.etp > 1 and dims.ep == 1:
-        return [
-            f"parallelism.expert_tensor_parallel_degree({p.expert_tensor_parallel_degree}) needs "
-            "expert_parallel_degree > 1 unless it equals tp: without expert parallelism the experts are "
-            "split over tp anyway; set it to 1"
-        ]
     experts = next(iter(layers.values())).experts
     try:  # w1 is [experts, hidden, dim] (titan_parallel.protocols.HasMoELayers)
         dims.check_model(num_experts=experts.w1.shape[0], expert_hidden_dim=experts.w1.shape[1])
