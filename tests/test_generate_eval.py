@@ -198,8 +198,8 @@ def test_lm_eval_hf_backend_on_the_export_and_titan_on_the_dcp_files_score_the_s
             HFLM(pretrained=str(step), max_length=256, batch_size=4, device="cpu", dtype="float32"), tasks
         )
     finally:
-        # lm-eval's HF backend starts accelerate, which joins a process group when the torchrun variables
-        # that earlier in-process runs left in the environment say so: leave none to the next test.
+        # lm-eval's HF backend (through accelerate) left a default process group initialized in CI, which
+        # broke the next in-process runs on the same worker: leave none to the next test.
         if dist.is_initialized():
             dist.destroy_process_group()
 
