@@ -9,7 +9,8 @@ ratio. The issue's bounds: allocated within 5%, reserved within 10%.
 On the GPU machine (after apps/gpu/fetch_wheels.sh here):
     apps/gpu/run.sh python3 bench/memory_vs_gpu.py --out $OUT/memory_vs_gpu.jsonl
 Here, without a GPU, `--estimate-only` prints the estimates alone (to choose batches that fit).
-A config is FLAVOR:AC=BATCH[+OPTION...]; AC is none, op (selective per op), full or a number
+A config is [FAMILY/]FLAVOR:AC=BATCH[+OPTION...] (FAMILY llama3 unless named, e.g.
+`deepseek_v3/16B_4layers:none=1`); AC is none, op (selective per op), full or a number
 (selective every N blocks); options: `fixed` (the allocator without expandable segments), `nochunk`
 (the loss over the whole logits at once), `compiled`.
 """
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,6 +76,9 @@ class Config:
             "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option,
             "--lr_scheduler.warmup_steps", "2",
         ]  # fmt: skip
+        if "/" in self.flavor:
+            family, flavor = self.flavor.split("/")
+            flags += ["--model.name", family, "--model.flavor", flavor]  # the later flag wins
         if "nochunk" in self.options:
             flags.append("--training.no_chunked_loss")
         if "compiled" in self.options:
@@ -98,6 +103,7 @@ class Row:
     measured_allocated: int | None = None
     measured_reserved: int | None = None
     measured_active: int | None = None
+    measured_tps: float | None = None  # the real run's tokens/s, median of its steps after the first
     run_seconds: float = 0.0
     error: str | None = None
     trace: dict | None = None  # --real-trace: the step traced on real CUDA tensors, and on fake ones
@@ -149,6 +155,10 @@ def measure(c: Config, args, row: Row, keep: Path | None) -> None:
             measured = json.loads(peaks.read_text())
             row.measured_allocated, row.measured_reserved = measured["allocated"], measured["reserved"]
             row.measured_active = measured["active"]
+        metrics = Path(tmp) / "dump" / "metrics.jsonl"
+        if metrics.exists():
+            tps = [r["tps"] for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] > 1]
+            row.measured_tps = statistics.median(tps) if tps else None
     row.run_seconds = time.perf_counter() - started
 
 
@@ -204,13 +214,13 @@ def _gib(value: int | None) -> str:
 def print_table(rows: list[Row], header_line: str) -> None:
     print(f"\n{header_line}\n")
     print("| config | estimated allocated GiB | measured allocated GiB | ratio | estimated reserved GiB "
-          "| measured reserved GiB | ratio | estimated peak at | note |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| measured reserved GiB | ratio | estimated peak at | tokens/s | note |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r.config} | {_gib(r.estimated_allocated)} | {_gib(r.measured_allocated)} "
               f"| {_ratio(r.estimated_allocated, r.measured_allocated)} | {_gib(r.estimated_reserved)} "
               f"| {_gib(r.measured_reserved)} | {_ratio(r.estimated_reserved, r.measured_reserved)} "
-              f"| {r.where} | {r.error or ''} |")  # fmt: skip
+              f"| {r.where} | {f'{r.measured_tps:,.0f}' if r.measured_tps else ''} | {r.error or ''} |")  # fmt: skip
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from titan_models import ModelConfigError
 from titan_models.moe import (
+    GroupedExperts,
     MoE,
     MoEArgs,
     expert_load,
@@ -117,6 +118,25 @@ def test_grouped_mm_and_for_loop_give_equal_outputs_and_gradients():
     torch.testing.assert_close(out_g, out_l, atol=1e-5, rtol=1e-5)
     for a, b in zip(grads_g, grads_l, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
+
+
+def test_experts_compute_in_the_autocast_dtype():
+    """Autocast does not cast `torch._grouped_mm`: without the experts' own cast a bf16-autocast run on
+    one GPU fed it float32 and missed the bf16 kernel (qwen3 debugmodel_moe on an H200: 1,817 tokens/s
+    before the cast, 6,928 after; bench/RESULTS.md). Traced on fake tensors: nothing runs in bf16 here."""
+    with torch._subclasses.FakeTensorMode():
+        experts = GroupedExperts(DIM, HIDDEN, num_experts=4)
+        x, counts = torch.randn(11, DIM), torch.tensor([3, 0, 6, 2])
+        assert experts(x, counts).dtype == torch.float32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert experts(x, counts).dtype == torch.bfloat16
+
+
+def test_the_per_expert_loop_traces_on_fake_tensors():
+    """A dry run traces on fake tensors, where the loop cannot read its per-expert sizes."""
+    with torch._subclasses.FakeTensorMode():
+        experts = GroupedExperts(DIM, HIDDEN, num_experts=4, use_grouped_mm=False)
+        assert experts(torch.randn(11, DIM), torch.tensor([3, 0, 6, 2])).shape == (11, DIM)
 
 
 def test_padding_rows_past_the_counts_come_out_zero_on_both_paths():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 
@@ -88,6 +89,12 @@ class GroupedExperts(nn.Module):
         # Expert parallelism exchanges a data-dependent number of rows, which DTensor cannot describe:
         # compute on the local experts' plain tensors.
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
-        if self.use_grouped_mm and grouped_mm_applies(x, self.hidden_dim):
+        # Autocast does not cast `torch._grouped_mm`'s operands: cast them as it casts a matmul's, so the
+        # bf16 kernel runs under bf16 autocast (both paths then compute in the same precision).
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        # On fake tensors (a dry run's trace) the loop's per-expert sizes are unknown; the grouped
+        # path allocates the same bytes without reading them.
+        if (self.use_grouped_mm and grouped_mm_applies(x, self.hidden_dim)) or is_fake(x):
             return experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
         return experts_for_loop(w1, w2, w3, x, num_tokens_per_expert)

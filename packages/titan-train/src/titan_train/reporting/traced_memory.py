@@ -21,7 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_parallel import blocks_of, clip_grad_norm_, precompute_float8_scales, training_context
-from titan_parallel.cuda_kernel_memory import use_cuda_kernel_memory
+from titan_parallel.cuda_kernel_memory import cuda_attention_memory, use_cuda_kernel_memory
 from titan_parallel.memory_trace import MemoryTrace, TraceResult
 from titan_parallel.pipeline_replay import ReplayError, can_replay, replaying_microbatches
 from titan_train.plan import RunPlan, counting_args
@@ -92,11 +92,13 @@ def trace_step(
     )
     parts, pipeline, args = built.parts, built.pipeline, built.args
     mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-    with mode:
+    # Fake tensors live on the CPU: ops keep what CUDA kernels keep (use_cuda_kernel_memory below too).
+    kernels = cuda_attention_memory() if fake and target_device == "cuda" else contextlib.nullcontext()
+    with mode, kernels:
         if fake:  # meta -> fake; a fake model is built on meta first: deep copies of fake tensors lose their views' storage
             for part in parts:
                 part.to_empty(device=device)
-                if target_device == "cuda":  # fake tensors live on the CPU: ops keep what CUDA kernels keep
+                if target_device == "cuda":
                     use_cuda_kernel_memory(part)
         if pipeline is not None and dist.get_backend() == "fake":
             _declare_stage_shapes(pipeline, plan, args)
