@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import shutil
 from collections.abc import Callable
@@ -24,10 +25,12 @@ import pytest
 import torch
 from field_probes import Seen, launch, worker_counts
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_train.config import JobConfig
 from titan_train.config.fields import iter_fields
+from titan_train.faults import numerics as numerics_module
 
 ASSETS = Path(__file__).parents[2] / "titan-data" / "src" / "titan_data" / "assets"
 BASE = (
@@ -79,6 +82,36 @@ def options(name: str) -> Callable[[Seen], Any]:
 
 def degrees(s: Seen) -> Any:
     return s.outcome or s.trainer.dims.degrees
+
+
+def tensor_split(s: Seen) -> Any:
+    """The degrees, and how the first block's query projection is held: tp shards its rows."""
+    if s.outcome:
+        return s.outcome
+    weight = s.trainer.model_parts[0].layers["0"].attention.wq.weight
+    held = (
+        (str(weight.placements), tuple(weight.to_local().shape)) if isinstance(weight, DTensor) else "plain"
+    )
+    return s.trainer.dims.degrees, held
+
+
+def spike_reported(losses: list[float]) -> Callable[[Seen], Any]:
+    """Whether the run's loss-spike monitor reports the last of `losses` after the others."""
+
+    def observe(s: Seen) -> Any:
+        numerics = s.trainer.guard.numerics
+        reports: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = reports.append
+        logging.getLogger(numerics_module.__name__).addHandler(handler)
+        try:
+            for step, loss in enumerate(losses, start=1000):
+                numerics.observe(step, loss)
+        finally:
+            logging.getLogger(numerics_module.__name__).removeHandler(handler)
+        return [r.getMessage() for r in reports]
+
+    return observe
 
 
 def group(key: str) -> Callable[[Seen], Any]:
@@ -500,7 +533,7 @@ PROBES: dict[str, Probe] = {
         ("--parallelism.fsdp_reshard_after_forward", "never"), fsdp_state, world=2
     ),
     "parallelism.tensor_parallel_degree": Probe(
-        ("--parallelism.tensor_parallel_degree", "2"), degrees, world=4
+        ("--parallelism.tensor_parallel_degree", "2"), tensor_split, world=4
     ),
     "parallelism.disable_loss_parallel": Probe(
         ("--parallelism.disable_loss_parallel",),
@@ -894,12 +927,11 @@ PROBES: dict[str, Probe] = {
         base=(*DRILL, "--health.on_nonfinite", "skip"),
         train=True,
     ),
+    # Default ratio 2 over 20 steps: a 1.5x loss after 20 steps of 1.0, and a 2.5x one after 3 steps.
     "health.loss_spike_ratio": Probe(
-        ("--health.loss_spike_ratio", "1.01"), lambda s: s.trainer.guard.numerics.spike_ratio
+        ("--health.loss_spike_ratio", "1.01"), spike_reported([1.0] * 20 + [1.5])
     ),
-    "health.loss_spike_window": Probe(
-        ("--health.loss_spike_window", "3"), lambda s: s.trainer.guard.numerics.recent.maxlen
-    ),
+    "health.loss_spike_window": Probe(("--health.loss_spike_window", "3"), spike_reported([1.0] * 3 + [2.5])),
     "health.preemption_signals": Probe(("--health.preemption_signals", "SIGUSR2"), preemption_signals),
     "health.drill": Probe(
         ("--health.drill", "nan"),
