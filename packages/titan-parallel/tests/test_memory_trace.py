@@ -32,8 +32,11 @@ def test_traced_peak_is_the_live_bytes_and_fake_tensors_trace_the_same():
     peak, breakdown = _trace(fake=False)
     params = (64 * 256 + 256 * 64) * 4
     assert breakdown["parameters"] == params
-    # At the peak: weights, the saved activations (x is tracked by nobody: not counted), gradients so far.
-    assert peak > params and peak < params * 3
+    # Counted from the shapes (x is tracked by nobody: not counted). The peak is in ReLU's backward: the
+    # weights, W2's gradient, the [32, 256] ReLU output it saved, the gradient arriving at it and the one
+    # it produces, and the scalar loss with its seed gradient (4 bytes each).
+    hidden = 32 * 256 * 4
+    assert peak == params + 256 * 64 * 4 + 3 * hidden + 2 * 4
     assert _trace(fake=True) == (peak, breakdown)
 
 
@@ -76,16 +79,29 @@ def _random_sequence(seed: int, events: int = 2000) -> tuple[list[tuple[int, int
     return sequence, {key: key % 2 for key, _ in sequence}
 
 
-@pytest.mark.parametrize(
-    "expandable,capacity,reserved_mib",
-    [(False, None, 3020), (True, None, 2912), (False, 2048, 2750), (True, 2048, 2912)],
-)
-def test_allocator_replay_of_a_long_random_sequence_keeps_its_peaks(expandable, capacity, reserved_mib):
-    """The peaks the first version of the model (which scanned every block for the best fit) gave on the same
-    sequence: a search that picks another block than the smallest fitting one, oldest segment and lowest
-    offset first, reserves other amounts."""
+def _peak_of_rounded_live_bytes(sequence: list[tuple[int, int]]) -> int:
+    """The allocated peak counted directly: the most rounded bytes live at once."""
+    live, size_of, peak = 0, {}, 0
+    for key, size in sequence:
+        if size == 0:
+            live -= size_of.pop(key)
+        else:
+            size_of[key] = round_size(size)
+            live += size_of[key]
+            peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("expandable,capacity", [(False, None), (True, None), (False, 2048), (True, 2048)])
+def test_allocator_replay_of_a_long_random_sequence(expandable, capacity):
+    """Allocated is the direct count; reserved holds it in whole 2 MiB pages, and a device too small for
+    what was cached (2048 MiB) makes the replay release cached segments, so it reserves no more than
+    without the limit. (How close reserved is to CUDA's own:
+    packages/titan-train/tests/test_memory_against_gpu.py, against an H200's measurements.)"""
     sequence, streams = _random_sequence(0)
     cap = capacity and capacity * MIB
     peaks = replay(sequence, streams, expandable_segments=expandable, capacity=cap)
-    assert peaks.allocated == 2599249920
-    assert peaks.reserved == reserved_mib * MIB
+    assert peaks.allocated == _peak_of_rounded_live_bytes(sequence)
+    assert peaks.allocated <= peaks.reserved and peaks.reserved % (2 * MIB) == 0
+    if cap:
+        assert peaks.reserved <= replay(sequence, streams, expandable_segments=expandable).reserved
