@@ -51,14 +51,6 @@ def test_dry_run_of_the_70b_config_for_256_gpus_through_run_train_sh():
 
 
 @pytest.mark.slow
-def test_dry_run_of_the_8b_config_for_64_gpus_through_run_train_sh():
-    out = _dry_run("apps/configs/llama3_8b.toml", 64)
-    assert "llama3 8B on 64 ranks" in out and "mesh: (dp_shard=64)" in out
-    for row in ("memory per rank, traced", "peak allocated", "expected peak reserved", "headroom on H100"):
-        assert row in out
-
-
-@pytest.mark.slow
 def test_a_layout_error_under_run_train_sh_is_one_line_and_exit_status_2_before_torchrun():
     env = {**os.environ, "NGPU": "2", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     result = subprocess.run(
