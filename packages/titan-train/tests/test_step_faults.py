@@ -153,10 +153,17 @@ def test_step_guard_stops_after_a_recorded_signal_but_not_on_the_last_step():
 def test_step_guard_skips_a_nan_drill_step_and_names_the_parameter_gradients_are_checked_on():
     weight = nn.Parameter(torch.ones(2))
     health = Health(on_nonfinite="skip", drill="nan", drill_step=2)
-    guard = StepGuard(health, rank=0, world_size=1, device=torch.device("cpu"),
-                      named_parameters=lambda: [("w", weight)])  # fmt: skip
+    part = nn.Module()
+    part.w = weight
+    drills = FaultDrills(health, rank=0, world_size=1)
+    loss_fn = drills.loss_with_drill(
+        lambda w: (w * 3).sum()
+    )  # wrapped before the guard exists, as in training
+    guard = StepGuard(
+        health, rank=0, world_size=1, device=torch.device("cpu"), drills=drills, watched_parts=[part]
+    )
     guard.begin_step(2)
-    loss = guard.drilled(lambda w: (w * 3).sum())(weight)
+    loss = loss_fn(weight)
     loss.backward()
     assert not guard.update_allowed(2, loss.detach(), weight.grad.norm())
     assert guard.numerics.skipped_steps == [2]

@@ -19,6 +19,7 @@ from titan_parallel import clip_grad_norm_, precompute_float8_scales, training_c
 from titan_train.config import config_to_dict
 from titan_train.distributed import DistInfo
 from titan_train.faults.data_outage import StepBatches, stop_on_data_outage
+from titan_train.faults.drills import FaultDrills
 from titan_train.faults.step_guard import AgreedNumbers, StepGuard, StepNumbers
 from titan_train.plan import RunPlan
 from titan_train.reporting.device_peaks import peak_flops
@@ -96,14 +97,15 @@ class Trainer:
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.loader = build_loader(config, self.tokenizer, dp_rank, dp_degree)
         self.closing.callback(self.loader.close)
-        self.guard = StepGuard(
-            config.health, rank=info.rank, world_size=info.world_size, device=self.device,
-            named_parameters=lambda: (named for part in self.model_parts for named in part.named_parameters()),
-        )  # fmt: skip
+        drills = FaultDrills(config.health, rank=info.rank, world_size=info.world_size)
         built = build_model(
-            plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed, drill=self.guard.drilled
+            plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed, drill=drills.loss_with_drill
         )
         self.model_parts, self.pipeline, self.parallel_options = built.parts, built.pipeline, plan.options
+        self.guard = StepGuard(
+            config.health, rank=info.rank, world_size=info.world_size, device=self.device, drills=drills,
+            watched_parts=self.model_parts,
+        )  # fmt: skip
         self.float8_scales_each_step = (
             plan.options.float8_fsdp_all_gather
             and config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp

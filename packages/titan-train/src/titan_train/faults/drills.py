@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ class FaultDrills:
             )
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.armed = rank == health.drill_rank and (first_attempt or self.kind == "nan")
+        self.current_step = 0
         if self.armed:
             logger.warning("fault drill armed: %s on rank %d at step %d", self.kind, rank, self.step)
 
@@ -58,8 +60,20 @@ class FaultDrills:
             return loss * float("nan")
         return loss
 
+    def loss_with_drill(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """`loss_fn`, or where a nan drill is armed on this rank, `loss_fn` whose loss is NaN at the drill's
+        step (the step `before_step` last began)."""
+        if not self.poisons_loss:
+            return loss_fn
+
+        def poisoned(*args: Any) -> torch.Tensor:
+            return self.poison_loss(self.current_step, loss_fn(*args))
+
+        return poisoned
+
     def before_step(self, step: int, signalled: Callable[[], bool] = lambda: False) -> None:
-        """Run a hang or stall drill; `signalled()` tells whether a preemption signal has come."""
+        """Begin `step`: run a hang or stall drill; `signalled()` tells whether a preemption signal has come."""
+        self.current_step = step
         if self.armed and self.kind == "hang" and step == self.step:
             logger.warning("fault drill: stopping to respond before step %d", step)
             while True:  # as a rank stuck in a driver call would; only a signal or a kill ends it

@@ -12,7 +12,7 @@ optimizer can skip an update on the device (fused Adam/AdamW: see `PartOptimizer
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +27,6 @@ from titan_train.faults.numerics import NumericsGuard, RankNumbers
 from titan_train.faults.preemption import PreemptionSignals, parse_signals, save_and_stop
 
 logger = logging.getLogger(__name__)
-
-NamedParameters = Callable[[], Iterable[tuple[str, nn.Parameter]]]
 
 
 @dataclass(frozen=True)
@@ -72,8 +70,11 @@ class StepGuard:
         rank: int,
         world_size: int,
         device: torch.device,
-        named_parameters: NamedParameters | None = None,
+        drills: FaultDrills | None = None,
+        watched_parts: Sequence[nn.Module] = (),
     ):
+        """`drills`: the run's fault drills (built before the model, whose loss a nan drill wraps);
+        `watched_parts`: the model parts whose gradients a non-finite step names."""
         self.rank, self.world_size, self.device = rank, world_size, device
         self.numerics = NumericsGuard(
             on_nonfinite=health.on_nonfinite,
@@ -83,8 +84,8 @@ class StepGuard:
             report=rank == 0,
         )
         self.signals = PreemptionSignals(parse_signals(health.preemption_signals))
-        self.drills = FaultDrills(health, rank=rank, world_size=world_size)
-        self.named_parameters = named_parameters
+        self.drills = drills if drills is not None else FaultDrills(health, rank=rank, world_size=world_size)
+        self.watched_parts = watched_parts
         self.stop_signal: int | None = None  # agreed by every rank
         self.step = 0  # the step in progress, or the last one finished
         self.phase = "starting"
@@ -111,16 +112,6 @@ class StepGuard:
     def begin_step(self, step: int) -> None:
         self.step, self.phase = step, "forward/backward"
         self.drills.before_step(step, signalled=lambda: self.signals.received is not None)
-
-    def drilled(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """`loss_fn`, or where a nan drill is armed on this rank, `loss_fn` returning NaN at the drill's step."""
-        if not self.drills.poisons_loss:
-            return loss_fn
-
-        def poisoned(*args: Any) -> torch.Tensor:
-            return self.drills.poison_loss(self.step, loss_fn(*args))
-
-        return poisoned
 
     def update_allowed(
         self, step: int, loss: torch.Tensor | None, grad_norm: torch.Tensor, *, has_loss: bool = True
@@ -206,7 +197,7 @@ class StepGuard:
         mine = RankNumbers(
             self.rank,
             None if loss is None else float(loss.detach().float().item()),
-            _first_bad_gradient(self.named_parameters() if self.named_parameters else ()),
+            _first_bad_gradient(named for part in self.watched_parts for named in part.named_parameters()),
         )
         if self.world_size == 1 or not dist.is_initialized():
             return [mine]

@@ -56,7 +56,7 @@ def build_model(
     materialised on `device` and initialised: the initial weights are the same for every layout. The
     one builder of a run's model, for training and the memory trace alike. `eos_id` is the tokenizer's
     (documents end there); `drill` wraps the training loss for a `[health] drill = nan` (see
-    `StepGuard.drilled`).
+    `FaultDrills.loss_with_drill`).
 
     A memory trace builds it with fewer blocks (`n_layers`), and without `materialize` leaves it on
     the meta device, to be moved onto fake tensors under torch's `FakeTensorMode`."""
