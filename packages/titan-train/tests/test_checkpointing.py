@@ -13,7 +13,7 @@ from titan_train.config.run_checks import check_checkpoint_config
 from titan_train.errors import ConfigError
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
-from titan_train.wiring.checkpointing import build_checkpointer, restore_run
+from titan_train.wiring.checkpointing import build_checkpointer
 from titan_train.wiring.lr_schedule import lr_factor
 
 
@@ -133,7 +133,7 @@ def test_a_finished_run_started_with_more_steps_continues_from_its_full_last_sav
         resolve(small_config(tmp_path, *flags, "--training.steps", "12"), one_rank.world_size, "cpu"),
         one_rank,
     )
-    restore_run(extended.checkpointer, extended.config, extended.state, extended._use_num_streams)
+    assert not extended.restore()
     assert extended.state.step == 6 and extended.loader.state_dict() == data_position
     optimizer = extended.optimizers.optimizers[0]
     params = {name: p for name, p in extended.model_parts[0].named_parameters()}

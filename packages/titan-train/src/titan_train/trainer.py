@@ -27,7 +27,12 @@ from titan_train.reporting.memory_estimate import log_estimate_in_child
 from titan_train.reporting.metrics import MetricsLogger, StepMetrics, device_memory
 from titan_train.reporting.profiling import MemorySnapshots, maybe_profile
 from titan_train.train_state import TrainState
-from titan_train.wiring.checkpointing import build_checkpointer, restore_run
+from titan_train.wiring.checkpointing import (
+    build_checkpointer,
+    find_checkpoint,
+    load_found,
+    write_seed_checkpoint,
+)
 from titan_train.wiring.data import build_loader, build_tokenizer_for, build_validation_loader
 from titan_train.wiring.gc_schedule import GarbageCollection
 from titan_train.wiring.host_memory import keep_freed_host_memory
@@ -178,12 +183,24 @@ class Trainer:
                 steps=v.steps,
             )
 
-    def _use_num_streams(self, num_streams: int):
-        """The data loader rebuilt with `num_streams` (those of the checkpoint being resumed)."""
-        self.config.training.dataloader.num_streams = num_streams
-        self.loader = build_loader(self.config, self.tokenizer, self.dp_rank, self.dp_degree)
-        self.closing.callback(self.loader.close)
-        return self.loader
+    def restore(self) -> bool:
+        """At the start of training: resume or start from what the checkpointer finds (adopting the number
+        of data streams a resumed position was saved with), or write the seed checkpoint and return True
+        (the run stops there)."""
+        self.state.training_steps = self.config.training.steps
+        if self.checkpointer is None:
+            return False
+        if self.config.checkpoint.create_seed_checkpoint:
+            write_seed_checkpoint(self.checkpointer)
+            return True
+        found = find_checkpoint(self.checkpointer, self.config)
+        if found.saved_streams is not None:
+            self.config.training.dataloader.num_streams = found.saved_streams
+            self.loader = build_loader(self.config, self.tokenizer, self.dp_rank, self.dp_degree)
+            self.closing.callback(self.loader.close)
+            self.checkpointer.states["dataloader"] = self.loader
+        load_found(self.checkpointer, found, self.state, self.config.training.steps)
+        return False
 
     def _write_config(self, dump: Path) -> None:
         resolved = json.dumps(config_to_dict(self.config), indent=2)
@@ -300,7 +317,7 @@ class Trainer:
         the peer watch of a run started from the command line.
         """
         with self.closing as closing:
-            if restore_run(self.checkpointer, self.config, self.state, self._use_num_streams):
+            if self.restore():
                 return []
             c, rank, dump = self.config, self.info.rank, Path(self.config.job.dump_folder)
             # Remote data on several ranks: a step's batches are taken before its collectives, and the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,56 +94,63 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
     )
 
 
-def restore_run(
-    checkpointer: Checkpointer | None,
-    config: JobConfig,
-    state: TrainState,
-    use_num_streams: Callable[[int], Any],
-) -> bool:
-    """At the start of training: restore the run, or write the seed checkpoint and return True (stop).
+@dataclass(frozen=True)
+class FoundCheckpoint:
+    """What a run found to start from, before anything is loaded: the checkpointer's load plan, and the
+    number of data streams its data position was saved with where that differs from this run's loader
+    and `training.dataloader.num_streams` is unset (None otherwise). The trainer decides what to do
+    with it (a loader with the saved number of streams), then calls `load_found`."""
 
-    `use_num_streams(n)` rebuilds the run's data loader with n streams and returns it; it is called
-    when the checkpoint to resume was saved with another number of streams than this run's default.
-    """
-    state.training_steps = config.training.steps
-    if checkpointer is None:
-        return False
-    if config.checkpoint.create_seed_checkpoint:
-        checkpointer.save(0, model_only=True, wait=True)
-        logger.info("checkpoint: seed checkpoint written to %s; exiting", checkpointer.step_folder(0))
-        return True
-    plan = _adopt_saved_streams(checkpointer, config, checkpointer.plan_load(), use_num_streams)
-    result = checkpointer.load(plan)
+    plan: LoadResult
+    saved_streams: int | None = None
+
+
+def write_seed_checkpoint(checkpointer: Checkpointer) -> None:
+    """`checkpoint.create_seed_checkpoint`: the initial weights as step 0, then the run stops."""
+    checkpointer.save(0, model_only=True, wait=True)
+    logger.info("checkpoint: seed checkpoint written to %s; exiting", checkpointer.step_folder(0))
+
+
+def find_checkpoint(checkpointer: Checkpointer, config: JobConfig) -> FoundCheckpoint:
+    """What the run would resume or start from, as found on disk; nothing is loaded or changed."""
+    plan = checkpointer.plan_load()
+    saved = _saved_streams(checkpointer, config, plan)
+    if saved is None:
+        return FoundCheckpoint(plan)
+    default = checkpointer.states["dataloader"].packed.num_streams
+    note = (
+        f"data: {saved} streams, as saved (training.dataloader.num_streams is unset; {default} would be this "
+        f"run's default); set it to {saved} to keep it so"
+    )
+    return FoundCheckpoint(plan.with_note(note), saved)
+
+
+def load_found(checkpointer: Checkpointer, found: FoundCheckpoint, state: TrainState, steps: int) -> None:
+    """Load what `find_checkpoint` found into the checkpointer's states and say where training goes on."""
+    result = checkpointer.load(found.plan)
     if result.kind == "resumed" or (result.kind == "initial" and "train_state" in result.states):
-        _say_where_training_continues(state, config.training.steps)
-    return False
+        _say_where_training_continues(state, steps)
 
 
 _STREAM_KEY = re.compile(r"^dataloader\.stream_(\d+)$")
 
 
-def _adopt_saved_streams(
-    checkpointer: Checkpointer, config: JobConfig, plan: LoadResult, use_num_streams: Callable[[int], Any]
-) -> LoadResult:
-    """With num_streams unset, take the number of streams the checkpoint's data position was saved with."""
+def _saved_streams(checkpointer: Checkpointer, config: JobConfig, plan: LoadResult) -> int | None:
+    """The number of streams a resumed data position was saved with, where num_streams is unset and it
+    differs from this run's loader; else None."""
     if (
         "dataloader" not in plan.states
         or plan.hf
         or plan.path is None
         or config.training.dataloader.num_streams
     ):
-        return plan
+        return None
     streams = [int(m.group(1)) for key in checkpointer.saved_keys(plan.path) if (m := _STREAM_KEY.match(key))]
     loader = checkpointer.states["dataloader"]
     default = getattr(getattr(loader, "packed", None), "num_streams", None)
     if not streams or default is None or max(streams) + 1 == default:
-        return plan
-    saved = max(streams) + 1
-    checkpointer.states["dataloader"] = use_num_streams(saved)
-    return plan.with_note(
-        f"data: {saved} streams, as saved (training.dataloader.num_streams is unset; {default} would be this "
-        f"run's default); set it to {saved} to keep it so"
-    )
+        return None
+    return max(streams) + 1
 
 
 def _say_where_training_continues(state: TrainState, steps: int) -> None:
