@@ -8,6 +8,7 @@ Rank 0 writes per case both runs' losses and gradient norms, the largest weight 
 the run, and facts showing the layout took effect.
 """
 
+import contextlib
 import copy
 import json
 import sys
@@ -102,20 +103,26 @@ def run_layout(degrees: dict, options: ParallelOptions | None = None, n_layers: 
     losses, norms, counts = [], [], []
     # Checkpointing every block (fully or per op) runs each MoE forward twice, so the model counts each
     # token twice (as torchtitan's does); the sign-based bias update is the same either way.
-    every_block = options.ac_mode == "full" or (options.ac_mode == "selective" and options.selective_every is None)
+    every_block = options.ac_mode == "full" or (
+        options.ac_mode == "selective" and options.selective_every is None
+    )
     recount = 2 if every_block else 1
     all_to_all = AllToAllCount()
+    counting = contextlib.nullcontext() if options.compile else all_to_all  # compile refuses a dispatch mode
     for step, tokens in enumerate(data):
         local = tokens.chunk(dp_size)[dp_rank]
         x, y = local[:, :-1].clone(), local[:, 1:].clone()
         ropes = [part.rope for part in parts]
-        with training_context(
-            dims,
-            options,
-            cp_buffers=[x, y, *ropes],
-            cp_seq_dims=[1, 1, *[0] * len(ropes)],
-            cp_no_restore=[x, y],
-        ), all_to_all:
+        with (
+            training_context(
+                dims,
+                options,
+                cp_buffers=[x, y, *ropes],
+                cp_seq_dims=[1, 1, *[0] * len(ropes)],
+                cp_no_restore=[x, y],
+            ),
+            counting,
+        ):
             if pipe is not None:
                 loss = pipe.step(x, y)
             else:
