@@ -40,7 +40,12 @@ def test_supported_settings_pass():
     refuse_unsupported(load_job_config([*RUNNABLE, "--training.global_batch_size", "64"]), "cpu")
     ep = ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"]
     refuse_unsupported(load_job_config([*RUNNABLE, *ep]), "cpu")
-    per_op = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+    per_op = [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ]
     refuse_unsupported(load_job_config([*RUNNABLE, *ep, *per_op]), "cpu")  # per-op checkpointing with ep
 
 
