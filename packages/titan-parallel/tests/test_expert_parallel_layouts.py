@@ -30,8 +30,8 @@ LAYOUTS = {
     "hsdp_ep2": {"w1_mesh_dims": ["dp_replicate", "efsdp", "ep"], "w1_local_shape": [2, 32, 32]},
     "ep2_cp2": {"mesh_sizes": {"ep": 2, "efsdp": 2, "etp": None}, "w1_local_shape": [1, 32, 32]},
     "ep2_pp2": {"mesh_sizes": {"ep": 2, "efsdp": 1, "etp": None}, "w1_local_shape": [2, 32, 32]},
-    "ep2_fsdp4_ac_op": {"mesh_sizes": {"ep": 2, "efsdp": 2, "etp": None}, "w1_local_shape": [1, 32, 32]},
-    # The experts' FSDP unit on one rank (efsdp 1): no all-gather in forward or recompute.
+    # Per-op checkpointing. The experts' FSDP unit is on one rank (efsdp 1), so no all-gather can offset the
+    # extra profiler mark its hooks add in the recompute: the layout where torch's per-op indexing broke.
     "hsdp_ep2_ac_op": {"w1_mesh_dims": ["dp_replicate", "efsdp", "ep"], "w1_local_shape": [2, 32, 32]},
     "ep2_ac_full_compile": {"mesh_sizes": {"ep": 2, "efsdp": 2, "etp": None}, "compiled_router": True},
 }
@@ -75,9 +75,8 @@ def test_expert_parallel_layout_trains_like_one_process(four_ranks, case):
 def test_per_op_checkpointing_keeps_the_all_to_alls_instead_of_rerunning_them(four_ranks):
     # Each MoE forward runs 3 (token counts, dispatch, combine), each backward 2; a recompute that reran
     # the forward's would add 3 per checkpointed MoE layer.
-    counts = {case: four_ranks[case]["facts"]["all_to_all_per_step"] for case in LAYOUTS if "ep2" in case}
-    assert counts["ep2_fsdp4"] == 5
-    assert counts["ep2_fsdp4_ac_op"] == counts["hsdp_ep2_ac_op"] == counts["ep2_fsdp4"], counts
+    counts = {case: four_ranks[case]["facts"]["all_to_all_per_step"] for case in ("hsdp_ep2", "hsdp_ep2_ac_op")}
+    assert counts == {"hsdp_ep2": 5, "hsdp_ep2_ac_op": 5}
 
 
 @pytest.mark.slow

@@ -134,7 +134,14 @@ def _per_op_contexts(recompute_shapes: set[torch.Size]):
         return CheckpointPolicy.MUST_SAVE if op in _KEEP_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
     forward, recompute = create_selective_checkpoint_contexts(policy)
+    if _tracing():  # compile tags the graph's ops instead of indexing them, and wants the modes as they are
+        return forward, recompute
     return _with_hook_ops_uncounted(forward), _with_hook_ops_uncounted(recompute)
+
+
+def _tracing() -> bool:
+    """Whether the block is being traced by compile (AOTAutograd's proxy mode, as torch's checkpoint checks)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
 
 
 # Namespaces of the ops FSDP's hooks run (profiler marks, all-gather copy-in/out, c10d collectives); not
