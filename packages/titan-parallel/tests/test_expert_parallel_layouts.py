@@ -75,7 +75,9 @@ def test_expert_parallel_layout_trains_like_one_process(four_ranks, case):
 def test_per_op_checkpointing_keeps_the_all_to_alls_instead_of_rerunning_them(four_ranks):
     # Each MoE forward runs 3 (token counts, dispatch, combine), each backward 2; a recompute that reran
     # the forward's would add 3 per checkpointed MoE layer.
-    counts = {case: four_ranks[case]["facts"]["all_to_all_per_step"] for case in ("hsdp_ep2", "hsdp_ep2_ac_op")}
+    counts = {
+        case: four_ranks[case]["facts"]["all_to_all_per_step"] for case in ("hsdp_ep2", "hsdp_ep2_ac_op")
+    }
     assert counts == {"hsdp_ep2": 5, "hsdp_ep2_ac_op": 5}
 
 
