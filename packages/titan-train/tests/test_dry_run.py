@@ -96,6 +96,21 @@ def test_expert_parallel_layout_is_named_and_its_memory_traced(caplog):
     assert "rank 0 (pp stage 0): peak allocated" in _logged(caplog)
 
 
+@pytest.mark.slow
+def test_pipeline_expert_parallel_and_fsdp_memory_of_a_block_causal_moe_is_traced_per_stage(caplog):
+    """DeepSeek-V3's layout in small (pp 2 x FSDP 2, ep 2, per-op checkpointing, block-causal flex attention):
+    the second stage, which has no token embedding, is given the batch's document ids and is traced."""
+    flags = ["--job.config_file", "apps/configs/deepseek_v3_debug.toml", "--model.flavor", "debugmodel_flex_attn",
+             "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+             "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
+             "--activation_checkpoint.selective_ac_option", "op", "--training.seq_len", "64",
+             "--training.local_batch_size", "2"]  # fmt: skip
+    report = dry_run(load_job_config(flags), 4)
+    assert report.mesh.startswith("(pp=2, dp_shard=2)") and "experts: ep=2, etp=1, efsdp=1" in report.mesh
+    assert [(r.rank, r.pp_rank) for r in report.memory.ranks] == [(0, 0), (2, 1)]
+    assert "rank 2 (pp stage 1): peak allocated" in _logged(caplog)
+
+
 def test_a_pipeline_traced_whole_has_the_stages_the_model_has():
     """The debug model's 6 blocks on 4 pipeline stages are 1, 2, 2 and 1 blocks (the embedding and the head
     count as one each): the first stage's trace holds the embedding and one block, as training will, not

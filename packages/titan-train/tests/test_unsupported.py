@@ -28,17 +28,6 @@ RUNNABLE = ("--activation_checkpoint.mode", "none")
             ["--parallelism.no_pipeline_parallel_expert_parallel_overlap"],
             "pipeline_parallel_expert_parallel_overlap = false: it acts only under the DualPipeV schedule",
         ),
-        (
-            [
-                "--parallelism.expert_parallel_degree",
-                "2",
-                "--activation_checkpoint.mode",
-                "selective",
-                "--activation_checkpoint.selective_ac_option",
-                "op",
-            ],
-            "selective_ac_option = 'op' with parallelism.expert_parallel_degree 2",
-        ),
         (["--profiling.enable_memory_snapshot"], "memory snapshots record the CUDA caching allocator"),
     ],
 )
@@ -51,6 +40,13 @@ def test_supported_settings_pass():
     refuse_unsupported(load_job_config([*RUNNABLE, "--training.global_batch_size", "64"]), "cpu")
     ep = ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"]
     refuse_unsupported(load_job_config([*RUNNABLE, *ep]), "cpu")
+    per_op = [
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ]
+    refuse_unsupported(load_job_config([*RUNNABLE, *ep, *per_op]), "cpu")  # per-op checkpointing with ep
 
 
 def test_wandb_without_the_package_says_how_to_install_it(monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives  # noqa: F401  (registers the all-to-all ops named below)
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titan_parallel.errors import ParallelConfigError
@@ -131,4 +133,43 @@ def _per_op_contexts(recompute_shapes: set[torch.Size]):
             return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in _KEEP_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    if _tracing():  # compile tags the graph's ops instead of indexing them, and wants the modes as they are
+        return forward, recompute
+    return _with_hook_ops_uncounted(forward), _with_hook_ops_uncounted(recompute)
+
+
+def _tracing() -> bool:
+    """Whether the block is being traced by compile (AOTAutograd's proxy mode, as torch's checkpoint checks)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
+# Namespaces of the ops FSDP's hooks run (profiler marks, all-gather copy-in/out, c10d collectives); not
+# `_c10d_functional`, whose all-to-alls the policy keeps.
+_HOOK_OP_NAMESPACES = frozenset({"profiler", "fsdp", "c10d"})
+
+
+@contextlib.contextmanager
+def _with_hook_ops_uncounted(sac_mode: TorchDispatchMode):
+    """`sac_mode`, with the ops of FSDP hooks that fire inside the block run past it.
+
+    torch's selective checkpointing indexes every op of the forward and looks each up again, by op and
+    index, in the recompute. An expert-parallel experts module is an FSDP unit of its own inside the
+    block, and its hooks run a different op sequence in the recompute: there it finds no forward root
+    and claims it (one more `FSDP::root_pre_forward` profiler mark), and it finds its weights already
+    all-gathered by the backward prefetch (no all-gather ops). Those ops hold no activation, so they
+    bypass the checkpoint's bookkeeping and the indices of the ops that do stay aligned.
+    """
+    with sac_mode, _HookOpsPastCheckpoint():
+        yield
+
+
+class _HookOpsPastCheckpoint(TorchDispatchMode):
+    """Entered right above a selective-checkpoint mode: FSDP hook ops skip it, all others go to it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "namespace", None) in _HOOK_OP_NAMESPACES:
+            with _pop_mode_temporarily():  # the checkpoint's mode, right below this one
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)

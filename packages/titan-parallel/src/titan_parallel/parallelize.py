@@ -61,13 +61,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
         apply_tp(model, tp_mesh, plan, async_tp=options.async_tp, compile_enabled=options.compile)
     experts = apply_expert_parallel(model, dims)
     expert_units = experts if dims.ep > 1 else {}
-    if expert_units and options.ac_mode == "selective" and options.selective_every is None:
-        # torch's per-op checkpointing matches recomputed ops to saved ones by count; the experts' own
-        # FSDP hooks inside the block run a different number of ops when recomputed, so it fails.
-        raise ParallelConfigError(
-            f"parallelism: per-op selective activation checkpointing with expert_parallel_degree({dims.ep}) is "
-            "not supported yet; use ac_mode='full' or ac_selective=N (every N-th block)"
-        )
     apply_ac(
         model, blocks, mode=options.ac_mode, selective=options.ac_selective,
         force_recompute_mm_fqns=options.ac_force_recompute_mm_fqns,

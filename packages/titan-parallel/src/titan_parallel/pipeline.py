@@ -54,17 +54,23 @@ class Pipeline:
     def has_last_stage(self) -> bool:
         return any(s.is_last for s in self.stages)
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, **stage_inputs: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one batch; returns its mean loss on every pipeline rank.
+
+        `stage_inputs` (batch-first tensors, such as the document ids a block-causal mask needs) go to
+        every stage's forward as keyword arguments, split into microbatches like `inputs`: a stage
+        without the first one's inputs cannot derive them from the hidden state it receives.
 
         The loss is the mean of the last stage's microbatch losses, broadcast from that stage's rank,
         so what a trainer logs on any rank is the real loss. Run it inside `loss_parallel_ctx` /
         `context_parallel_ctx` when those are enabled, as for a non-pipelined step.
         """
-        return self._run(self.schedule.step, inputs, labels, "train", return_outputs=False)
+        return self._run(self.schedule.step, inputs, labels, "train", return_outputs=False, **stage_inputs)
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def evaluate(
+        self, inputs: torch.Tensor, labels: torch.Tensor, **stage_inputs: torch.Tensor
+    ) -> torch.Tensor:
         """The mean loss of one batch through the schedule's forward-only path, on every pipeline rank.
 
         Computed with `build_pipeline`'s `eval_loss_fn`: the loss of this batch, as one process computes it.
@@ -72,7 +78,7 @@ class Pipeline:
         for part in self.model_parts:
             part.eval()
         try:
-            return self._run(self.schedule.eval, inputs, labels, "eval")
+            return self._run(self.schedule.eval, inputs, labels, "eval", **stage_inputs)
         finally:
             for part in self.model_parts:
                 part.train()

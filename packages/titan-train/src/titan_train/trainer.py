@@ -41,6 +41,7 @@ from titan_train.wiring.moe import MoEBalancing, MoEStepStats
 from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
 from titan_train.wiring.precision import forward_context
+from titan_train.wiring.stage_inputs import stage_inputs
 from titan_train.wiring.validation import Validator
 
 logger = logging.getLogger(__name__)
@@ -291,7 +292,7 @@ class Trainer:
         """Mean loss of one validation batch, forward only, through the same layout as training."""
         with self._layout_context(inputs, labels):
             if self.pipeline is not None:
-                return self.pipeline.evaluate(inputs, labels)
+                return self.pipeline.evaluate(inputs, labels, **stage_inputs(self.model_parts, inputs))
             with self.forward_context():
                 loss = self.loss_fn(self.model_parts[0](inputs), labels)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -301,7 +302,7 @@ class Trainer:
         scaled for gradient accumulation (see `micro_batch_loss`)."""
         with self._layout_context(inputs, labels):
             if self.pipeline is not None:
-                return self.pipeline.step(inputs, labels).detach()
+                return self.pipeline.step(inputs, labels, **stage_inputs(self.model_parts, inputs)).detach()
             with self.forward_context():
                 loss = self.train_loss_fn(self.model_parts[0](inputs), labels)
             loss.backward()

@@ -63,20 +63,6 @@ _RULES = (
         "leave it at its default",
     ),
     _Rule(
-        lambda c: (
-            c.parallelism.expert_parallel_degree > 1
-            and c.activation_checkpoint.mode == "selective"
-            and c.activation_checkpoint.selective_ac_option == "op"
-        ),
-        lambda c: (
-            "activation_checkpoint.selective_ac_option = 'op' with parallelism.expert_parallel_degree "
-            f"{c.parallelism.expert_parallel_degree}"
-        ),
-        "per-op checkpointing matches recomputed ops to saved ones by count, and the experts' own FSDP hooks "
-        "inside each block run a different number of ops when recomputed",
-        "use activation_checkpoint.mode = 'full' or selective_ac_option = N (every N-th block)",
-    ),
-    _Rule(
         lambda c: c.fault_tolerance.enable,
         lambda c: "fault_tolerance.enable = true",
         "torchft fault tolerance is not supported by Titan",

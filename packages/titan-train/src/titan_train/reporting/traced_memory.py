@@ -28,6 +28,7 @@ from titan_train.plan import RunPlan, counting_args
 from titan_train.wiring.model import build_model
 from titan_train.wiring.optimizers import build_optimizer
 from titan_train.wiring.precision import autocast_dtype
+from titan_train.wiring.stage_inputs import stage_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ def _one_step(plan, built, optimizers, trace, inputs, labels) -> None:
         buffers = [inputs, labels, *(buffer for part in parts for buffer, _ in part.sequence_buffers())]
         with training_context(dims, plan.options, cp_buffers=buffers, cp_seq_dims=[1, 1, *[0] * len(parts)]):
             if pipeline is not None:
-                pipeline.step(inputs, labels)
+                pipeline.step(inputs, labels, **stage_inputs(parts, inputs))
             else:
                 with autocast():
                     loss = loss_fn(parts[0](inputs), labels)

@@ -1,0 +1,20 @@
+"""What every pipeline stage needs besides the hidden state it receives: the packed documents' ids.
+
+A block-causal model derives its mask from the token ids, which only the first stage holds; the
+other stages are given the ids from the same batch (as torchtitan hands every stage its masks).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from titan_models import document_ids
+
+
+def stage_inputs(parts: list[nn.Module], inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Keyword inputs for every stage's forward: `doc_ids` for a block-causal model, else none."""
+    args = getattr(parts[0], "args", None)
+    if getattr(args, "attn_mask_type", None) != "block_causal":
+        return {}
+    return {"doc_ids": document_ids(inputs, args.eos_id)}
