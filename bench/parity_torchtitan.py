@@ -67,6 +67,15 @@ def ensure_torchtitan_env() -> str:
     return str(python)
 
 
+def torchtitan_env_versions(python: str) -> tuple[str, str]:
+    """(torchtitan, torch) versions installed in the environment of `python`."""
+    versions = subprocess.run(
+        [python, "-c", "import torch, torchtitan; print(torchtitan.__version__, torch.__version__)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    return versions[0], versions[1]
+
+
 # torch and titan_train are imported where they are used: the pure helpers below are unit-tested
 # (tests/test_bench_parity_helpers.py) without paying for torch's import.
 def _torch_version() -> str:
@@ -205,10 +214,7 @@ def main() -> None:
     args = parser.parse_args()
 
     python = ensure_torchtitan_env()
-    version = subprocess.run(
-        [python, "-c", "import torch, torchtitan; print(torchtitan.__version__, torch.__version__)"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
+    version = torchtitan_env_versions(python)
     work = Path(tempfile.mkdtemp(prefix="parity-"))
     write_corpora(work)
     seed_flags = [

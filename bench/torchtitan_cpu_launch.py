@@ -6,7 +6,8 @@ imports this file. torchtitan's arguments pass through untouched:
     torchrun --nproc_per_node 2 bench/torchtitan_cpu_launch.py --model.flavor debugmodel ...
 
 torchtitan 0.2.2 assumes an accelerator in a few places. Each shim below is one such place, patched at
-run time before torchtitan is imported (the package itself is never edited); none changes what is
+run time, in order, before torchtitan's trainer is imported (the package itself is never edited; a shim
+that patches a torchtitan module imports it after the device shim has run); none changes what is
 computed, only where it runs or how it is reported, except `shim_grad_norm_float64`, which makes
 torchtitan's CPU gradient norm as exact as Titan's (see its docstring). With `PARITY_RECORDS` set, rank 0 appends one JSON
 line per logged step (step, loss, grad_norm, lr) to that file: torchtitan's console line rounds loss
@@ -73,6 +74,35 @@ def shim_barrier_device_ids() -> None:
     dist.barrier = cpu_barrier
 
 
+def shim_histc_integer_counts() -> None:
+    """torchtitan's MoE router counts tokens per expert with `torch.histc` on integer expert indices,
+    which torch implements only for floating tensors on CPU: count a float copy (exact for indices far
+    below 2**24) and return the counts in the input's integer dtype, as CUDA's histc does."""
+    histc = torch.histc
+
+    def histc_of_integers(input, *args, **kwargs):
+        if input.is_floating_point():
+            return histc(input, *args, **kwargs)
+        return histc(input.float(), *args, **kwargs).to(input.dtype)
+
+    torch.histc = histc_of_integers
+
+
+def shim_moe_permute_indices_on_cpu() -> None:
+    """torchtitan's grouped-matmul experts (qwen3 keeps them on; deepseek_v3 turns them off without
+    sm90) pad each expert's tokens with `generate_permute_indices`, whose default is a Triton kernel
+    with no CPU driver: pass its own `use_cpu=True` implementation when the counts live on the CPU."""
+    from torchtitan.models.moe import utils
+
+    generate = utils.generate_permute_indices
+
+    def generate_on_cpu(tokens_per_expert_group, *args, use_cpu=False, **kwargs):
+        use_cpu = use_cpu or tokens_per_expert_group.device.type == "cpu"
+        return generate(tokens_per_expert_group, *args, use_cpu=use_cpu, **kwargs)
+
+    utils.generate_permute_indices = generate_on_cpu
+
+
 def shim_grad_norm_float64() -> None:
     """On CPU, torch's float32 vector norm accumulates in float32: for the debug model's gradient it is
     off by about 1e-4 relative (measured here), which moves torchtitan's logged grad_norm and its clip
@@ -112,6 +142,8 @@ SHIMS = (
     shim_cpu_memory_queries,
     shim_fsdp_sum_reduction,
     shim_barrier_device_ids,
+    shim_histc_integer_counts,
+    shim_moe_permute_indices_on_cpu,
     shim_grad_norm_float64,
 )
 

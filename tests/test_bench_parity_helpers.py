@@ -40,6 +40,8 @@ def test_the_printed_shims_are_the_launchers_shim_functions_with_their_first_sen
         "shim_cpu_memory_queries",
         "shim_fsdp_sum_reduction",
         "shim_barrier_device_ids",
+        "shim_histc_integer_counts",
+        "shim_moe_permute_indices_on_cpu",
         "shim_grad_norm_float64",
     ]
     assert shims["shim_barrier_device_ids"].startswith("torchtitan calls `barrier(device_ids=")

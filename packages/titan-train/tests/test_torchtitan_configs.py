@@ -7,6 +7,7 @@ import pytest
 
 from titan_train.config import load_job_config
 from titan_train.errors import ConfigError
+from titan_train.plan import resolve
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -142,3 +143,25 @@ def test_a_typo_gets_the_did_you_mean_error(tmp_path, toml, message):
     path.write_text(toml)
     with pytest.raises(ConfigError, match=message):
         load_job_config(["--job.config_file", str(path)])
+
+
+# Parameters of torchtitan 0.2.2's own models for these flavors (its model classes built on the meta device).
+TORCHTITAN_PARAMETERS = {"debugmodel": 33_014_016, "debugmodel_moe": 315_758_848}
+
+
+@pytest.mark.parametrize(
+    "toml,model,flavor",
+    [
+        ("torchtitan_0.2_deepseek_v3_debug_model.toml", "deepseek_v3", "debugmodel"),
+        ("torchtitan_0.2_qwen3_moe_debug.toml", "qwen3", "debugmodel_moe"),
+    ],
+)
+def test_torchtitan_0_2_moe_debug_configs_load_unchanged_and_resolve(toml, model, flavor, caplog):
+    c = _load(toml)
+    assert _config_warnings(caplog) == []
+    assert (c.model.name, c.model.flavor, c.parallelism.expert_parallel_degree) == (model, flavor, 1)
+    for world_size in (1, 2):
+        plan = resolve(c, world_size, "cpu")
+        assert plan.params.total == TORCHTITAN_PARAMETERS[flavor]
+        assert plan.model_args.max_seq_len == c.training.seq_len
+        assert plan.dims.dp_shard == world_size  # data_parallel_shard_degree = -1 takes every rank
