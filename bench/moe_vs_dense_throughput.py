@@ -9,6 +9,9 @@ The table shows the total and active parameters of both, counted on a meta-devic
 can be checked. Each model trains through titan-train (`titan_train.cli.run`) on the bundled c4_test
 data for the same steps, batch and sequence length; the MoE and dense runs of a family follow each other
 (`--repeats` rounds), and tokens/s is the median of metrics.jsonl's `tps` after `--warmup` steps.
+On a shared machine wall time depends on what else runs, so each step's CPU time (all threads of this
+process, taken at every optimizer step through torch's global step hook) is recorded too: tokens per
+CPU-second is the figure that other jobs disturb least.
 
     uv run python bench/moe_vs_dense_throughput.py --steps 6 --warmup 2 --jsonl out.jsonl
 """
@@ -20,11 +23,13 @@ import json
 import logging
 import statistics
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from titan_models.moe import count_active_parameters
 from titan_train.cli import run
@@ -78,8 +83,16 @@ def _config_flavor(config: str) -> str:
     raise SystemExit(f"{config}.toml names no flavor")
 
 
-def train_tps(config: str, flavor: str, cli: argparse.Namespace, dump: Path) -> list[float]:
-    """Per-step tokens/s of one titan-train run of `config` with `flavor`."""
+_STEP_CPU_TIMES: list[float] = []
+# Every optimizer step of every run: the process's CPU time when it ends.
+register_optimizer_step_post_hook(lambda *_: _STEP_CPU_TIMES.append(time.process_time()))
+
+
+def train_tps(
+    config: str, flavor: str, cli: argparse.Namespace, dump: Path
+) -> tuple[list[float], list[float]]:
+    """Per-step tokens/s and CPU seconds of the steps after warmup of one titan-train run."""
+    _STEP_CPU_TIMES.clear()
     code = run([
         "--job.config_file", str(REPO / "apps" / "configs" / f"{config}.toml"), "--model.flavor", flavor,
         "--training.local_batch_size", str(cli.batch), "--training.seq_len", str(cli.seq_len),
@@ -89,7 +102,11 @@ def train_tps(config: str, flavor: str, cli: argparse.Namespace, dump: Path) -> 
     if code != 0:
         raise SystemExit(f"{config} with flavor {flavor} failed ({code})")
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return [r["tps"] for r in records if r["step"] > cli.warmup]
+    # Step k+1 is the CPU time between the hooks of steps k and k+1 (step 1 has no start mark).
+    cpu = [b - a for a, b in zip(_STEP_CPU_TIMES, _STEP_CPU_TIMES[1:], strict=False)][
+        max(cli.warmup - 1, 0) :
+    ]
+    return [r["tps"] for r in records if r["step"] > cli.warmup], cpu
 
 
 def main() -> None:
@@ -113,7 +130,7 @@ def main() -> None:
         rows[family] = {
             "flavor": flavor, "dense_ffn_width": _active_ffn_width(family, moe),
             "moe_params": parameter_counts(family, moe), "dense_params": parameter_counts(family, dense),
-            "moe_tps": [], "dense_tps": [],
+            "moe_tps": [], "dense_tps": [], "moe_cpu_s": [], "dense_cpu_s": [],
         }  # fmt: skip
     records = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,32 +138,36 @@ def main() -> None:
             for family in families:
                 row = rows[family]
                 for kind, flavor in (("moe", row["flavor"]), ("dense", f"{row['flavor']}_dense")):
-                    tps = train_tps(CONFIGS[family], flavor, cli, Path(tmp) / f"{family}-{kind}-{round_}")
+                    tps, cpu = train_tps(
+                        CONFIGS[family], flavor, cli, Path(tmp) / f"{family}-{kind}-{round_}"
+                    )
                     row[f"{kind}_tps"] += tps
+                    row[f"{kind}_cpu_s"] += cpu
                     total, active = row[f"{kind}_params"]
                     records.append({
                         "family": family, "flavor": flavor, "kind": kind, "round": round_, "steps": cli.steps,
-                        "warmup": cli.warmup, "batch": cli.batch, "seq_len": cli.seq_len, "tps": tps,
+                        "warmup": cli.warmup, "batch": cli.batch, "seq_len": cli.seq_len, "tps": tps, "step_cpu_s": cpu,
                         "total_params": total, "active_params": active,
                     })  # fmt: skip
     if cli.jsonl:
         cli.jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
-    print(f"CPU, batch {cli.batch} x seq {cli.seq_len}, {cli.steps} steps (median tps of steps > {cli.warmup}), "
+    tokens = cli.batch * cli.seq_len
+    print(f"CPU, batch {cli.batch} x seq {cli.seq_len}, {cli.steps} steps (medians of steps > {cli.warmup}), "
           f"{cli.repeats} round(s), float32 eager")  # fmt: skip
     print(
-        "| family (flavor)          | model            | total params | active params | tokens/s | MoE/dense |"
+        "| family (flavor) | model | total params | active params | tokens/s (wall) | tokens/CPU-s | MoE/dense wall | MoE/dense CPU |"
     )
-    print(
-        "|--------------------------|------------------|--------------|---------------|----------|-----------|"
-    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for family, row in rows.items():
-        moe_tps, dense_tps = statistics.median(row["moe_tps"]), statistics.median(row["dense_tps"])
-        for kind, tps in (("moe", moe_tps), ("dense", dense_tps)):
+        tps = {k: statistics.median(row[f"{k}_tps"]) for k in ("moe", "dense")}
+        per_cpu = {k: tokens / statistics.median(row[f"{k}_cpu_s"]) for k in ("moe", "dense")}
+        for kind in ("moe", "dense"):
             total, active = row[f"{kind}_params"]
             label = "MoE" if kind == "moe" else f"dense, ffn {row['dense_ffn_width']}"
-            ratio = f"{moe_tps / dense_tps:8.2f}x" if kind == "moe" else ""
-            print(f"| {family + ' (' + row['flavor'] + ')':24} | {label:16} | {total:12,} | {active:13,} "
-                  f"| {tps:8,.0f} | {ratio:9} |")  # fmt: skip
+            ratios = (f"{tps['moe'] / tps['dense']:.2f}x | {per_cpu['moe'] / per_cpu['dense']:.2f}x"
+                      if kind == "moe" else " | ")  # fmt: skip
+            print(f"| {family} ({row['flavor']}) | {label} | {total:,} | {active:,} | {tps[kind]:,.0f} "
+                  f"| {per_cpu[kind]:,.0f} | {ratios} |")  # fmt: skip
 
 
 if __name__ == "__main__":
