@@ -1,8 +1,11 @@
 """Generation with the KV cache: against transformers' `generate`, against recomputing every position,
-and the sampling and stopping rules."""
+and the sampling and stopping rules; the families without a KV cache (Qwen3, Llama 4, DeepSeek-V3)."""
+
+from dataclasses import replace
 
 import pytest
 import torch
+from family_checks import materialised, perturb
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from titan_models import (
@@ -18,7 +21,11 @@ from titan_models import (
     llama3_args,
     sample_next,
 )
+from titan_models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Model
 from titan_models.flavors import LLAMA31_ROPE_SCALING
+from titan_models.generation import has_kv_cache
+from titan_models.llama4 import LLAMA4_FLAVORS, Llama4Model
+from titan_models.qwen3 import Qwen3Args, Qwen3Model, qwen3_moe_args
 
 SHAPES = {
     # Grouped-query attention and Llama 3.1's rotary stretch, its original context short enough that the
@@ -184,3 +191,35 @@ def test_generation_refuses_what_it_cannot_do():
     model.output = None  # a pipeline stage
     with pytest.raises(ModelError, match="whole model"):
         generate(model, [[1]])
+
+
+_TINY = dict(dim=64, n_layers=2, n_heads=4, vocab_size=96, max_seq_len=48)
+# The MoE families in miniature, each with what Llama's KV cache path would get wrong or cannot run:
+# Qwen3's QK norm, Llama 4's no-rope layer, chunked and block-causal attention, DeepSeek's latent attention.
+NO_CACHE_FAMILIES = {
+    "qwen3_moe": (Qwen3Model, Qwen3Args(**_TINY, n_kv_heads=2, head_dim=16, hidden_dim=96, moe_inter_dim=32,
+                                        moe_args=qwen3_moe_args(8, 2))),
+    "llama4_irope": (Llama4Model, replace(LLAMA4_FLAVORS["debugmodel_irope"], **_TINY, every_n_layers_nope=2,
+                                          attn_chunk_size=8, eos_id=7)),
+    "deepseek_v3": (DeepSeekV3Model, replace(DEEPSEEK_V3_FLAVORS["debugmodel"], **_TINY, n_dense_layers=1,
+                                             inter_dim=96, moe_inter_dim=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                                             qk_rope_head_dim=8, v_head_dim=16)),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(NO_CACHE_FAMILIES))
+def test_families_without_a_kv_cache_generate_what_their_own_forward_chooses(family):
+    cls, args = NO_CACHE_FAMILIES[family]
+    model = materialised(cls, args, seed=0).eval()
+    perturb(model, seed=3)
+    assert not has_kv_cache(model)
+    prompts = [[3, 4, 7, 9, 10, 11], [5]]  # different lengths, one batch; 7 ends a document (Llama 4)
+    got = generate(model, prompts, SamplingParams(max_new_tokens=8)).tokens
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, got, strict=True):
+            assert len(tokens) == 8
+            logits = model(torch.tensor([prompt + tokens]))[0, len(prompt) - 1 : -1]
+            assert torch.equal(logits.argmax(-1), torch.tensor(tokens)), (family, prompt)
+    with pytest.raises(ModelError, match="max_seq_len"):
+        generate(model, [[1] * 40], SamplingParams(max_new_tokens=10))

@@ -4,10 +4,16 @@ Greedy decoding (temperature 0) or sampling with temperature, top-k and top-p fr
 generator. A row stops at an end-of-sequence id, at a stop string (needs `decode`, since titan-models
 holds no tokenizer), or after `max_new_tokens`; the others go on. Prompts of different lengths run
 as one left-padded batch.
+
+The KV cache (`titan_models.kv_cache`) follows Llama's attention (`Transformer`) only. Any other
+model (Qwen3's QK norm, Llama 4's no-rope and chunked layers, DeepSeek's latent attention) generates
+through its own forward over the whole sequence at every step, one prompt at a time (that forward
+has no mask for left padding): slower, but it computes exactly what training computes.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,7 +22,10 @@ import torch
 from torch import nn
 
 from titan_models.errors import ModelError
-from titan_models.kv_cache import KVCache, forward_cached
+from titan_models.kv_cache import KVCache, _check_whole_model, forward_cached
+from titan_models.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,45 @@ def _first_stop(text: str, stop_strings: Sequence[str]) -> int:
     return min(found) if found else -1
 
 
+class _Cached:
+    """Forwards through the KV cache: the prompt once, then one new token a step."""
+
+    def __init__(self, model: nn.Module, tokens: torch.Tensor, valid: torch.Tensor, max_new_tokens: int):
+        self.model, self.tokens, self.valid = model, tokens, valid
+        self.cache = KVCache.for_model(model, tokens.shape[0], tokens.shape[1] + max_new_tokens)
+
+    def prefill(self) -> torch.Tensor:
+        return forward_cached(self.model, self.tokens, self.cache, self.valid)
+
+    def extend(self, nxt: torch.Tensor) -> torch.Tensor:
+        return forward_cached(self.model, nxt[:, None], self.cache)
+
+
+class _Recomputed:
+    """Forwards of the model's own `forward` over the whole sequence so far (one row, no padding)."""
+
+    def __init__(self, model: nn.Module, tokens: torch.Tensor, valid: torch.Tensor, max_new_tokens: int):
+        longest = tokens.shape[1] + max_new_tokens - 1
+        if longest > model.args.max_seq_len:
+            raise ModelError(
+                f"model: generation needs {longest} positions but the model is built for "
+                f"{model.args.max_seq_len} (max_seq_len); build it with a larger max_seq_len, or ask for fewer tokens"
+            )
+        self.model, self.tokens = model, tokens
+
+    def prefill(self) -> torch.Tensor:
+        return self.model(self.tokens)[:, -1]
+
+    def extend(self, nxt: torch.Tensor) -> torch.Tensor:
+        self.tokens = torch.cat([self.tokens, nxt[:, None]], dim=1)
+        return self.model(self.tokens)[:, -1]
+
+
+def has_kv_cache(model: nn.Module) -> bool:
+    """Whether `generate` runs `model` through the KV cache (Llama's `Transformer`) or recomputes."""
+    return isinstance(model, Transformer)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -135,10 +183,28 @@ def generate(
         raise ModelError("generation: every prompt needs at least one token (e.g. the BOS id)")
     if params.stop_strings and decode is None:
         raise ModelError("generation: stop_strings need a decode function (token ids -> text)")
+    _check_whole_model(model)
+    if has_kv_cache(model):
+        return _generate(model, prompts, params, decode, pad_id, _Cached)
+    log.info("generation: %s has no KV cache (Llama only); every token recomputes its prompt's whole "
+             "sequence, one prompt at a time", type(model).__name__)  # fmt: skip
+    rows = [_generate(model, [prompt], params, decode, pad_id, _Recomputed) for prompt in prompts]
+    return Generation(
+        [t for r in rows for t in r.tokens],
+        [f for r in rows for f in r.finish_reasons],
+        None if decode is None else [t for r in rows for t in r.texts],
+        prefill_seconds=sum(r.prefill_seconds for r in rows),
+        decode_seconds=sum(r.decode_seconds for r in rows),
+        steps=sum(r.steps for r in rows),
+        prompt_tokens=sum(r.prompt_tokens for r in rows),
+    )
+
+
+def _generate(model, prompts, params, decode, pad_id, forwards) -> Generation:
     device = model.tok_embeddings.weight.device
     tokens, valid = _left_padded(prompts, pad_id, device)
-    batch, width = tokens.shape
-    cache = KVCache.for_model(model, batch, width + params.max_new_tokens)
+    batch = tokens.shape[0]
+    stepper = forwards(model, tokens, valid, params.max_new_tokens)
     generator = None
     if params.seed is not None and params.temperature > 0:
         generator = torch.Generator(device=device).manual_seed(params.seed)
@@ -146,7 +212,7 @@ def generate(
     must_check = bool(params.eos_ids or params.stop_strings)
 
     started = time.perf_counter()
-    logits = forward_cached(model, tokens, cache, valid)
+    logits = stepper.prefill()
     _sync(device)
     prefill_seconds = time.perf_counter() - started
     started = time.perf_counter()
@@ -172,7 +238,7 @@ def generate(
             if bool(finished.all()):
                 break
         if step + 1 < params.max_new_tokens:
-            logits = forward_cached(model, nxt[:, None], cache)
+            logits = stepper.extend(nxt)
     _sync(device)
     decode_seconds = time.perf_counter() - started
 
