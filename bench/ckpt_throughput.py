@@ -138,11 +138,15 @@ def main() -> None:
     results = {mode: run(mode, args.gb, args.saves, args.gap) for mode in ASYNC_MODES}
 
     state_gb = baseline["state_bytes"] / 1e9
-    print(f"\ncheckpoint save cost, state {state_gb:.2f} GB (weights + AdamW moments), {args.saves} saves per mode; "
-          f"{torch.get_num_threads()} threads, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
-          f"one training step alone: {baseline['step_median']:.2f} s (median)")  # fmt: skip
-    header = (f"{'async_mode':<23}{'blocked 1st (s)':>16}{'blocked (s)':>13}{'vs sync':>9}{'write (s)':>11}"
-              f"{'write MB/s':>12}{'lost/save (s)':>15}")  # fmt: skip
+    print(
+        f"\ncheckpoint save cost, state {state_gb:.2f} GB (weights + AdamW moments), {args.saves} saves per mode; "
+        f"{torch.get_num_threads()} threads, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; "
+        f"one training step alone: {baseline['step_median']:.2f} s (median)"
+    )
+    header = (
+        f"{'async_mode':<23}{'blocked 1st (s)':>16}{'blocked (s)':>13}{'vs sync':>9}{'write (s)':>11}"
+        f"{'write MB/s':>12}{'lost/save (s)':>15}"
+    )
     print(header)
     print("-" * len(header))
     sync_blocked = None
@@ -154,8 +158,10 @@ def main() -> None:
         rate = statistics.median(t.bytes_written / t.total_s for t in rest) / 1e6
         lost = (result["loop"] - result["steps"] * result["step_median"]) / len(timings)
         sync_blocked = sync_blocked or blocked
-        print(f"{mode:<23}{timings[0].blocked_s:>16.3f}{blocked:>13.3f}{blocked / sync_blocked:>9.3f}{write:>11.2f}"
-              f"{rate:>12.0f}{lost:>15.2f}")  # fmt: skip
+        print(
+            f"{mode:<23}{timings[0].blocked_s:>16.3f}{blocked:>13.3f}{blocked / sync_blocked:>9.3f}{write:>11.2f}"
+            f"{rate:>12.0f}{lost:>15.2f}"
+        )
     print("blocked: median over saves 2..n; vs sync: blocked / blocked of async_mode=disabled")
     dist.barrier()
     dist.destroy_process_group()

@@ -120,9 +120,23 @@ def main() -> None:
     preprocess = {}
     for workers in (1, 2):  # the CLI end to end: start-up (tokenizer load, worker spawn) included
         out = work / f"shards_{workers}"
-        command = [sys.executable, "-m", "titan_data.cli", "tokenize", "--input", str(work / "c4_x16.jsonl"),
-                   "--output", str(out), "--tokenizer", str(tokenizer_path), "--workers", str(workers),
-                   "--documents-per-shard", "2000", "--quiet"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "titan_data.cli",
+            "tokenize",
+            "--input",
+            str(work / "c4_x16.jsonl"),
+            "--output",
+            str(out),
+            "--tokenizer",
+            str(tokenizer_path),
+            "--workers",
+            str(workers),
+            "--documents-per-shard",
+            "2000",
+            "--quiet",
+        ]
         start = time.perf_counter()
         subprocess.run(command, check=True, capture_output=True)
         preprocess[workers] = ShardIndex.load(out).num_tokens / (time.perf_counter() - start)

@@ -50,8 +50,10 @@ def build(flavor: str, layers: int | None, max_seq_len: int) -> tuple[Transforme
 def prompts_for(batch: int, vocab: int, length: int) -> list[list[int]]:
     """Prompts of different lengths (length/2 to length), as a served batch has."""
     gen = torch.Generator().manual_seed(batch)
-    return [torch.randint(0, vocab, (length - (i * length // 2) // max(batch - 1, 1),), generator=gen).tolist()
-            for i in range(batch)]  # fmt: skip
+    return [
+        torch.randint(0, vocab, (length - (i * length // 2) // max(batch - 1, 1),), generator=gen).tolist()
+        for i in range(batch)
+    ]
 
 
 def titan_run(model: Transformer, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
@@ -82,8 +84,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ours, hf = build(args.flavor, args.layers, args.prompt + args.new)
-    print(f"{args.flavor} ({ours.args.n_layers} layers, dim {ours.args.dim}), float32, {args.threads} threads, "
-          f"prompts up to {args.prompt} tokens, {args.new} new tokens, greedy, best of {args.repeats}")  # fmt: skip
+    print(
+        f"{args.flavor} ({ours.args.n_layers} layers, dim {ours.args.dim}), float32, {args.threads} threads, "
+        f"prompts up to {args.prompt} tokens, {args.new} new tokens, greedy, best of {args.repeats}"
+    )
     print("| batch | Titan tokens/s | transformers tokens/s | Titan / transformers | same tokens |")
     print("|------:|---------------:|----------------------:|---------------------:|:-----------:|")
     for batch in (int(b) for b in args.batch.split(",")):
@@ -97,8 +101,10 @@ def main() -> None:
             hf_s.append(seconds)
         new_tokens = batch * args.new
         titan_tps, hf_tps = new_tokens / min(titan_s), new_tokens / min(hf_s)
-        print(f"| {batch:5} | {titan_tps:14,.0f} | {hf_tps:21,.0f} | {titan_tps / hf_tps:19.2f}x | "
-              f"{'yes' if titan_tokens == hf_tokens else 'NO':^11} |")  # fmt: skip
+        print(
+            f"| {batch:5} | {titan_tps:14,.0f} | {hf_tps:21,.0f} | {titan_tps / hf_tps:19.2f}x | "
+            f"{'yes' if titan_tokens == hf_tokens else 'NO':^11} |"
+        )
 
 
 if __name__ == "__main__":

@@ -38,10 +38,16 @@ DATASHEET_PEAK = 989.4e12  # H100 SXM dense bf16
 
 # The largest local batch that fit on an 80 GB H100 for both trainers (bench/RESULTS.md).
 DEFAULT_CONFIGS = (
-    "1B:eager:selective=2", "1B:compiled:selective=2", "1B:float8:selective=2",
-    "1B:eager:none=1", "1B:compiled:none=1", "1B:float8:none=1",
-    "3B:eager:selective=1", "3B:compiled:selective=1", "3B:float8:selective=1",
-)  # fmt: skip
+    "1B:eager:selective=2",
+    "1B:compiled:selective=2",
+    "1B:float8:selective=2",
+    "1B:eager:none=1",
+    "1B:compiled:none=1",
+    "1B:float8:none=1",
+    "3B:eager:selective=1",
+    "3B:compiled:selective=1",
+    "3B:float8:selective=1",
+)
 
 
 @dataclass
@@ -102,8 +108,13 @@ def measured_matmul_peak() -> float:
 
 def _env() -> dict[str, str]:
     path = os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1",
-            "PYTORCH_ALLOC_CONF": "expandable_segments:True"}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "PYTHONUNBUFFERED": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+    }
 
 
 def _last_error(text: str) -> str:
@@ -116,27 +127,56 @@ def _last_error(text: str) -> str:
 def _common(c: Config, args) -> list[str]:
     """Flags both trainers take the same way (torchtitan's schema is Titan's)."""
     flags = [
-        "--experimental.custom_import", "untied_flavors", "--model.flavor", f"{c.flavor}_untied",
-        "--training.local_batch_size", str(c.batch), "--training.seq_len", str(args.seq_len),
-        "--training.steps", str(args.steps), "--metrics.log_freq", str(args.log_freq),
-        "--training.mixed_precision_param", "bfloat16", "--lr_scheduler.warmup_steps", "2",
-        "--activation_checkpoint.mode", c.ac, "--activation_checkpoint.selective_ac_option", "op",
-    ]  # fmt: skip
+        "--experimental.custom_import",
+        "untied_flavors",
+        "--model.flavor",
+        f"{c.flavor}_untied",
+        "--training.local_batch_size",
+        str(c.batch),
+        "--training.seq_len",
+        str(args.seq_len),
+        "--training.steps",
+        str(args.steps),
+        "--metrics.log_freq",
+        str(args.log_freq),
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--activation_checkpoint.mode",
+        c.ac,
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+    ]
     if c.mode in ("compiled", "float8"):
         flags += ["--compile.enable"]
     return flags
 
 
 def run_titan(c: Config, args, run: Run, dump: Path) -> None:
-    flags = ["--job.config_file", str(REPO / "apps/configs/debug_model.toml"), "--job.dump_folder", str(dump),
-             "--metrics.enable_tensorboard", "false", "--metrics.disable_color_printing", *_common(c, args)]  # fmt: skip
+    flags = [
+        "--job.config_file",
+        str(REPO / "apps/configs/debug_model.toml"),
+        "--job.dump_folder",
+        str(dump),
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.disable_color_printing",
+        *_common(c, args),
+    ]
     if c.mode == "float8":
         flags += ["--model.converters", "float8", "--quantize.linear.float8.filter_fqns", "output"]
     if args.profile and c.mode != "eager":
-        flags += ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps),
-                  "--profiling.save_traces_folder", "traces"]  # fmt: skip
-    proc = subprocess.run([*_torchrun(1), "-m", "titan_train.cli", *flags], capture_output=True, text=True,
-                          cwd=REPO, env=_env())  # fmt: skip
+        flags += [
+            "--profiling.enable_profiling",
+            "--profiling.profile_freq",
+            str(args.steps),
+            "--profiling.save_traces_folder",
+            "traces",
+        ]
+    proc = subprocess.run(
+        [*_torchrun(1), "-m", "titan_train.cli", *flags], capture_output=True, text=True, cwd=REPO, env=_env()
+    )
     (dump / "log.txt").write_text(proc.stdout + proc.stderr)
     read_titan_metrics(dump / "metrics.jsonl", args.log_freq, run)
     if proc.returncode != 0:
@@ -162,9 +202,20 @@ def run_torchtitan(c: Config, args, run: Run, dump: Path) -> None:
     data = dump / "c4_test"
     data.mkdir()
     (data / "data.jsonl").write_bytes((C4_TEST / "c4_test.jsonl").read_bytes())
-    flags = ["--job.dump_folder", str(dump), "--model.name", "llama3",
-             "--model.hf_assets_path", str(args.torchtitan_tokenizer), "--training.dataset", "c4_test",
-             "--training.dataset_path", str(data), "--metrics.disable_color_printing", *_common(c, args)]  # fmt: skip
+    flags = [
+        "--job.dump_folder",
+        str(dump),
+        "--model.name",
+        "llama3",
+        "--model.hf_assets_path",
+        str(args.torchtitan_tokenizer),
+        "--training.dataset",
+        "c4_test",
+        "--training.dataset_path",
+        str(data),
+        "--metrics.disable_color_printing",
+        *_common(c, args),
+    ]
     if c.mode == "float8":
         flags += [
             "--model.converters",
@@ -172,8 +223,13 @@ def run_torchtitan(c: Config, args, run: Run, dump: Path) -> None:
             "--quantize.linear.float8.filter_fqns",
             "output",
         ]
-    proc = subprocess.run([*_torchrun(1), "-m", "torchtitan.train", *flags], capture_output=True, text=True,
-                          cwd=dump, env=_env())  # fmt: skip
+    proc = subprocess.run(
+        [*_torchrun(1), "-m", "torchtitan.train", *flags],
+        capture_output=True,
+        text=True,
+        cwd=dump,
+        env=_env(),
+    )
     text = proc.stdout + proc.stderr
     (dump / "log.txt").write_text(text)
     if proc.returncode != 0:
@@ -202,11 +258,15 @@ def flops_per_token(flavor: str, seq_len: int) -> float:
 
 
 def print_table(runs: list[Run], matmul_peak: float, args, device: str) -> None:
-    print(f"\nseq {args.seq_len}, {args.steps} steps (log every {args.log_freq}, first window dropped), "
-          f"{device}; bf16 matmul measured {matmul_peak / 1e12:.0f} TFLOP/s, "
-          f"datasheet {DATASHEET_PEAK / 1e12:.0f}\n")  # fmt: skip
-    header = ("| config | trainer | tokens/s/GPU | TFLOP/s | MFU % (datasheet) | MFU % (measured mm) "
-              "| peak active GiB | peak reserved GiB | Titan/torchtitan |")  # fmt: skip
+    print(
+        f"\nseq {args.seq_len}, {args.steps} steps (log every {args.log_freq}, first window dropped), "
+        f"{device}; bf16 matmul measured {matmul_peak / 1e12:.0f} TFLOP/s, "
+        f"datasheet {DATASHEET_PEAK / 1e12:.0f}\n"
+    )
+    header = (
+        "| config | trainer | tokens/s/GPU | TFLOP/s | MFU % (datasheet) | MFU % (measured mm) "
+        "| peak active GiB | peak reserved GiB | Titan/torchtitan |"
+    )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     by_config: dict[str, dict[str, Run]] = {}
@@ -223,9 +283,11 @@ def print_table(runs: list[Run], matmul_peak: float, args, device: str) -> None:
                 continue
             tps = run.median("tps")
             flops = flops_per_token(run.config.flavor, args.seq_len) * tps
-            print(f"| {name} | {trainer} | {tps:,.0f} | {flops / 1e12:.0f} | {100 * flops / DATASHEET_PEAK:.1f} "
-                  f"| {100 * flops / matmul_peak:.1f} | {run.median('active_gib'):.1f} | {run.median('reserved_gib'):.1f} "
-                  f"| {ratio if trainer == 'titan' else ''} |" + (f" ({run.error})" if run.error else ""))  # fmt: skip
+            print(
+                f"| {name} | {trainer} | {tps:,.0f} | {flops / 1e12:.0f} | {100 * flops / DATASHEET_PEAK:.1f} "
+                f"| {100 * flops / matmul_peak:.1f} | {run.median('active_gib'):.1f} | {run.median('reserved_gib'):.1f} "
+                f"| {ratio if trainer == 'titan' else ''} |" + (f" ({run.error})" if run.error else "")
+            )
 
 
 def main() -> None:
@@ -277,8 +339,11 @@ def main() -> None:
                 run.seconds = time.perf_counter() - started
                 runs.append(run)
                 tps = run.median("tps")
-                print(f"[{run.seconds:5.0f}s] {trainer:<10} {c}: "
-                      f"{run.error or f'{tps:,.0f} tokens/s' if tps else run.error or 'no window'}", flush=True)  # fmt: skip
+                print(
+                    f"[{run.seconds:5.0f}s] {trainer:<10} {c}: "
+                    f"{run.error or f'{tps:,.0f} tokens/s' if tps else run.error or 'no window'}",
+                    flush=True,
+                )
                 if args.out:
                     with args.out.open("a") as out:
                         record = {**asdict(run), "config": f"{c.flavor}:{c.mode}:{c.ac}={c.batch}"}

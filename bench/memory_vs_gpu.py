@@ -37,10 +37,19 @@ GIB = 2**30
 OPTIONS = {"fixed", "nochunk", "compiled"}
 
 DEFAULT_CONFIGS = (
-    "1B:none=1", "1B:op=2", "1B:full=4", "1B:none=1+nochunk", "1B:op=2+fixed",
-    "3B:none=1", "3B:op=1", "3B:full=2",
-    "8B_4layers:none=1", "8B_4layers:op=2", "8B_4layers:full=4", "1B:op=2+compiled",
-)  # fmt: skip
+    "1B:none=1",
+    "1B:op=2",
+    "1B:full=4",
+    "1B:none=1+nochunk",
+    "1B:op=2+fixed",
+    "3B:none=1",
+    "3B:op=1",
+    "3B:full=2",
+    "8B_4layers:none=1",
+    "8B_4layers:op=2",
+    "8B_4layers:full=4",
+    "1B:op=2+compiled",
+)
 
 
 @dataclass
@@ -68,14 +77,32 @@ class Config:
         """The same titan-train flags for the dry run and for the real run."""
         mode, option = ("selective", self.ac) if self.ac not in ("none", "full") else (self.ac, "op")
         flags = [
-            "--job.config_file", str(REPO / "apps/configs/debug_model.toml"),
-            "--experimental.custom_import", "cut_flavors", "--model.flavor", self.flavor,
-            "--training.local_batch_size", str(self.batch), "--training.seq_len", str(seq_len),
-            "--training.steps", str(steps), "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-            "--metrics.disable_color_printing", "--training.mixed_precision_param", "bfloat16",
-            "--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option,
-            "--lr_scheduler.warmup_steps", "2",
-        ]  # fmt: skip
+            "--job.config_file",
+            str(REPO / "apps/configs/debug_model.toml"),
+            "--experimental.custom_import",
+            "cut_flavors",
+            "--model.flavor",
+            self.flavor,
+            "--training.local_batch_size",
+            str(self.batch),
+            "--training.seq_len",
+            str(seq_len),
+            "--training.steps",
+            str(steps),
+            "--metrics.log_freq",
+            "1",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--metrics.disable_color_printing",
+            "--training.mixed_precision_param",
+            "bfloat16",
+            "--activation_checkpoint.mode",
+            mode,
+            "--activation_checkpoint.selective_ac_option",
+            option,
+            "--lr_scheduler.warmup_steps",
+            "2",
+        ]
         if "/" in self.flavor:
             family, flavor = self.flavor.split("/")
             flags += ["--model.name", family, "--model.flavor", flavor]  # the later flag wins
@@ -120,9 +147,20 @@ def estimate(c: Config, args, row: Row) -> None:
     """The dry run's traced estimate for one GPU (its worst rank, the only one here)."""
     started = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "titan_train.cli", "dry-run", "--ngpu", "1", *c.flags(args.seq_len, args.steps)],
-        capture_output=True, text=True, cwd=REPO, env=c.env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "titan_train.cli",
+            "dry-run",
+            "--ngpu",
+            "1",
+            *c.flags(args.seq_len, args.steps),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=c.env(),
+    )
     row.estimate_seconds = time.perf_counter() - started
     match = ESTIMATE.search(proc.stdout + proc.stderr)
     if match is None:
@@ -143,8 +181,11 @@ def measure(c: Config, args, row: Row, keep: Path | None) -> None:
         flags = [*c.flags(args.seq_len, args.steps), "--job.dump_folder", str(Path(tmp) / "dump")]
         proc = subprocess.run(
             [*_torchrun(1), str(BENCH / "peak_memory_run.py"), *flags],
-            capture_output=True, text=True, cwd=REPO, env={**c.env(), "TITAN_PEAK_OUT": str(peaks)},
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={**c.env(), "TITAN_PEAK_OUT": str(peaks)},
+        )
         text = proc.stdout + proc.stderr
         if keep:
             keep.mkdir(parents=True, exist_ok=True)
@@ -179,20 +220,34 @@ def trace_child(text: str, seq_len: int, steps: int) -> None:
     real = trace_rank(resolve(config, 1), 0, fake=False)
     peaks = replay(real.sizes, real.streams, expandable_segments="fixed" not in c.options)
     fake = trace_rank(resolve(config, 1), 0, fake=True)
-    print("TRACE " + json.dumps({
-        "cuda_allocated": torch.cuda.max_memory_allocated(), "cuda_reserved": torch.cuda.max_memory_reserved(),
-        "real_peak": real.peak, "real_replay_allocated": peaks.allocated, "real_replay_reserved": peaks.reserved,
-        "real_where": " ".join(map(str, real.label)), "real_breakdown": real.breakdown,
-        "fake_peak": fake.peak, "fake_where": " ".join(map(str, fake.label)), "fake_breakdown": fake.breakdown,
-    }))  # fmt: skip
+    print(
+        "TRACE "
+        + json.dumps(
+            {
+                "cuda_allocated": torch.cuda.max_memory_allocated(),
+                "cuda_reserved": torch.cuda.max_memory_reserved(),
+                "real_peak": real.peak,
+                "real_replay_allocated": peaks.allocated,
+                "real_replay_reserved": peaks.reserved,
+                "real_where": " ".join(map(str, real.label)),
+                "real_breakdown": real.breakdown,
+                "fake_peak": fake.peak,
+                "fake_where": " ".join(map(str, fake.label)),
+                "fake_breakdown": fake.breakdown,
+            }
+        )
+    )
 
 
 def real_trace(c: Config, args, row: Row) -> None:
     """The tracker on real tensors beside the allocator: tells the tracker's error from the emulation's."""
     proc = subprocess.run(
         [sys.executable, __file__, "--trace-child", str(c), "--seq-len", str(args.seq_len)],
-        capture_output=True, text=True, cwd=REPO, env=c.env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=c.env(),
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TRACE ")]
     row.trace = json.loads(lines[-1][6:]) if lines else {"error": _last_line(proc.stdout + proc.stderr)}
     print(f"  {c}: " + json.dumps(row.trace), flush=True)
@@ -213,14 +268,18 @@ def _gib(value: int | None) -> str:
 
 def print_table(rows: list[Row], header_line: str) -> None:
     print(f"\n{header_line}\n")
-    print("| config | estimated allocated GiB | measured allocated GiB | ratio | estimated reserved GiB "
-          "| measured reserved GiB | ratio | estimated peak at | tokens/s | note |")  # fmt: skip
+    print(
+        "| config | estimated allocated GiB | measured allocated GiB | ratio | estimated reserved GiB "
+        "| measured reserved GiB | ratio | estimated peak at | tokens/s | note |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.config} | {_gib(r.estimated_allocated)} | {_gib(r.measured_allocated)} "
-              f"| {_ratio(r.estimated_allocated, r.measured_allocated)} | {_gib(r.estimated_reserved)} "
-              f"| {_gib(r.measured_reserved)} | {_ratio(r.estimated_reserved, r.measured_reserved)} "
-              f"| {r.where} | {f'{r.measured_tps:,.0f}' if r.measured_tps else ''} | {r.error or ''} |")  # fmt: skip
+        print(
+            f"| {r.config} | {_gib(r.estimated_allocated)} | {_gib(r.measured_allocated)} "
+            f"| {_ratio(r.estimated_allocated, r.measured_allocated)} | {_gib(r.estimated_reserved)} "
+            f"| {_gib(r.measured_reserved)} | {_ratio(r.estimated_reserved, r.measured_reserved)} "
+            f"| {r.where} | {f'{r.measured_tps:,.0f}' if r.measured_tps else ''} | {r.error or ''} |"
+        )
 
 
 def main() -> None:
@@ -264,9 +323,12 @@ def main() -> None:
             if args.real_trace:
                 real_trace(c, args, row)
         rows.append(row)
-        print(f"{c}: estimated {_gib(row.estimated_allocated)} / {_gib(row.estimated_reserved)} GiB "
-              f"({row.estimate_seconds:.0f} s), measured {_gib(row.measured_allocated)} / "
-              f"{_gib(row.measured_reserved)} GiB ({row.run_seconds:.0f} s) {row.error or ''}", flush=True)  # fmt: skip
+        print(
+            f"{c}: estimated {_gib(row.estimated_allocated)} / {_gib(row.estimated_reserved)} GiB "
+            f"({row.estimate_seconds:.0f} s), measured {_gib(row.measured_allocated)} / "
+            f"{_gib(row.measured_reserved)} GiB ({row.run_seconds:.0f} s) {row.error or ''}",
+            flush=True,
+        )
         if args.out:
             with args.out.open("a") as out:
                 out.write(json.dumps({**asdict(row), "device": header}) + "\n")

@@ -25,9 +25,15 @@ from titan_train.registry import register_flavor
 def _flavor(coeff: float | None):
     moe = replace(qwen3.qwen3_moe_args(8, 2), load_balance_coeff=coeff)
     return replace(
-        qwen3.QWEN3_FLAVORS["debugmodel_moe"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-        moe_inter_dim=64, moe_args=moe,
-    )  # fmt: skip
+        qwen3.QWEN3_FLAVORS["debugmodel_moe"],
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        moe_inter_dim=64,
+        moe_args=moe,
+    )
 
 
 def _loads(record: dict) -> list[float]:
@@ -38,12 +44,32 @@ def measure(coeff: float | None, steps: int, folder: Path) -> dict[str, float]:
     name = f"bench_moe_{coeff}"
     register_flavor("qwen3", name, _flavor(coeff))
     dump = folder / name
-    code = run([
-        "--model.name", "qwen3", "--model.flavor", name, "--training.seq_len", "64",
-        "--training.local_batch_size", "4", "--training.steps", str(steps), "--metrics.log_freq", "1",
-        "--activation_checkpoint.mode", "none", "--compile.enable", "false", "--optimizer.lr", "3e-3",
-        "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump),
-    ])  # fmt: skip
+    code = run(
+        [
+            "--model.name",
+            "qwen3",
+            "--model.flavor",
+            name,
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "4",
+            "--training.steps",
+            str(steps),
+            "--metrics.log_freq",
+            "1",
+            "--activation_checkpoint.mode",
+            "none",
+            "--compile.enable",
+            "false",
+            "--optimizer.lr",
+            "3e-3",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--job.dump_folder",
+            str(dump),
+        ]
+    )
     if code != 0:
         raise SystemExit(f"run with load_balance_coeff={coeff} failed ({code})")
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
@@ -77,8 +103,10 @@ def main() -> None:
         "|--------------------|--------------------|---------------------------|------------------------|------------|"
     )
     for text, r in rows:
-        print(f"| {text:>18} | {r['first_worst']:18.3f} | {r['last_worst']:25.3f} | {r['last_mean']:22.3f} "
-              f"| {r['loss']:10.4f} |")  # fmt: skip
+        print(
+            f"| {text:>18} | {r['first_worst']:18.3f} | {r['last_worst']:25.3f} | {r['last_mean']:22.3f} "
+            f"| {r['loss']:10.4f} |"
+        )
 
 
 if __name__ == "__main__":

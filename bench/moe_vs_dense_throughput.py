@@ -93,12 +93,26 @@ def train_tps(
 ) -> tuple[list[float], list[float]]:
     """Per-step tokens/s and CPU seconds of the steps after warmup of one titan-train run."""
     _STEP_CPU_TIMES.clear()
-    code = run([
-        "--job.config_file", str(REPO / "apps" / "configs" / f"{config}.toml"), "--model.flavor", flavor,
-        "--training.local_batch_size", str(cli.batch), "--training.seq_len", str(cli.seq_len),
-        "--training.steps", str(cli.steps), "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-        "--job.dump_folder", str(dump),
-    ])  # fmt: skip
+    code = run(
+        [
+            "--job.config_file",
+            str(REPO / "apps" / "configs" / f"{config}.toml"),
+            "--model.flavor",
+            flavor,
+            "--training.local_batch_size",
+            str(cli.batch),
+            "--training.seq_len",
+            str(cli.seq_len),
+            "--training.steps",
+            str(cli.steps),
+            "--metrics.log_freq",
+            "1",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--job.dump_folder",
+            str(dump),
+        ]
+    )
     if code != 0:
         raise SystemExit(f"{config} with flavor {flavor} failed ({code})")
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
@@ -128,10 +142,15 @@ def main() -> None:
         dense = dense_args(family, moe)
         register_flavor(family, f"{flavor}_dense", dense)
         rows[family] = {
-            "flavor": flavor, "dense_ffn_width": _active_ffn_width(family, moe),
-            "moe_params": parameter_counts(family, moe), "dense_params": parameter_counts(family, dense),
-            "moe_tps": [], "dense_tps": [], "moe_cpu_s": [], "dense_cpu_s": [],
-        }  # fmt: skip
+            "flavor": flavor,
+            "dense_ffn_width": _active_ffn_width(family, moe),
+            "moe_params": parameter_counts(family, moe),
+            "dense_params": parameter_counts(family, dense),
+            "moe_tps": [],
+            "dense_tps": [],
+            "moe_cpu_s": [],
+            "dense_cpu_s": [],
+        }
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(cli.repeats):
@@ -144,16 +163,29 @@ def main() -> None:
                     row[f"{kind}_tps"] += tps
                     row[f"{kind}_cpu_s"] += cpu
                     total, active = row[f"{kind}_params"]
-                    records.append({
-                        "family": family, "flavor": flavor, "kind": kind, "round": round_, "steps": cli.steps,
-                        "warmup": cli.warmup, "batch": cli.batch, "seq_len": cli.seq_len, "tps": tps, "step_cpu_s": cpu,
-                        "total_params": total, "active_params": active,
-                    })  # fmt: skip
+                    records.append(
+                        {
+                            "family": family,
+                            "flavor": flavor,
+                            "kind": kind,
+                            "round": round_,
+                            "steps": cli.steps,
+                            "warmup": cli.warmup,
+                            "batch": cli.batch,
+                            "seq_len": cli.seq_len,
+                            "tps": tps,
+                            "step_cpu_s": cpu,
+                            "total_params": total,
+                            "active_params": active,
+                        }
+                    )
     if cli.jsonl:
         cli.jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
     tokens = cli.batch * cli.seq_len
-    print(f"CPU, batch {cli.batch} x seq {cli.seq_len}, {cli.steps} steps (medians of steps > {cli.warmup}), "
-          f"{cli.repeats} round(s), float32 eager")  # fmt: skip
+    print(
+        f"CPU, batch {cli.batch} x seq {cli.seq_len}, {cli.steps} steps (medians of steps > {cli.warmup}), "
+        f"{cli.repeats} round(s), float32 eager"
+    )
     print(
         "| family (flavor) | model | total params | active params | tokens/s (wall) | tokens/CPU-s | MoE/dense wall | MoE/dense CPU |"
     )
@@ -164,10 +196,15 @@ def main() -> None:
         for kind in ("moe", "dense"):
             total, active = row[f"{kind}_params"]
             label = "MoE" if kind == "moe" else f"dense, ffn {row['dense_ffn_width']}"
-            ratios = (f"{tps['moe'] / tps['dense']:.2f}x | {per_cpu['moe'] / per_cpu['dense']:.2f}x"
-                      if kind == "moe" else " | ")  # fmt: skip
-            print(f"| {family} ({row['flavor']}) | {label} | {total:,} | {active:,} | {tps[kind]:,.0f} "
-                  f"| {per_cpu[kind]:,.0f} | {ratios} |")  # fmt: skip
+            ratios = (
+                f"{tps['moe'] / tps['dense']:.2f}x | {per_cpu['moe'] / per_cpu['dense']:.2f}x"
+                if kind == "moe"
+                else " | "
+            )
+            print(
+                f"| {family} ({row['flavor']}) | {label} | {total:,} | {active:,} | {tps[kind]:,.0f} "
+                f"| {per_cpu[kind]:,.0f} | {ratios} |"
+            )
 
 
 if __name__ == "__main__":

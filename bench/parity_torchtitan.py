@@ -60,10 +60,18 @@ def ensure_torchtitan_env() -> str:
         subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(TORCHTITAN_ENV)], check=True)
         torch_version = _torch_version().split("+")[0]
         subprocess.run(
-            [uv, "pip", "install", "-q", "--python", str(python),
-             f"torchtitan=={TORCHTITAN_VERSION}", f"torch=={torch_version}"],
+            [
+                uv,
+                "pip",
+                "install",
+                "-q",
+                "--python",
+                str(python),
+                f"torchtitan=={TORCHTITAN_VERSION}",
+                f"torch=={torch_version}",
+            ],
             check=True,
-        )  # fmt: skip
+        )
     return str(python)
 
 
@@ -71,8 +79,10 @@ def torchtitan_env_versions(python: str) -> tuple[str, str]:
     """(torchtitan, torch) versions installed in the environment of `python`."""
     versions = subprocess.run(
         [python, "-c", "import torch, torchtitan; print(torchtitan.__version__, torch.__version__)"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return versions[0], versions[1]
 
 
@@ -132,13 +142,31 @@ def _run(command: list[str], log: Path, env: dict[str, str] | None = None) -> No
 def _common_flags(args, corpus: Path) -> list[str]:
     warmup, decay = SCHEDULES[args.schedule]
     return [
-        "--model.name", "llama3", "--model.flavor", "debugmodel",
-        "--training.dataset", "c4_test", "--training.dataset_path", str(corpus),
-        "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
-        "--training.steps", str(args.steps), "--training.local_batch_size", str(args.batch),
-        "--training.seq_len", str(args.seq_len), "--lr_scheduler.warmup_steps", warmup,
-        "--lr_scheduler.decay_ratio", decay, "--metrics.log_freq", "1",
-    ]  # fmt: skip
+        "--model.name",
+        "llama3",
+        "--model.flavor",
+        "debugmodel",
+        "--training.dataset",
+        "c4_test",
+        "--training.dataset_path",
+        str(corpus),
+        "--training.mixed_precision_param",
+        "float32",
+        "--activation_checkpoint.mode",
+        "none",
+        "--training.steps",
+        str(args.steps),
+        "--training.local_batch_size",
+        str(args.batch),
+        "--training.seq_len",
+        str(args.seq_len),
+        "--lr_scheduler.warmup_steps",
+        warmup,
+        "--lr_scheduler.decay_ratio",
+        decay,
+        "--metrics.log_freq",
+        "1",
+    ]
 
 
 def _torchtitan_env(work: Path, records: Path | None, float32_norm: bool) -> dict[str, str]:
@@ -157,20 +185,38 @@ def run_layout(args, python: str, work: Path, seed: Path, name: str) -> tuple[li
     tag = name.replace(" ", "_").lower()
     records = work / f"{tag}-torchtitan.jsonl"
     torchtitan = [
-        *torchrun_command(str(LAUNCHER), nproc=nproc, python=python), *_common_flags(args, work / "corpus"),
-        *layout, "--model.hf_assets_path", str(ASSETS / "tokenizer"), "--job.dump_folder", str(work / tag),
-        "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
-        "--checkpoint.folder", str(work / tag / "checkpoint"), "--checkpoint.interval", "100000",
-    ]  # fmt: skip
+        *torchrun_command(str(LAUNCHER), nproc=nproc, python=python),
+        *_common_flags(args, work / "corpus"),
+        *layout,
+        "--model.hf_assets_path",
+        str(ASSETS / "tokenizer"),
+        "--job.dump_folder",
+        str(work / tag),
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_path",
+        str(seed),
+        "--checkpoint.folder",
+        str(work / tag / "checkpoint"),
+        "--checkpoint.interval",
+        "100000",
+    ]
     _run(torchtitan, work / f"{tag}-torchtitan.log", _torchtitan_env(work, records, args.float32_norm))
     # Titan deals documents round robin over its data-parallel ranks; see the module docstring.
     corpus = work / ("corpus_interleaved" if name.startswith("FSDP") else "corpus")
     titan_dump = work / f"{tag}-titan"
     titan = [
-        *torchrun_command("-m", "titan_train.cli", nproc=nproc), *_common_flags(args, corpus), *layout,
-        "--job.dump_folder", str(titan_dump), "--checkpoint.enable", "true", "--checkpoint.load_only", "true",
-        "--checkpoint.initial_load_path", str(seed),
-    ]  # fmt: skip
+        *torchrun_command("-m", "titan_train.cli", nproc=nproc),
+        *_common_flags(args, corpus),
+        *layout,
+        "--job.dump_folder",
+        str(titan_dump),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.load_only",
+        "true",
+        "--checkpoint.initial_load_path",
+        str(seed),
+    ]
     _run(titan, work / f"{tag}-titan.log", dict(os.environ, OMP_NUM_THREADS="1"))
     return read_records(records), read_records(titan_dump / "metrics.jsonl")
 
@@ -187,15 +233,19 @@ def write_corpora(work: Path) -> None:
 def print_layout(name: str, theirs: list[dict], ours: list[dict]) -> tuple[float, float, float]:
     """Print one layout's steps; return the largest relative differences of loss, grad_norm and lr."""
     print(f"\n### {name}\n")
-    print("| step | loss torchtitan | loss Titan | rel | grad_norm torchtitan | grad_norm Titan | rel "
-          "| lr torchtitan | lr Titan |")  # fmt: skip
+    print(
+        "| step | loss torchtitan | loss Titan | rel | grad_norm torchtitan | grad_norm Titan | rel "
+        "| lr torchtitan | lr Titan |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     worst = [0.0, 0.0, 0.0]
     for a, b in zip(theirs, ours, strict=False):
         rel = [relative_difference(a[k], b[k]) for k in ("loss", "grad_norm", "lr")]
         worst = [max(w, r) for w, r in zip(worst, rel, strict=True)]
-        print(f"| {a['step']} | {a['loss']:.6f} | {b['loss']:.6f} | {rel[0]:.1e} | {a['grad_norm']:.6f} "
-              f"| {b['grad_norm']:.6f} | {rel[1]:.1e} | {a['lr']:.3e} | {b['lr']:.3e} |")  # fmt: skip
+        print(
+            f"| {a['step']} | {a['loss']:.6f} | {b['loss']:.6f} | {rel[0]:.1e} | {a['grad_norm']:.6f} "
+            f"| {b['grad_norm']:.6f} | {rel[1]:.1e} | {a['lr']:.3e} | {b['lr']:.3e} |"
+        )
     if len(theirs) != len(ours):
         print(f"(torchtitan logged {len(theirs)} steps, Titan {len(ours)})")
     return worst[0], worst[1], worst[2]
@@ -208,8 +258,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="constant")
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
-    parser.add_argument("--float32-norm", action="store_true",
-                        help="leave out shim_grad_norm_float64: torchtitan's own float32 CPU grad norm")  # fmt: skip
+    parser.add_argument(
+        "--float32-norm",
+        action="store_true",
+        help="leave out shim_grad_norm_float64: torchtitan's own float32 CPU grad norm",
+    )
     parser.add_argument("--records", type=Path, help="append every step of both trainers here (JSON lines)")
     args = parser.parse_args()
 
@@ -218,17 +271,26 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="parity-"))
     write_corpora(work)
     seed_flags = [
-        *torchrun_command(str(LAUNCHER), nproc=1, python=python), *_common_flags(args, work / "corpus"),
-        "--model.hf_assets_path", str(ASSETS / "tokenizer"), "--job.dump_folder", str(work / "seed"),
-        "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--checkpoint.folder", str(work / "seed"),
-    ]  # fmt: skip
+        *torchrun_command(str(LAUNCHER), nproc=1, python=python),
+        *_common_flags(args, work / "corpus"),
+        "--model.hf_assets_path",
+        str(ASSETS / "tokenizer"),
+        "--job.dump_folder",
+        str(work / "seed"),
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        "--checkpoint.folder",
+        str(work / "seed"),
+    ]
     _run(seed_flags, work / "seed.log", _torchtitan_env(work, None, args.float32_norm))
     seed = work / "seed" / "step-0"
 
-    print(f"torchtitan {version[0]} (torch {version[1]}) against Titan (torch {_torch_version()}), "
-          f"llama3 debugmodel, fp32, CPU, {args.steps} steps of {args.batch} x {args.seq_len} tokens per rank, "
-          f"schedule {args.schedule} (warmup_steps {SCHEDULES[args.schedule][0]}, "
-          f"decay_ratio {SCHEDULES[args.schedule][1]}); both from torchtitan's seed checkpoint")  # fmt: skip
+    print(
+        f"torchtitan {version[0]} (torch {version[1]}) against Titan (torch {_torch_version()}), "
+        f"llama3 debugmodel, fp32, CPU, {args.steps} steps of {args.batch} x {args.seq_len} tokens per rank, "
+        f"schedule {args.schedule} (warmup_steps {SCHEDULES[args.schedule][0]}, "
+        f"decay_ratio {SCHEDULES[args.schedule][1]}); both from torchtitan's seed checkpoint"
+    )
     print("\ntorchtitan's CPU shims (bench/torchtitan_cpu_launch.py):")
     for shim, summary in shim_summaries():
         skipped = args.float32_norm and shim == "shim_grad_norm_float64"
@@ -240,11 +302,20 @@ def main() -> None:
         if args.records:
             with open(args.records, "a") as out:
                 for a, b in zip(theirs, ours, strict=False):
-                    out.write(json.dumps(dict(
-                        date=datetime.date.today().isoformat(), layout=name, schedule=args.schedule,
-                        float32_norm=args.float32_norm, step=a["step"], torchtitan=a,
-                        titan={k: b[k] for k in ("step", "loss", "grad_norm", "lr")},
-                    )) + "\n")  # fmt: skip
+                    out.write(
+                        json.dumps(
+                            dict(
+                                date=datetime.date.today().isoformat(),
+                                layout=name,
+                                schedule=args.schedule,
+                                float32_norm=args.float32_norm,
+                                step=a["step"],
+                                torchtitan=a,
+                                titan={k: b[k] for k in ("step", "loss", "grad_norm", "lr")},
+                            )
+                        )
+                        + "\n"
+                    )
     print(f"\n### Largest relative difference over {args.steps} steps (target {TARGET:g})\n")
     print("| layout | loss | grad_norm | lr | within target |")
     print("|---|---:|---:|---:|---|")

@@ -34,12 +34,22 @@ def titan_step(args):
     from titan_train.plan import resolve
     from titan_train.trainer import Trainer
 
-    config = load_job_config([
-        "--job.config_file", str(REPO / "apps/configs/debug_model.toml"),
-        "--job.dump_folder", tempfile.mkdtemp(prefix="titan-profile-"),
-        "--model.flavor", args.flavor, "--training.local_batch_size", str(args.batch),
-        "--training.seq_len", str(args.seq_len), "--metrics.enable_tensorboard", "false",
-    ])  # fmt: skip
+    config = load_job_config(
+        [
+            "--job.config_file",
+            str(REPO / "apps/configs/debug_model.toml"),
+            "--job.dump_folder",
+            tempfile.mkdtemp(prefix="titan-profile-"),
+            "--model.flavor",
+            args.flavor,
+            "--training.local_batch_size",
+            str(args.batch),
+            "--training.seq_len",
+            str(args.seq_len),
+            "--metrics.enable_tensorboard",
+            "false",
+        ]
+    )
     info = init_distributed(60)
     trainer = Trainer(resolve(config, info.world_size, info.device.type), info)
     batches = trainer._batches()
@@ -61,8 +71,10 @@ def main() -> None:
     start = time.perf_counter()
     with profile(activities=activities) as prof:
         step()
-    print(f"{args.runner}: one step of {args.flavor} at {args.batch} x {args.seq_len} took "
-          f"{time.perf_counter() - start:.2f} s under the profiler\n")  # fmt: skip
+    print(
+        f"{args.runner}: one step of {args.flavor} at {args.batch} x {args.seq_len} took "
+        f"{time.perf_counter() - start:.2f} s under the profiler\n"
+    )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 

@@ -62,13 +62,27 @@ def _last_error(text: str) -> str:
 def run_titan(args, nproc: int, compiled: bool, result: Result) -> None:
     with tempfile.TemporaryDirectory() as dump:
         overrides = [
-            "--job.config_file", str(REPO / "apps/configs/debug_model.toml"), "--job.dump_folder", dump,
-            "--model.flavor", args.flavor, "--training.local_batch_size", str(args.batch),
-            "--training.seq_len", str(args.seq_len), "--training.steps", str(args.steps),
-            "--training.mixed_precision_param", args.dtype, "--metrics.log_freq", "1",
-            "--metrics.enable_tensorboard", "false", "--metrics.disable_color_printing",
+            "--job.config_file",
+            str(REPO / "apps/configs/debug_model.toml"),
+            "--job.dump_folder",
+            dump,
+            "--model.flavor",
+            args.flavor,
+            "--training.local_batch_size",
+            str(args.batch),
+            "--training.seq_len",
+            str(args.seq_len),
+            "--training.steps",
+            str(args.steps),
+            "--training.mixed_precision_param",
+            args.dtype,
+            "--metrics.log_freq",
+            "1",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--metrics.disable_color_printing",
             *(["--compile.enable"] if compiled else []),
-        ]  # fmt: skip
+        ]
         launcher = _torchrun(nproc) if nproc > 1 else [sys.executable]
         proc = subprocess.run(
             [*launcher, "-m", "titan_train.cli", *overrides], capture_output=True, text=True, cwd=REPO
@@ -86,8 +100,18 @@ def run_titan(args, nproc: int, compiled: bool, result: Result) -> None:
 
 
 def run_plain(args, result: Result) -> None:
-    cmd = [sys.executable, str(REPO / "bench/plain_pytorch_loop.py"), "--flavor", args.flavor,
-           "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "bench/plain_pytorch_loop.py"),
+        "--flavor",
+        args.flavor,
+        "--batch",
+        str(args.batch),
+        "--seq-len",
+        str(args.seq_len),
+        "--steps",
+        str(args.steps),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         result.error = _last_error(proc.stderr)
@@ -132,13 +156,28 @@ def run_torchtitan(args, nproc: int, compiled: bool, result: Result) -> None:
     with tempfile.TemporaryDirectory() as dump:
         overrides = [
             # bench/torchtitan_bench_configs.py: torchtitan's debugmodel config with the flavor swapped in
-            "--module", "torchtitan_bench_configs", "--config", f"llama3_bench_{args.flavor}", "--dump_folder", dump,
-            "--hf_assets_path", str(TORCHTITAN_ASSETS), "--dataloader.dataset_path", str(C4_TEST),
-            "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq_len),
-            "--training.steps", str(args.steps), "--metrics.log_freq", "1",
-            "--training.mixed_precision_param", args.dtype,
+            "--module",
+            "torchtitan_bench_configs",
+            "--config",
+            f"llama3_bench_{args.flavor}",
+            "--dump_folder",
+            dump,
+            "--hf_assets_path",
+            str(TORCHTITAN_ASSETS),
+            "--dataloader.dataset_path",
+            str(C4_TEST),
+            "--training.local_batch_size",
+            str(args.batch),
+            "--training.seq_len",
+            str(args.seq_len),
+            "--training.steps",
+            str(args.steps),
+            "--metrics.log_freq",
+            "1",
+            "--training.mixed_precision_param",
+            args.dtype,
             *(["--compile.enable"] if compiled else []),
-        ]  # fmt: skip
+        ]
         proc = subprocess.run(
             [*_torchrun(nproc, python), "-m", "torchtitan.train", *overrides],
             capture_output=True,
@@ -196,9 +235,13 @@ def main() -> None:
     parser.add_argument("--nproc", default="1,2", help="process counts for Titan and torchtitan")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument(
-        "--compile", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+        "--compile",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=("off", "on", "both"),
         help="torch.compile the trainers' blocks; 'both' runs eager and compiled side by side",
-    )  # fmt: skip
+    )
     parser.add_argument("--skip-torchtitan", action="store_true")
     args = parser.parse_args()
     nprocs = [int(n) for n in args.nproc.split(",")]
@@ -220,8 +263,10 @@ def main() -> None:
                 run_torchtitan(args, n, c, torchtitan[n, c])
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-    print(f"\n{args.flavor}, local batch {args.batch} x seq {args.seq_len}, {args.dtype}, compile={args.compile}, "
-          f"{args.steps - args.warmup} measured steps x {args.repeats} rounds, {device}\n")  # fmt: skip
+    print(
+        f"\n{args.flavor}, local batch {args.batch} x seq {args.seq_len}, {args.dtype}, compile={args.compile}, "
+        f"{args.steps - args.warmup} measured steps x {args.repeats} rounds, {device}\n"
+    )
     tt_ok = not args.skip_torchtitan and all(r.error is None for r in torchtitan.values())
     rows = [plain, *titan.values(), *([] if args.skip_torchtitan else torchtitan.values())]
     print_table(rows, torchtitan[layouts[0]] if tt_ok else plain)

@@ -24,10 +24,18 @@ DEBUG_CONFIG = REPO / "apps" / "configs" / "debug_model.toml"
 
 # The debug model on tiny batches: a step takes well under a second per rank on a busy 2-core machine.
 TINY = (
-    "--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-    "--metrics.enable_tensorboard", "false", "--metrics.disable_color_printing",
-    "--lr_scheduler.warmup_steps", "2",
-)  # fmt: skip
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.disable_color_printing",
+    "--lr_scheduler.warmup_steps",
+    "2",
+)
 
 
 def free_port() -> int:
@@ -52,9 +60,17 @@ def torchrun_command(
     """titan-train under torchrun with a c10d rendezvous on localhost:`port`, every rank's output tagged
     `[rankN]:`."""
     return torchrun.torchrun_command(
-        "-m", "titan_train.cli", *cli_args(dump, *overrides), nproc=nproc, port=port, nnodes=nnodes,
-        node_rank=node_rank, max_restarts=max_restarts, monitor_interval=0.5, tag_ranks=True,
-    )  # fmt: skip
+        "-m",
+        "titan_train.cli",
+        *cli_args(dump, *overrides),
+        nproc=nproc,
+        port=port,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        max_restarts=max_restarts,
+        monitor_interval=0.5,
+        tag_ranks=True,
+    )
 
 
 def environment() -> dict[str, str]:
@@ -175,7 +191,7 @@ def start_forked_ranks(
                 **(rank_env(rank) if rank_env else {}),
             },
             logs / f"rank{rank}.log",
-        )  # fmt: skip
+        )
         for rank in range(nproc)
     ]
 

@@ -31,8 +31,13 @@ def test_shipped_configs_cover_debug_8b_70b_and_405b():
 
 
 def _dry_run(config: str, ngpu: int) -> str:
-    env = {**os.environ, "DRY_RUN": "1", "NGPU": str(ngpu), "CONFIG_FILE": config,
-           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
+    env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "NGPU": str(ngpu),
+        "CONFIG_FILE": config,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     # How fast it prints is a benchmark's claim (bench/RESULTS.md), not this test's: a loaded machine is slower.
     result = subprocess.run(
         [str(REPO / "apps" / "run_train.sh")], capture_output=True, text=True, env=env, timeout=600
@@ -55,8 +60,11 @@ def test_a_layout_error_under_run_train_sh_is_one_line_and_exit_status_2_before_
     env = {**os.environ, "NGPU": "2", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     result = subprocess.run(
         [str(REPO / "apps" / "run_train.sh"), "--parallelism.tensor_parallel_degree", "3"],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     lines = (result.stdout + result.stderr).strip().splitlines()
     assert result.returncode == 2, lines
     assert len(lines) == 1, lines  # no rank repeats it, no launcher traceback follows
@@ -98,9 +106,16 @@ def test_a_comm_backend_that_cannot_work_stops_run_train_sh_with_one_line_and_st
 def test_comm_backend_nccl_trains_as_before(tmp_path):
     result = _run_train(
         {"NGPU": "1", "COMM_BACKEND": "nccl", "OMP_NUM_THREADS": "1"},
-        "--job.dump_folder", str(tmp_path), "--training.steps", "1", "--training.seq_len", "64",
-        "--training.local_batch_size", "1", "--metrics.disable_color_printing",
-    )  # fmt: skip
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "1",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "1",
+        "--metrics.disable_color_printing",
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert (tmp_path / "metrics.jsonl").read_text().count('"step": 1') == 1
 
@@ -137,8 +152,14 @@ def test_download_script_fetches_only_the_asked_assets_with_a_token_from_flag_or
 
 def test_download_script_without_the_hub_says_so(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    cmd = [sys.executable, str(REPO / "apps" / "scripts" / "download_hf_assets.py"), "--repo_id",
-           "meta-llama/Llama-3.1-8B", "--local_dir", str(tmp_path / "assets")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(REPO / "apps" / "scripts" / "download_hf_assets.py"),
+        "--repo_id",
+        "meta-llama/Llama-3.1-8B",
+        "--local_dir",
+        str(tmp_path / "assets"),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 1
     assert "cannot reach the Hugging Face hub for meta-llama/Llama-3.1-8B" in result.stderr

@@ -29,40 +29,114 @@ class Case:
 
 
 CASES = [
-    Case("unknown_toml_key", ("--job.config_file", "{inputs}/typo.toml"),
-         ("unknown key 'stepz' in [training]", "did you mean 'steps'")),
-    Case("unknown_flag", ("--training.stesp", "5"), ("unknown flag '--training.stesp'", "did you mean '--training.steps'")),
+    Case(
+        "unknown_toml_key",
+        ("--job.config_file", "{inputs}/typo.toml"),
+        ("unknown key 'stepz' in [training]", "did you mean 'steps'"),
+    ),
+    Case(
+        "unknown_flag",
+        ("--training.stesp", "5"),
+        ("unknown flag '--training.stesp'", "did you mean '--training.steps'"),
+    ),
     Case("wrong_type", ("--training.steps", "ten"), ("training.steps expects int, got 'ten'",)),
-    Case("value_not_a_choice", ("--optimizer.name", "SGD"), ("optimizer.name = 'SGD' is not one of", "'AdamW'")),
-    Case("value_out_of_range", ("--training.local_batch_size", "0"), ("training.local_batch_size must be at least 1, got 0",)),
-    Case("missing_config_file", ("--job.config_file", "{inputs}/nowhere.toml"), ("nowhere.toml does not exist",)),
+    Case(
+        "value_not_a_choice", ("--optimizer.name", "SGD"), ("optimizer.name = 'SGD' is not one of", "'AdamW'")
+    ),
+    Case(
+        "value_out_of_range",
+        ("--training.local_batch_size", "0"),
+        ("training.local_batch_size must be at least 1, got 0",),
+    ),
+    Case(
+        "missing_config_file",
+        ("--job.config_file", "{inputs}/nowhere.toml"),
+        ("nowhere.toml does not exist",),
+    ),
     Case("invalid_toml", ("--job.config_file", "{inputs}/broken.toml"), ("broken.toml is not valid TOML",)),
-    Case("unknown_flavor", ("--model.flavor", "9B"), ("model.flavor '9B' is not a llama3 flavor", "choose one of debugmodel")),
-    Case("seq_len_beyond_the_model", ("--training.seq_len", "262144"),
-         ("training.seq_len = 262144 is beyond the 131072-token context of llama3 debugmodel", "set training.seq_len to at most 131072"),
-         nproc=2),
-    Case("missing_tokenizer", ("--model.hf_assets_path", "{inputs}/no_tokenizer"),
-         ("no_tokenizer does not exist", "point the config at a folder with tokenizer.model"), nproc=2),
-    Case("unreadable_tokenizer", ("--model.hf_assets_path", "{inputs}/garbled_tokenizer"),
-         ("garbled_tokenizer/tokenizer.json is not a readable tokenizers-library file",)),
-    Case("signal_that_cannot_be_caught", ("--health.preemption_signals", "SIGTERM,SIGKILL"),
-         ("health.preemption_signals has 'SIGKILL', which is not a signal a process can catch", "use names such as")),
-    Case("empty_dataset", ("--training.dataset_path", "{inputs}/empty.jsonl"), ("empty.jsonl holds no documents",),
-         nproc=2),
-    Case("unreadable_dataset", ("--training.dataset_path", "{inputs}/garbled.jsonl"),
-         ("garbled.jsonl at byte 0 is not a JSON object with a 'text' field", "write one JSON object per line")),
-    Case("missing_dataset", ("--training.dataset_path", "{inputs}/nowhere.jsonl"), ("nowhere.jsonl does not exist", "point the config at a dataset file or folder")),
+    Case(
+        "unknown_flavor",
+        ("--model.flavor", "9B"),
+        ("model.flavor '9B' is not a llama3 flavor", "choose one of debugmodel"),
+    ),
+    Case(
+        "seq_len_beyond_the_model",
+        ("--training.seq_len", "262144"),
+        (
+            "training.seq_len = 262144 is beyond the 131072-token context of llama3 debugmodel",
+            "set training.seq_len to at most 131072",
+        ),
+        nproc=2,
+    ),
+    Case(
+        "missing_tokenizer",
+        ("--model.hf_assets_path", "{inputs}/no_tokenizer"),
+        ("no_tokenizer does not exist", "point the config at a folder with tokenizer.model"),
+        nproc=2,
+    ),
+    Case(
+        "unreadable_tokenizer",
+        ("--model.hf_assets_path", "{inputs}/garbled_tokenizer"),
+        ("garbled_tokenizer/tokenizer.json is not a readable tokenizers-library file",),
+    ),
+    Case(
+        "signal_that_cannot_be_caught",
+        ("--health.preemption_signals", "SIGTERM,SIGKILL"),
+        (
+            "health.preemption_signals has 'SIGKILL', which is not a signal a process can catch",
+            "use names such as",
+        ),
+    ),
+    Case(
+        "empty_dataset",
+        ("--training.dataset_path", "{inputs}/empty.jsonl"),
+        ("empty.jsonl holds no documents",),
+        nproc=2,
+    ),
+    Case(
+        "unreadable_dataset",
+        ("--training.dataset_path", "{inputs}/garbled.jsonl"),
+        (
+            "garbled.jsonl at byte 0 is not a JSON object with a 'text' field",
+            "write one JSON object per line",
+        ),
+    ),
+    Case(
+        "missing_dataset",
+        ("--training.dataset_path", "{inputs}/nowhere.jsonl"),
+        ("nowhere.jsonl does not exist", "point the config at a dataset file or folder"),
+    ),
     Case("unknown_dataset", ("--training.dataset", "c5"), ("unknown dataset 'c5'; registered: c4",)),
-    Case("checkpoint_of_another_model", (),
-         ("'tok_embeddings.weight' in", "has shape [2048, 64] but the model expects [2048, 256]",
-          "check the model flavor and vocabulary size"), nproc=2, checkpoint="other_model"),
-    Case("checkpoint_step_not_there", ("--checkpoint.load_step", "7"),
-         ("load_step = 7, but", "has no complete step-7 (complete: step-2); pick one of those or set -1")),
-    Case("world_size_does_not_fit_the_layout", ("--parallelism.data_parallel_shard_degree", "4"),
-         ("dp_shard(4) * cp(1) * tp(1) * pp(1) = 4, but WORLD_SIZE is 2", "set dp_shard = -1 to infer it"), nproc=2),
-    Case("global_batch_not_a_multiple", ("--training.global_batch_size", "3"),
-         ("training.global_batch_size (3) must be a multiple of local_batch_size (2) * data-parallel degree (1) = 2",)),
-]  # fmt: skip
+    Case(
+        "checkpoint_of_another_model",
+        (),
+        (
+            "'tok_embeddings.weight' in",
+            "has shape [2048, 64] but the model expects [2048, 256]",
+            "check the model flavor and vocabulary size",
+        ),
+        nproc=2,
+        checkpoint="other_model",
+    ),
+    Case(
+        "checkpoint_step_not_there",
+        ("--checkpoint.load_step", "7"),
+        ("load_step = 7, but", "has no complete step-7 (complete: step-2); pick one of those or set -1"),
+    ),
+    Case(
+        "world_size_does_not_fit_the_layout",
+        ("--parallelism.data_parallel_shard_degree", "4"),
+        ("dp_shard(4) * cp(1) * tp(1) * pp(1) = 4, but WORLD_SIZE is 2", "set dp_shard = -1 to infer it"),
+        nproc=2,
+    ),
+    Case(
+        "global_batch_not_a_multiple",
+        ("--training.global_batch_size", "3"),
+        (
+            "training.global_batch_size (3) must be a multiple of local_batch_size (2) * data-parallel degree (1) = 2",
+        ),
+    ),
+]
 
 
 def _write_checkpoint(folder: Path, args: ModelArgs) -> None:

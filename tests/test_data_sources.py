@@ -34,8 +34,15 @@ STEPS = 12
 
 
 def _env(endpoint: str) -> dict[str, str]:
-    return {"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "PYTHONUNBUFFERED": "1",
-            "TITAN_DATA_HTTP_ATTEMPTS": "2", "TITAN_DATA_HTTP_BACKOFF_S": "0.05", "TITAN_DATA_HTTP_TIMEOUT_S": "10"}  # fmt: skip
+    return {
+        "HF_ENDPOINT": endpoint,
+        "HF_HUB_OFFLINE": "0",
+        "HF_DATASETS_OFFLINE": "0",
+        "PYTHONUNBUFFERED": "1",
+        "TITAN_DATA_HTTP_ATTEMPTS": "2",
+        "TITAN_DATA_HTTP_BACKOFF_S": "0.05",
+        "TITAN_DATA_HTTP_TIMEOUT_S": "10",
+    }
 
 
 def _run_all(runs: dict[str, tuple[list[str], dict | list[dict]]], logs: Path) -> dict[str, tuple[int, str]]:
@@ -78,8 +85,15 @@ def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
     """
     from titan_data.cli import main as titan_data
 
-    ckpt = ("--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "100",
-            "--training.dataloader.num_streams", "2")  # fmt: skip
+    ckpt = (
+        "--training.steps",
+        str(STEPS),
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "100",
+        "--training.dataloader.num_streams",
+        "2",
+    )
     # Rank 1 retries for 3 x 6 s before giving up, longer than training's collective timeout: rank 0 must
     # wait for it in the agreement (its own group's timeout covers the retries), not time out with exit 5.
     two_ranks = ("--training.local_batch_size", "1", "--comm.train_timeout_seconds", "10")
@@ -152,9 +166,21 @@ def test_c4_at_start_through_drops_and_through_an_outage(tmp_path, monkeypatch):
             later = {
                 "rerun": (runs["failing"][0], _env(back.url)),  # the hub answers again, at another address
                 "rerun_two_ranks": (runs["two_ranks"][0], [_env(back.url)] * 2),
-                "prepared": (cli_args(tmp_path / "d", "--training.dataset", "c4", "--training.steps", "2", *validation,
-                                      "--validation.dataset", "c4_validation", *copy), dead),
-            }  # fmt: skip
+                "prepared": (
+                    cli_args(
+                        tmp_path / "d",
+                        "--training.dataset",
+                        "c4",
+                        "--training.steps",
+                        "2",
+                        *validation,
+                        "--validation.dataset",
+                        "c4_validation",
+                        *copy,
+                    ),
+                    dead,
+                ),
+            }
             results.update(_run_all(later, tmp_path / "logs_later"))
 
     says = {

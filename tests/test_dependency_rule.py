@@ -55,19 +55,42 @@ def test_library_installs_alone_and_passes_its_tests(lib, tmp_path):
     assert uv, "uv is needed to build fresh environments: pip install uv"
     constraints = tmp_path / "constraints.txt"
     exported = subprocess.run(
-        [uv, "export", "--frozen", "--no-hashes", "--all-packages", "--no-emit-workspace", "--all-groups",
-         "-o", str(constraints)], cwd=REPO, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            uv,
+            "export",
+            "--frozen",
+            "--no-hashes",
+            "--all-packages",
+            "--no-emit-workspace",
+            "--all-groups",
+            "-o",
+            str(constraints),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert exported.returncode == 0, exported.stderr
     venv = tmp_path / "venv"
     python = venv / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     subprocess.run([uv, "venv", "-q", "--python", sys.executable, str(venv)], check=True, env=env)
     install = subprocess.run(
-        [uv, "pip", "install", "-q", "--python", str(python), "-c", str(constraints),
-         f"{REPO / 'packages' / f'titan-{lib}'}[test]"],
-        capture_output=True, text=True, env=env,
-    )  # fmt: skip
+        [
+            uv,
+            "pip",
+            "install",
+            "-q",
+            "--python",
+            str(python),
+            "-c",
+            str(constraints),
+            f"{REPO / 'packages' / f'titan-{lib}'}[test]",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert install.returncode == 0, install.stderr[-3000:]
     siblings = [f"titan_{other}" for other in ALL if other != lib]
     probe = "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in sys.argv[1:]))"
@@ -77,13 +100,31 @@ def test_library_installs_alone_and_passes_its_tests(lib, tmp_path):
     # Every module imports with this library's own dependencies alone, and its tests not marked slow pass.
     # The slow (multi-process) ones exercise no other dependency; they run in the workspace and on the
     # floor torch (.ci/run), so they are not run a third time here.
-    imports = subprocess.run([str(python), "-c", IMPORT_EVERY_MODULE, f"titan_{lib}"], capture_output=True,
-                             text=True, env=env, cwd=tmp_path)  # fmt: skip
+    imports = subprocess.run(
+        [str(python), "-c", IMPORT_EVERY_MODULE, f"titan_{lib}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     assert imports.returncode == 0, imports.stderr[-3000:]
     tests = subprocess.run(
-        [str(python), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow",
-         str(REPO / "packages" / f"titan-{lib}" / "tests")],
-        capture_output=True, text=True, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            str(python),
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not slow",
+            str(REPO / "packages" / f"titan-{lib}" / "tests"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     assert tests.returncode == 0, tests.stdout[-4000:]
     assert " passed" in tests.stdout, tests.stdout[-2000:]

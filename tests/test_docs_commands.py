@@ -316,8 +316,15 @@ def test_docs_commands_run(tmp_path):
         plan = classify(command)
         if plan is None or not plan.runs:
             continue
-        steps.append({"id": i, "kind": plan.kind, "argv": plan.argv, "env": {**command.env, **plan.env},
-                      "scratch": Path(command.page).stem})  # fmt: skip
+        steps.append(
+            {
+                "id": i,
+                "kind": plan.kind,
+                "argv": plan.argv,
+                "env": {**command.env, **plan.env},
+                "scratch": Path(command.page).stem,
+            }
+        )
         commands[i] = command
     (tmp_path / "plan.json").write_text(json.dumps(steps))
     # One thread: at the test's tiny shapes a second one only spins (5x the CPU time on a busy machine).
@@ -325,8 +332,12 @@ def test_docs_commands_run(tmp_path):
     env.pop("WORLD_SIZE", None), env.pop("RANK", None)
     done = subprocess.run(
         [sys.executable, str(WORKER), str(tmp_path / "plan.json"), str(tmp_path / "results.json")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert [r["id"] for r in results] == [s["id"] for s in steps]

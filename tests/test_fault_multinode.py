@@ -19,8 +19,17 @@ from fault_runs import (  # noqa: E402
 
 STEPS = 4
 # The global batch is fixed: 4 ranks x 2 sequences, always dealt from 4 document streams.
-JOB = ("--training.steps", str(STEPS), "--training.dataloader.num_streams", "4", "--checkpoint.enable",
-       "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")  # fmt: skip
+JOB = (
+    "--training.steps",
+    str(STEPS),
+    "--training.dataloader.num_streams",
+    "4",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.keep_latest_k",
+    "0",
+)
 KILL_RANK_3_AFTER_STEP_3 = ("--health.drill", "kill", "--health.drill_rank", "3", "--health.drill_step", "3")
 
 
@@ -52,7 +61,7 @@ def test_two_torchrun_nodes_train_as_one_four_rank_node_and_restart_together_aft
             stderr=subprocess.STDOUT,
             text=True,
             env=environment(),
-        )  # fmt: skip
+        )
         for node in (0, 1)
     ]
     outputs = [launch.communicate(timeout=500)[0] for launch in launches]

@@ -24,8 +24,17 @@ from fault_runs import (  # noqa: E402
 
 STEPS = 6
 # Every run: 2 ranks, checkpoints every 2 steps (all kept), the same data dealing.
-JOB = ("--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "2",
-       "--checkpoint.keep_latest_k", "0", "--training.dataloader.num_streams", "2")  # fmt: skip
+JOB = (
+    "--training.steps",
+    str(STEPS),
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.keep_latest_k",
+    "0",
+    "--training.dataloader.num_streams",
+    "2",
+)
 
 
 @pytest.fixture(scope="module")

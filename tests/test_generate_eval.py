@@ -33,9 +33,25 @@ WORKER = Path(__file__).parent / "workers" / "layout_matrix.py"
 DEBUG_CONFIG = Path(__file__).parents[1] / "apps" / "configs" / "debug_model.toml"
 STEPS = 3
 MODEL = ("--job.config_file", str(DEBUG_CONFIG), "--model.flavor", "debug_2_layers")
-BASE = (*MODEL, "--metrics.disable_color_printing", "--metrics.log_freq", "1", "--training.steps", str(STEPS),
-        "--training.seq_len", "64", "--training.local_batch_size", "2", "--optimizer.lr", "1e-2",
-        "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "--checkpoint.interval", "100")  # fmt: skip
+BASE = (
+    *MODEL,
+    "--metrics.disable_color_printing",
+    "--metrics.log_freq",
+    "1",
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--optimizer.lr",
+    "1e-2",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "100",
+)
 P = "--parallelism."
 LAYOUTS = {
     "fsdp": [*BASE, f"{P}data_parallel_shard_degree", "2", "--checkpoint.last_save_in_hf"],
@@ -100,8 +116,21 @@ def _assert_greedy_under_full_forward(model, prompt: list[int], generated: list[
 
 def test_generate_command_prints_the_text_and_tokens_per_second(runs, capsys, caplog):
     step = runs / "fsdp" / "checkpoint" / f"step-{STEPS}"
-    argv = ["generate", "--checkpoint", str(step), "--device", "cpu", "--prompt", PROMPTS[0], "--prompt",
-            PROMPTS[1], "--max-new-tokens", "12", "--no-eos-stop", *MODEL]  # fmt: skip
+    argv = [
+        "generate",
+        "--checkpoint",
+        str(step),
+        "--device",
+        "cpu",
+        "--prompt",
+        PROMPTS[0],
+        "--prompt",
+        PROMPTS[1],
+        "--max-new-tokens",
+        "12",
+        "--no-eos-stop",
+        *MODEL,
+    ]
     with caplog.at_level(logging.INFO):
         assert run(argv) == 0
     # It names the checkpoint it loads, not "no checkpoint in X" as a run's folder would say.
@@ -174,9 +203,12 @@ def _evaluate(model, tasks: Path) -> dict:
     from lm_eval.tasks import TaskManager
 
     return lm_eval.simple_evaluate(
-        model=model, tasks=TASK_NAMES, task_manager=TaskManager(include_path=str(tasks)), log_samples=True,
+        model=model,
+        tasks=TASK_NAMES,
+        task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True,
         bootstrap_iters=0,
-    )  # fmt: skip
+    )
 
 
 def test_lm_eval_hf_backend_on_the_export_and_titan_on_the_dcp_files_score_the_same(runs, tasks, monkeypatch):
@@ -237,9 +269,29 @@ def test_eval_command_writes_json_and_tensorboard_at_the_checkpoint_step(runs, t
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     dump = runs / "tp"
     step = dump / "checkpoint" / f"step-{STEPS}"
-    argv = ["eval", "--checkpoint", str(step), "--device", "cpu", "--max-seq-len", "128", "--tasks", "titan_local_mc",
-            "--include-path", str(tasks), *MODEL, "--job.dump_folder", str(dump), "--metrics.enable_tensorboard",
-            "--validation.seq_len", "64", "--validation.local_batch_size", "2", "--validation.steps", "2"]  # fmt: skip
+    argv = [
+        "eval",
+        "--checkpoint",
+        str(step),
+        "--device",
+        "cpu",
+        "--max-seq-len",
+        "128",
+        "--tasks",
+        "titan_local_mc",
+        "--include-path",
+        str(tasks),
+        *MODEL,
+        "--job.dump_folder",
+        str(dump),
+        "--metrics.enable_tensorboard",
+        "--validation.seq_len",
+        "64",
+        "--validation.local_batch_size",
+        "2",
+        "--validation.steps",
+        "2",
+    ]
     assert run(argv) == 0
     record = json.loads((dump / "eval" / f"step-{STEPS}.json").read_text())
     assert record["step"] == STEPS and record["perplexity"]["dataset"] == "c4_test"

@@ -93,8 +93,12 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_import_graph_reads_every_package_and_a_known_edge():
     graph = import_graph()
     assert {name.split(".")[0] for name in graph} == {
-        "titan_models", "titan_parallel", "titan_data", "titan_ckpt", "titan_train",
-    }  # fmt: skip
+        "titan_models",
+        "titan_parallel",
+        "titan_data",
+        "titan_ckpt",
+        "titan_train",
+    }
     assert "titan_train.plan" in graph["titan_train.trainer"]
     assert "titan_train.config" in graph["titan_train.wiring.optimizers"]  # a package's __init__ runs
 
@@ -126,8 +130,13 @@ def _registry_writes(path: Path) -> list[str]:
 
     found = []
     for node in ast.walk(tree):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-            node, (ast.AugAssign, ast.AnnAssign)) else []  # fmt: skip
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+            else []
+        )
         hits = [t for t in targets if isinstance(t, ast.Subscript) and is_registry(t.value)]
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             mutating = node.func.attr in ("setdefault", "update", "__setitem__", "pop")

@@ -18,8 +18,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_a_short_soak_finds_no_leak():
-    command = [sys.executable, str(REPO / "bench" / "soak.py"), "--steps", "1500", "--warmup-steps", "500",
-               "--checkpoint-interval", "100", "--validation-freq", "100"]  # fmt: skip
+    command = [
+        sys.executable,
+        str(REPO / "bench" / "soak.py"),
+        "--steps",
+        "1500",
+        "--warmup-steps",
+        "500",
+        "--checkpoint-interval",
+        "100",
+        "--validation-freq",
+        "100",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]

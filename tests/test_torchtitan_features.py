@@ -60,8 +60,15 @@ def _generate(train_argv: list[str], dump: Path) -> None:
     """torchtitan's generation step, by `titan-train generate`: the training run's last checkpoint,
     loaded with that run's config and overrides, must give new tokens for torchtitan's prompt."""
     checkpoint = dump / "checkpoint" / f"step-{_steps_asked(train_argv)}"
-    cmd = [str(Path(sys.executable).parent / "titan-train"), "generate", "--checkpoint", str(checkpoint),
-           "--prompt", "What is the meaning of life?", *train_argv]  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).parent / "titan-train"),
+        "generate",
+        "--checkpoint",
+        str(checkpoint),
+        "--prompt",
+        "What is the meaning of life?",
+        *train_argv,
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, "generation: " + (result.stdout + result.stderr)[-4000:]
     generated = re.search(r"generated (\d+) tokens for 1 prompts", result.stdout)
@@ -75,19 +82,35 @@ def amortised(tmp_path_factory):
     results = {}
     for nproc in sorted({case.ngpu for case, _ in TRAINING_RUNS}):
         runs = {
-            f"{case.name}#{i}": {"argv": ["--job.config_file", str(BASE_CONFIG), *case.argv(i, out)],
-                                 "dump": str(out / case.name)}
-            for case, i in TRAINING_RUNS if case.ngpu == nproc
-        }  # fmt: skip
+            f"{case.name}#{i}": {
+                "argv": ["--job.config_file", str(BASE_CONFIG), *case.argv(i, out)],
+                "dump": str(out / case.name),
+            }
+            for case, i in TRAINING_RUNS
+            if case.ngpu == nproc
+        }
         folder = out / f"ranks_{nproc}"
         folder.mkdir()
         (folder / "runs.json").write_text(json.dumps(runs))
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-               "--rdzv_endpoint=localhost:0", str(WORKER), str(folder / "runs.json"), str(folder)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=localhost:0",
+            str(WORKER),
+            str(folder / "runs.json"),
+            str(folder),
+        ]
         # Inductor's caches would hand a later run code compiled for an earlier run's process groups
         # (destroyed by then), by name: "Could not resolve the process group registered under the name 7".
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
-               "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "TORCHINDUCTOR_COMPILE_THREADS": "1",
+            "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",
+        }
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=REPO)
         assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
         for name, value in json.loads((folder / "results.json").read_text()).items():
@@ -117,8 +140,13 @@ def test_every_case_trains(amortised, case):
 def test_run_train(case, tmp_path):
     """One case through apps/run_train.sh, as torchtitan's runner launches its own."""
     times = Path(os.environ.get("TITAN_TORCHTITAN_FEATURES_TIMES", tmp_path / "times.jsonl"))
-    env = {**os.environ, "CONFIG_FILE": str(BASE_CONFIG), "NGPU": str(case.ngpu),
-           "LOG_RANK": ",".join(map(str, range(case.ngpu))), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # fmt: skip
+    env = {
+        **os.environ,
+        "CONFIG_FILE": str(BASE_CONFIG),
+        "NGPU": str(case.ngpu),
+        "LOG_RANK": ",".join(map(str, range(case.ngpu))),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     start = time.perf_counter()
     for i, run in enumerate(case.runs):
         if run == GENERATE:
@@ -127,8 +155,14 @@ def test_run_train(case, tmp_path):
             )
             continue
         argv = case.argv(i, tmp_path)
-        result = subprocess.run([str(REPO / "apps" / "run_train.sh"), *argv], capture_output=True, text=True,
-                                env=env, cwd=REPO, timeout=1800)  # fmt: skip
+        result = subprocess.run(
+            [str(REPO / "apps" / "run_train.sh"), *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=1800,
+        )
         assert result.returncode == 0, f"run {i + 1}: " + (result.stdout + result.stderr)[-4000:]
         assert _last_step(tmp_path / case.name) == _steps_asked(argv)
     with times.open("a") as f:

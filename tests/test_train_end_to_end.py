@@ -38,9 +38,22 @@ def _metrics(dump) -> dict[int, tuple[float, float]]:
 def test_two_ranks_resumed_on_one_with_default_settings_match_the_uninterrupted_run(tmp_path, launch):
     # The same command at both world sizes: the global batch is fixed (1 rank accumulates 2 micro-batches),
     # training.dataloader.num_streams is left unset.
-    same = ("--training.steps", "10", "--training.seq_len", "64", "--training.local_batch_size", "2",
-            "--training.global_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "6",
-            "--checkpoint.keep_latest_k", "0", *SMALL)  # fmt: skip
+    same = (
+        "--training.steps",
+        "10",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "4",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "6",
+        "--checkpoint.keep_latest_k",
+        "0",
+        *SMALL,
+    )
     two = launch(tmp_path / "two", *same, nproc=2)
     assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
     # A 2-rank run that stopped after its step-6 save, started again on one rank.

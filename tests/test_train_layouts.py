@@ -39,10 +39,25 @@ from titan_train.torchrun import run_torchrun
 WORKER = Path(__file__).parent / "workers" / "layout_matrix.py"
 DEBUG_CONFIG = Path(__file__).parents[1] / "apps" / "configs" / "debug_model.toml"
 STEPS = 5
-BASE = ("--job.config_file", str(DEBUG_CONFIG), "--metrics.disable_color_printing", "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "false", "--training.steps", str(STEPS), "--training.seq_len", "64",
-        "--training.dataloader.num_streams", "4", "--model.flavor", "debug_2_layers",
-        "--training.local_batch_size", "4")  # fmt: skip
+BASE = (
+    "--job.config_file",
+    str(DEBUG_CONFIG),
+    "--metrics.disable_color_printing",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "64",
+    "--training.dataloader.num_streams",
+    "4",
+    "--model.flavor",
+    "debug_2_layers",
+    "--training.local_batch_size",
+    "4",
+)
 FOUR_LAYERS = ("--model.flavor", "debug_4_layers")
 
 EXACT = 1e-5  # relative, loss and grad_norm at every step; 40x the largest difference measured
@@ -54,8 +69,12 @@ FLOAT8_REL = 5e-4  # relative, loss and grad_norm; 2.8x the largest drift measur
 # 1.0e-2 (rowwise), 4.3e-2 under FSDP + TP with float8 all-gathers, 3.3e-3 for emulated MXFP8 under FSDP);
 # float8 loss and grad_norm under TP: at most 5.5e-5 from one process.
 FLOAT8_WEIGHTS_REL = 0.1
-FLOAT8_TENSORWISE_RUN = {"reference": "float8_tensorwise", "rel": FLOAT8_REL, "weights_atol": None,
-                         "weights_rel": FLOAT8_WEIGHTS_REL}  # fmt: skip
+FLOAT8_TENSORWISE_RUN = {
+    "reference": "float8_tensorwise",
+    "rel": FLOAT8_REL,
+    "weights_atol": None,
+    "weights_rel": FLOAT8_WEIGHTS_REL,
+}
 FLOAT8_ROWWISE_RUN = {**FLOAT8_TENSORWISE_RUN, "reference": "float8_rowwise"}
 MX_REL = 2e-3  # emulated MXFP8 against float32, loss and grad_norm; 2.9x the largest drift measured (6.9e-4)
 MX_RUN = {**FLOAT8_TENSORWISE_RUN, "reference": "mx_emulated"}
@@ -86,8 +105,10 @@ ACCUMULATE_TO_4 = ("--training.global_batch_size", "4")
 FLOAT8 = ("--model.converters", "float8", "--quantize.linear.float8.recipe_name")
 LINEAR_TYPES = {"linear_types": ["Float8Linear", "Linear"]}
 MX = ("--model.converters", "mx", "--quantize.linear.mx.recipe_name", "mxfp8_emulated")
-FLOAT8_ALL_GATHER = ("--quantize.linear.float8.enable_fsdp_float8_all_gather",
-                     "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp")  # fmt: skip
+FLOAT8_ALL_GATHER = (
+    "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+)
 FLOAT8_WEIGHT_TYPE = "WeightWithDynamicFloat8CastTensor"  # a weight FSDP all-gathers in float8
 # The styles that split wq and feed the attention (torchao's float8 ones, or torch's plain ones).
 FLOAT8_TP_STYLES = {**LINEAR_TYPES, "tp_styles": ["Float8ColwiseParallel", "PrepareFloat8ModuleInput"]}
@@ -97,16 +118,34 @@ PLAIN_TP_STYLES = {**LINEAR_TYPES, "tp_styles": ["ColwiseParallel", "PrepareModu
 ONE_STAGE, LOOPED, V, ONE_UNIT_LOOPED = [["0"]], [["0"], ["3"]], [["0"], []], [[], ["1"]]
 CSV_SCHEDULE = Path(__file__).parent / "assets" / "pp_two_stages_per_rank_4_microbatches.csv"
 # Validation at step 5 on 2 batches of the bundled corpus, dealt like the training data.
-VALIDATION = ("--validation.enable", "--validation.dataset", "c4_test", "--validation.seq_len", "64",
-              "--validation.local_batch_size", "4", "--validation.freq", "5", "--validation.steps", "2",
-              "--validation.dataloader.num_streams", "4")  # fmt: skip
+VALIDATION = (
+    "--validation.enable",
+    "--validation.dataset",
+    "c4_test",
+    "--validation.seq_len",
+    "64",
+    "--validation.local_batch_size",
+    "4",
+    "--validation.freq",
+    "5",
+    "--validation.steps",
+    "2",
+    "--validation.dataloader.num_streams",
+    "4",
+)
 BLOCK_CAUSAL, VARLEN = (
     ("--model.flavor", "debug_2_layers_block_causal"),
     ("--model.flavor", "debug_2_layers_varlen"),
 )
 IN_BACKWARD = ("--optimizer.early_step_in_backward",)
-LOADER_WORKERS = ("--training.dataloader.num_workers", "2", "--training.dataloader.pin_memory",
-                  "--training.dataloader.persistent_workers", "--training.dataloader.prefetch_factor", "4")  # fmt: skip
+LOADER_WORKERS = (
+    "--training.dataloader.num_workers",
+    "2",
+    "--training.dataloader.pin_memory",
+    "--training.dataloader.persistent_workers",
+    "--training.dataloader.prefetch_factor",
+    "4",
+)
 
 
 def local_batch(n: int) -> tuple[str, ...]:
@@ -116,8 +155,14 @@ def local_batch(n: int) -> tuple[str, ...]:
 SAVE_AT_3 = ("--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.keep_latest_k", "0")
 # 6 windows a step from 8 streams: resumed on 2 ranks, each rank's workers start at window 9 of its 4
 # streams, mid-round and with the second worker's turn.
-WORKERS_8_STREAMS = (*LOADER_WORKERS, "--training.dataloader.num_streams", "8",
-                     "--training.global_batch_size", "6", *SAVE_AT_3)  # fmt: skip
+WORKERS_8_STREAMS = (
+    *LOADER_WORKERS,
+    "--training.dataloader.num_streams",
+    "8",
+    "--training.global_batch_size",
+    "6",
+    *SAVE_AT_3,
+)
 
 
 # A qwen3 mixture-of-experts model cut to dim 64, 2 layers of 8 experts (top 2, hidden 64): experts split by
@@ -127,8 +172,15 @@ EP, ETP = f"{P}expert_parallel_degree", f"{P}expert_tensor_parallel_degree"
 
 
 def experts(ep: int, etp: int, mesh_dims: list[str] | None, placements: list[str] | None, local: list[int]):
-    return {"experts": {"ep": ep, "etp": etp, "w1_mesh_dims": mesh_dims, "w1_placements": placements,
-                        "w1_local_shape": local}}  # fmt: skip
+    return {
+        "experts": {
+            "ep": ep,
+            "etp": etp,
+            "w1_mesh_dims": mesh_dims,
+            "w1_placements": placements,
+            "w1_local_shape": local,
+        }
+    }
 
 
 def moe(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
@@ -373,9 +425,13 @@ class Matrix:
         # One thread per rank, and inductor compiling in the rank itself: worker pools on 2 cores cost
         # more than they save (the one-rank launch takes 10x longer with 2 threads on a busy machine).
         result = run_torchrun(
-            str(WORKER), str(out / "layouts.json"), str(out), nproc=nproc, timeout=900,
+            str(WORKER),
+            str(out / "layouts.json"),
+            str(out),
+            nproc=nproc,
+            timeout=900,
             env={"TORCHINDUCTOR_COMPILE_THREADS": "1"},
-        )  # fmt: skip
+        )
         assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
         for name, value in json.loads((out / "results.json").read_text()).items():
             self.results[name] = {**value, "dump": out / name}
@@ -456,8 +512,10 @@ def assert_trains_as_its_reference(matrix, name: str) -> None:
             {layer: [layout.counts_scale * c for c in counts] for layer, counts in step.items()}
             for step in reference["expert_counts"][layout.resumed_at or 0 :]
         ]
-        assert all(run_step and run_step.items() <= want_step.items() for run_step, want_step in zip(
-            run["expert_counts"], want, strict=True)), (run["expert_counts"], want)  # fmt: skip
+        assert all(
+            run_step and run_step.items() <= want_step.items()
+            for run_step, want_step in zip(run["expert_counts"], want, strict=True)
+        ), (run["expert_counts"], want)
     if layout.weights_atol is not None:
         got, want = matrix.weights(name), matrix.weights(layout.reference)
         assert sorted(got) == sorted(want)

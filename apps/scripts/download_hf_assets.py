@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         logger.error(
             "cannot reach the Hugging Face hub for %s (HF_HUB_OFFLINE is set, or there is no network); "
             "download on a machine with access and copy %s here",
-            args.repo_id, folder,
-        )  # fmt: skip
+            args.repo_id,
+            folder,
+        )
         return 1
     except RepositoryNotFoundError:
         logger.error("%s does not exist or is private (check the name, or pass a token)", args.repo_id)

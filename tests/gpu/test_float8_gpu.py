@@ -68,9 +68,15 @@ def test_float8_loss_curve_stays_close_to_bf16(recipe, float8_gpu, build_model, 
     gaps = [abs(a - b) for a, b in zip(float8, bf16, strict=True)]
     final_rel = abs(float8[-1] - bf16[-1]) / bf16[-1]
     report(
-        recipe=recipe, float8_linears=len(converted), bf16_first=bf16[0], bf16_last=bf16[-1],
-        float8_last=float8[-1], final_rel=final_rel, max_abs=max(gaps), mean_abs=sum(gaps) / len(gaps),
-    )  # fmt: skip
+        recipe=recipe,
+        float8_linears=len(converted),
+        bf16_first=bf16[0],
+        bf16_last=bf16[-1],
+        float8_last=float8[-1],
+        final_rel=final_rel,
+        max_abs=max(gaps),
+        mean_abs=sum(gaps) / len(gaps),
+    )
     assert len(converted) == FLOAT8_LINEARS, converted
     assert type(model.output) is nn.Linear
     assert bf16[-1] < bf16[0] - 1.0, "the bf16 run did not learn: the comparison would be empty"

@@ -96,10 +96,21 @@ def test_grouped_mm_is_faster_than_the_loop_at_deepseek_v2_lite_shape(report):
 @pytest.mark.parametrize("config", ["deepseek_v3_debug", "qwen3_moe_debug", "llama4_debug"])
 def test_moe_debug_config_trains_on_the_gpu_with_expert_load_logged(config, tmp_path, report):
     command = [
-        sys.executable, "-m", "titan_train.cli", "--job.config_file", str(REPO / "apps/configs" / f"{config}.toml"),
-        "--job.dump_folder", str(tmp_path), "--training.steps", "30", "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "false", "--metrics.disable_color_printing",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "titan_train.cli",
+        "--job.config_file",
+        str(REPO / "apps/configs" / f"{config}.toml"),
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "30",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.disable_color_printing",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]

@@ -86,9 +86,12 @@ def test_async_pinned_memory_save_blocks_less_than_a_sync_save_and_reloads_bit_e
     pinned.close()
     timing = pinned.timings[-1]
     report(
-        state_gib=sum(v.numel() * v.element_size() for v in saved.values()) / 2**30, sync_save_s=sync_s,
-        async_save_call_s=blocked_s, async_staged_after_s=staged_s, async_total_s=timing.total_s,
-    )  # fmt: skip
+        state_gib=sum(v.numel() * v.element_size() for v in saved.values()) / 2**30,
+        sync_save_s=sync_s,
+        async_save_call_s=blocked_s,
+        async_staged_after_s=staged_s,
+        async_total_s=timing.total_s,
+    )
     assert [t.step for t in pinned.timings] == [1]
     assert blocked_s < sync_s, (
         f"the async save call blocked {blocked_s:.3f} s, a sync save takes {sync_s:.3f} s"

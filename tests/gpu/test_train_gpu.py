@@ -25,16 +25,26 @@ pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_CONFIG = REPO / "apps" / "configs" / "debug_model.toml"
 LOGGED_EVERY_STEP = (
-    "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--metrics.disable_color_printing",
-)  # fmt: skip
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--metrics.disable_color_printing",
+)
 
 
 def _titan_train(dump: Path, *overrides: str, torchrun: bool = False) -> tuple[str, list[dict]]:
     """Run titan-train to completion; its output and its metrics.jsonl records."""
     target = [
-        "-m", "titan_train.cli", "--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(dump),
-        *LOGGED_EVERY_STEP, *overrides,
-    ]  # fmt: skip
+        "-m",
+        "titan_train.cli",
+        "--job.config_file",
+        str(DEBUG_CONFIG),
+        "--job.dump_folder",
+        str(dump),
+        *LOGGED_EVERY_STEP,
+        *overrides,
+    ]
     command = torchrun_command(*target, nproc=1) if torchrun else [sys.executable, *target]
     # At INFO, torch logs each ProcessGroupNCCL it creates ("ProcessGroupNCCL initialization options").
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "INFO"}

@@ -35,8 +35,19 @@ NODE_IFNAME = "titan0"  # the node side of its veth pair, the same name in every
 GPUS_PER_NODE = 4  # GRES on stand-in device files: SLURM counts and hands them out, nothing more
 LOCK = Path("/run/titan-slurm-test.lock")
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
-COMMANDS = ("munged", "munge", "unmunge", "mungekey", "slurmctld", "slurmd", "slurmdbd", "sbatch", "sacct", "mariadbd",
-            "mariadb-install-db")  # fmt: skip
+COMMANDS = (
+    "munged",
+    "munge",
+    "unmunge",
+    "mungekey",
+    "slurmctld",
+    "slurmd",
+    "slurmdbd",
+    "sbatch",
+    "sacct",
+    "mariadbd",
+    "mariadb-install-db",
+)
 
 
 def netns(node: str) -> str:
@@ -175,8 +186,18 @@ class Cluster:
         inside = f"mount --bind {hosts} /etc/hosts && hostname {node} && exec slurmd -D -N {node}"
         (self.root / "spool" / node).mkdir(parents=True, exist_ok=True)
         # nsenter, not `ip netns exec`, which mounts a /sys without the cgroup file system slurmd reads.
-        command = ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "--propagation", "private",
-                   "sh", "-c", inside]  # fmt: skip
+        command = [
+            "nsenter",
+            f"--net=/run/netns/{ns}",
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            inside,
+        ]
         self._daemon(f"slurmd-{node}", command)
 
     def kill_node(self, node: str) -> None:
@@ -227,9 +248,18 @@ class Cluster:
             self._run("mungekey", "--create", f"--keyfile={key}")
         key.chmod(0o400)
         MUNGE_SOCKET.parent.mkdir(mode=0o755, exist_ok=True)
-        self._daemon("munged", ["munged", "--foreground", "--force", f"--key-file={key}",
-                                f"--pid-file={munge / 'munged.pid'}", f"--seed-file={munge / 'munged.seed'}",
-                                f"--log-file={self.logs / 'munged.log'}"])  # fmt: skip
+        self._daemon(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--key-file={key}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--seed-file={munge / 'munged.seed'}",
+                f"--log-file={self.logs / 'munged.log'}",
+            ],
+        )
         self._wait_for(self._munge_works, "munged", 30)
 
     @staticmethod
@@ -244,12 +274,29 @@ class Cluster:
     def _start_mariadb(self, port: int) -> None:
         data = self.root / "db"
         if not (data / "mysql").exists():
-            self._run("mariadb-install-db", "--user=root", f"--datadir={data}", "--skip-test-db",
-                      "--auth-root-authentication-method=normal")  # fmt: skip
-        self._daemon("mariadbd", ["mariadbd", "--no-defaults", "--user=root", f"--datadir={data}",
-                                  f"--socket={data / 'mysqld.sock'}", f"--pid-file={data / 'mysqld.pid'}",
-                                  f"--port={port}", "--bind-address=127.0.0.1", "--skip-grant-tables",
-                                  "--innodb-buffer-pool-size=32M", "--innodb-log-file-size=16M"])  # fmt: skip
+            self._run(
+                "mariadb-install-db",
+                "--user=root",
+                f"--datadir={data}",
+                "--skip-test-db",
+                "--auth-root-authentication-method=normal",
+            )
+        self._daemon(
+            "mariadbd",
+            [
+                "mariadbd",
+                "--no-defaults",
+                "--user=root",
+                f"--datadir={data}",
+                f"--socket={data / 'mysqld.sock'}",
+                f"--pid-file={data / 'mysqld.pid'}",
+                f"--port={port}",
+                "--bind-address=127.0.0.1",
+                "--skip-grant-tables",
+                "--innodb-buffer-pool-size=32M",
+                "--innodb-log-file-size=16M",
+            ],
+        )
 
         def accepting() -> bool:
             with socket.socket() as s:
@@ -340,8 +387,14 @@ class Cluster:
         self._wait_for(lambda: set(self.node_states().values()) == {state}, f"nodes {state}", timeout)
 
     def sbatch(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> int:
-        result = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True,
-                                env={**self.env, **(env or {})}, cwd=cwd, timeout=60)  # fmt: skip
+        result = subprocess.run(
+            ["sbatch", "--parsable", *args],
+            capture_output=True,
+            text=True,
+            env={**self.env, **(env or {})},
+            cwd=cwd,
+            timeout=60,
+        )
         if result.returncode != 0:
             raise RuntimeError(f"sbatch {' '.join(args)} failed: {result.stderr}")
         return int(result.stdout.strip().split(";")[0])
@@ -357,8 +410,13 @@ class Cluster:
 
     def job(self, job_id: int) -> dict[str, str]:
         """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...); empty once the job is purged."""
-        result = subprocess.run(["scontrol", "--oneliner", "show", "job", str(job_id)], capture_output=True,
-                                text=True, env=self.env, timeout=60)  # fmt: skip
+        result = subprocess.run(
+            ["scontrol", "--oneliner", "show", "job", str(job_id)],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=60,
+        )
         if result.returncode != 0:
             return {}
         return dict(field.split("=", 1) for field in result.stdout.split() if "=" in field)
@@ -376,8 +434,14 @@ class Cluster:
             time.sleep(0.5)
 
     def sacct(self, job_id: int) -> str:
-        return self._run("sacct", "--duplicates", "--allocations", "-j", str(job_id),
-                         "--format=JobID,JobName%8,State%10,ExitCode,Start,End,Elapsed,TotalCPU,NodeList%8")  # fmt: skip
+        return self._run(
+            "sacct",
+            "--duplicates",
+            "--allocations",
+            "-j",
+            str(job_id),
+            "--format=JobID,JobName%8,State%10,ExitCode,Start,End,Elapsed,TotalCPU,NodeList%8",
+        )
 
     def cpu_seconds(self, job_id: int) -> float:
         """CPU time (user + system) of every step of every start of the job, as SLURM accounted it."""

@@ -38,8 +38,18 @@ pytestmark = pytest.mark.slow
 STEPS = 14
 STALL_STEP = 3
 # The global batch is fixed (4 ranks x 2 sequences from 4 document streams); every step's checkpoint kept.
-JOB = (*TINY, "--training.steps", str(STEPS), "--training.dataloader.num_streams", "4", "--checkpoint.enable",
-       "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0")  # fmt: skip
+JOB = (
+    *TINY,
+    "--training.steps",
+    str(STEPS),
+    "--training.dataloader.num_streams",
+    "4",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "2",
+    "--checkpoint.keep_latest_k",
+    "0",
+)
 STALL = ("--health.drill", "stall", "--health.drill_rank", "3", "--health.drill_step", str(STALL_STEP))
 WAIT = 400  # seconds any one phase may take on a busy machine
 SIGNAL_LEAD = 100  # --signal=B:USR1@100: the script's warning, 100 s before the time limit
@@ -113,9 +123,18 @@ def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_lo
         "SOCKET_IFNAME": "titan0",
         "SKIP_CHECK": "1",  # the check has its own test below; here it would cost an import per submission
     }
-    job = cluster.sbatch("--nodes=2", "--gpus-per-node=2", "--time=10", f"--signal=B:USR1@{SIGNAL_LEAD}",
-                         f"--output={output}", str(REPO / "apps" / "multinode_trainer.slurm"), *JOB, *STALL,
-                         env=env, cwd=tmp_path)  # fmt: skip
+    job = cluster.sbatch(
+        "--nodes=2",
+        "--gpus-per-node=2",
+        "--time=10",
+        f"--signal=B:USR1@{SIGNAL_LEAD}",
+        f"--output={output}",
+        str(REPO / "apps" / "multinode_trainer.slurm"),
+        *JOB,
+        *STALL,
+        env=env,
+        cwd=tmp_path,
+    )
     request.addfinalizer(lambda: cluster.release(job))
     phases = {}
     began = time.monotonic()
@@ -135,8 +154,9 @@ def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_lo
     single = tmp_path / "single"
 
     def one_node() -> None:
-        statuses, outputs = run_forked_ranks(["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder",
-                                              str(single), *JOB], 4, single)  # fmt: skip
+        statuses, outputs = run_forked_ranks(
+            ["--job.config_file", str(DEBUG_CONFIG), "--job.dump_folder", str(single), *JOB], 4, single
+        )
         assert statuses == [0, 0, 0, 0], outputs[0][-3000:]
         reference.update(_by_step(single))
 
@@ -187,8 +207,10 @@ def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_lo
     # slurmdbd records the end a moment after slurmctld reports it.
     _wait(lambda: "COMPLETED" in cluster.sacct(job), "the accounting record of the finished job")
     runs = cluster.sacct(job)
-    print(f"job {job} (seconds since submission: {phases}; CPU seconds of its processes: "
-          f"{cluster.cpu_seconds(job):.0f}):\n{runs}")  # fmt: skip
+    print(
+        f"job {job} (seconds since submission: {phases}; CPU seconds of its processes: "
+        f"{cluster.cpu_seconds(job):.0f}):\n{runs}"
+    )
     states = [line.split()[2] for line in runs.splitlines()[2:]]
     assert states == ["REQUEUED", "REQUEUED", "NODE_FAIL", "COMPLETED"], runs
     assert [line.split()[3] for line in runs.splitlines()[2:]] == ["0:0", "3:0", "0:0", "0:0"], runs
@@ -212,11 +234,23 @@ def test_a_config_mistake_ends_the_job_before_any_node_starts_with_one_line_and_
     cluster: Cluster, tmp_path: Path
 ):
     output = tmp_path / "job.out"
-    env = {"PATH": f"{Path(sys.executable).parent}:{cluster.env['PATH']}", "CONFIG_FILE": str(DEBUG_CONFIG),
-           "DUMP_FOLDER": str(tmp_path / "dump"), "LOG_DIR": str(tmp_path / "logs")}  # fmt: skip
-    job = cluster.sbatch("--nodes=2", "--gpus-per-node=2", f"--output={output}",
-                         str(REPO / "apps" / "multinode_trainer.slurm"), *JOB, "--parallelism.tensor_parallel_degree",
-                         "3", env=env, cwd=tmp_path)  # fmt: skip
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:{cluster.env['PATH']}",
+        "CONFIG_FILE": str(DEBUG_CONFIG),
+        "DUMP_FOLDER": str(tmp_path / "dump"),
+        "LOG_DIR": str(tmp_path / "logs"),
+    }
+    job = cluster.sbatch(
+        "--nodes=2",
+        "--gpus-per-node=2",
+        f"--output={output}",
+        str(REPO / "apps" / "multinode_trainer.slurm"),
+        *JOB,
+        "--parallelism.tensor_parallel_degree",
+        "3",
+        env=env,
+        cwd=tmp_path,
+    )
     info = cluster.wait_for_job(job, {"FAILED", "COMPLETED"}, WAIT)
     print(cluster.sacct(job))
     lines = output.read_text().strip().splitlines()

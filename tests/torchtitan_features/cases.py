@@ -26,8 +26,13 @@ REPO = HERE.parents[1]
 BASE_CONFIG = HERE / "base_config.toml"
 TOKENIZER = REPO / "packages" / "titan-data" / "src" / "titan_data" / "assets" / "tokenizer"
 GENERATE = "generation script"
-CUT = ("--training.seq_len 64", "--training.local_batch_size 2", "--validation.seq_len 64",
-       "--validation.local_batch_size 2", f"--model.hf_assets_path {TOKENIZER}")  # fmt: skip
+CUT = (
+    "--training.seq_len 64",
+    "--training.local_batch_size 2",
+    "--validation.seq_len 64",
+    "--validation.local_batch_size 2",
+    f"--model.hf_assets_path {TOKENIZER}",
+)
 CASE_CUT = {"pp_custom_csv": ("--training.local_batch_size 8",)}
 
 

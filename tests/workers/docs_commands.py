@@ -39,8 +39,16 @@ LINKED = ("apps", "bench", "docs", "packages", "tests", "README.md", "pyproject.
 # every code path a command takes (config, data, model, parallelism, checkpoints) runs, in seconds.
 TEST_STEPS = "2"
 MAX_KEPT_STEPS = 6
-TEST_SHAPE = ("--training.local_batch_size", "1", "--training.seq_len", "64",
-              "--validation.local_batch_size", "1", "--validation.seq_len", "64")  # fmt: skip
+TEST_SHAPE = (
+    "--training.local_batch_size",
+    "1",
+    "--training.seq_len",
+    "64",
+    "--validation.local_batch_size",
+    "1",
+    "--validation.seq_len",
+    "64",
+)
 
 STUB = """#!/usr/bin/env bash
 # Stand-in for {name}: records the call (tab-separated) for tests/workers/docs_commands.py.
@@ -239,8 +247,15 @@ def main() -> int:
     for step in plan:
         start, cpu = time.perf_counter(), time.process_time()
         rc, output = run_step(step, root, stubs)
-        results.append({"id": step["id"], "rc": rc, "seconds": round(time.perf_counter() - start, 2),
-                        "cpu_seconds": round(time.process_time() - cpu, 2), "output": output[-3000:]})  # fmt: skip
+        results.append(
+            {
+                "id": step["id"],
+                "rc": rc,
+                "seconds": round(time.perf_counter() - start, 2),
+                "cpu_seconds": round(time.process_time() - cpu, 2),
+                "output": output[-3000:],
+            }
+        )
         results_path.write_text(json.dumps(results, indent=1))
     shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -10,7 +10,13 @@ register_flavor(
     "qwen3",
     "tiny_moe",
     replace(
-        qwen3.QWEN3_FLAVORS["debugmodel_moe"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-        moe_inter_dim=64, moe_args=qwen3.qwen3_moe_args(8, 2),
+        qwen3.QWEN3_FLAVORS["debugmodel_moe"],
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        moe_inter_dim=64,
+        moe_args=qwen3.qwen3_moe_args(8, 2),
     ),
-)  # fmt: skip
+)

@@ -15,7 +15,12 @@ class ToyAdapter:
     """Renames the toy model's weights the Hugging Face way and stores the first layer transposed,
     so a mapping that only renamed would be caught."""
 
-    NAMES = {"0.weight": "model.up_proj.weight", "0.bias": "model.up_proj.bias", "2.weight": "lm_head.weight", "2.bias": "lm_head.bias"}  # fmt: skip
+    NAMES = {
+        "0.weight": "model.up_proj.weight",
+        "0.bias": "model.up_proj.bias",
+        "2.weight": "lm_head.weight",
+        "2.bias": "lm_head.bias",
+    }
 
     def to_hf(self, state_dict):
         hf = {self.NAMES[k]: v for k, v in state_dict.items()}
@@ -33,9 +38,12 @@ class ToyAdapter:
 
 def _hf_checkpointer(folder, run, **last_save):
     return Checkpointer(
-        folder, run.states(), saving=SavePolicy(interval=100),
-        last_save=LastSavePolicy(model_only=True, in_hf=True, **last_save), hf_adapter=ToyAdapter(),
-    )  # fmt: skip
+        folder,
+        run.states(),
+        saving=SavePolicy(interval=100),
+        last_save=LastSavePolicy(model_only=True, in_hf=True, **last_save),
+        hf_adapter=ToyAdapter(),
+    )
 
 
 def test_last_save_in_hf_writes_sharded_safetensors_an_index_and_config(

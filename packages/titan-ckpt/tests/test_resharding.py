@@ -14,8 +14,16 @@ WORKER = Path(__file__).parent / "workers" / "reshard_worker.py"
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("reshard") / "report.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", str(WORKER), str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        str(WORKER),
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]

@@ -39,8 +39,15 @@ def c4_file_bytes(texts: list[str], split: str, index: int, docs_per_file: int) 
     lines = []
     for i in range(docs_per_file):
         text = texts[(start + i) % len(texts)]
-        lines.append(json.dumps({"text": f"{split} {index}.{i}: {text}", "timestamp": "2019-04-25T12:57:54Z",
-                                 "url": f"https://example.com/{split}/{index}/{i}"}))  # fmt: skip
+        lines.append(
+            json.dumps(
+                {
+                    "text": f"{split} {index}.{i}: {text}",
+                    "timestamp": "2019-04-25T12:57:54Z",
+                    "url": f"https://example.com/{split}/{index}/{i}",
+                }
+            )
+        )
     return gzip.compress(("\n".join(lines) + "\n").encode(), compresslevel=6, mtime=0)
 
 
@@ -53,8 +60,16 @@ class C4HubServer:
     (the source stays down). `listed` are the files per split the listing shows.
     """
 
-    def __init__(self, texts: list[str], *, docs_per_file: int = 40, listed: dict[str, int] | None = None,
-                 page_size: int = 1000, max_requests: int = 20_000, lifetime_s: float = 300.0):  # fmt: skip
+    def __init__(
+        self,
+        texts: list[str],
+        *,
+        docs_per_file: int = 40,
+        listed: dict[str, int] | None = None,
+        page_size: int = 1000,
+        max_requests: int = 20_000,
+        lifetime_s: float = 300.0,
+    ):
         self.texts, self.docs_per_file, self.page_size = texts, docs_per_file, page_size
         self.listed = listed or {"train": 4, "validation": 2}
         self.cut: dict[str, list[int]] = {}
@@ -104,8 +119,19 @@ class C4HubServer:
             for index in range(count):
                 name = f"en/c4-{split}.{index:05d}-of-{SPLIT_FILES[split]:05d}.json.gz"
                 data = self.file(name)
-                entries.append({"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest(),
-                                "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}})  # fmt: skip
+                entries.append(
+                    {
+                        "type": "file",
+                        "path": name,
+                        "size": len(data),
+                        "oid": hashlib.sha1(data).hexdigest(),
+                        "lfs": {
+                            "oid": hashlib.sha256(data).hexdigest(),
+                            "size": len(data),
+                            "pointerSize": 134,
+                        },
+                    }
+                )
         return entries
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:

@@ -25,8 +25,16 @@ def _global_steps(out: Path, phase: str, world: int) -> list[list[tuple]]:
 
 @pytest.mark.slow
 def test_state_saved_by_two_ranks_resumes_on_three_and_on_one(tmp_path, llama3_tokenizer):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", str(WORKER), str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=3",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        str(WORKER),
+        str(tmp_path),
+    ]
     result = subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
     )

@@ -17,9 +17,12 @@ from titan_data import (
 
 def _loader(tokenizer, rank=0, world=1, streams=0, batch=4, seq_len=64, infinite=True, source=None):
     dataset = PackedTokenDataset(
-        source or get_source("c4_test"), tokenizer, seq_len, streams=StreamLayout(rank, world, streams),
+        source or get_source("c4_test"),
+        tokenizer,
+        seq_len,
+        streams=StreamLayout(rank, world, streams),
         infinite=infinite,
-    )  # fmt: skip
+    )
     return TokenLoader(dataset, batch)
 
 

@@ -76,11 +76,25 @@ def test_a_corrupt_download_is_refused_and_a_corrupt_copy_found_by_verify(corpus
 def test_prepare_tokenizes_into_token_shards_in_the_same_step(corpus, online, tmp_path, llama3_tokenizer):
     with C4HubServer(corpus, docs_per_file=10, listed={"validation": 8}) as hub:
         online.setenv("HF_ENDPOINT", hub.url)
-        argv = ["prepare", "c4_validation", "--output", str(tmp_path / "c4"), "--quiet",
-                "--tokenize-to", str(tmp_path / "tokens"), "--tokenizer", str(ASSETS / "tokenizer")]  # fmt: skip
+        argv = [
+            "prepare",
+            "c4_validation",
+            "--output",
+            str(tmp_path / "c4"),
+            "--quiet",
+            "--tokenize-to",
+            str(tmp_path / "tokens"),
+            "--tokenizer",
+            str(ASSETS / "tokenizer"),
+        ]
         assert main(argv) == 0
-        texts = [json.loads(line)["text"] for n in range(8)
-                 for line in __import__("gzip").decompress(hub.file(f"en/c4-validation.{n:05d}-of-00008.json.gz")).splitlines()]  # fmt: skip
+        texts = [
+            json.loads(line)["text"]
+            for n in range(8)
+            for line in __import__("gzip")
+            .decompress(hub.file(f"en/c4-validation.{n:05d}-of-00008.json.gz"))
+            .splitlines()
+        ]
     index = ShardIndex.load(tmp_path / "tokens")
     assert index.complete and index.num_documents == 80 == len(texts)
     assert index.num_tokens == sum(len(llama3_tokenizer.encode(t, bos=True, eos=True)) for t in texts)

@@ -32,10 +32,18 @@ def sources(tmp_path_factory, corpus, write_c4_layout, llama3_tokenizer):
     root = tmp_path_factory.mktemp("property")
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     write_c4_layout(root / "c4", texts, NUM_STREAMS)
-    tokenize_to_shards(get_source("json", root / "docs.jsonl"), llama3_tokenizer.path, root / "shards",
-                       documents_per_shard=10, progress=False)  # fmt: skip
-    return {"document": get_source("json", root / "docs.jsonl"), "shard": get_source("c4", root / "c4"),
-            "memmap": root / "shards"}  # fmt: skip
+    tokenize_to_shards(
+        get_source("json", root / "docs.jsonl"),
+        llama3_tokenizer.path,
+        root / "shards",
+        documents_per_shard=10,
+        progress=False,
+    )
+    return {
+        "document": get_source("json", root / "docs.jsonl"),
+        "shard": get_source("c4", root / "c4"),
+        "memmap": root / "shards",
+    }
 
 
 def _loaders(kind, sources, tokenizer, world, global_batch, seq_len):

@@ -64,8 +64,20 @@ def test_the_cli_writes_framed_uint16_shards_and_an_index_with_several_workers(
 ):
     out = tmp_path / "tokens"
     script = Path(sys.executable).parent / "titan-data"  # the installed entry point
-    cmd = [str(script), "tokenize", "--input", "c4_test", "--output", str(out), "--tokenizer", str(TOKENIZER),
-           "--workers", "2", "--documents-per-shard", "700"]  # fmt: skip
+    cmd = [
+        str(script),
+        "tokenize",
+        "--input",
+        "c4_test",
+        "--output",
+        str(out),
+        "--tokenizer",
+        str(TOKENIZER),
+        "--workers",
+        "2",
+        "--documents-per-shard",
+        "700",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2,000 documents" in result.stdout and "(uint16)" in result.stdout
@@ -94,8 +106,20 @@ def test_an_interrupted_run_continues_to_the_same_shards(tmp_path, corpus, capsy
     register_dataset("interrupted_for_test", lambda path: IterableSource("interrupted_for_test", documents))
     try:
         out = tmp_path / "out"
-        args = ["tokenize", "--input", "interrupted_for_test", "--output", str(out), "--tokenizer", str(TOKENIZER),
-                "--documents-per-shard", "50", "--workers", "2", "--quiet"]  # fmt: skip
+        args = [
+            "tokenize",
+            "--input",
+            "interrupted_for_test",
+            "--output",
+            str(out),
+            "--tokenizer",
+            str(TOKENIZER),
+            "--documents-per-shard",
+            "50",
+            "--workers",
+            "2",
+            "--quiet",
+        ]
         assert main(args) == 130
         assert "interrupted; finished shards are kept" in capsys.readouterr().err
         index = ShardIndex.load(out)
@@ -171,8 +195,21 @@ def test_a_vocabulary_above_65536_ids_is_stored_as_uint32(tmp_path, corpus):
 
 def test_an_input_without_documents_is_a_clear_error(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
-    assert main(["tokenize", "--input", str(tmp_path / "empty.jsonl"), "--output", str(tmp_path / "out"),
-                 "--tokenizer", str(TOKENIZER), "--quiet"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "tokenize",
+                "--input",
+                str(tmp_path / "empty.jsonl"),
+                "--output",
+                str(tmp_path / "out"),
+                "--tokenizer",
+                str(TOKENIZER),
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     with pytest.raises(DataError, match="holds no documents"):
         tokenize_to_shards(get_source("json", tmp_path), TOKENIZER, tmp_path / "out", progress=False)
 

@@ -18,8 +18,19 @@ from titan_models import (
 from titan_models.attention_masks import VarlenMask, build_attention_mask, varlen_mask
 
 EOS = 1
-ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=32, rope_theta=500000,
-                 max_seq_len=32, eos_id=EOS, attn_backend="flex", attn_mask_type="block_causal")  # fmt: skip
+ARGS = ModelArgs(
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=64,
+    multiple_of=32,
+    rope_theta=500000,
+    max_seq_len=32,
+    eos_id=EOS,
+    attn_backend="flex",
+    attn_mask_type="block_causal",
+)
 
 
 def _model(args: ModelArgs) -> Transformer:

@@ -21,10 +21,23 @@ from titan_models.deepseek_v3 import (
 from titan_models.moe import MoEArgs, count_active_parameters, expert_load, update_expert_bias
 
 TINY = DeepSeekV3Args(
-    dim=64, n_layers=3, n_dense_layers=1, n_heads=4, vocab_size=128, inter_dim=96, moe_inter_dim=32,
-    moe_args=MoEArgs(num_experts=4, num_shared_experts=1, top_k=2, score_func="softmax", score_before_experts=False),
-    q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_seq_len=32,
-)  # fmt: skip
+    dim=64,
+    n_layers=3,
+    n_dense_layers=1,
+    n_heads=4,
+    vocab_size=128,
+    inter_dim=96,
+    moe_inter_dim=32,
+    moe_args=MoEArgs(
+        num_experts=4, num_shared_experts=1, top_k=2, score_func="softmax", score_before_experts=False
+    ),
+    q_lora_rank=0,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    max_seq_len=32,
+)
 
 
 def _counts(flavor: str) -> tuple[int, int, int]:

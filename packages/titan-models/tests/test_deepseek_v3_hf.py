@@ -23,20 +23,43 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 _YARN = {
-    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
-    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707,
-}  # fmt: skip
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
 
 
 def _hf_config(q_lora_rank, yarn: bool):
     return transformers.DeepseekV3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-        n_shared_experts=1, num_experts_per_tok=3, n_group=4, topk_group=2, norm_topk_prob=True,
-        routed_scaling_factor=1.5, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=128, rms_norm_eps=1e-5,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.5,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
         rope_parameters=_YARN if yarn else {"rope_type": "default", "rope_theta": 10000.0},
-    )  # fmt: skip
+    )
 
 
 def _randomise(module: torch.nn.Module, seed: int) -> None:

@@ -50,9 +50,12 @@ def test_families_have_their_published_vocabulary_and_rotary_base():
         assert (LLAMA2_FLAVORS[name].vocab_size, LLAMA2_FLAVORS[name].rope_theta) == (32000, 10000)
         assert LLAMA2_FLAVORS[name].rope_scaling is None
     scaling = LLAMA3_FLAVORS["405B"].rope_scaling
-    assert (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_seq_len) == (
-        8.0, 1.0, 4.0, 8192
-    )  # fmt: skip
+    assert (
+        scaling.factor,
+        scaling.low_freq_factor,
+        scaling.high_freq_factor,
+        scaling.original_max_seq_len,
+    ) == (8.0, 1.0, 4.0, 8192)
     assert LLAMA3_FLAVORS["1B"].tie_word_embeddings and not LLAMA3_FLAVORS["8B"].tie_word_embeddings
 
 

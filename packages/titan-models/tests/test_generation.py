@@ -31,14 +31,21 @@ SHAPES = {
     # Grouped-query attention and Llama 3.1's rotary stretch, its original context short enough that the
     # kept, divided and blended frequency bands all occur within the 39 positions generated over.
     "tiny-gqa-rope-scaled": ModelArgs(
-        dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=96, multiple_of=32, rope_theta=500000,
-        max_seq_len=64, rope_scaling=RopeScaling(original_max_seq_len=32),
+        dim=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=2,
+        vocab_size=96,
+        multiple_of=32,
+        rope_theta=500000,
+        max_seq_len=64,
+        rope_scaling=RopeScaling(original_max_seq_len=32),
     ),
     # The debug flavor's shape (dim 256, 6 layers, 16 heads, vocabulary 2048), with the 3.1 scaling.
     "debug-shaped": ModelArgs(
         **{**llama3_args("debugmodel").__dict__, "max_seq_len": 64, "rope_scaling": LLAMA31_ROPE_SCALING}
     ),
-}  # fmt: skip
+}
 
 
 def _hf_and_ours(args: ModelArgs, seed: int = 0) -> tuple[LlamaForCausalLM, Transformer]:
@@ -197,14 +204,33 @@ _TINY = dict(dim=64, n_layers=2, n_heads=4, vocab_size=96, max_seq_len=48)
 # The MoE families in miniature, each with what Llama's KV cache path would get wrong or cannot run:
 # Qwen3's QK norm, Llama 4's no-rope layer, chunked and block-causal attention, DeepSeek's latent attention.
 NO_CACHE_FAMILIES = {
-    "qwen3_moe": (Qwen3Model, Qwen3Args(**_TINY, n_kv_heads=2, head_dim=16, hidden_dim=96, moe_inter_dim=32,
-                                        moe_args=qwen3_moe_args(8, 2))),
-    "llama4_irope": (Llama4Model, replace(LLAMA4_FLAVORS["debugmodel_irope"], **_TINY, every_n_layers_nope=2,
-                                          attn_chunk_size=8, eos_id=7)),
-    "deepseek_v3": (DeepSeekV3Model, replace(DEEPSEEK_V3_FLAVORS["debugmodel"], **_TINY, n_dense_layers=1,
-                                             inter_dim=96, moe_inter_dim=32, kv_lora_rank=16, qk_nope_head_dim=16,
-                                             qk_rope_head_dim=8, v_head_dim=16)),
-}  # fmt: skip
+    "qwen3_moe": (
+        Qwen3Model,
+        Qwen3Args(
+            **_TINY, n_kv_heads=2, head_dim=16, hidden_dim=96, moe_inter_dim=32, moe_args=qwen3_moe_args(8, 2)
+        ),
+    ),
+    "llama4_irope": (
+        Llama4Model,
+        replace(
+            LLAMA4_FLAVORS["debugmodel_irope"], **_TINY, every_n_layers_nope=2, attn_chunk_size=8, eos_id=7
+        ),
+    ),
+    "deepseek_v3": (
+        DeepSeekV3Model,
+        replace(
+            DEEPSEEK_V3_FLAVORS["debugmodel"],
+            **_TINY,
+            n_dense_layers=1,
+            inter_dim=96,
+            moe_inter_dim=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+        ),
+    ),
+}
 
 
 @pytest.mark.slow

@@ -28,8 +28,10 @@ def test_a_flavor_written_and_read_back_through_transformers_has_no_differences(
     assert hf_config_differences(args, saved) == []
     back = args_from_hf_config(saved)
     assert (back.ffn_hidden_dim, back.context_len, back.rope_scaling) == (
-        args.ffn_hidden_dim, 131_072, args.rope_scaling,
-    )  # fmt: skip
+        args.ffn_hidden_dim,
+        131_072,
+        args.rope_scaling,
+    )
 
 
 def test_every_field_that_changes_the_function_is_named():

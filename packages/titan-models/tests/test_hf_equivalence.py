@@ -19,19 +19,46 @@ from titan_models import (
 
 SHAPES = {
     # Llama 2 70B in miniature: grouped-query attention, theta 10000, no rotary scaling.
-    "llama2": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32,
-                        ffn_dim_multiplier=1.3, rope_theta=10000, max_seq_len=48),
+    "llama2": ModelArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=96,
+        multiple_of=32,
+        ffn_dim_multiplier=1.3,
+        rope_theta=10000,
+        max_seq_len=48,
+    ),
     # Llama 3.1: GQA and the rotary stretch, with a short original context so that the kept, the
     # divided and the blended frequency bands all occur within 48 positions.
-    "llama3.1": ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=96, multiple_of=32,
-                          rope_theta=500000, max_seq_len=48,
-                          rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                                   original_max_seq_len=32)),
+    "llama3.1": ModelArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=2,
+        vocab_size=96,
+        multiple_of=32,
+        rope_theta=500000,
+        max_seq_len=48,
+        rope_scaling=RopeScaling(
+            factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=32
+        ),
+    ),
     # Llama 3.2 1B/3B: tied embedding and output matrix.
-    "llama3.2-tied": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=1, vocab_size=96, multiple_of=32,
-                               rope_theta=500000, max_seq_len=48, tie_word_embeddings=True,
-                               rope_scaling=RopeScaling(factor=32.0, original_max_seq_len=32)),
-}  # fmt: skip
+    "llama3.2-tied": ModelArgs(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=1,
+        vocab_size=96,
+        multiple_of=32,
+        rope_theta=500000,
+        max_seq_len=48,
+        tie_word_embeddings=True,
+        rope_scaling=RopeScaling(factor=32.0, original_max_seq_len=32),
+    ),
+}
 
 
 def _random_hf_model(args: ModelArgs, seed: int) -> LlamaForCausalLM:
@@ -120,8 +147,13 @@ def test_published_flavor_configs_match_the_llama_3_1_release():
         128256,
     )
     assert config["rope_theta"] == 500000.0
-    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    assert config["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert LlamaConfig(**config).num_key_value_heads == 8
 
 

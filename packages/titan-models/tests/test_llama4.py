@@ -45,9 +45,22 @@ def test_scout_and_maverick_place_moe_and_no_rope_layers_as_published():
 
 
 def _tiny(**kw) -> Llama4Args:
-    base = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=16, max_seq_len=32,
-                rope_theta=500000.0, moe_args=llama4_moe_args(4), every_n_layers_nope=2, attn_chunk_size=8,
-                use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4)  # fmt: skip
+    base = dict(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=96,
+        multiple_of=16,
+        max_seq_len=32,
+        rope_theta=500000.0,
+        moe_args=llama4_moe_args(4),
+        every_n_layers_nope=2,
+        attn_chunk_size=8,
+        use_qk_norm=True,
+        attn_temperature_tuning=True,
+        floor_scale=4,
+    )
     return Llama4Args(**{**base, **kw})
 
 

@@ -35,18 +35,32 @@ SHAPES = {
     "17bx128e": Llama4Args(**_BASE, interleave_moe_layer_step=2),
     # Scout with iRoPE in miniature: every block MoE, a no-rope layer every 2nd layer with temperature
     # tuning (floor 4, so scales change within 24 positions), chunks of 8 on rope layers, QK norm.
-    "17bx16e_irope": Llama4Args(**_BASE, interleave_moe_layer_step=1, every_n_layers_nope=2, attn_chunk_size=8,
-                                use_qk_norm=True, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5),
-}  # fmt: skip
+    "17bx16e_irope": Llama4Args(
+        **_BASE,
+        interleave_moe_layer_step=1,
+        every_n_layers_nope=2,
+        attn_chunk_size=8,
+        use_qk_norm=True,
+        attn_temperature_tuning=True,
+        floor_scale=4,
+        attn_scale=0.5,
+    ),
+}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_hugging_face_checkpoint_imports_with_equal_logits_and_maps_back_identically(shape, tmp_path):
     args = SHAPES[shape]
     hf_state = check_hf_import(
-        args, Llama4StateDictAdapter(args), Llama4Model, tmp_path, args_from_hf_config=args_from_hf_config,
-        hf_config_differences=hf_config_differences, attn_implementation="sdpa", seed=len(shape),
-    )  # fmt: skip
+        args,
+        Llama4StateDictAdapter(args),
+        Llama4Model,
+        tmp_path,
+        args_from_hf_config=args_from_hf_config,
+        hf_config_differences=hf_config_differences,
+        attn_implementation="sdpa",
+        seed=len(shape),
+    )
     # Hugging Face fuses the experts' gate and up projections into one tensor per layer.
     assert hf_state["model.layers.3.feed_forward.experts.gate_up_proj"].shape == (
         4,
@@ -99,8 +113,9 @@ def test_a_checkpoint_of_another_shape_names_the_differing_fields_and_missing_te
     args = SHAPES["17bx16e_irope"]
     config = {**Llama4StateDictAdapter(args).hf_config(), "use_qk_norm": False, "attention_chunk_size": 16}
     assert hf_config_differences(args, config) == [
-        "use_qk_norm: checkpoint False, flavor True", "attention_chunk_size: checkpoint 16, flavor 8",
-    ]  # fmt: skip
+        "use_qk_norm: checkpoint False, flavor True",
+        "attention_chunk_size: checkpoint 16, flavor 8",
+    ]
     state = Llama4StateDictAdapter(args).to_hf(Llama4Model(args).state_dict())
     del state["model.layers.2.feed_forward.router.weight"]
     with pytest.raises(WeightMappingError, match=r"missing \['model.layers.2.feed_forward.router.weight'\]"):

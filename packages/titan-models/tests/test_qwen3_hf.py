@@ -34,9 +34,15 @@ SHAPES = {
 def test_hugging_face_checkpoint_imports_with_equal_logits_and_maps_back_identically(shape, tmp_path):
     args = SHAPES[shape]
     check_hf_import(
-        args, Qwen3StateDictAdapter(args), Qwen3Model, tmp_path, args_from_hf_config=args_from_hf_config,
-        hf_config_differences=hf_config_differences, attn_implementation="eager", seed=len(shape),
-    )  # fmt: skip
+        args,
+        Qwen3StateDictAdapter(args),
+        Qwen3Model,
+        tmp_path,
+        args_from_hf_config=args_from_hf_config,
+        hf_config_differences=hf_config_differences,
+        attn_implementation="eager",
+        seed=len(shape),
+    )
 
 
 @pytest.mark.parametrize("shape", ["dense-tied", "moe"])
@@ -65,8 +71,11 @@ def test_flavor_configs_match_the_published_qwen3_releases():
     assert Qwen3StateDictAdapter(qwen3_args("8B")).hf_config()["tie_word_embeddings"] is False
     m = Qwen3StateDictAdapter(qwen3_args("30B-A3B")).hf_config()
     assert (m["model_type"], m["num_experts"], m["num_experts_per_tok"], m["moe_intermediate_size"]) == (
-        "qwen3_moe", 128, 8, 768,
-    )  # fmt: skip
+        "qwen3_moe",
+        128,
+        8,
+        768,
+    )
     assert m["norm_topk_prob"] is True and m["num_key_value_heads"] == 4
 
 
@@ -90,8 +99,9 @@ def test_a_checkpoint_of_another_shape_names_the_differing_fields_and_missing_te
     args = SHAPES["moe"]
     config = {**Qwen3StateDictAdapter(args).hf_config(), "rms_norm_eps": 1e-5, "norm_topk_prob": False}
     assert hf_config_differences(args, config) == [
-        "rms_norm_eps: checkpoint 1e-05, flavor 1e-06", "norm_topk_prob: checkpoint False, flavor True",
-    ]  # fmt: skip
+        "rms_norm_eps: checkpoint 1e-05, flavor 1e-06",
+        "norm_topk_prob: checkpoint False, flavor True",
+    ]
     state = Qwen3StateDictAdapter(args).to_hf(Qwen3Model(args).state_dict())
     del state["model.layers.1.mlp.experts.7.up_proj.weight"]
     with pytest.raises(

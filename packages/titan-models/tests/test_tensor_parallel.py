@@ -18,8 +18,16 @@ WORKER = Path(__file__).parent / "workers" / "tp_worker.py"
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("tp") / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", str(WORKER), str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        str(WORKER),
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -40,8 +40,19 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe") / "four.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", str(WORKER), str(out), *LAYOUTS, "dcp_reshard", "refusals"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=4",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        str(WORKER),
+        str(out),
+        *LAYOUTS,
+        "dcp_reshard",
+        "refusals",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-5000:]

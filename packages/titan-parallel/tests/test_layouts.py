@@ -63,8 +63,17 @@ TOLERANCE = {"fsdp_bf16_params": 2e-2, "float8_rowwise_tp": 2e-3}
 
 
 def _launch(world: int, cases: list[str], out: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", str(WORKER), str(out), *cases]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={world}",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        str(WORKER),
+        str(out),
+        *cases,
+    ]
     # oneDNN may pick AMX bf16 kernels a VM cannot execute (SIGILL); cap the ISA it may use.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_FP16"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)

@@ -73,7 +73,14 @@ def _random_sequence(seed: int, events: int = 2000) -> tuple[list[tuple[int, int
         if live and rng.random() < 0.45:
             sequence.append((live.pop(rng.randrange(len(live))), 0))
             continue
-        size = rng.choice([rng.randint(1, 4096), rng.randint(1, MIB), rng.randint(MIB, 12 * MIB), rng.randint(10 * MIB, 64 * MIB)])  # fmt: skip
+        size = rng.choice(
+            [
+                rng.randint(1, 4096),
+                rng.randint(1, MIB),
+                rng.randint(MIB, 12 * MIB),
+                rng.randint(10 * MIB, 64 * MIB),
+            ]
+        )
         live.append(len(sequence))
         sequence.append((len(sequence), size))
     return sequence, {key: key % 2 for key, _ in sequence}

@@ -15,10 +15,20 @@ from titan_train.distributed import DistInfo
 
 # The debug model at a CPU-friendly size: seq 32, three steps, logged every step.
 SMALL = (
-    "--training.seq_len", "32", "--training.steps", "3", "--activation_checkpoint.mode", "none",
-    "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--lr_scheduler.warmup_steps", "2",
-    "--optimizer.lr", "3e-3",
-)  # fmt: skip
+    "--training.seq_len",
+    "32",
+    "--training.steps",
+    "3",
+    "--activation_checkpoint.mode",
+    "none",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.disable_color_printing",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "3e-3",
+)
 
 
 @pytest.fixture(scope="session")

@@ -29,8 +29,18 @@ CPU = torch.device("cpu")
     ],
 )
 def test_adam_and_adamw_with_each_implementation(name, implementation, cls, foreach, fused):
-    config = load_job_config(["--optimizer.name", name, "--optimizer.implementation", implementation,
-                              "--optimizer.weight_decay", "0.05", "--optimizer.beta2", "0.99"])  # fmt: skip
+    config = load_job_config(
+        [
+            "--optimizer.name",
+            name,
+            "--optimizer.implementation",
+            implementation,
+            "--optimizer.weight_decay",
+            "0.05",
+            "--optimizer.beta2",
+            "0.99",
+        ]
+    )
     optimizer = build_optimizer(config, torch.nn.Linear(4, 4))
     assert type(optimizer) is cls
     group = optimizer.param_groups[0]
@@ -56,8 +66,9 @@ def test_float32_training_with_mixed_precision_on_cpu_computes_in_float32(caplog
 
 
 def test_lr_schedule_spans_total_steps_when_given():
-    config = load_job_config(["--training.steps", "10", "--lr_scheduler.total_steps", "100",
-                              "--lr_scheduler.warmup_steps", "0"])  # fmt: skip
+    config = load_job_config(
+        ["--training.steps", "10", "--lr_scheduler.total_steps", "100", "--lr_scheduler.warmup_steps", "0"]
+    )
     optimizer = build_optimizer(config, torch.nn.Linear(2, 2))
     schedule = build_lr_schedule(config, optimizer)
     for _ in range(10):

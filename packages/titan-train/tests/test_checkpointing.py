@@ -42,13 +42,31 @@ def test_checkpoint_switches_that_would_be_ignored_are_refused(tmp_path, small_c
 
 def test_every_checkpoint_field_reaches_the_checkpointer(tmp_path, small_config, one_rank):
     config = small_config(
-        tmp_path, "--checkpoint.enable", "--checkpoint.folder", "ck", "--checkpoint.interval", "7",
-        "--checkpoint.keep_latest_k", "3", "--checkpoint.async_mode", "async", "--checkpoint.load_step", "4",
-        "--checkpoint.initial_load_path", "/w", "--checkpoint.initial_load_model_only", "false",
-        "--checkpoint.last_save_model_only", "false", "--checkpoint.export_dtype", "bfloat16",
-        "--checkpoint.exclude_from_loading", "dataloader", "--checkpoint.enable_first_step_checkpoint",
+        tmp_path,
+        "--checkpoint.enable",
+        "--checkpoint.folder",
+        "ck",
+        "--checkpoint.interval",
+        "7",
+        "--checkpoint.keep_latest_k",
+        "3",
+        "--checkpoint.async_mode",
+        "async",
+        "--checkpoint.load_step",
+        "4",
+        "--checkpoint.initial_load_path",
+        "/w",
+        "--checkpoint.initial_load_model_only",
+        "false",
+        "--checkpoint.last_save_model_only",
+        "false",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+        "--checkpoint.exclude_from_loading",
+        "dataloader",
+        "--checkpoint.enable_first_step_checkpoint",
         "--checkpoint.load_only",
-    )  # fmt: skip
+    )
     model = torch.nn.Linear(2, 2)
     states = {
         "model": ModelState([model]),
@@ -101,8 +119,17 @@ def test_seed_checkpoint_is_written_alone_and_a_run_starts_from_its_weights(tmp_
 
 @pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
 def test_resume_from_a_background_save_equals_the_uninterrupted_run(tmp_path, small_config, one_rank, mode):
-    flags = ("--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", mode,
-             "--checkpoint.keep_latest_k", "0", "--training.steps", "4")  # fmt: skip
+    flags = (
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.async_mode",
+        mode,
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--training.steps",
+        "4",
+    )
     full = Trainer(
         resolve(small_config(tmp_path / "full", *flags), one_rank.world_size, "cpu"), one_rank
     ).train()

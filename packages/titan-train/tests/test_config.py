@@ -81,10 +81,12 @@ def test_help_lists_every_field_of_every_torchtitan_section(capsys, monkeypatch)
 def test_lists_are_comma_separated_and_lists_of_lists_use_semicolons():
     c = load_job_config(
         [
-            "--quantize.linear.float8.filter_fqns", "output,attention.wq",
-            "--parallelism.module_fqns_per_model_part", "tok_embeddings,layers.0;layers.1,norm,output",
+            "--quantize.linear.float8.filter_fqns",
+            "output,attention.wq",
+            "--parallelism.module_fqns_per_model_part",
+            "tok_embeddings,layers.0;layers.1,norm,output",
         ]
-    )  # fmt: skip
+    )
     assert c.quantize.linear.float8.filter_fqns == ["output", "attention.wq"]
     assert c.parallelism.module_fqns_per_model_part == [
         ["tok_embeddings", "layers.0"],

@@ -76,8 +76,18 @@ def test_llama3_405b_for_512_gpus_with_each_kind_of_pipeline_rank_traced(caplog)
 
 
 def test_pipeline_and_tensor_parallel_memory_is_traced_for_each_kind_of_stage(caplog):
-    flags = ["--job.config_file", "apps/configs/debug_model.toml", "--parallelism.tensor_parallel_degree", "2",
-             "--parallelism.pipeline_parallel_degree", "2", "--training.seq_len", "256", "--training.local_batch_size", "2"]  # fmt: skip
+    flags = [
+        "--job.config_file",
+        "apps/configs/debug_model.toml",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "2",
+    ]
     report = dry_run(load_job_config(flags), 8)
     assert report.mesh.startswith("(pp=2, dp_shard=2, tp=2)")
     assert [(r.rank, r.pp_rank) for r in report.memory.ranks] == [(0, 0), (4, 1)]
@@ -89,8 +99,18 @@ def test_pipeline_and_tensor_parallel_memory_is_traced_for_each_kind_of_stage(ca
 def test_expert_parallel_layout_is_named_and_its_memory_traced(caplog):
     """A mixture-of-experts model at ep 4 over FSDP 8: the expert mesh is named and a step is traced (the
     experts' dispatch on fake tensors, whose routing is taken as balanced)."""
-    flags = ["--job.config_file", "apps/configs/qwen3_moe_debug.toml", "--parallelism.expert_parallel_degree", "4",
-             "--activation_checkpoint.mode", "full", "--training.seq_len", "64", "--training.local_batch_size", "1"]  # fmt: skip
+    flags = [
+        "--job.config_file",
+        "apps/configs/qwen3_moe_debug.toml",
+        "--parallelism.expert_parallel_degree",
+        "4",
+        "--activation_checkpoint.mode",
+        "full",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "1",
+    ]
     report = dry_run(load_job_config(flags), 8)
     assert report.mesh.startswith("(dp_shard=8)") and "experts: ep=4, etp=1, efsdp=2" in report.mesh
     assert "rank 0 (pp stage 0): peak allocated" in _logged(caplog)
@@ -100,11 +120,26 @@ def test_expert_parallel_layout_is_named_and_its_memory_traced(caplog):
 def test_pipeline_expert_parallel_and_fsdp_memory_of_a_block_causal_moe_is_traced_per_stage(caplog):
     """DeepSeek-V3's layout in small (pp 2 x FSDP 2, ep 2, per-op checkpointing, block-causal flex attention):
     the second stage, which has no token embedding, is given the batch's document ids and is traced."""
-    flags = ["--job.config_file", "apps/configs/deepseek_v3_debug.toml", "--model.flavor", "debugmodel_flex_attn",
-             "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
-             "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "selective",
-             "--activation_checkpoint.selective_ac_option", "op", "--training.seq_len", "64",
-             "--training.local_batch_size", "2"]  # fmt: skip
+    flags = [
+        "--job.config_file",
+        "apps/configs/deepseek_v3_debug.toml",
+        "--model.flavor",
+        "debugmodel_flex_attn",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+        "--parallelism.expert_parallel_degree",
+        "2",
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        "op",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+    ]
     report = dry_run(load_job_config(flags), 4)
     assert report.mesh.startswith("(pp=2, dp_shard=2)") and "experts: ep=2, etp=1, efsdp=1" in report.mesh
     assert [(r.rank, r.pp_rank) for r in report.memory.ranks] == [(0, 0), (2, 1)]
@@ -115,9 +150,18 @@ def test_a_pipeline_traced_whole_has_the_stages_the_model_has():
     """The debug model's 6 blocks on 4 pipeline stages are 1, 2, 2 and 1 blocks (the embedding and the head
     count as one each): the first stage's trace holds the embedding and one block, as training will, not
     the two of a model rounded up to 2 blocks a stage."""
-    flags = ["--job.config_file", "apps/configs/debug_model.toml", "--parallelism.pipeline_parallel_degree", "4",
-             "--parallelism.pipeline_parallel_schedule", "1F1B", "--training.seq_len", "64",
-             "--training.local_batch_size", "4"]  # fmt: skip
+    flags = [
+        "--job.config_file",
+        "apps/configs/debug_model.toml",
+        "--parallelism.pipeline_parallel_degree",
+        "4",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "4",
+    ]
     report = dry_run(load_job_config(flags), 4)
     first, p = report.memory.ranks[0], report.params
     assert first.pp_rank == 0
@@ -141,9 +185,15 @@ def test_the_world_size_of_a_fake_backend_run_comes_from_ngpu(monkeypatch, caplo
 
 def test_every_problem_of_a_bad_layout_is_listed_at_once():
     flags = [
-        "--model.flavor", "8B", "--parallelism.tensor_parallel_degree", "3",
-        "--training.global_batch_size", "100", "--training.local_batch_size", "2",
-    ]  # fmt: skip
+        "--model.flavor",
+        "8B",
+        "--parallelism.tensor_parallel_degree",
+        "3",
+        "--training.global_batch_size",
+        "100",
+        "--training.local_batch_size",
+        "2",
+    ]
     with pytest.raises(ConfigError) as err:
         dry_run(load_job_config(flags), 24)
     message = str(err.value)

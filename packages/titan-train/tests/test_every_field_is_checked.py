@@ -180,10 +180,17 @@ def test_every_bad_value_of_every_field_is_refused_in_one_line_naming_the_field(
 @pytest.mark.parametrize(
     "settings,message",
     [
-        ({"training.steps": 100, "lr_scheduler.total_steps": 50}, r"lr_scheduler.total_steps \(50\) is below"),
         (
-            {"validation.enable": True, "training.seq_len": 64, "validation.seq_len": 128,
-             "parallelism.context_parallel_degree": 2},
+            {"training.steps": 100, "lr_scheduler.total_steps": 50},
+            r"lr_scheduler.total_steps \(50\) is below",
+        ),
+        (
+            {
+                "validation.enable": True,
+                "training.seq_len": 64,
+                "validation.seq_len": 128,
+                "parallelism.context_parallel_degree": 2,
+            },
             r"validation.seq_len \(128\) is longer than training.seq_len \(64\) under context parallelism",
         ),
         (
@@ -191,12 +198,15 @@ def test_every_bad_value_of_every_field_is_refused_in_one_line_naming_the_field(
             r"validation.seq_len \(100\) is not divisible by parallelism.tensor_parallel_degree \(8\)",
         ),
         (
-            {"parallelism.pipeline_parallel_degree": 2, "training.local_batch_size": 8,
-             "parallelism.pipeline_parallel_microbatch_size": 3},
+            {
+                "parallelism.pipeline_parallel_degree": 2,
+                "training.local_batch_size": 8,
+                "parallelism.pipeline_parallel_microbatch_size": 3,
+            },
             r"training.local_batch_size \(8\) is not a multiple of parallelism.pipeline_parallel_microbatch_size",
         ),
     ],
-)  # fmt: skip
+)
 def test_combinations_of_fields_are_refused_naming_both(settings, message):
     config = JobConfig()
     for name, value in settings.items():
@@ -244,13 +254,30 @@ RUNS = [
     ),
     (
         "validation_longer_than_training",
-        ("--training.seq_len", "64", "--validation.enable", "--validation.seq_len", "128",
-         "--training.steps", "1", "--training.local_batch_size", "2", "--validation.local_batch_size", "2",
-         "--validation.steps", "1", "--validation.freq", "1", "--lr_scheduler.warmup_steps", "1",
-         "--metrics.enable_tensorboard", "false"),
+        (
+            "--training.seq_len",
+            "64",
+            "--validation.enable",
+            "--validation.seq_len",
+            "128",
+            "--training.steps",
+            "1",
+            "--training.local_batch_size",
+            "2",
+            "--validation.local_batch_size",
+            "2",
+            "--validation.steps",
+            "1",
+            "--validation.freq",
+            "1",
+            "--lr_scheduler.warmup_steps",
+            "1",
+            "--metrics.enable_tensorboard",
+            "false",
+        ),
         None,
     ),
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")

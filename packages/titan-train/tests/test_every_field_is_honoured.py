@@ -34,13 +34,36 @@ from titan_train.faults import numerics as numerics_module
 
 ASSETS = Path(__file__).parents[2] / "titan-data" / "src" / "titan_data" / "assets"
 BASE = (
-    "--job.dump_folder", "out", "--training.seq_len", "32", "--training.local_batch_size", "2",
-    "--training.steps", "2", "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1",
-    "--lr_scheduler.warmup_steps", "1", "--metrics.disable_color_printing",
-)  # fmt: skip
+    "--job.dump_folder",
+    "out",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.steps",
+    "2",
+    "--activation_checkpoint.mode",
+    "none",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--metrics.disable_color_printing",
+)
 CKPT = ("--checkpoint.enable", "--checkpoint.interval", "1")
-VALIDATION = ("--validation.enable", "--validation.dataset", "c4_test", "--validation.seq_len", "32",
-              "--validation.local_batch_size", "2", "--validation.steps", "1", "--validation.freq", "1")  # fmt: skip
+VALIDATION = (
+    "--validation.enable",
+    "--validation.dataset",
+    "c4_test",
+    "--validation.seq_len",
+    "32",
+    "--validation.local_batch_size",
+    "2",
+    "--validation.steps",
+    "1",
+    "--validation.freq",
+    "1",
+)
 JSON_DATA = ("--training.dataset", "json", "--training.dataset_path", "docs.jsonl")
 DRILL = ("--health.drill_step", "1", "--health.drill", "nan")
 TRAINING_WORKERS = ("--training.dataloader.num_workers", "2")
@@ -48,8 +71,15 @@ FLOAT8 = ("--model.converters", "float8")
 # MXFP8 numerics with high-precision matmuls: runs on any device.
 MX = ("--model.converters", "mx", "--quantize.linear.mx.recipe_name", "mxfp8_emulated")
 # A trace of the last step of every 3 (no warmup), over 3 steps: the next cycle starts after training ends.
-PROFILING = ("--profiling.enable_profiling", "--profiling.profile_freq", "3", "--profiling.profiler_warmup", "0",
-             "--training.steps", "3")  # fmt: skip
+PROFILING = (
+    "--profiling.enable_profiling",
+    "--profiling.profile_freq",
+    "3",
+    "--profiling.profiler_warmup",
+    "0",
+    "--training.steps",
+    "3",
+)
 PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4")  # 4 microbatches
 CP2 = ("--parallelism.context_parallel_degree", "2")
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
@@ -848,7 +878,7 @@ PROBES: dict[str, Probe] = {
             ("min_replica_size", "2"),
             ("semi_sync_method", "diloco"),
         )
-    },  # fmt: skip
+    },
     # [experimental]
     "experimental.custom_import": Probe(
         ("--experimental.custom_import", "probe_extension"), custom_module, prepare=data_files
@@ -952,8 +982,10 @@ def test_the_table_covers_every_field():
         "fields without a probe": sorted(set(fields) - set(PROBES)),
         "probes for no field": sorted(set(PROBES) - set(fields)),
     }
-    print(f"{len(fields)} JobConfig fields: {sum(p.observe is not None for p in PROBES.values())} honoured, "
-          f"{sum(p.observe is None for p in PROBES.values())} refused")  # fmt: skip
+    print(
+        f"{len(fields)} JobConfig fields: {sum(p.observe is not None for p in PROBES.values())} honoured, "
+        f"{sum(p.observe is None for p in PROBES.values())} refused"
+    )
 
 
 def test_mx_recipe_that_needs_mx_matmuls_is_refused_in_one_line_on_this_cpu(tmp_path, monkeypatch, capfd):

@@ -11,8 +11,16 @@ from titan_train.faults.hang_diagnosis import (
 
 
 def _entry(seq: int, name: str, created: int, group: str = "default_pg") -> dict:
-    return {"collective_seq_id": seq, "profiling_name": name, "pg_id": 0, "process_group": ["0", group],
-            "is_p2p": False, "retired": True, "state": "scheduled", "time_created_ns": created}  # fmt: skip
+    return {
+        "collective_seq_id": seq,
+        "profiling_name": name,
+        "pg_id": 0,
+        "process_group": ["0", group],
+        "is_p2p": False,
+        "retired": True,
+        "state": "scheduled",
+        "time_created_ns": created,
+    }
 
 
 RECORD = {
@@ -52,14 +60,29 @@ def test_collective_errors_are_told_apart_from_other_errors(message, kind):
 
 def test_hang_report_names_the_collective_and_the_rank_that_never_reached_it(tmp_path):
     states = {
-        0: {"position": "step 2 (forward/backward)", "pending": [], "latest": {"name": "gloo:all_gather", "seq": 12,
-            "group": "default_pg"}, "last": {"default_pg": [12, "gloo:all_gather"]}, "thread": "fsdp.py:1 in f"},
-        1: {"position": "step 2 (forward/backward)", "pending": [], "latest": None,
-            "last": {"default_pg": [11, "gloo:all_reduce"]}, "thread": "titan_train/data.py:9 in next_batch"},
-        2: {"position": "step 2 (forward/backward)", "pending": [{"name": "gloo:all_gather", "seq": 12,
-            "group": "default_pg"}], "latest": None, "last": {"default_pg": [12, "gloo:all_gather"]}, "thread": "x"},
+        0: {
+            "position": "step 2 (forward/backward)",
+            "pending": [],
+            "latest": {"name": "gloo:all_gather", "seq": 12, "group": "default_pg"},
+            "last": {"default_pg": [12, "gloo:all_gather"]},
+            "thread": "fsdp.py:1 in f",
+        },
+        1: {
+            "position": "step 2 (forward/backward)",
+            "pending": [],
+            "latest": None,
+            "last": {"default_pg": [11, "gloo:all_reduce"]},
+            "thread": "titan_train/data.py:9 in next_batch",
+        },
+        2: {
+            "position": "step 2 (forward/backward)",
+            "pending": [{"name": "gloo:all_gather", "seq": 12, "group": "default_pg"}],
+            "latest": None,
+            "last": {"default_pg": [12, "gloo:all_gather"]},
+            "thread": "x",
+        },
         3: None,
-    }  # fmt: skip
+    }
     line = describe_hang(0, "timeout", states, tmp_path)
     assert line.startswith(
         "hang: rank 0 timed out in gloo:all_gather (collective 12 of process group 'default_pg') at step 2 "

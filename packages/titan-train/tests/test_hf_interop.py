@@ -40,8 +40,15 @@ def hf_checkpoint(tmp_path_factory):
 
 
 def _flags(folder, *more):
-    return ("--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(folder),
-            "--model.hf_assets_path", str(folder), *more)  # fmt: skip
+    return (
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path",
+        str(folder),
+        "--model.hf_assets_path",
+        str(folder),
+        *more,
+    )
 
 
 def _tokens(vocab: int) -> torch.Tensor:
@@ -68,8 +75,16 @@ def test_the_dry_run_traces_the_memory_of_a_from_hf_model(tmp_path, hf_checkpoin
     """The memory estimate builds the checkpoint's own shape, as training does (before any process group:
     the trace makes its own)."""
     folder, hf = hf_checkpoint
-    argv = ["dry-run", "--ngpu", "2", "--job.dump_folder", str(tmp_path), "--training.seq_len", "32",
-            *_flags(folder, "--model.flavor", "from_hf")]  # fmt: skip
+    argv = [
+        "dry-run",
+        "--ngpu",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.seq_len",
+        "32",
+        *_flags(folder, "--model.flavor", "from_hf"),
+    ]
     with caplog.at_level(logging.INFO):
         assert run(argv) == 0
     text = "\n".join(r.getMessage() for r in caplog.records)
@@ -103,8 +118,10 @@ def test_from_hf_computes_transformers_logits_and_its_export_loads_with_auto_cla
     config = json.loads((export / "config.json").read_text())
     titan_tokenizer = trained.tokenizer
     assert (config["max_position_embeddings"], config["rope_scaling"]["factor"], config["torch_dtype"]) == (
-        4096, 32.0, "float32",
-    )  # fmt: skip
+        4096,
+        32.0,
+        "float32",
+    )
     assert (config["bos_token_id"], config["eos_token_id"]) == (
         titan_tokenizer.bos_id,
         titan_tokenizer.eos_id,
@@ -135,7 +152,10 @@ def test_a_flavor_export_states_the_flavor_s_context_not_the_training_length(
     config = json.loads((tmp_path / "checkpoint" / "step-1" / "config.json").read_text())
     assert config["max_position_embeddings"] == 131_072  # trained at seq_len 32
     assert config["rope_scaling"] == {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
-    }  # fmt: skip
+    }
     assert AutoTokenizer.from_pretrained(tmp_path / "checkpoint" / "step-1").eos_token == "<|end_of_text|>"

@@ -96,9 +96,18 @@ def _published(total, warmup, decay_ratio, decay_type, floor):
 
 
 def _flags(total_steps, warmup, decay_ratio, decay_type, floor, steps):
-    flags = ["--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(warmup),
-             "--lr_scheduler.decay_ratio", "none" if decay_ratio is None else str(decay_ratio),
-             "--lr_scheduler.decay_type", decay_type, "--lr_scheduler.min_lr_factor", str(floor)]  # fmt: skip
+    flags = [
+        "--training.steps",
+        str(steps),
+        "--lr_scheduler.warmup_steps",
+        str(warmup),
+        "--lr_scheduler.decay_ratio",
+        "none" if decay_ratio is None else str(decay_ratio),
+        "--lr_scheduler.decay_type",
+        decay_type,
+        "--lr_scheduler.min_lr_factor",
+        str(floor),
+    ]
     if total_steps is not None:
         flags += ["--lr_scheduler.total_steps", str(total_steps)]
     return flags
@@ -120,18 +129,28 @@ def test_every_combination_through_the_trainers_builder_follows_the_published_sc
     for total_steps, warmup, decay_ratio, decay_type, floor in COMBINATIONS:
         # Set in place (loading a config per combination costs seconds); the schedule reads only these.
         schedule_config = LRScheduler(
-            warmup_steps=warmup, total_steps=total_steps, decay_ratio=decay_ratio, decay_type=decay_type,
+            warmup_steps=warmup,
+            total_steps=total_steps,
+            decay_ratio=decay_ratio,
+            decay_type=decay_type,
             min_lr_factor=floor,
-        )  # fmt: skip
+        )
         config = replace(base, lr_scheduler=schedule_config)
         optimizer = build_optimizer(config, torch.nn.Linear(2, 2))
         schedule = build_lr_schedule(config, optimizer)
         expected = _published(total_steps or 9, warmup, decay_ratio, decay_type, floor)
         for done in range(9):
             peak = config.optimizer.lr
-            assert optimizer.param_groups[0]["lr"] == pytest.approx(peak * expected(done), rel=1e-12, abs=0), (
-                total_steps, warmup, decay_ratio, decay_type, floor, done + 1,
-            )  # fmt: skip
+            assert optimizer.param_groups[0]["lr"] == pytest.approx(
+                peak * expected(done), rel=1e-12, abs=0
+            ), (
+                total_steps,
+                warmup,
+                decay_ratio,
+                decay_type,
+                floor,
+                done + 1,
+            )
             optimizer.step()
             schedule.step()
 

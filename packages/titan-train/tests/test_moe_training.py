@@ -19,26 +19,56 @@ TINY = "tiny_test"
 _TINY_FLAVORS = {
     # DeepSeek with the sequence-wise aux loss on, so its metric is exercised too.
     "deepseek_v3": replace(
-        deepseek_v3.DEEPSEEK_V3_FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, inter_dim=128,
-        moe_inter_dim=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        moe_args=MoEArgs(num_experts=4, num_shared_experts=1, top_k=2, score_before_experts=False,
-                         seq_aux_loss_coeff=1e-2),
+        deepseek_v3.DEEPSEEK_V3_FLAVORS["debugmodel"],
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        inter_dim=128,
+        moe_inter_dim=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        moe_args=MoEArgs(
+            num_experts=4, num_shared_experts=1, top_k=2, score_before_experts=False, seq_aux_loss_coeff=1e-2
+        ),
     ),
     "qwen3": replace(
-        qwen3.QWEN3_FLAVORS["debugmodel_moe"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-        moe_inter_dim=64, moe_args=qwen3.qwen3_moe_args(8, 2),
+        qwen3.QWEN3_FLAVORS["debugmodel_moe"],
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        moe_inter_dim=64,
+        moe_args=qwen3.qwen3_moe_args(8, 2),
     ),
     "llama4": replace(llama4.LLAMA4_FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4),
-}  # fmt: skip
+}
 for _family, _args in _TINY_FLAVORS.items():
     register_flavor(_family, TINY, _args)
 
 SMALL = (
-    "--model.flavor", TINY, "--training.seq_len", "32", "--training.local_batch_size", "2",
-    "--training.steps", "6", "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1",
-    "--metrics.disable_color_printing", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "1e-2",
-    "--compile.enable", "false",
-)  # fmt: skip
+    "--model.flavor",
+    TINY,
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.steps",
+    "6",
+    "--activation_checkpoint.mode",
+    "none",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.disable_color_printing",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "1e-2",
+    "--compile.enable",
+    "false",
+)
 
 
 def _records(dump):
@@ -50,8 +80,17 @@ def test_each_moe_family_trains_and_logs_expert_load(tmp_path):
     for family, args in _TINY_FLAVORS.items():
         dump = tmp_path / family
         # Two micro-batches per step: the counts cover both (global batch 4 = 2 x local batch 2).
-        code = run(["--model.name", family, *SMALL, "--training.global_batch_size", "4",
-                    "--job.dump_folder", str(dump)])  # fmt: skip
+        code = run(
+            [
+                "--model.name",
+                family,
+                *SMALL,
+                "--training.global_batch_size",
+                "4",
+                "--job.dump_folder",
+                str(dump),
+            ]
+        )
         assert code == 0, family
         records = _records(dump)
         assert len(records) == 6
@@ -70,14 +109,33 @@ def test_each_moe_family_trains_and_logs_expert_load(tmp_path):
 
 @pytest.mark.slow
 def test_force_load_balance_routes_evenly_and_is_refused_for_dense_models(tmp_path, caplog):
-    code = run(["--model.name", "qwen3", *SMALL, "--training.steps", "1", "--debug.moe_force_load_balance",
-                "--job.dump_folder", str(tmp_path / "forced")])  # fmt: skip
+    code = run(
+        [
+            "--model.name",
+            "qwen3",
+            *SMALL,
+            "--training.steps",
+            "1",
+            "--debug.moe_force_load_balance",
+            "--job.dump_folder",
+            str(tmp_path / "forced"),
+        ]
+    )
     assert code == 0
     for counts in _records(tmp_path / "forced")[0]["expert_counts"].values():
         assert max(counts) == min(counts)
     caplog.clear()
-    code = run(["--model.name", "qwen3", "--model.flavor", "debugmodel", "--debug.moe_force_load_balance",
-                "--job.dump_folder", str(tmp_path / "dense")])  # fmt: skip
+    code = run(
+        [
+            "--model.name",
+            "qwen3",
+            "--model.flavor",
+            "debugmodel",
+            "--debug.moe_force_load_balance",
+            "--job.dump_folder",
+            str(tmp_path / "dense"),
+        ]
+    )
     assert code == 2
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and errors[0].startswith("debug.moe_force_load_balance = true")
@@ -110,12 +168,26 @@ def test_bad_moe_input_is_one_line_and_exit_2_before_any_work(tmp_path, caplog, 
         flags += ["--model.flavor", "from_hf", "--model.hf_assets_path", str(folder)]
     elif case == "groups_not_dividing":
         folder = _hf_config(tmp_path, case, deepseek_v3, d, n_group=3, topk_group=1)
-        flags = ["--model.name", "deepseek_v3", "--model.flavor", "from_hf", "--model.hf_assets_path",
-                 str(folder), "--job.dump_folder", str(tmp_path / "out")]  # fmt: skip
+        flags = [
+            "--model.name",
+            "deepseek_v3",
+            "--model.flavor",
+            "from_hf",
+            "--model.hf_assets_path",
+            str(folder),
+            "--job.dump_folder",
+            str(tmp_path / "out"),
+        ]
     else:
         folder = _hf_config(tmp_path, case, qwen3, q, moe_intermediate_size=96)
-        flags += ["--model.flavor", TINY, "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
-                  "--checkpoint.initial_load_path", str(folder)]  # fmt: skip
+        flags += [
+            "--model.flavor",
+            TINY,
+            "--checkpoint.enable",
+            "--checkpoint.initial_load_in_hf",
+            "--checkpoint.initial_load_path",
+            str(folder),
+        ]
     assert run(flags) == 2
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and field in errors[0] and "\n" not in errors[0], errors

@@ -23,7 +23,7 @@ def _parts(implementation: str) -> tuple[nn.Module, PartOptimizers]:
         ),
         lambda opt: build_lr_scheduler(
             opt, total_steps=10, warmup_steps=2, decay_ratio=0.5, decay_type="linear", min_lr_factor=0.0
-        ),  # fmt: skip
+        ),
     )
     model(torch.randn(3, 4)).square().sum().backward()
     return model, optimizers
@@ -65,8 +65,16 @@ def test_fused_step_equals_a_plain_step_when_not_skipped():
 @pytest.mark.slow
 def test_lr_0_trains_without_moving_a_weight(tmp_path, small_config, one_rank):
     """torch's optimizers and torchtitan accept lr 0 (a run that measures without learning); so does Titan."""
-    trainer = Trainer(resolve(small_config(tmp_path, "--optimizer.lr", "0", "--training.steps", "2",
-                                   "--training.local_batch_size", "1"), 1, "cpu"), one_rank)  # fmt: skip
+    trainer = Trainer(
+        resolve(
+            small_config(
+                tmp_path, "--optimizer.lr", "0", "--training.steps", "2", "--training.local_batch_size", "1"
+            ),
+            1,
+            "cpu",
+        ),
+        one_rank,
+    )
     before = {k: v.detach().clone() for k, v in trainer.model_parts[0].state_dict().items()}
     trainer.train()
     after = trainer.model_parts[0].state_dict()

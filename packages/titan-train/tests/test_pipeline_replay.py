@@ -9,20 +9,76 @@ from titan_train.config import load_job_config
 from titan_train.plan import resolve
 from titan_train.reporting.traced_memory import trace_rank
 
-REPLAY_SMALL = ["--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.local_batch_size", "6",
-                "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1"]  # fmt: skip
+REPLAY_SMALL = [
+    "--model.flavor",
+    "debugmodel",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "6",
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--parallelism.pipeline_parallel_microbatch_size",
+    "1",
+]
 REPLAY_CASES = {
-    "interleaved-full": (4, [0, 2], ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                                     "--activation_checkpoint.mode", "full"]),
-    "interleaved-none": (4, [2], ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                                  "--activation_checkpoint.mode", "none"]),
-    "1f1b-op": (4, [0, 2], ["--parallelism.pipeline_parallel_schedule", "1F1B", "--activation_checkpoint.mode",
-                            "selective", "--activation_checkpoint.selective_ac_option", "op"]),
-    "gpipe-every2": (4, [2], ["--parallelism.pipeline_parallel_schedule", "GPipe", "--activation_checkpoint.mode",
-                              "selective", "--activation_checkpoint.selective_ac_option", "2"]),
-    "tp2-interleaved-full": (8, [0, 4], ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                                         "--activation_checkpoint.mode", "full", "--parallelism.tensor_parallel_degree", "2"]),
-}  # fmt: skip
+    "interleaved-full": (
+        4,
+        [0, 2],
+        [
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--activation_checkpoint.mode",
+            "full",
+        ],
+    ),
+    "interleaved-none": (
+        4,
+        [2],
+        [
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--activation_checkpoint.mode",
+            "none",
+        ],
+    ),
+    "1f1b-op": (
+        4,
+        [0, 2],
+        [
+            "--parallelism.pipeline_parallel_schedule",
+            "1F1B",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ],
+    ),
+    "gpipe-every2": (
+        4,
+        [2],
+        [
+            "--parallelism.pipeline_parallel_schedule",
+            "GPipe",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "2",
+        ],
+    ),
+    "tp2-interleaved-full": (
+        8,
+        [0, 4],
+        [
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--activation_checkpoint.mode",
+            "full",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +90,19 @@ def full_and_replayed() -> dict[str, list]:
     with ProcessPoolExecutor(3, mp_context=context, max_tasks_per_child=1) as pool:
         traced = {
             name: [
-                [pool.submit(trace_rank, resolve(load_job_config(REPLAY_SMALL + flags), world_size), rank, replay_microbatches=r)
-                 for r in (False, True)]
+                [
+                    pool.submit(
+                        trace_rank,
+                        resolve(load_job_config(REPLAY_SMALL + flags), world_size),
+                        rank,
+                        replay_microbatches=r,
+                    )
+                    for r in (False, True)
+                ]
                 for rank in ranks
             ]
             for name, (world_size, ranks, flags) in REPLAY_CASES.items()
-        }  # fmt: skip
+        }
         return {name: [[f.result() for f in pair] for pair in pairs] for name, pairs in traced.items()}
 
 

@@ -40,9 +40,25 @@ def _hf_folder(folder, *, layers: int, context: int):
 
 
 def _argv(folder, dump, *more):
-    return ["--model.flavor", "from_hf", "--model.hf_assets_path", str(folder), "--job.dump_folder", str(dump),
-            "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", "1", "--training.steps", "1",
-            "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1", *more]  # fmt: skip
+    return [
+        "--model.flavor",
+        "from_hf",
+        "--model.hf_assets_path",
+        str(folder),
+        "--job.dump_folder",
+        str(dump),
+        "--training.seq_len",
+        str(SEQ_LEN),
+        "--training.local_batch_size",
+        "1",
+        "--training.steps",
+        "1",
+        "--activation_checkpoint.mode",
+        "none",
+        "--metrics.log_freq",
+        "1",
+        *more,
+    ]
 
 
 def test_check_dry_run_and_the_command_line_follow_config_json_s_context_and_depth(tmp_path):

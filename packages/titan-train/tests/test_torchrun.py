@@ -7,9 +7,18 @@ from titan_train.torchrun import run_torchrun, torchrun_command
 
 def test_the_command_names_the_rendezvous_the_restarts_and_the_target():
     command = torchrun_command(
-        "-m", "titan_train.cli", "--training.steps", "3", nproc=2, port=29512, nnodes=2, node_rank=1,
-        max_restarts=1, monitor_interval=0.5, tag_ranks=True,
-    )  # fmt: skip
+        "-m",
+        "titan_train.cli",
+        "--training.steps",
+        "3",
+        nproc=2,
+        port=29512,
+        nnodes=2,
+        node_rank=1,
+        max_restarts=1,
+        monitor_interval=0.5,
+        tag_ranks=True,
+    )
     assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
     flags = " ".join(command[3:])
     assert "--nnodes 2 --node-rank 1 --nproc-per-node 2" in flags

@@ -44,12 +44,26 @@ def saved():
 
 
 def _trainer(dump: Path, one_rank, *flags: str) -> Trainer:
-    config = load_job_config([
-        "--job.dump_folder", str(dump), "--model.flavor", "torchtitan_tiny", "--metrics.log_freq", "1",
-        "--training.seq_len", str(RUN["seq_len"]), "--training.local_batch_size", str(RUN["local_batch_size"]),
-        "--optimizer.lr", str(RUN["lr"]), "--lr_scheduler.warmup_steps", str(RUN["warmup_steps"]),
-        "--checkpoint.enable", *flags,
-    ])  # fmt: skip
+    config = load_job_config(
+        [
+            "--job.dump_folder",
+            str(dump),
+            "--model.flavor",
+            "torchtitan_tiny",
+            "--metrics.log_freq",
+            "1",
+            "--training.seq_len",
+            str(RUN["seq_len"]),
+            "--training.local_batch_size",
+            str(RUN["local_batch_size"]),
+            "--optimizer.lr",
+            str(RUN["lr"]),
+            "--lr_scheduler.warmup_steps",
+            str(RUN["warmup_steps"]),
+            "--checkpoint.enable",
+            *flags,
+        ]
+    )
     return Trainer(resolve(config, one_rank.world_size, "cpu"), one_rank)
 
 
@@ -58,8 +72,14 @@ def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def test_a_torchtitan_model_only_checkpoint_is_an_initial_load_path(tmp_path, one_rank, saved):
-    trainer = _trainer(tmp_path, one_rank, "--training.steps", "0",
-                       "--checkpoint.initial_load_path", str(FIXTURE / "checkpoint" / "step-2"))  # fmt: skip
+    trainer = _trainer(
+        tmp_path,
+        one_rank,
+        "--training.steps",
+        "0",
+        "--checkpoint.initial_load_path",
+        str(FIXTURE / "checkpoint" / "step-2"),
+    )
     trainer.train()
     weights = _weights(trainer)
     assert weights.keys() == {k for k in saved[2] if "." in k}
@@ -97,9 +117,13 @@ def test_a_torchtitan_full_checkpoint_resumes_with_its_optimizer_schedule_and_st
     # The lr torchtitan's trainer set for step 2 of its run (2 steps, 1 warmup) is the one Titan's schedule
     # gives for the same settings: the peak (one virtual stable step), not the floor of a 1-step decay.
     factor = lr_factor(
-        2, total_steps=RUN["steps"], warmup_steps=RUN["warmup_steps"], decay_ratio=None, decay_type="linear",
+        2,
+        total_steps=RUN["steps"],
+        warmup_steps=RUN["warmup_steps"],
+        decay_ratio=None,
+        decay_type="linear",
         min_lr_factor=0.0,
-    )  # fmt: skip
+    )
     assert RUN["lr"] * factor == saved[1]["lr_scheduler"]["_last_lr"][0] == RUN["lr"]
 
     continued = _trainer(tmp_path, one_rank, "--training.steps", "4", *exclude)

@@ -39,8 +39,11 @@ def test_torchtitan_0_2_debug_model_loads_unchanged(caplog):
     assert c.compile.components == ["model", "loss"]
     assert c.quantize.linear.float8.filter_fqns == ["output"]
     assert (c.validation.enable, c.validation.dataset, c.validation.freq, c.validation.steps) == (
-        False, "c4_validation", 5, 10,
-    )  # fmt: skip
+        False,
+        "c4_validation",
+        5,
+        10,
+    )
     assert (c.checkpoint.enable, c.checkpoint.interval, c.checkpoint.last_save_model_only) == (
         False,
         10,
@@ -74,15 +77,31 @@ def test_torchtitan_0_2_llama3_8b_loads_unchanged(caplog):
 
 
 OLD_KEYS = (
-    "job.use_for_integration_test", "job.print_args", "metrics.enable_color_printing", "metrics.rank_0_only",
-    "model.norm_type", "model.tokenizer_path", "optimizer.fused", "training.batch_size", "training.warmup_steps",
-    "training.data_parallel_replicate_degree", "training.data_parallel_shard_degree",
-    "training.tensor_parallel_degree", "training.compile", "training.seed", "training.deterministic",
-    "experimental.context_parallel_degree", "experimental.pipeline_parallel_degree",
-    "experimental.enable_async_tensor_parallel", "checkpoint.enable_checkpoint", "checkpoint.interval_type",
-    "checkpoint.model_weights_only", "float8.enable_float8_linear", "float8.enable_fsdp_float8_all_gather",
+    "job.use_for_integration_test",
+    "job.print_args",
+    "metrics.enable_color_printing",
+    "metrics.rank_0_only",
+    "model.norm_type",
+    "model.tokenizer_path",
+    "optimizer.fused",
+    "training.batch_size",
+    "training.warmup_steps",
+    "training.data_parallel_replicate_degree",
+    "training.data_parallel_shard_degree",
+    "training.tensor_parallel_degree",
+    "training.compile",
+    "training.seed",
+    "training.deterministic",
+    "experimental.context_parallel_degree",
+    "experimental.pipeline_parallel_degree",
+    "experimental.enable_async_tensor_parallel",
+    "checkpoint.enable_checkpoint",
+    "checkpoint.interval_type",
+    "checkpoint.model_weights_only",
+    "float8.enable_float8_linear",
+    "float8.enable_fsdp_float8_all_gather",
     "float8.precompute_float8_dynamic_scale_for_fsdp",
-)  # fmt: skip
+)
 
 
 def test_torchtitan_0_0_config_migrates_with_one_warning_per_renamed_key(caplog):
@@ -100,16 +119,27 @@ def test_torchtitan_0_0_config_migrates_with_one_warning_per_renamed_key(caplog)
         "./test/assets/test_tiktoken.model",
     )
     assert (c.job.print_config, c.compile.enable, c.checkpoint.enable, c.checkpoint.last_save_model_only) == (
-        False, False, False, False,
-    )  # fmt: skip
+        False,
+        False,
+        False,
+        False,
+    )
     assert c.model.converters == []
 
 
 def test_old_keys_on_the_command_line_migrate_too(caplog):
     c = load_job_config(
-        ["--training.batch_size", "4", "--metrics.enable_color_printing", "false", "--training.compile",
-         "--float8.enable_float8_linear", "--float8.filter_fqns", "output,attention.wk"]
-    )  # fmt: skip
+        [
+            "--training.batch_size",
+            "4",
+            "--metrics.enable_color_printing",
+            "false",
+            "--training.compile",
+            "--float8.enable_float8_linear",
+            "--float8.filter_fqns",
+            "output,attention.wk",
+        ]
+    )
     assert c.training.local_batch_size == 4
     assert c.metrics.disable_color_printing is True
     assert c.compile.enable is True

@@ -41,11 +41,26 @@ for _model in ("deepseek_v3", "qwen3"):
 def _loaded_model(model: str, dump: Path, one_rank) -> torch.nn.Module:
     """Titan's model after its trainer started from torchtitan's checkpoint (`checkpoint.initial_load_path`)."""
     checkpoint = FIXTURE / model / "checkpoint" / f"step-{RUN['steps']}"
-    config = load_job_config([
-        "--job.dump_folder", str(dump), "--model.name", model, "--model.flavor", FACTS["flavor"],
-        "--training.seq_len", str(RUN["seq_len"]), "--training.local_batch_size", str(RUN["local_batch_size"]),
-        "--training.steps", "0", "--checkpoint.enable", "true", "--checkpoint.initial_load_path", str(checkpoint),
-    ])  # fmt: skip
+    config = load_job_config(
+        [
+            "--job.dump_folder",
+            str(dump),
+            "--model.name",
+            model,
+            "--model.flavor",
+            FACTS["flavor"],
+            "--training.seq_len",
+            str(RUN["seq_len"]),
+            "--training.local_batch_size",
+            str(RUN["local_batch_size"]),
+            "--training.steps",
+            "0",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.initial_load_path",
+            str(checkpoint),
+        ]
+    )
     trainer = Trainer(resolve(config, one_rank.world_size, "cpu"), one_rank)
     trainer.train()
     return trainer.model_parts[0]

@@ -58,18 +58,57 @@ EIGHT_B_CUT = ["--model.flavor", "8B", "--training.seq_len", "1024", "--training
 @pytest.mark.parametrize(
     "world_size,flags,depths,ranks",
     [
-        (8, ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"], (4, 6), [0]),
-        (4, ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"], (3, 4), [0]),
-        (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
-             "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"], (3, 4), [0, 1]),
+        (
+            8,
+            ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+            (4, 6),
+            [0],
+        ),
+        (
+            4,
+            ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "full"],
+            (3, 4),
+            [0],
+        ),
+        (
+            2,
+            [
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "op",
+            ],
+            (3, 4),
+            [0, 1],
+        ),
         # One GPU at seq 8192: the peak is in the loss's backward up to 13 blocks and in its forward from
         # 14 on (each grows at its own rate per block), so the two must be scaled as separate phases.
-        (1, ["--model.flavor", "3B", "--training.seq_len", "8192", "--training.local_batch_size", "1",
-             "--parallelism.data_parallel_shard_degree", "1", "--activation_checkpoint.mode", "selective",
-             "--activation_checkpoint.selective_ac_option", "op"], (3, 4), [0]),
+        (
+            1,
+            [
+                "--model.flavor",
+                "3B",
+                "--training.seq_len",
+                "8192",
+                "--training.local_batch_size",
+                "1",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+                "--activation_checkpoint.mode",
+                "selective",
+                "--activation_checkpoint.selective_ac_option",
+                "op",
+            ],
+            (3, 4),
+            [0],
+        ),
     ],
     ids=["fsdp8-every2", "fsdp2xtp2-full", "pp2-op", "3b-1gpu-op"],
-)  # fmt: skip
+)
 def test_few_blocks_scaled_equal_the_full_trace(world_size, flags, depths, ranks):
     """An 8B-shaped model cut to 12 blocks (per pipeline stage: 6), and Llama 3.2 3B's 28: traced at two
     small depths and scaled, the peak and its breakdown equal the trace of every block."""

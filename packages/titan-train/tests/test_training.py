@@ -51,11 +51,30 @@ def test_gradient_accumulation_2x4_gives_the_losses_and_grad_norms_of_batch_8(
 
 
 PROFILED = (
-    "--training.steps", "4", "--training.local_batch_size", "4", "--metrics.enable_tensorboard",
-    "--profiling.enable_profiling", "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0",
-    "--validation.enable", "--validation.dataset", "c4_test", "--validation.freq", "2", "--validation.steps", "2",
-    "--validation.seq_len", "32", "--validation.local_batch_size", "4", "--training.gc_freq", "2",
-)  # fmt: skip
+    "--training.steps",
+    "4",
+    "--training.local_batch_size",
+    "4",
+    "--metrics.enable_tensorboard",
+    "--profiling.enable_profiling",
+    "--profiling.profile_freq",
+    "2",
+    "--profiling.profiler_warmup",
+    "0",
+    "--validation.enable",
+    "--validation.dataset",
+    "c4_test",
+    "--validation.freq",
+    "2",
+    "--validation.steps",
+    "2",
+    "--validation.seq_len",
+    "32",
+    "--validation.local_batch_size",
+    "4",
+    "--training.gc_freq",
+    "2",
+)
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +106,13 @@ def test_tensorboard_events_hold_loss_grad_norm_tps_tflops_and_lr(profiled_run):
     records = _jsonl(dump / "metrics.jsonl")
     assert series[TB_TAGS["loss"]][1] == pytest.approx([r["loss"] for r in records])
     s = config.lr_scheduler
-    schedule = dict(total_steps=4, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio,
-                    decay_type=s.decay_type, min_lr_factor=s.min_lr_factor)  # fmt: skip
+    schedule = dict(
+        total_steps=4,
+        warmup_steps=s.warmup_steps,
+        decay_ratio=s.decay_ratio,
+        decay_type=s.decay_type,
+        min_lr_factor=s.min_lr_factor,
+    )
     expected_lr = [config.optimizer.lr * lr_factor(step, **schedule) for step in (1, 2, 3, 4)]
     assert series[TB_TAGS["lr"]][1] == pytest.approx(expected_lr, rel=1e-6)
     assert min(series[TB_TAGS["tps"]][1]) > 0

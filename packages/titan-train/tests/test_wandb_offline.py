@@ -64,8 +64,14 @@ def test_offline_wandb_run_holds_the_logged_scalars_of_every_step(
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     dump = tmp_path / "run"
-    config = small_config(dump, "--metrics.enable_wandb", "--metrics.enable_tensorboard", "false",
-                          "--job.description", "wandb offline test")  # fmt: skip
+    config = small_config(
+        dump,
+        "--metrics.enable_wandb",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--job.description",
+        "wandb offline test",
+    )
     Trainer(resolve(config, one_rank.world_size, "cpu"), one_rank).train()
 
     (run_file,) = (dump / "wandb").glob("offline-run-*/run-*.wandb")

@@ -235,8 +235,14 @@ class Checkpointer:
                     if self._rank() == 0:
                         logger.info(
                             "checkpoint: %s holds %s.%s, the older name of %s.%s; read as %s.%s",
-                            path, name, old, name, key, name, key,
-                        )  # fmt: skip
+                            path,
+                            name,
+                            old,
+                            name,
+                            key,
+                            name,
+                            key,
+                        )
         return renamed
 
     def _load_dcp(self, path: Path, names: Iterable[str]) -> None:
@@ -334,7 +340,11 @@ class Checkpointer:
             process_group=self._group,
             async_stager=self._stager,
         )
-        upload, staging = (response, None) if isinstance(response, Future) else (response.upload_completion, response.staging_completion)  # fmt: skip
+        upload, staging = (
+            (response, None)
+            if isinstance(response, Future)
+            else (response.upload_completion, response.staging_completion)
+        )
         self._pending = PendingSave(
             step, partial, final, upload, staging, started, time.perf_counter() - started
         )
@@ -406,8 +416,11 @@ class Checkpointer:
             publish(partial, final)
             logger.info(
                 "checkpoint: saved %s (%.1f MB) in %.2f s; training blocked %.2f s",
-                final, written / 1e6, total_s, blocked_s,
-            )  # fmt: skip
+                final,
+                written / 1e6,
+                total_s,
+                blocked_s,
+            )
             purge_old(self.folder, self.saving.keep_latest_k)
         self.timings.append(SaveTiming(step, blocked_s, total_s, written))
 

@@ -69,8 +69,11 @@ def choose_source(
             logger.warning(
                 "checkpoint: initial_load_path %s is NOT loaded: %s already holds step-%d, which takes "
                 "precedence (use another checkpoint folder to start from %s)",
-                initial.path, folder, steps[-1], initial.path,
-            )  # fmt: skip
+                initial.path,
+                folder,
+                steps[-1],
+                initial.path,
+            )
         newest = _from_step(folder, steps[-1], wanted, present_states, explicit=False)
         if newest.kind != "model_only":
             return newest
@@ -80,8 +83,9 @@ def choose_source(
                 logger.warning(
                     "checkpoint: step-%d holds only model weights (a seed or last_save_model_only checkpoint) "
                     "and cannot resume training; using step-%d, the newest full checkpoint",
-                    steps[-1], step,
-                )  # fmt: skip
+                    steps[-1],
+                    step,
+                )
                 return older
         return newest
     if initial.path:
@@ -106,8 +110,11 @@ def _from_step(
             "model_only",
             f"loading model weights only from step-{step} in {folder} (it holds no optimizer or training "
             "state); training starts at step 0 from these weights",
-            step, path, (MODEL,), hf,
-        )  # fmt: skip
+            step,
+            path,
+            (MODEL,),
+            hf,
+        )
     how = " (checkpoint.load_step)" if explicit else ""
     return LoadResult("resumed", f"resuming from step-{step}{how} in {folder}", step, path, tuple(wanted), hf)
 
@@ -134,6 +141,10 @@ def _from_initial_path(folder: Path, wanted: Sequence[str], initial: InitialLoad
         states = (MODEL,) if initial.model_only else tuple(wanted)
         kind = "model weights" if initial.model_only else "full training state"
     return LoadResult(
-        "initial", f"no checkpoint in {folder}; loading initial weights from {path} ({kind})", None, path, states,
+        "initial",
+        f"no checkpoint in {folder}; loading initial weights from {path} ({kind})",
+        None,
+        path,
+        states,
         initial.in_hf,
-    )  # fmt: skip
+    )

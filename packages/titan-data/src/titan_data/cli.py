@@ -80,9 +80,13 @@ def _tokenize(args: argparse.Namespace) -> int:
     source = _source(args)
     source.check()  # a hub that does not answer: one line now, not a stop at the first document
     index = tokenize_to_shards(
-        source, args.tokenizer, args.output, workers=args.workers,
-        documents_per_shard=args.documents_per_shard, progress=not args.quiet,
-    )  # fmt: skip
+        source,
+        args.tokenizer,
+        args.output,
+        workers=args.workers,
+        documents_per_shard=args.documents_per_shard,
+        progress=not args.quiet,
+    )
     print(f"{args.output}: {index.num_documents:,} documents, {index.num_tokens:,} tokens ({index.dtype})")
     return 0
 
@@ -96,9 +100,12 @@ def _prepare(args: argparse.Namespace) -> int:
     print(f"{args.output}: {len(files)} files of {args.dataset}; train with dataset_path = {args.output}")
     if args.tokenize_to is not None:
         index = tokenize_to_shards(
-            get_source(args.dataset, args.output), args.tokenizer, args.tokenize_to, workers=args.workers,
+            get_source(args.dataset, args.output),
+            args.tokenizer,
+            args.tokenize_to,
+            workers=args.workers,
             progress=not args.quiet,
-        )  # fmt: skip
+        )
         print(
             f"{args.tokenize_to}: {index.num_documents:,} documents, {index.num_tokens:,} tokens; train with "
             f"dataset = token_shards, dataset_path = {args.tokenize_to}"

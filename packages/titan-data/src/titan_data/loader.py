@@ -96,9 +96,12 @@ class TokenLoader(StatefulDataLoader):
             super().__init__(_Batches(dataset, batch_size), batch_size=None, num_workers=0)
         else:
             super().__init__(
-                _WorkerWindows(dataset, num_workers), batch_size=None, num_workers=num_workers,
-                persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
-            )  # fmt: skip
+                _WorkerWindows(dataset, num_workers),
+                batch_size=None,
+                num_workers=num_workers,
+                persistent_workers=persistent_workers,
+                prefetch_factor=prefetch_factor,
+            )
         self.packed, self.local_batch_size, self.pin = dataset, batch_size, pin_memory
         self._consumed: dict[str, bytes] = {}  # stream -> state after its last window handed out
 

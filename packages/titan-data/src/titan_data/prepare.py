@@ -143,10 +143,21 @@ def prepare_c4(
         todo.append(name)
     partial = sum((output / f"{n}.part").stat().st_size for n in todo if (output / f"{n}.part").is_file())
     size = sum(listed[name].size for name in wanted)
-    logger.info("prepare: %s: %d of %d files already here; fetching %d", output, len(wanted) - len(todo),
-                len(wanted), len(todo))  # fmt: skip
-    with tqdm(total=size, initial=present + partial, unit="B", unit_scale=True, desc=f"prepare {dataset}",
-              disable=not progress) as bar:  # fmt: skip
+    logger.info(
+        "prepare: %s: %d of %d files already here; fetching %d",
+        output,
+        len(wanted) - len(todo),
+        len(wanted),
+        len(todo),
+    )
+    with tqdm(
+        total=size,
+        initial=present + partial,
+        unit="B",
+        unit_scale=True,
+        desc=f"prepare {dataset}",
+        disable=not progress,
+    ) as bar:
         for name in todo:
             (output / name).parent.mkdir(parents=True, exist_ok=True)
             _fetch(listed[name], hub_file_url(name, endpoint), output / name, policy, bar)

@@ -17,8 +17,12 @@ NUM_STREAMS, GLOBAL_BATCH, SEQ_LEN, SAVED_STEPS, RESUMED_STEPS = 12, 12, 32, 3, 
 
 
 def loader(rank: int, world: int) -> TokenLoader:
-    dataset = PackedTokenDataset(get_source("c4_test"), build_tokenizer(ASSETS / "tokenizer"), SEQ_LEN,
-                                 streams=StreamLayout(rank, world, NUM_STREAMS))  # fmt: skip
+    dataset = PackedTokenDataset(
+        get_source("c4_test"),
+        build_tokenizer(ASSETS / "tokenizer"),
+        SEQ_LEN,
+        streams=StreamLayout(rank, world, NUM_STREAMS),
+    )
     return TokenLoader(dataset, GLOBAL_BATCH // world)
 
 

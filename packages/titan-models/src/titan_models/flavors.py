@@ -19,13 +19,24 @@ LLAMA31_CONTEXT = 131_072  # the 128K tokens the rotary stretch is published for
 # max_seq_len is only the default size of the rotary table: a run builds it for its own seq_len.
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000, max_seq_len=8192, context_len=LLAMA31_CONTEXT)
 _LLAMA3_8B = ModelArgs(
-    dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
-    rope_scaling=LLAMA31_ROPE_SCALING, **_LLAMA3,
-)  # fmt: skip
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    ffn_dim_multiplier=1.3,
+    multiple_of=1024,
+    rope_scaling=LLAMA31_ROPE_SCALING,
+    **_LLAMA3,
+)
 _LLAMA3_DEBUG = ModelArgs(
-    dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000,
-    rope_scaling=LLAMA31_ROPE_SCALING, context_len=LLAMA31_CONTEXT,
-)  # fmt: skip
+    dim=256,
+    n_layers=6,
+    n_heads=16,
+    vocab_size=2048,
+    rope_theta=500000,
+    rope_scaling=LLAMA31_ROPE_SCALING,
+    context_len=LLAMA31_CONTEXT,
+)
 _FLEX_BLOCK_CAUSAL = dict(attn_backend="flex", attn_mask_type="block_causal")
 _VARLEN_BLOCK_CAUSAL = dict(attn_backend="varlen", attn_mask_type="block_causal")
 
@@ -34,26 +45,52 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     "debugmodel_flex_attn": replace(_LLAMA3_DEBUG, **_FLEX_BLOCK_CAUSAL),
     "debugmodel_varlen_attn": replace(_LLAMA3_DEBUG, **_VARLEN_BLOCK_CAUSAL),
     "1B": ModelArgs(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-        rope_scaling=LLAMA32_ROPE_SCALING, tie_word_embeddings=True, **_LLAMA3,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_scaling=LLAMA32_ROPE_SCALING,
+        tie_word_embeddings=True,
+        **_LLAMA3,
     ),
     "3B": ModelArgs(
-        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
-        rope_scaling=LLAMA32_ROPE_SCALING, tie_word_embeddings=True, **_LLAMA3,
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        rope_scaling=LLAMA32_ROPE_SCALING,
+        tie_word_embeddings=True,
+        **_LLAMA3,
     ),
     "8B": _LLAMA3_8B,
     "8B_flex": replace(_LLAMA3_8B, **_FLEX_BLOCK_CAUSAL),  # torchtitan 0.2's name
     "8B_flex_attn": replace(_LLAMA3_8B, **_FLEX_BLOCK_CAUSAL),  # torchtitan 0.1's name
     "8B_varlen": replace(_LLAMA3_8B, **_VARLEN_BLOCK_CAUSAL),
     "70B": ModelArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
-        rope_scaling=LLAMA31_ROPE_SCALING, **_LLAMA3,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_scaling=LLAMA31_ROPE_SCALING,
+        **_LLAMA3,
     ),
     "405B": ModelArgs(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
-        rope_scaling=LLAMA31_ROPE_SCALING, **_LLAMA3,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_scaling=LLAMA31_ROPE_SCALING,
+        **_LLAMA3,
     ),
-}  # fmt: skip
+}
 
 _LLAMA2 = dict(vocab_size=32000, rope_theta=10000, max_seq_len=4096, multiple_of=256)
 

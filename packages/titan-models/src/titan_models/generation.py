@@ -186,8 +186,11 @@ def generate(
     _check_whole_model(model)
     if has_kv_cache(model):
         return _generate(model, prompts, params, decode, pad_id, _Cached)
-    log.info("generation: %s has no KV cache (Llama only); every token recomputes its prompt's whole "
-             "sequence, one prompt at a time", type(model).__name__)  # fmt: skip
+    log.info(
+        "generation: %s has no KV cache (Llama only); every token recomputes its prompt's whole "
+        "sequence, one prompt at a time",
+        type(model).__name__,
+    )
     rows = [_generate(model, [prompt], params, decode, pad_id, _Recomputed) for prompt in prompts]
     return Generation(
         [t for r in rows for t in r.tokens],

@@ -25,21 +25,70 @@ from titan_models.moe import MoEArgs
 from titan_models.qwen3 import Qwen3Args, Qwen3Model, qwen3_moe_args
 
 SEED = 11
-LLAMA = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
-                  rope_theta=500000, max_seq_len=32, eos_id=1)  # fmt: skip
+LLAMA = ModelArgs(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=128,
+    multiple_of=32,
+    rope_theta=500000,
+    max_seq_len=32,
+    eos_id=1,
+)
 DEEPSEEK = DeepSeekV3Args(
-    dim=64, n_layers=2, n_dense_layers=1, n_heads=4, vocab_size=128, inter_dim=96, moe_inter_dim=32,
-    moe_args=MoEArgs(num_experts=4, num_shared_experts=1, top_k=2, score_func="sigmoid", route_norm=True,
-                     score_before_experts=False),
-    q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-    max_seq_len=32, eos_id=1,
-)  # fmt: skip
-QWEN3_DENSE = Qwen3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=128, hidden_dim=96,
-                        max_seq_len=32, eos_id=1)  # fmt: skip
+    dim=64,
+    n_layers=2,
+    n_dense_layers=1,
+    n_heads=4,
+    vocab_size=128,
+    inter_dim=96,
+    moe_inter_dim=32,
+    moe_args=MoEArgs(
+        num_experts=4,
+        num_shared_experts=1,
+        top_k=2,
+        score_func="sigmoid",
+        route_norm=True,
+        score_before_experts=False,
+    ),
+    q_lora_rank=0,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    max_seq_len=32,
+    eos_id=1,
+)
+QWEN3_DENSE = Qwen3Args(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=32,
+    vocab_size=128,
+    hidden_dim=96,
+    max_seq_len=32,
+    eos_id=1,
+)
 QWEN3_MOE = replace(QWEN3_DENSE, moe_inter_dim=32, moe_args=qwen3_moe_args(4, 2))
-LLAMA4_IROPE = Llama4Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=16, max_seq_len=32,
-                          moe_args=llama4_moe_args(4), every_n_layers_nope=2, attn_chunk_size=8, use_qk_norm=True,
-                          attn_temperature_tuning=True, floor_scale=4, attn_mask_type="block_causal", eos_id=1)  # fmt: skip
+LLAMA4_IROPE = Llama4Args(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=128,
+    multiple_of=16,
+    max_seq_len=32,
+    moe_args=llama4_moe_args(4),
+    every_n_layers_nope=2,
+    attn_chunk_size=8,
+    use_qk_norm=True,
+    attn_temperature_tuning=True,
+    floor_scale=4,
+    attn_mask_type="block_causal",
+    eos_id=1,
+)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

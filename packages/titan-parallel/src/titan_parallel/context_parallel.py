@@ -60,9 +60,11 @@ def context_parallel_ctx(
         _cp_options.enable_load_balance = load_balance
         stack.callback(setattr, _cp_options, "enable_load_balance", balance)
         sharded = context_parallel(
-            cp_mesh, buffers=list(buffers), buffer_seq_dims=list(seq_dims),
+            cp_mesh,
+            buffers=list(buffers),
+            buffer_seq_dims=list(seq_dims),
             no_restore_buffers=set(no_restore_buffers or ()),
-        )  # fmt: skip
+        )
         sharded.__enter__()
         # Always exit as if cleanly: torch 2.11's context_parallel restores SDPA and the buffers only
         # then, so an exception in the step would leave every later SDPA call patched for ring attention.

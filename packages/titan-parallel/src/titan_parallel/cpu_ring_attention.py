@@ -88,9 +88,16 @@ def _ring_forward(mesh, query, key, value, dropout_p=0.0, is_causal=False, *, at
 
     _refuse_unsupported(dropout_p, attn_mask)
     return _templated_ring_attention(
-        mesh.get_group(), _SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu,
-        query=query, key=key, value=value, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
-    )  # fmt: skip
+        mesh.get_group(),
+        _SEQ_DIM,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        query=query,
+        key=key,
+        value=value,
+        is_causal=is_causal,
+        dropout_p=dropout_p,
+        scale=scale,
+    )
 
 
 def _ring_backward(
@@ -102,10 +109,20 @@ def _ring_backward(
 
     _refuse_unsupported(dropout_p, attn_mask)
     return _templated_ring_attention_backward(
-        mesh.get_group(), _SEQ_DIM, _BACKWARD, grad_out=grad_out, grad_out_name="grad_out",
-        query=query, key=key, value=value, out=out, logsumexp=logsumexp, is_causal=is_causal,
-        dropout_p=dropout_p, scale=scale,
-    )  # fmt: skip
+        mesh.get_group(),
+        _SEQ_DIM,
+        _BACKWARD,
+        grad_out=grad_out,
+        grad_out_name="grad_out",
+        query=query,
+        key=key,
+        value=value,
+        out=out,
+        logsumexp=logsumexp,
+        is_causal=is_causal,
+        dropout_p=dropout_p,
+        scale=scale,
+    )
 
 
 def _refuse_unsupported(dropout_p: float, attn_mask) -> None:

@@ -65,8 +65,11 @@ def apply_float8(
     n = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
     logger.info(
         "float8 %s: %d linear layers converted (FSDP float8 all-gather: %s, emulated: %s)",
-        recipe, n, fsdp_all_gather, emulate,
-    )  # fmt: skip
+        recipe,
+        n,
+        fsdp_all_gather,
+        emulate,
+    )
     return model
 
 

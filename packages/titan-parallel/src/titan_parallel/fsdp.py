@@ -105,9 +105,13 @@ def shard_experts(
     # With more FSDP ranks than local experts, sharding dim 0 would leave ranks holding padding.
     placement = (lambda _param: Shard(1)) if mesh.shape[-1] > local_experts else None
     fully_shard(
-        experts, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard, offload_policy=offload,
+        experts,
+        mesh=mesh,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard,
+        offload_policy=offload,
         shard_placement_fn=placement,
-    )  # fmt: skip
+    )
     experts.set_gradient_divide_factor(float(divide_factor))
     # A custom factor is a pre-multiplied sum (PREMUL_SUM), which gloo lacks: sum, then divide. On a
     # reduce-scatter group of one rank torch divides already (and would divide twice when forced).

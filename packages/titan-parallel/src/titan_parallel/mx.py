@@ -153,9 +153,18 @@ def _mx_linear_class() -> type[nn.Linear]:
                 else MXFP8Dim0CastKernelChoice.TRITON
             )
             out = mx_linear.mx_mm.apply(
-                x, self.weight, e4m3, e4m3, e4m3, _MX_BLOCK, self.kernel_preference, dim0_cast,
-                self.dim1_cast_kernel, self.scale_calculation_mode, self.wgrad_with_hp,
-            )  # fmt: skip
+                x,
+                self.weight,
+                e4m3,
+                e4m3,
+                e4m3,
+                _MX_BLOCK,
+                self.kernel_preference,
+                dim0_cast,
+                self.dim1_cast_kernel,
+                self.scale_calculation_mode,
+                self.wgrad_with_hp,
+            )
             return out if self.bias is None else out + self.bias.to(out.dtype)
 
     return MXLinear

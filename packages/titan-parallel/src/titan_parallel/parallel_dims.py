@@ -54,9 +54,13 @@ class ParallelDims:
 
     def _validate(self) -> None:
         named = {
-            "dp_replicate": self.dp_replicate, "cp": self.cp, "tp": self.tp, "pp": self.pp,
-            "expert_parallel_degree": self.ep, "expert_tensor_parallel_degree": self.etp,
-        }  # fmt: skip
+            "dp_replicate": self.dp_replicate,
+            "cp": self.cp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "expert_parallel_degree": self.ep,
+            "expert_tensor_parallel_degree": self.etp,
+        }
         for name, degree in named.items():
             if degree < 1:
                 raise ParallelConfigError(f"parallelism: {name} must be >= 1, got {degree}")

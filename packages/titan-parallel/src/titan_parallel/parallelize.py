@@ -43,14 +43,21 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
     blocks = blocks_of(model)
     if options.float8 is not None:
         apply_float8(
-            model, recipe=options.float8, fsdp_all_gather=options.float8_fsdp_all_gather,
-            skip_fqns=options.float8_skip_fqns, device_type=mesh.device_type, emulate=options.float8_emulate,
-        )  # fmt: skip
+            model,
+            recipe=options.float8,
+            fsdp_all_gather=options.float8_fsdp_all_gather,
+            skip_fqns=options.float8_skip_fqns,
+            device_type=mesh.device_type,
+            emulate=options.float8_emulate,
+        )
     if options.mx is not None:
         apply_mx(
-            model, recipe=options.mx, dim1_cast_kernel=options.mx_dim1_cast_kernel, skip_fqns=options.mx_skip_fqns,
+            model,
+            recipe=options.mx,
+            dim1_cast_kernel=options.mx_dim1_cast_kernel,
+            skip_fqns=options.mx_skip_fqns,
             device_type=mesh.device_type,
-        )  # fmt: skip
+        )
     tp_mesh = dims.submesh("tp")
     if tp_mesh is not None:
         plan = tp_plan_of(
@@ -62,30 +69,46 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
     experts = apply_expert_parallel(model, dims)
     expert_units = experts if dims.ep > 1 else {}
     apply_ac(
-        model, blocks, mode=options.ac_mode, selective=options.ac_selective,
+        model,
+        blocks,
+        mode=options.ac_mode,
+        selective=options.ac_selective,
         force_recompute_mm_fqns=options.ac_force_recompute_mm_fqns,
         checkpoint_kwargs={
-            "preserve_rng_state": options.ac_preserve_rng_state, "determinism_check": options.ac_determinism_check,
-            "early_stop": options.ac_early_stop, "debug": options.ac_debug,
+            "preserve_rng_state": options.ac_preserve_rng_state,
+            "determinism_check": options.ac_determinism_check,
+            "early_stop": options.ac_early_stop,
+            "debug": options.ac_debug,
         },
-    )  # fmt: skip
+    )
     if options.compile:
         apply_compile(model, blocks, backend=options.compile_backend, moe_layers=moe_layers_of(model))
     if dims.fsdp_enabled:
         apply_fsdp(
-            model, blocks, dims.submesh("fsdp"), param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
-            reshard_after_forward=options.reshard_after_forward, cpu_offload=options.cpu_offload,
-            pp_enabled=dims.pp > 1, experts=expert_units, experts_mesh=dims.submesh("experts_fsdp"),
+            model,
+            blocks,
+            dims.submesh("fsdp"),
+            param_dtype=options.param_dtype,
+            reduce_dtype=options.reduce_dtype,
+            reshard_after_forward=options.reshard_after_forward,
+            cpu_offload=options.cpu_offload,
+            pp_enabled=dims.pp > 1,
+            experts=expert_units,
+            experts_mesh=dims.submesh("experts_fsdp"),
             experts_gradient_divide_factor=dims.expert_gradient_divide_factor,
-        )  # fmt: skip
+        )
         return _logged(model, dims, options)
     if expert_units:
         apply_experts_fsdp(
-            expert_units, dims.submesh("experts_fsdp"), dims.expert_gradient_divide_factor,
-            param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
-            reshard_after_forward=options.reshard_after_forward, cpu_offload=options.cpu_offload,
+            expert_units,
+            dims.submesh("experts_fsdp"),
+            dims.expert_gradient_divide_factor,
+            param_dtype=options.param_dtype,
+            reduce_dtype=options.reduce_dtype,
+            reshard_after_forward=options.reshard_after_forward,
+            cpu_offload=options.cpu_offload,
             pp_enabled=dims.pp > 1,
-        )  # fmt: skip
+        )
     if dims.ddp_enabled:
         if options.cpu_offload:
             raise ParallelConfigError(
@@ -93,9 +116,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
                 "replication (DDP) there is no shard to offload"
             )
         apply_ddp(
-            model, blocks, dims.submesh("dp_replicate"), param_dtype=options.param_dtype,
+            model,
+            blocks,
+            dims.submesh("dp_replicate"),
+            param_dtype=options.param_dtype,
             reduce_dtype=options.reduce_dtype,
-        )  # fmt: skip
+        )
     return _logged(model, dims, options)
 
 
@@ -133,8 +159,12 @@ def training_context(
                 )
             stack.enter_context(
                 context_parallel_ctx(
-                    dims.submesh("cp"), cp_buffers, cp_seq_dims, rotate_method=options.cp_rotate_method,
-                    no_restore_buffers=set(cp_no_restore), load_balance=options.cp_load_balance,
+                    dims.submesh("cp"),
+                    cp_buffers,
+                    cp_seq_dims,
+                    rotate_method=options.cp_rotate_method,
+                    no_restore_buffers=set(cp_no_restore),
+                    load_balance=options.cp_load_balance,
                 )
-            )  # fmt: skip
+            )
         yield

@@ -173,8 +173,16 @@ class _Shape:
         dtensor = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
         local = t._local_tensor if isinstance(t, DTensor) else t
         elements = local.untyped_storage().nbytes() // local.element_size()
-        return cls(local.shape, local.stride(), local.storage_offset(), elements, local.dtype, local.device,
-                   t.requires_grad, dtensor)  # fmt: skip
+        return cls(
+            local.shape,
+            local.stride(),
+            local.storage_offset(),
+            elements,
+            local.dtype,
+            local.device,
+            t.requires_grad,
+            dtensor,
+        )
 
     def make(self, leaves: list, index: int, sources: list) -> torch.Tensor:
         """A tensor like the one described, on a storage of its size, put at `leaves[index]`; one that

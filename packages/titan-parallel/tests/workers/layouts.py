@@ -122,9 +122,13 @@ def parallel_parts(model, dims: ParallelDims, options: ParallelOptions, local_ba
     """(the pipeline or None, the model parts this rank holds), parallelized through the public API."""
     if dims.pp > 1:
         pipe = build_pipeline(
-            model, dims, options, loss_fn=cross_entropy, device=torch.device("cpu"),
+            model,
+            dims,
+            options,
+            loss_fn=cross_entropy,
+            device=torch.device("cpu"),
             local_batch_size=local_batch_size,
-        )  # fmt: skip
+        )
         return pipe, pipe.model_parts
     return None, [parallelize(model, dims, options)]
 
@@ -179,9 +183,17 @@ def refusals() -> dict:
     tp.build_mesh("cpu")
     model = ToyTransformer()
     attempt("async_tp_on_cpu", lambda: apply_tp(model, tp.submesh("tp"), model.tp_plan(), async_tp=True))
-    attempt("pipeline_without_pp", lambda: build_pipeline(
-        ToyTransformer(), tp, ParallelOptions(), loss_fn=cross_entropy, device=torch.device("cpu"), local_batch_size=4
-    ))  # fmt: skip
+    attempt(
+        "pipeline_without_pp",
+        lambda: build_pipeline(
+            ToyTransformer(),
+            tp,
+            ParallelOptions(),
+            loss_fn=cross_entropy,
+            device=torch.device("cpu"),
+            local_batch_size=4,
+        ),
+    )
     cp = ParallelDims(dp_shard=1, cp=2, world_size=2)
     cp.build_mesh("cpu")
     attempt("cp_without_buffers", lambda: training_context(cp, ParallelOptions()).__enter__())

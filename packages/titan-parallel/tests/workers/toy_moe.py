@@ -103,7 +103,7 @@ class ToyMoE(ToyTransformer):
                 output_layouts=(Partial(),),
                 desired_output_layouts=(between,),
                 use_local_output=True,
-            ),  # fmt: skip
+            ),
             "layers.*.moe.shared_experts.w1": ColwiseParallel(),
             "layers.*.moe.shared_experts.w2": RowwiseParallel(output_layouts=Partial()),
             "layers.*.moe.shared_experts.w3": ColwiseParallel(),

@@ -119,9 +119,13 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
         problems.append(str(err))
     try:
         dims.check_model(
-            n_layers=args.n_layers, n_heads=args.n_heads, n_kv_heads=args.kv_heads,
-            seq_len=config.training.seq_len, vocab_size=args.vocab_size, sequence_parallel=options.sequence_parallel,
-        )  # fmt: skip
+            n_layers=args.n_layers,
+            n_heads=args.n_heads,
+            n_kv_heads=args.kv_heads,
+            seq_len=config.training.seq_len,
+            vocab_size=args.vocab_size,
+            sequence_parallel=options.sequence_parallel,
+        )
     except ParallelConfigError as err:
         problems.append(str(err))
     # For its parameter counts and pipeline units. The tokenizer's eos_id (which block-causal masks

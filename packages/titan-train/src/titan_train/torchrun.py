@@ -33,9 +33,20 @@ def torchrun_command(
     rank prints with `[rankN]:`.
     """
     command = [
-        python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
-        "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
-    ]  # fmt: skip
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"localhost:{port}",
+    ]
     if port:
         command += ["--rdzv-id", f"titan-{port}"]
     command += ["--max-restarts", str(max_restarts)]

@@ -109,9 +109,13 @@ class Trainer:
         )
         self.model_parts, self.pipeline, self.parallel_options = built.parts, built.pipeline, plan.options
         self.guard = StepGuard(
-            config.health, rank=info.rank, world_size=info.world_size, device=self.device, drills=drills,
+            config.health,
+            rank=info.rank,
+            world_size=info.world_size,
+            device=self.device,
+            drills=drills,
             watched_parts=self.model_parts,
-        )  # fmt: skip
+        )
         self.float8_scales_each_step = (
             plan.options.float8_fsdp_all_gather
             and config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
@@ -139,9 +143,14 @@ class Trainer:
         self.peak_flops = peak_flops(self.device)
         logger.info(
             "model %s %s: %s parameters; %s on %s, world size %d, gradient accumulation %d",
-            config.model.name, config.model.flavor, f"{plan.params.total:,}", self.dims.degrees,
-            self.device.type, info.world_size, self.grad_accum_steps,
-        )  # fmt: skip
+            config.model.name,
+            config.model.flavor,
+            f"{plan.params.total:,}",
+            self.dims.degrees,
+            self.device.type,
+            info.world_size,
+            self.grad_accum_steps,
+        )
         if config.memory_estimation.enable and info.rank == 0:
             how = "real" if config.memory_estimation.disable_fake_mode else "fake"
             logger.info("memory estimate: tracing one step on %s tensors in a child process", how)
@@ -284,9 +293,12 @@ class Trainer:
         parallelism shards the batch and the model's sequence buffers along the sequence."""
         positions = [buffer for part in self.model_parts for buffer in part.sequence_buffers()]
         return training_context(
-            self.dims, self.parallel_options, cp_buffers=[inputs, labels, *(b for b, _ in positions)],
-            cp_seq_dims=[1, 1, *(dim for _, dim in positions)], cp_no_restore=[inputs, labels],
-        )  # fmt: skip
+            self.dims,
+            self.parallel_options,
+            cp_buffers=[inputs, labels, *(b for b, _ in positions)],
+            cp_seq_dims=[1, 1, *(dim for _, dim in positions)],
+            cp_no_restore=[inputs, labels],
+        )
 
     def _validation_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean loss of one validation batch, forward only, through the same layout as training."""

@@ -25,10 +25,22 @@ from titan_train.trainer import Trainer
 from titan_train.wiring.validation import Validator
 
 SMALL = [
-    "--training.seq_len", "32", "--training.steps", "3", "--activation_checkpoint.mode", "none",
-    "--metrics.log_freq", "1", "--metrics.disable_color_printing", "--lr_scheduler.warmup_steps", "2",
-    "--optimizer.lr", "3e-3", "--training.dataloader.num_streams", "2",
-]  # fmt: skip
+    "--training.seq_len",
+    "32",
+    "--training.steps",
+    "3",
+    "--activation_checkpoint.mode",
+    "none",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.disable_color_printing",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--optimizer.lr",
+    "3e-3",
+    "--training.dataloader.num_streams",
+    "2",
+]
 RUNS = {
     "local_batch_4": ["--training.local_batch_size", "4"],
     "local_batch_2_accumulate_2": ["--training.local_batch_size", "2", "--training.global_batch_size", "8"],
@@ -91,12 +103,25 @@ def main(out: Path) -> None:
     runs = {
         **RUNS,
         "uneven_validation": [
-            "--training.local_batch_size", "4", "--training.steps", "2", "--validation.enable",
-            "--validation.freq", "2", "--validation.steps", "-1", "--validation.dataset", "text",
-            "--validation.dataset_path", str(validation_set), "--validation.seq_len", "32",
-            "--validation.local_batch_size", "2",
+            "--training.local_batch_size",
+            "4",
+            "--training.steps",
+            "2",
+            "--validation.enable",
+            "--validation.freq",
+            "2",
+            "--validation.steps",
+            "-1",
+            "--validation.dataset",
+            "text",
+            "--validation.dataset_path",
+            str(validation_set),
+            "--validation.seq_len",
+            "32",
+            "--validation.local_batch_size",
+            "2",
         ],
-    }  # fmt: skip
+    }
     results = {}
     for name, flags in runs.items():
         before = calls[0]

@@ -17,14 +17,28 @@ from titan_train.distributed import init_distributed
 from titan_train.plan import resolve
 from titan_train.reporting.traced_memory import trace_rank, trace_step
 
-SMALL = ["--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.local_batch_size", "4",
-         "--training.mixed_precision_param", "float32"]  # fmt: skip
+SMALL = [
+    "--model.flavor",
+    "debugmodel",
+    "--training.seq_len",
+    "256",
+    "--training.local_batch_size",
+    "4",
+    "--training.mixed_precision_param",
+    "float32",
+]
 LAYOUTS = {
     "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"],
     "tp2": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
-    "pp2": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
-            "--parallelism.pipeline_parallel_microbatch_size", "2"],
-}  # fmt: skip
+    "pp2": [
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+    ],
+}
 AC = {
     "none": ["--activation_checkpoint.mode", "none"],
     "full": ["--activation_checkpoint.mode", "full"],

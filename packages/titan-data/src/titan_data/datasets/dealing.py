@@ -34,8 +34,12 @@ def choose_dealing(source: TextSource, num_streams: int) -> str:
             "%s: its %d shards are not a multiple of num_streams (%d), so every rank reads the whole "
             "source and keeps every %d-th document; a num_streams that divides %d lets each rank read "
             "only its own shards",
-            source.name, shards, num_streams, num_streams, shards,
-        )  # fmt: skip
+            source.name,
+            shards,
+            num_streams,
+            num_streams,
+            shards,
+        )
     return "document"
 
 

@@ -177,9 +177,13 @@ class FileSource(TextSource):
 
     def shard(self, num_shards: int, index: int) -> FileSource:
         return FileSource(
-            self.name, self.files[index::num_shards], text_field=self.text_field, formats=self.formats,
-            equal_shards=self.equal_shards, location=f"{self.location} (shard {index} of {num_shards})",
-        )  # fmt: skip
+            self.name,
+            self.files[index::num_shards],
+            text_field=self.text_field,
+            formats=self.formats,
+            equal_shards=self.equal_shards,
+            location=f"{self.location} (shard {index} of {num_shards})",
+        )
 
     def open(self, position: Any = None) -> DocumentReader:
         at = list(position or (0, 0))

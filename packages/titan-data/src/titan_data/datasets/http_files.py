@@ -50,8 +50,12 @@ class RetryPolicy:
 
     @classmethod
     def from_env(cls) -> RetryPolicy:
-        names = {"attempts": "ATTEMPTS", "backoff_s": "BACKOFF_S", "max_backoff_s": "MAX_BACKOFF_S",
-                 "timeout_s": "TIMEOUT_S"}  # fmt: skip
+        names = {
+            "attempts": "ATTEMPTS",
+            "backoff_s": "BACKOFF_S",
+            "max_backoff_s": "MAX_BACKOFF_S",
+            "timeout_s": "TIMEOUT_S",
+        }
         values: dict[str, Any] = {}
         for field_name, suffix in names.items():
             raw = os.environ.get(f"TITAN_DATA_HTTP_{suffix}")
@@ -120,8 +124,13 @@ def stream_bytes(url: str, policy: RetryPolicy, start: int = 0) -> Iterator[byte
             )
         logger.warning(
             "dataset: %s dropped at byte %d (%s); retry %d of %d in %.1f s",
-            url, received, _describe(failure), failures, policy.attempts, policy.wait(failures),
-        )  # fmt: skip
+            url,
+            received,
+            _describe(failure),
+            failures,
+            policy.attempts,
+            policy.wait(failures),
+        )
         time.sleep(policy.wait(failures))
 
 
@@ -179,9 +188,13 @@ class HttpJsonLinesSource(TextSource):
 
     def shard(self, num_shards: int, index: int) -> HttpJsonLinesSource:
         return HttpJsonLinesSource(
-            self.name, self.urls[index::num_shards], policy=self.policy, equal_shards=self.equal_shards,
-            location=f"{self.location} (shard {index} of {num_shards})", text_field=self.text_field,
-        )  # fmt: skip
+            self.name,
+            self.urls[index::num_shards],
+            policy=self.policy,
+            equal_shards=self.equal_shards,
+            location=f"{self.location} (shard {index} of {num_shards})",
+            text_field=self.text_field,
+        )
 
     def open(self, position: Any = None) -> DocumentReader:
         at = list(position or (0, 0))

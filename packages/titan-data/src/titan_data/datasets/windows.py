@@ -49,8 +49,9 @@ class StreamLayout:
             logger.warning(
                 "dataset: num_streams (%d) is not a multiple of the data-parallel degree (%d): ranks read "
                 "unequal numbers of streams, so batches differ from those at other world sizes",
-                num_streams, self.world_size,
-            )  # fmt: skip
+                num_streams,
+                self.world_size,
+            )
         object.__setattr__(self, "num_streams", num_streams)
 
     @property

@@ -71,8 +71,12 @@ class ShardIndex:
 
     def settings(self) -> dict[str, Any]:
         """Everything that must match for a run to continue this folder."""
-        return {"dtype": self.dtype, "tokenizer": self.tokenizer, "source": self.source,
-                "documents_per_shard": self.documents_per_shard}  # fmt: skip
+        return {
+            "dtype": self.dtype,
+            "tokenizer": self.tokenizer,
+            "source": self.source,
+            "documents_per_shard": self.documents_per_shard,
+        }
 
     def save(self, folder: Path) -> None:
         """Write atomically: a reader never sees a half-written index."""

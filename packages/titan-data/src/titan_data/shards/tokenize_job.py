@@ -120,10 +120,19 @@ def tokenize_to_shards(
     output = Path(output)
     tokenizer = build_tokenizer(tokenizer_path)
     tokenizer_file = Path(getattr(tokenizer, "path", tokenizer_path))
-    identity = {"file": tokenizer_file.name, "sha256": file_sha256(tokenizer_file), "vocab_size": tokenizer.vocab_size,
-                "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}  # fmt: skip
-    fresh = ShardIndex(token_dtype(tokenizer.vocab_size), identity, {"name": source.name, "location": source.location},
-                       documents_per_shard)  # fmt: skip
+    identity = {
+        "file": tokenizer_file.name,
+        "sha256": file_sha256(tokenizer_file),
+        "vocab_size": tokenizer.vocab_size,
+        "bos_id": tokenizer.bos_id,
+        "eos_id": tokenizer.eos_id,
+    }
+    fresh = ShardIndex(
+        token_dtype(tokenizer.vocab_size),
+        identity,
+        {"name": source.name, "location": source.location},
+        documents_per_shard,
+    )
     index = _prepare_index(output, fresh)
     if index.complete:
         logger.info("tokenize: %s is already complete (%d shards)", output, len(index.shards))
@@ -155,8 +164,13 @@ def tokenize_to_shards(
         )
     index.complete = True
     index.save(output)
-    logger.info("tokenize: %s holds %d documents, %d tokens in %d shards",
-                output, index.num_documents, index.num_tokens, len(index.shards))  # fmt: skip
+    logger.info(
+        "tokenize: %s holds %d documents, %d tokens in %d shards",
+        output,
+        index.num_documents,
+        index.num_tokens,
+        len(index.shards),
+    )
     return index
 
 

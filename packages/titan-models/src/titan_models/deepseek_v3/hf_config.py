@@ -37,10 +37,19 @@ _DEFAULTS = {
     "q_lora_rank": 1536,
 }
 _REQUIRED = (
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
-    "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim",
-)  # fmt: skip
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
 
 
 def _export_problems(args: DeepSeekV3Args) -> list[str]:
@@ -166,10 +175,14 @@ def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> DeepSeekV3A
         original = int(scaling["original_max_position_embeddings"])
         factor = scaling.get("factor") or context / original
         rope = dict(
-            yarn=True, rope_theta=theta, rope_factor=float(factor), original_seq_len=original,
-            beta_fast=scaling.get("beta_fast") or 32, beta_slow=scaling.get("beta_slow") or 1,
+            yarn=True,
+            rope_theta=theta,
+            rope_factor=float(factor),
+            original_seq_len=original,
+            beta_fast=scaling.get("beta_fast") or 32,
+            beta_slow=scaling.get("beta_slow") or 1,
             mscale=float(scaling["mscale_all_dim"]),
-        )  # fmt: skip
+        )
     moe = MoEArgs(
         num_experts=config["n_routed_experts"],
         num_shared_experts=get("n_shared_experts"),

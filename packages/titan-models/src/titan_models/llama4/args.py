@@ -13,9 +13,14 @@ def llama4_moe_args(num_experts: int, top_k: int = 1) -> MoEArgs:
     """Llama 4 routing: sigmoid scores, the top k (1) scaling the token before its expert, plus one
     shared expert every token goes through."""
     return MoEArgs(
-        num_experts=num_experts, num_shared_experts=1, top_k=top_k, score_func="sigmoid", route_norm=False,
-        route_scale=1.0, score_before_experts=True,
-    )  # fmt: skip
+        num_experts=num_experts,
+        num_shared_experts=1,
+        top_k=top_k,
+        score_func="sigmoid",
+        route_norm=False,
+        route_scale=1.0,
+        score_before_experts=True,
+    )
 
 
 @dataclass
@@ -59,13 +64,19 @@ class Llama4Args(DecoderArgs):
     def family_checks(self) -> list[tuple[bool, str]]:
         return [
             (self.dim % self.n_heads == 0, f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"),
-            (self.every_n_layers_nope is None or self.every_n_layers_nope > 1,
-             f"every_n_layers_nope ({self.every_n_layers_nope}) must be greater than 1"),
-            (self.attn_chunk_size is None or self.attn_chunk_size > 0,
-             f"attn_chunk_size ({self.attn_chunk_size}) must be positive"),
-            (self.interleave_moe_layer_step >= 1,
-             f"interleave_moe_layer_step ({self.interleave_moe_layer_step}) must be at least 1"),
-        ]  # fmt: skip
+            (
+                self.every_n_layers_nope is None or self.every_n_layers_nope > 1,
+                f"every_n_layers_nope ({self.every_n_layers_nope}) must be greater than 1",
+            ),
+            (
+                self.attn_chunk_size is None or self.attn_chunk_size > 0,
+                f"attn_chunk_size ({self.attn_chunk_size}) must be positive",
+            ),
+            (
+                self.interleave_moe_layer_step >= 1,
+                f"interleave_moe_layer_step ({self.interleave_moe_layer_step}) must be at least 1",
+            ),
+        ]
 
     @property
     def ffn_hidden_dim(self) -> int:

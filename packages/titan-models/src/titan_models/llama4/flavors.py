@@ -21,19 +21,42 @@ from titan_models.llama4.args import Llama4Args, llama4_moe_args
 SCOUT_ROPE_SCALING = RopeScaling(
     factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0, original_max_seq_len=8192
 )
-_BIG = dict(dim=5120, n_layers=48, n_heads=40, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=2048,
-            rope_theta=500000, max_seq_len=8192)  # fmt: skip
-_IROPE = dict(every_n_layers_nope=4, attn_chunk_size=8192, attn_temperature_tuning=True, floor_scale=8192,
-              attn_scale=0.1, attn_backend="flex", attn_mask_type="block_causal")  # fmt: skip
+_BIG = dict(
+    dim=5120,
+    n_layers=48,
+    n_heads=40,
+    n_kv_heads=8,
+    ffn_dim_multiplier=1.2,
+    multiple_of=2048,
+    rope_theta=500000,
+    max_seq_len=8192,
+)
+_IROPE = dict(
+    every_n_layers_nope=4,
+    attn_chunk_size=8192,
+    attn_temperature_tuning=True,
+    floor_scale=8192,
+    attn_scale=0.1,
+    attn_backend="flex",
+    attn_mask_type="block_causal",
+)
 
 _DEBUG = Llama4Args(
-    dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000, rope_scaling=SCOUT_ROPE_SCALING,
+    dim=256,
+    n_layers=6,
+    n_heads=16,
+    vocab_size=2048,
+    rope_theta=500000,
+    rope_scaling=SCOUT_ROPE_SCALING,
     moe_args=llama4_moe_args(8),
-)  # fmt: skip
+)
 _SCOUT = Llama4Args(
-    rope_scaling=SCOUT_ROPE_SCALING, context_len=10_485_760, moe_args=llama4_moe_args(16),
-    interleave_moe_layer_step=1, **_BIG,
-)  # fmt: skip
+    rope_scaling=SCOUT_ROPE_SCALING,
+    context_len=10_485_760,
+    moe_args=llama4_moe_args(16),
+    interleave_moe_layer_step=1,
+    **_BIG,
+)
 _MAVERICK = Llama4Args(
     context_len=1_048_576, moe_args=llama4_moe_args(128), interleave_moe_layer_step=2, **_BIG
 )

@@ -34,8 +34,10 @@ class Llama4StateDictAdapter(LlamaStateDictAdapter):
                 if not args.is_moe_layer(layer):
                     self._to_hf_names[f"{ours}feed_forward.{w}.weight"] = f"{theirs}{proj}.weight"
             if args.is_moe_layer(layer):
-                self._to_hf_names |= {f"{ours}moe.shared_experts.{w}.weight": f"{theirs}shared_expert.{proj}.weight"
-                                      for w, proj in _DENSE.items()}  # fmt: skip
+                self._to_hf_names |= {
+                    f"{ours}moe.shared_experts.{w}.weight": f"{theirs}shared_expert.{proj}.weight"
+                    for w, proj in _DENSE.items()
+                }
                 self._to_hf_names |= {
                     f"{ours}moe.router.gate.weight": f"{theirs}router.weight",
                     f"{ours}{_GATE_UP}": f"{theirs}experts.gate_up_proj",

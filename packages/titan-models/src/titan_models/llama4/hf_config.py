@@ -137,8 +137,16 @@ def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> Llama4Args:
 
 def _computed_fields(args: Llama4Args) -> dict[str, Any]:
     """The config fields that change the function a model computes, named as config.json names them."""
-    skip = {"architectures", "max_position_embeddings", "hidden_act", "attention_bias", "bos_token_id",
-            "eos_token_id", "torch_dtype", "attention_chunk_size"}  # fmt: skip
+    skip = {
+        "architectures",
+        "max_position_embeddings",
+        "hidden_act",
+        "attention_bias",
+        "bos_token_id",
+        "eos_token_id",
+        "torch_dtype",
+        "attention_chunk_size",
+    }
     fields = {k: v for k, v in to_hf_config(args).items() if k not in skip}
     fields["attention_chunk_size"] = args.attn_chunk_size
     if not args.attn_temperature_tuning or args.every_n_layers_nope is None:

@@ -12,9 +12,14 @@ def qwen3_moe_args(num_experts: int, top_k: int, route_norm: bool = True) -> MoE
     """Qwen3-MoE routing: softmax over all experts, the top k renormalised (`norm_topk_prob`), scores
     applied to the experts' outputs, no shared expert."""
     return MoEArgs(
-        num_experts=num_experts, num_shared_experts=0, top_k=top_k, score_func="softmax",
-        route_norm=route_norm, route_scale=1.0, score_before_experts=False,
-    )  # fmt: skip
+        num_experts=num_experts,
+        num_shared_experts=0,
+        top_k=top_k,
+        score_func="softmax",
+        route_norm=route_norm,
+        route_scale=1.0,
+        score_before_experts=False,
+    )
 
 
 @dataclass

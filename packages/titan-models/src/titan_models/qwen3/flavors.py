@@ -20,36 +20,86 @@ _QWEN3 = dict(vocab_size=151936, head_dim=128, rope_theta=1_000_000, max_seq_len
 def _dense() -> dict[str, Qwen3Args]:
     return {
         "debugmodel": Qwen3Args(
-            dim=256, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=2048, head_dim=128, hidden_dim=3072,
-            rope_theta=1_000_000, max_seq_len=4096, tie_word_embeddings=True,
+            dim=256,
+            n_layers=8,
+            n_heads=16,
+            n_kv_heads=8,
+            vocab_size=2048,
+            head_dim=128,
+            hidden_dim=3072,
+            rope_theta=1_000_000,
+            max_seq_len=4096,
+            tie_word_embeddings=True,
         ),
-        "0.6B": Qwen3Args(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072,
-                          tie_word_embeddings=True, **_QWEN3),
-        "1.7B": Qwen3Args(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144,
-                          tie_word_embeddings=True, **_QWEN3),
-        "4B": Qwen3Args(dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=9728,
-                        tie_word_embeddings=True, **_QWEN3),
+        "0.6B": Qwen3Args(
+            dim=1024,
+            n_layers=28,
+            n_heads=16,
+            n_kv_heads=8,
+            hidden_dim=3072,
+            tie_word_embeddings=True,
+            **_QWEN3,
+        ),
+        "1.7B": Qwen3Args(
+            dim=2048,
+            n_layers=28,
+            n_heads=16,
+            n_kv_heads=8,
+            hidden_dim=6144,
+            tie_word_embeddings=True,
+            **_QWEN3,
+        ),
+        "4B": Qwen3Args(
+            dim=2560,
+            n_layers=36,
+            n_heads=32,
+            n_kv_heads=8,
+            hidden_dim=9728,
+            tie_word_embeddings=True,
+            **_QWEN3,
+        ),
         "8B": Qwen3Args(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, hidden_dim=12288, **_QWEN3),
         "14B": Qwen3Args(dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, hidden_dim=17408, **_QWEN3),
         "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600, **_QWEN3),
-    }  # fmt: skip
+    }
 
 
 def _moe() -> dict[str, Qwen3Args]:
     return {
         "debugmodel_moe": Qwen3Args(
-            dim=256, n_layers=8, n_heads=16, n_kv_heads=8, vocab_size=2048, head_dim=128, hidden_dim=3072,
-            rope_theta=1_000_000, max_seq_len=4096, moe_inter_dim=768, moe_args=qwen3_moe_args(64, 8),
+            dim=256,
+            n_layers=8,
+            n_heads=16,
+            n_kv_heads=8,
+            vocab_size=2048,
+            head_dim=128,
+            hidden_dim=3072,
+            rope_theta=1_000_000,
+            max_seq_len=4096,
+            moe_inter_dim=768,
+            moe_args=qwen3_moe_args(64, 8),
         ),
         "30B-A3B": Qwen3Args(
-            dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, hidden_dim=6144, moe_inter_dim=768,
-            moe_args=qwen3_moe_args(128, 8), **_QWEN3,
+            dim=2048,
+            n_layers=48,
+            n_heads=32,
+            n_kv_heads=4,
+            hidden_dim=6144,
+            moe_inter_dim=768,
+            moe_args=qwen3_moe_args(128, 8),
+            **_QWEN3,
         ),
         "235B-A22B": Qwen3Args(
-            dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, hidden_dim=12288, moe_inter_dim=1536,
-            moe_args=qwen3_moe_args(128, 8), **{**_QWEN3, "rope_theta": 5_000_000},
+            dim=4096,
+            n_layers=94,
+            n_heads=64,
+            n_kv_heads=4,
+            hidden_dim=12288,
+            moe_inter_dim=1536,
+            moe_args=qwen3_moe_args(128, 8),
+            **{**_QWEN3, "rope_theta": 5_000_000},
         ),
-    }  # fmt: skip
+    }
 
 
 QWEN3_FLAVORS: dict[str, Qwen3Args] = {**_dense(), **_moe()}

@@ -160,6 +160,12 @@ def load_checkpoint_model(
     step = checkpoint_step(path)
     logger.info(
         "loaded %s %s from %s (%s, step %s) on %s in %s",
-        config.model.name, config.model.flavor, path, fmt, "unknown" if step is None else step, device, dtype,
-    )  # fmt: skip
+        config.model.name,
+        config.model.flavor,
+        path,
+        fmt,
+        "unknown" if step is None else step,
+        device,
+        dtype,
+    )
     return CheckpointModel(model, tokenizer, step, path, device, args.max_seq_len, fmt == "hf")

@@ -93,9 +93,14 @@ def run_tasks(loaded: CheckpointModel, args: argparse.Namespace) -> dict[str, An
     )
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     results = lm_eval.simple_evaluate(
-        model=model, tasks=tasks, num_fewshot=args.num_fewshot, limit=limit, task_manager=manager,
-        log_samples=args.log_samples, bootstrap_iters=0,
-    )  # fmt: skip
+        model=model,
+        tasks=tasks,
+        num_fewshot=args.num_fewshot,
+        limit=limit,
+        task_manager=manager,
+        log_samples=args.log_samples,
+        bootstrap_iters=0,
+    )
     keep = ("results", "versions", "n-shot", "n-samples", "higher_is_better") + (
         ("samples",) if args.log_samples else ()
     )

@@ -42,9 +42,11 @@ def checkpoint_parser(prog: str, what: str) -> argparse.ArgumentParser:
         "--max-seq-len", type=int, help="positions the model is built for (default: the flavor's context)"
     )
     parser.add_argument(
-        "--weights", default="auto", choices=CHECKPOINT_FORMATS,
+        "--weights",
+        default="auto",
+        choices=CHECKPOINT_FORMATS,
         help="where a final save holds both: its DCP files or its Hugging Face export (default: auto, DCP first)",
-    )  # fmt: skip
+    )
     return parser
 
 
@@ -97,10 +99,14 @@ def generate_main(argv: list[str]) -> int:
     loaded = load_for(args, config)
     tok = loaded.tokenizer
     params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, seed=args.seed, eos_ids=() if args.no_eos_stop else (tok.eos_id,),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_ids=() if args.no_eos_stop else (tok.eos_id,),
         stop_strings=tuple(args.stop),
-    )  # fmt: skip
+    )
     batch = args.batch_size or len(prompts)
     new_tokens, seconds = 0, 0.0
     for start in range(0, len(prompts), batch):

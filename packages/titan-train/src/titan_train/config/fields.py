@@ -62,10 +62,19 @@ def opt(
     field) only when that switch is on.
     """
     metadata = {
-        "help": help, "choices": choices, "minimum": minimum, "maximum": maximum, "above": above,
-        "below": below, "sentinels": sentinels, "nonempty": nonempty, "pattern": pattern, "check": check,
-        "path": path, "needed_if": needed_if,
-    }  # fmt: skip
+        "help": help,
+        "choices": choices,
+        "minimum": minimum,
+        "maximum": maximum,
+        "above": above,
+        "below": below,
+        "sentinels": sentinels,
+        "nonempty": nonempty,
+        "pattern": pattern,
+        "check": check,
+        "path": path,
+        "needed_if": needed_if,
+    }
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)

@@ -173,8 +173,10 @@ def migrate_flat(flat: dict[str, Any], source: str) -> dict[str, Any]:
             out["model.converters"] = converters
             logger.warning(
                 "config (%s): %s is now an entry of model.converters; using model.converters = %s",
-                source, old, converters,
-            )  # fmt: skip
+                source,
+                old,
+                converters,
+            )
             continue
         new_value = rule.convert(value) if rule.convert else value
         if rule.new in flat:

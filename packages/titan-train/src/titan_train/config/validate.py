@@ -128,16 +128,23 @@ def _schedule_covers_training(config: Any) -> None:
         logger.warning(
             "config: lr_scheduler.warmup_steps (%d) is longer than the %d-step schedule; warmup is shortened "
             "to %d steps and reaches the peak lr at the last one",
-            s.warmup_steps, total, total,
-        )  # fmt: skip
+            s.warmup_steps,
+            total,
+            total,
+        )
     warmup = min(s.warmup_steps, total)
     if s.decay_ratio is not None and warmup + round(total * s.decay_ratio) > total:
         # torchtitan shortens the decay to the steps warmup leaves, with a warning.
         logger.warning(
             "config: lr_scheduler.decay_ratio (%s) asks for %d decay steps, but %d warmup steps leave %d of the "
             "%d-step schedule; the decay is shortened to %d steps",
-            s.decay_ratio, round(total * s.decay_ratio), warmup, total - warmup, total, total - warmup,
-        )  # fmt: skip
+            s.decay_ratio,
+            round(total * s.decay_ratio),
+            warmup,
+            total - warmup,
+            total,
+            total - warmup,
+        )
 
 
 def _validation_fits_the_layout(config: Any) -> None:

@@ -145,10 +145,12 @@ def _save_and_stop(step: int, why: str, checkpointer: Any | None, *, agreed: boo
     alone = dist.is_initialized() and dist.get_world_size() > 1 and not agreed
     if checkpointer is None or checkpointer.saving.load_only or step == 0 or alone:
         reason = (
-            "nothing was trained yet" if step == 0
+            "nothing was trained yet"
+            if step == 0
             else "the other ranks are inside the next step; the newest checkpoint is the last interval save"
-            if alone else "checkpointing is off"
-        )  # fmt: skip
+            if alone
+            else "checkpointing is off"
+        )
         return DataUnavailable(
             f"data unavailable: {why}; stopped after step {step} without saving ({reason}); run the same "
             "command again once the source answers"

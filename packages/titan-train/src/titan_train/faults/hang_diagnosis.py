@@ -127,9 +127,12 @@ def rank_state(position: str, record: dict[str, Any], err: BaseException | None 
     """This rank's self-description for a hang report (JSON-serialisable); `err`: the error it stops with."""
     pending, last, latest = collectives(record)
     return {
-        "position": position, "pending": pending, "last": last, "latest": latest,
+        "position": position,
+        "pending": pending,
+        "last": last,
+        "latest": latest,
         "thread": main_thread_position(err),
-    }  # fmt: skip
+    }
 
 
 def dump_flight_record(record: dict[str, Any], folder: Path, prefix: str, rank: int) -> Path | None:

@@ -73,8 +73,13 @@ class NumericsGuard:
                 logger.warning(
                     "loss spike at step %d: %.4f is %.1fx the mean %.4f of the previous %d steps "
                     "(health.loss_spike_ratio = %g)",
-                    step, loss, loss / baseline, baseline, len(self.recent), self.spike_ratio,
-                )  # fmt: skip
+                    step,
+                    loss,
+                    loss / baseline,
+                    baseline,
+                    len(self.recent),
+                    self.spike_ratio,
+                )
         self.recent.append(loss)
 
     def nonfinite(self, step: int, loss: float | None, grad_norm: float, ranks: list[RankNumbers]) -> bool:
@@ -92,8 +97,10 @@ class NumericsGuard:
         if self.report:
             logger.warning(
                 "%s; skipped this update (%d of at most %d, health.on_nonfinite = skip)",
-                what, len(self.skipped_steps), self.max_skipped_steps,
-            )  # fmt: skip
+                what,
+                len(self.skipped_steps),
+                self.max_skipped_steps,
+            )
         return True
 
 

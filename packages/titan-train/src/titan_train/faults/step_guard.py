@@ -175,8 +175,11 @@ class StepGuard:
                 if self.rank == 0:
                     logger.warning(
                         "%s received (by %d of %d ranks): every rank stops after step %d and saves a checkpoint",
-                        arrived[0].name, int(sum(signal_counts)), self.world_size, step,
-                    )  # fmt: skip
+                        arrived[0].name,
+                        int(sum(signal_counts)),
+                        self.world_size,
+                        step,
+                    )
         self.phase = "optimizer step"
         if self.numerics.finite(mean_loss, norm):
             self.numerics.observe(step, mean_loss)

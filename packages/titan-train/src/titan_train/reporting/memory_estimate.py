@@ -254,7 +254,11 @@ def _log_estimate(config: Any, world_size: int, device_type: str) -> None:
     for r in estimate.ranks:
         logger.info(
             "memory estimate (traced on %s tensors), rank %d: peak allocated %.2f GiB at %s, expected peak reserved %.2f GiB",
-            how, r.rank, r.allocated / GIB, r.where, estimate.expected_reserved(r) / GIB,
-        )  # fmt: skip
+            how,
+            r.rank,
+            r.allocated / GIB,
+            r.where,
+            estimate.expected_reserved(r) / GIB,
+        )
     for name, size in estimate.rows():
         logger.info("memory estimate per rank: %-46s %8.2f GiB", name, size / GIB)

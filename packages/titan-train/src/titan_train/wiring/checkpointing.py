@@ -161,7 +161,11 @@ def _say_where_training_continues(state: TrainState, steps: int) -> None:
         logger.info(
             "checkpoint: extending the run: step-%d ended a %d-step run; training continues at step %d of %d "
             "with its optimizer and data stream, the learning-rate schedule rebuilt for %d steps",
-            state.step, saved, state.step + 1, steps, steps,
-        )  # fmt: skip
+            state.step,
+            saved,
+            state.step + 1,
+            steps,
+            steps,
+        )
     else:
         logger.info("checkpoint: training continues at step %d of %d", state.step + 1, steps)

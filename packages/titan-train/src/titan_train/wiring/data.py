@@ -50,10 +50,13 @@ def _token_loader(
     )
     d = section.dataloader
     return TokenLoader(
-        dataset, batch_size=section.local_batch_size, num_workers=d.num_workers,
-        pin_memory=d.pin_memory and _pinning_applies(section), persistent_workers=d.persistent_workers,
+        dataset,
+        batch_size=section.local_batch_size,
+        num_workers=d.num_workers,
+        pin_memory=d.pin_memory and _pinning_applies(section),
+        persistent_workers=d.persistent_workers,
         prefetch_factor=d.prefetch_factor,
-    )  # fmt: skip
+    )
 
 
 def _pinning_applies(section) -> bool:

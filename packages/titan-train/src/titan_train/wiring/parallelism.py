@@ -104,9 +104,14 @@ def split_and_wrap(
     `loss_fn` and evaluating with `eval_loss_fn`."""
     if dims.pp > 1:
         pipeline = build_pipeline(
-            model, dims, options, loss_fn=loss_fn, eval_loss_fn=eval_loss_fn, device=device,
+            model,
+            dims,
+            options,
+            loss_fn=loss_fn,
+            eval_loss_fn=eval_loss_fn,
+            device=device,
             local_batch_size=local_batch_size,
-        )  # fmt: skip
+        )
         return ModelParts(pipeline.model_parts, pipeline)
     return ModelParts([parallelize(model, dims, options)], None)
 
