@@ -110,6 +110,7 @@ def _veth_bytes(node: str) -> int:
     return int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
 
 
+@pytest.mark.timeout(1200)  # four phases, each waited on with its own limit (WAIT)
 def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_losses_of_one_node(
     cluster: Cluster, tmp_path: Path, request: pytest.FixtureRequest
 ):

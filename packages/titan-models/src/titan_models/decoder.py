@@ -43,7 +43,7 @@ class Decoder(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): self.build_block(i) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.norm = nn.RMSNorm(args.dim, eps=self.final_norm_eps())
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             # One Parameter under two names: state dicts carry both keys, parameters() yields it once.
@@ -53,6 +53,10 @@ class Decoder(nn.Module):
     def build_block(self, layer: int) -> nn.Module:
         """The block at index `layer`, called once per layer by `__init__`."""
         raise NotImplementedError
+
+    def final_norm_eps(self) -> float | None:
+        """The eps of the norm before the output projection (None: torch's default)."""
+        return self.args.norm_eps
 
     def _rotary_table(self) -> torch.Tensor:
         a = self.args

@@ -46,6 +46,9 @@ class DeepSeekV3Args:
     v_head_dim: int = 128
     # eps of the norms on the query and key/value latents; None: norm_eps (Hugging Face's models fix 1e-6).
     latent_norm_eps: float | None = None
+    # eps of the final norm; None: torch's RMSNorm default (the dtype's machine epsilon), as torchtitan
+    # 0.2.2 builds it. Hugging Face's models use rms_norm_eps (set so when imported from config.json).
+    final_norm_eps: float | None = None
     attn_backend: str = "sdpa"
     attn_mask_type: str = "causal"
     # Positions the rotary table is built for: a run sets it to its longest sequence.

@@ -134,6 +134,13 @@ def to_hf_config(
             _latent_eps(args),
             HF_LATENT_NORM_EPS,
         )
+    if args.final_norm_eps is None or not math.isclose(args.final_norm_eps, args.norm_eps):
+        logger.warning(
+            "model: final_norm_eps %s differs from rms_norm_eps %g, which DeepseekV3ForCausalLM's final norm "
+            "uses; exported logits differ slightly",
+            args.final_norm_eps,
+            args.norm_eps,
+        )
     return shared.add_token_ids(_describe(args), args, bos_id, eos_id, dtype)
 
 
@@ -204,6 +211,7 @@ def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> DeepSeekV3A
         moe_inter_dim=config["moe_intermediate_size"],
         norm_eps=float(get("rms_norm_eps")),
         latent_norm_eps=HF_LATENT_NORM_EPS,
+        final_norm_eps=float(get("rms_norm_eps")),
         moe_args=moe,
         q_lora_rank=get("q_lora_rank") or 0,
         kv_lora_rank=config["kv_lora_rank"],

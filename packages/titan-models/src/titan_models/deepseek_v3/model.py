@@ -54,6 +54,9 @@ class DeepSeekV3Model(Decoder):
     def build_block(self, layer: int) -> nn.Module:
         return DeepSeekV3Block(layer, self.args)
 
+    def final_norm_eps(self) -> float | None:
+        return self.args.final_norm_eps
+
     def _rotary_table(self) -> torch.Tensor:
         return deepseek_rotary_table(self.args)
 
