@@ -30,6 +30,8 @@ def test_a_short_soak_finds_no_leak():
         "100",
         "--validation-freq",
         "100",
+        "--max-growth-mib",
+        "3",
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO)
     out = result.stdout + result.stderr
