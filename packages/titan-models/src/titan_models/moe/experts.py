@@ -102,8 +102,8 @@ class GroupedExperts(nn.Module):
         # bf16 kernel runs under bf16 autocast (both paths then compute in the same precision).
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        # On fake tensors (a dry run's trace) the loop's per-expert sizes are unknown; the grouped
-        # path allocates the same bytes without reading them.
+        # On fake tensors (a dry run's trace) the loop's per-expert sizes are unknown: the grouped path
+        # allocates the same bytes without reading them, and outside bf16 `experts_traced` stands in for it.
         if is_fake(x) and x.dtype != torch.bfloat16:
             return experts_traced(w1, w2, w3, x, num_tokens_per_expert)
         if (self.use_grouped_mm and grouped_mm_applies(x, self.hidden_dim)) or is_fake(x):
