@@ -4,6 +4,7 @@ biases as the load-balancing rule says, and bad MoE input stops the run with one
 import json
 import logging
 from dataclasses import replace
+from itertools import islice
 
 import pytest
 import torch
@@ -11,9 +12,12 @@ import torch
 from titan_models import deepseek_v3, llama4, qwen3
 from titan_models.moe import MoEArgs
 from titan_train.cli import run
+from titan_train.commands.checkpoint_model import load_checkpoint_model
+from titan_train.config import load_job_config
 from titan_train.plan import resolve
 from titan_train.registry import get_model_family, register_flavor
 from titan_train.trainer import Trainer
+from titan_train.wiring.data import build_loader
 
 TINY = "tiny_test"
 _TINY_FLAVORS = {
@@ -89,10 +93,14 @@ def test_each_moe_family_trains_and_logs_expert_load(tmp_path):
                 "4",
                 "--job.dump_folder",
                 str(dump),
+                "--checkpoint.enable",
+                "--checkpoint.interval",
+                "5",
             ]
         )
         assert code == 0, family
         records = _records(dump)
+        _checkpoint_evaluates_as_training_went_on(family, dump, records[-1]["loss"])
         assert len(records) == 6
         assert records[-1]["loss"] < records[0]["loss"] - 0.2, family
         with torch.device("meta"):
@@ -105,6 +113,33 @@ def test_each_moe_family_trains_and_logs_expert_load(tmp_path):
                 load = r["expert_load"][layer]
                 assert load["max"] == max(counts) and load["max_over_mean"] >= 1.0
         assert ("aux_loss" in records[0]) == (args.moe_args.seq_aux_loss_coeff > 0), family
+
+
+def _checkpoint_evaluates_as_training_went_on(family: str, dump, last_loss: float) -> None:
+    """The step-5 checkpoint, loaded in one process, gives step 6's logged loss on step 6's two
+    micro-batches (the 11th and 12th of the training stream), and `titan-train eval` over those 12
+    batches reports their mean: the MoE routing, expert weights and biases all come back from the save."""
+    flags = ["--model.name", family, *SMALL, "--job.dump_folder", str(dump)]
+    loaded = load_checkpoint_model(load_job_config(flags), dump / "checkpoint" / "step-5", device="cpu")
+    loss_fn = get_model_family(family).loss_fn
+    with torch.no_grad():
+        losses = [
+            loss_fn(loaded.model(inputs), labels).item()
+            for inputs, labels, *_ in islice(build_loader(load_job_config(flags), loaded.tokenizer, 0, 1), 12)
+        ]
+    assert sum(losses[10:]) / 2 == pytest.approx(last_loss, rel=2e-6), family
+    validation = [
+        "--validation.seq_len",
+        "32",
+        "--validation.local_batch_size",
+        "2",
+        "--validation.steps",
+        "12",
+    ]
+    eval_flags = ["eval", "--checkpoint", str(dump / "checkpoint" / "step-5"), "--device", "cpu"]
+    assert run([*eval_flags, *flags, "--validation.dataset", "c4_test", *validation]) == 0, family
+    record = json.loads((dump / "eval" / "step-5.json").read_text())
+    assert record["perplexity"]["loss"] == pytest.approx(sum(losses) / 12, rel=1e-5), family
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from titan_models.decoder_args import attention_checks, require
 from titan_models.moe import MoEArgs
@@ -106,6 +106,11 @@ class DeepSeekV3Args:
     def head_dim(self) -> int:
         """Width of a query/key head (what a Llama-shaped memory estimate reads)."""
         return self.qk_head_dim
+
+    def with_positions(self, positions: int) -> DeepSeekV3Args:
+        """These args with a rotary table of `positions` rows and the same function: whether YaRN
+        applies is decided by the run's max_seq_len, so a longer table for generation keeps that choice."""
+        return replace(self, max_seq_len=positions, yarn=self.uses_yarn)
 
     @property
     def uses_yarn(self) -> bool:
