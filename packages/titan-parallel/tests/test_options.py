@@ -79,12 +79,13 @@ def test_selective_every_n_blocks_accepts_torchtitans_string_form():
 
 
 def test_groups_apply_themselves_only_when_on():
-    """Compile and activation checkpointing switched off leave the blocks' forward untouched; on, they wrap it."""
+    """Compile and activation checkpointing switched off leave the blocks as they are; on, they wrap them."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     blocks = {"0": model[0]}
     forward = model[0].forward
     Compile(enabled=False).apply(model, blocks)
     ActivationCheckpointing(mode="none").apply(model, blocks)
-    assert model[0].forward == forward
+    assert model[0].forward == forward and model[0]._compiled_call_impl is None
+    Compile(enabled=True, backend="eager").apply(model, blocks)  # compiles lazily, at the first call
     ActivationCheckpointing(mode="full").apply(model, blocks)
-    assert model[0].forward != forward
+    assert model[0].forward != forward and model[0]._compiled_call_impl is not None
