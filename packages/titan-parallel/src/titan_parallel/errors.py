@@ -1,4 +1,4 @@
-"""The one error type titan-parallel raises for a layout or input a user must change."""
+"""The one error type titan-parallel raises for a layout or input a user must change, and the check of a choice."""
 
 
 class ParallelConfigError(ValueError):

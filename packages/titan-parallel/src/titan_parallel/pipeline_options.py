@@ -17,7 +17,7 @@ PIPELINE_SCHEDULES = (
     "LoopedBFS",
     "InterleavedZeroBubble",
     "ZBVZeroBubble",
-    "PipelineScheduleMulti",  # a multi-stage schedule read from pp_schedule_csv
+    "PipelineScheduleMulti",  # a multi-stage schedule read from PipelineOptions.schedule_csv
 )
 SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
 V_SCHEDULES = ("ZBVZeroBubble",)
