@@ -103,8 +103,10 @@ def facts(trainer: Trainer) -> dict:
         "schedule": type(trainer.pipeline.schedule).__name__ if trainer.pipeline else None,
         "stage_blocks": [sorted(part.layers.keys()) for part in parts],
         "fsdp": isinstance(parts[0], FSDPModule),
-        "loss_parallel": trainer.dims.tp > 1 and trainer.parallel_options.loss_parallel,
-        "cp_rotate_method": trainer.parallel_options.cp_rotate_method if trainer.dims.cp > 1 else None,
+        "loss_parallel": trainer.dims.tp > 1 and trainer.parallel_options.tensor_parallel.loss_parallel,
+        "cp_rotate_method": trainer.parallel_options.context_parallel.rotate_method
+        if trainer.dims.cp > 1
+        else None,
         "wq_placements": [str(p) for p in wq.placements] if isinstance(wq, DTensor) else None,
         "wq_local_type": type(wq.to_local()).__name__ if isinstance(wq, DTensor) else None,
         "tp_styles": [tp_style(blocks[0].attention.wq), tp_style(blocks[0].attention)],

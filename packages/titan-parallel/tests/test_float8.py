@@ -7,8 +7,8 @@ import torch
 from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
 
 from titan_parallel import (
+    Float8Training,
     ParallelConfigError,
-    ParallelOptions,
     UnsupportedDeviceError,
     apply_float8,
     float8_tp_plan,
@@ -60,8 +60,8 @@ def test_float8_leaves_linears_whose_dims_are_not_multiples_of_16_in_high_precis
 
 
 def test_float8_all_gather_needs_the_tensorwise_recipe():
-    with pytest.raises(ParallelConfigError, match="needs float8='tensorwise'"):
-        ParallelOptions(float8="rowwise", float8_fsdp_all_gather=True)
+    with pytest.raises(ParallelConfigError, match=r"needs float8\.recipe='tensorwise'"):
+        Float8Training(recipe="rowwise", fsdp_all_gather=True)
     with pytest.raises(ParallelConfigError, match="needs the 'tensorwise' recipe"):
         apply_float8(torch.nn.Linear(16, 16), recipe="rowwise", fsdp_all_gather=True)
 

@@ -6,7 +6,14 @@ import pytest
 import torch
 from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
 
-from titan_parallel import ParallelConfigError, ParallelOptions, UnsupportedDeviceError, apply_mx
+from titan_parallel import (
+    Float8Training,
+    MXTraining,
+    ParallelConfigError,
+    ParallelOptions,
+    UnsupportedDeviceError,
+    apply_mx,
+)
 from titan_parallel.mx import check_mx_device, mx_available
 
 needs_mx = pytest.mark.skipif(
@@ -57,12 +64,12 @@ def test_mx_recipes_with_mx_kernels_are_refused_without_mx_matmuls():
 
 
 def test_mx_settings_are_checked():
-    with pytest.raises(ParallelConfigError, match=r"mx='mxfp4_cutlass' is unknown"):
-        ParallelOptions(mx="mxfp4_cutlass")
+    with pytest.raises(ParallelConfigError, match=r"mx\.recipe='mxfp4_cutlass' is unknown"):
+        MXTraining(recipe="mxfp4_cutlass")
     with pytest.raises(ParallelConfigError, match="both convert the linear layers"):
-        ParallelOptions(mx="mxfp8_emulated", float8="tensorwise")
-    with pytest.raises(ParallelConfigError, match=r"mx_dim1_cast_kernel='cutedsl' is unknown"):
-        ParallelOptions(mx_dim1_cast_kernel="cutedsl")
+        ParallelOptions(mx=MXTraining("mxfp8_emulated"), float8=Float8Training("tensorwise"))
+    with pytest.raises(ParallelConfigError, match=r"mx\.dim1_cast_kernel='cutedsl' is unknown"):
+        MXTraining(dim1_cast_kernel="cutedsl")
 
 
 @pytest.mark.skipif(mx_available(), reason="this torchao has MXFP8 training")

@@ -1,35 +1,91 @@
-"""ParallelOptions refuses settings that cannot work, naming the value and the choices."""
+"""Each settings group refuses values that cannot work, naming the field, the value and the choices;
+ParallelOptions refuses a group of the wrong type. (float8 and mx: test_float8.py, test_mx.py.)"""
 
 import pytest
+import torch
 
-from titan_parallel import ParallelConfigError, ParallelOptions
+from titan_parallel import (
+    ActivationCheckpointing,
+    Compile,
+    ContextParallelOptions,
+    DataParallelOptions,
+    Float8Training,
+    ParallelConfigError,
+    ParallelOptions,
+    PipelineOptions,
+)
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("group", "kwargs", "message"),
     [
         (
+            DataParallelOptions,
             {"reshard_after_forward": "sometimes"},
-            r"reshard_after_forward='sometimes' is unknown; choose one of \['default'",
+            r"data_parallel\.reshard_after_forward='sometimes' is unknown; choose one of \['default'",
         ),
-        ({"ac_mode": "partial"}, r"ac_mode='partial' is unknown"),
+        (ActivationCheckpointing, {"mode": "partial"}, r"activation_checkpoint\.mode='partial' is unknown"),
         (
-            {"ac_mode": "selective", "ac_selective": "matmul"},
-            r"ac_selective must be 'op' or a positive integer, got 'matmul'",
+            ActivationCheckpointing,
+            {"mode": "selective", "selective": "matmul"},
+            r"activation_checkpoint\.selective must be 'op' or a positive integer, got 'matmul'",
         ),
-        ({"ac_mode": "selective", "ac_selective": 0}, "ac_selective must be >= 1, got 0"),
-        ({"pp_schedule": "DualPipe"}, r"pp_schedule='DualPipe' is unknown; choose one of \['1F1B', 'GPipe'"),
-        ({"cp_rotate_method": "ring"}, r"cp_rotate_method='ring' is unknown"),
-        ({"float8": "mxfp8"}, r"float8='mxfp8' is unknown; choose one of \['tensorwise', 'rowwise'\]"),
-        ({"pp_microbatch_size": 0}, "pp_microbatch_size must be >= 1, got 0"),
-        ({"pp_layers_per_stage": 2, "pp_split_points": ("layers.2",)}, "not both"),
+        (
+            ActivationCheckpointing,
+            {"mode": "selective", "selective": 0},
+            r"activation_checkpoint\.selective must be >= 1, got 0",
+        ),
+        (Compile, {"enabled": True, "backend": ""}, r"compile\.backend is empty"),
+        (
+            PipelineOptions,
+            {"schedule": "DualPipe"},
+            r"pipeline\.schedule='DualPipe' is unknown; choose one of \['1F1B', 'GPipe'",
+        ),
+        (PipelineOptions, {"microbatch_size": 0}, r"pipeline\.microbatch_size must be >= 1, got 0"),
+        (PipelineOptions, {"layers_per_stage": 2, "split_points": ("layers.2",)}, "not both"),
+        (PipelineOptions, {"schedule": "PipelineScheduleMulti"}, r"give pipeline\.schedule_csv"),
+        (
+            PipelineOptions,
+            {"first_stage_less_layers": -1},
+            r"pipeline\.first_stage_less_layers and pipeline\.last_stage_less_layers must be >= 0",
+        ),
+        (
+            ContextParallelOptions,
+            {"rotate_method": "ring"},
+            r"context_parallel\.rotate_method='ring' is unknown",
+        ),
+        (
+            Float8Training,
+            {"recipe": "mxfp8"},
+            r"float8\.recipe='mxfp8' is unknown; choose one of \['tensorwise', 'rowwise'\]",
+        ),
     ],
 )
-def test_invalid_options_are_refused(kwargs, message):
+def test_each_group_refuses_a_bad_value_naming_its_field(group, kwargs, message):
     with pytest.raises(ParallelConfigError, match=message):
-        ParallelOptions(**kwargs)
+        group(**kwargs)
+
+
+def test_a_group_of_the_wrong_type_is_refused_naming_the_group():
+    with pytest.raises(ParallelConfigError, match=r"ParallelOptions\.float8 takes a Float8Training or None"):
+        ParallelOptions(float8="tensorwise")
+    with pytest.raises(ParallelConfigError, match=r"ParallelOptions\.pipeline takes a PipelineOptions, got"):
+        ParallelOptions(pipeline=None)
 
 
 def test_selective_every_n_blocks_accepts_torchtitans_string_form():
-    assert ParallelOptions(ac_mode="selective", ac_selective="2").selective_every == 2
-    assert ParallelOptions(ac_mode="selective").selective_every is None
+    assert ActivationCheckpointing(mode="selective", selective="2").selective_every == 2
+    assert ActivationCheckpointing(mode="selective").selective_every is None
+
+
+def test_groups_apply_themselves_only_when_on():
+    """Compile and activation checkpointing switched off leave the blocks as they are; on, they wrap them."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    blocks = {"0": model[0]}
+    forward = model[0].forward
+    Compile(enabled=False).apply(model, blocks)
+    ActivationCheckpointing(mode="none").apply(model, blocks)
+    assert model[0].forward == forward and model[0]._compiled_call_impl is None
+    Compile(enabled=True, backend="eager").apply(model, blocks)  # compiles lazily, at the first call
+    ActivationCheckpointing(mode="full").apply(model, blocks)
+    assert model[0].forward != forward and model[0]._compiled_call_impl is not None

@@ -4,7 +4,7 @@ import pytest
 import torch
 from toy_transformer import SEQ, VOCAB, ToyTransformer
 
-from titan_parallel import ModelDescriptionError, ParallelConfigError, ParallelOptions
+from titan_parallel import ModelDescriptionError, ParallelConfigError, PipelineOptions
 from titan_parallel.pipeline import stage_ids_of_rank, stages_per_rank
 from titan_parallel.pipeline_split import pipeline_units_of, split_units, stage_module
 
@@ -102,13 +102,13 @@ def test_v_schedules_place_two_stages_per_rank_in_a_v_and_loops_interleave():
 @pytest.mark.parametrize(
     ("options", "per_rank"),
     [
-        (ParallelOptions(pp_schedule="1F1B"), 1),
-        (ParallelOptions(pp_schedule="Interleaved1F1B"), 2),
-        (ParallelOptions(pp_schedule="LoopedBFS", pp_layers_per_stage=1), 5),  # (8 + 2) / 1 / pp
-        (ParallelOptions(pp_schedule="1F1B", pp_layers_per_stage=5), 1),  # 1F1B runs one: (8 + 2) / 5 / pp
+        (PipelineOptions(schedule="1F1B"), 1),
+        (PipelineOptions(schedule="Interleaved1F1B"), 2),
+        (PipelineOptions(schedule="LoopedBFS", layers_per_stage=1), 5),  # (8 + 2) / 1 / pp
+        (PipelineOptions(schedule="1F1B", layers_per_stage=5), 1),  # 1F1B runs one: (8 + 2) / 5 / pp
         (
-            ParallelOptions(
-                pp_schedule="InterleavedZeroBubble", pp_split_points=("layers.2", "layers.4", "layers.6")
+            PipelineOptions(
+                schedule="InterleavedZeroBubble", split_points=("layers.2", "layers.4", "layers.6")
             ),
             2,
         ),
@@ -122,20 +122,20 @@ def test_stages_per_rank_follow_the_schedule_and_split(options, per_rank):
     ("options", "message"),
     [
         (
-            ParallelOptions(pp_schedule="GPipe", pp_layers_per_stage=1),
+            PipelineOptions(schedule="GPipe", layers_per_stage=1),
             "GPipe runs one stage per rank, but the split gives 5",
         ),
-        (ParallelOptions(pp_schedule="ZBVZeroBubble", pp_layers_per_stage=1), "exactly 2 stages per rank"),
+        (PipelineOptions(schedule="ZBVZeroBubble", layers_per_stage=1), "exactly 2 stages per rank"),
         (
-            ParallelOptions(pp_schedule="Interleaved1F1B", pp_layers_per_stage=5),
+            PipelineOptions(schedule="Interleaved1F1B", layers_per_stage=5),
             "runs several stages per rank, but the split gives 1",
         ),
         (
-            ParallelOptions(pp_schedule="1F1B", pp_layers_per_stage=4),
-            r"3 pipeline stages \(ceil\(\(8 layers \+ embedding \+ output = 10\) / pp_layers_per_stage\)\) cannot",
+            PipelineOptions(schedule="1F1B", layers_per_stage=4),
+            r"3 pipeline stages \(ceil\(\(8 layers \+ embedding \+ output = 10\) / pipeline\.layers_per_stage\)\) cannot",
         ),
         (
-            ParallelOptions(pp_schedule="1F1B", pp_split_points=("layers.3", "layers.5")),
+            PipelineOptions(schedule="1F1B", split_points=("layers.3", "layers.5")),
             "3 pipeline stages",
         ),
     ],

@@ -106,8 +106,10 @@ def refused(change: tuple[str, ...], refusal: str, **kwargs) -> Probe:
 # What to look at. Each returns something comparable between two launches.
 
 
-def options(name: str) -> Callable[[Seen], Any]:
-    return lambda s: s.outcome or getattr(s.trainer.parallel_options, name)
+def options(path: str) -> Callable[[Seen], Any]:
+    """The ParallelOptions setting at `path` ("group.field") that the trainer built."""
+    group, field = path.split(".")
+    return lambda s: s.outcome or getattr(getattr(s.trainer.parallel_options, group), field)
 
 
 def degrees(s: Seen) -> Any:
@@ -567,7 +569,7 @@ PROBES: dict[str, Probe] = {
     ),
     "parallelism.disable_loss_parallel": Probe(
         ("--parallelism.disable_loss_parallel",),
-        options("loss_parallel"),
+        options("tensor_parallel.loss_parallel"),
         base=("--parallelism.tensor_parallel_degree", "2"),
         world=2,
     ),
@@ -627,13 +629,13 @@ PROBES: dict[str, Probe] = {
     ),
     "parallelism.context_parallel_load_balancer": Probe(
         ("--parallelism.context_parallel_load_balancer", "None"),
-        options("cp_load_balance"),
+        options("context_parallel.load_balance"),
         base=CP2,
         world=2,
     ),
     "parallelism.context_parallel_rotate_method": Probe(
         ("--parallelism.context_parallel_rotate_method", "alltoall"),
-        options("cp_rotate_method"),
+        options("context_parallel.rotate_method"),
         base=CP2,
         world=2,
     ),
@@ -784,7 +786,7 @@ PROBES: dict[str, Probe] = {
     ),
     "compile.backend": Probe(
         ("--compile.backend", "aot_eager"),
-        options("compile_backend"),
+        options("compile.backend"),
         base=("--compile.enable", "--compile.backend", "eager"),
     ),
     # [quantize]

@@ -1,8 +1,8 @@
 """Model-agnostic parallelisms: the device mesh and the transforms that apply each parallelism."""
 
-from titan_parallel.activation_checkpoint import apply_ac
-from titan_parallel.compile import apply_compile
-from titan_parallel.context_parallel import context_parallel_ctx
+from titan_parallel.activation_checkpoint import ActivationCheckpointing, apply_ac
+from titan_parallel.compile import Compile, apply_compile
+from titan_parallel.context_parallel import ContextParallelOptions, context_parallel_ctx
 from titan_parallel.ddp import apply_ddp
 from titan_parallel.errors import ModelDescriptionError, ParallelConfigError, UnsupportedDeviceError
 from titan_parallel.expert_parallel import (
@@ -11,16 +11,17 @@ from titan_parallel.expert_parallel import (
     apply_expert_parallel,
     moe_layers_of,
 )
-from titan_parallel.float8 import apply_float8, precompute_float8_scales
+from titan_parallel.float8 import Float8Training, apply_float8, precompute_float8_scales
 from titan_parallel.float8_tensor_parallel import float8_tp_plan
-from titan_parallel.fsdp import apply_experts_fsdp, apply_fsdp, blocks_of
+from titan_parallel.fsdp import DataParallelOptions, apply_experts_fsdp, apply_fsdp, blocks_of
 from titan_parallel.grad_norm import clip_grad_norm_
 from titan_parallel.load_balance import sum_tokens_per_expert
-from titan_parallel.mx import apply_mx
+from titan_parallel.mx import MXTraining, apply_mx
 from titan_parallel.options import ParallelOptions
 from titan_parallel.parallel_dims import ParallelDims
 from titan_parallel.parallelize import parallelize, training_context
 from titan_parallel.pipeline import Pipeline, build_pipeline, pipeline_stages
+from titan_parallel.pipeline_options import PipelineOptions
 from titan_parallel.protocols import (
     HasInitWeights,
     HasMoELayers,
@@ -31,23 +32,31 @@ from titan_parallel.protocols import (
     ParallelizableModel,
     TrainableModel,
 )
-from titan_parallel.tensor_parallel import apply_tp, loss_parallel_ctx
+from titan_parallel.tensor_parallel import TensorParallelOptions, apply_tp, loss_parallel_ctx
 
 __all__ = [
+    "ActivationCheckpointing",
+    "Compile",
+    "ContextParallelOptions",
+    "DataParallelOptions",
     "ExpertParallel",
+    "Float8Training",
     "HasInitWeights",
     "HasMoELayers",
     "HasParallelBlocks",
     "HasPipelineUnits",
     "HasSequenceBuffers",
     "HasTensorParallelPlan",
+    "MXTraining",
     "ModelDescriptionError",
     "ParallelConfigError",
     "ParallelDims",
     "ParallelOptions",
     "ParallelizableModel",
     "Pipeline",
+    "PipelineOptions",
     "TensorParallelExperts",
+    "TensorParallelOptions",
     "TrainableModel",
     "UnsupportedDeviceError",
     "apply_ac",

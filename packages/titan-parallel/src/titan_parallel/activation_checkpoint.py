@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,10 +15,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode_temporarily
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from titan_parallel.errors import ParallelConfigError
-from titan_parallel.options import AC_MODES
+from titan_parallel.errors import ParallelConfigError, check_choice
 
 logger = logging.getLogger(__name__)
+
+AC_MODES = ("none", "full", "selective")
 
 aten = torch.ops.aten
 
@@ -37,6 +39,64 @@ _KEEP_OPS = {
     torch.ops._c10d_functional.all_to_all_single.default,
     torch.ops._c10d_functional_autograd.all_to_all_single.default,
 }
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointing:
+    """Which block activations are recomputed in backward: torchtitan's `[activation_checkpoint]` section.
+
+    `mode` "selective" with `selective="op"` keeps every other matmul output per op; an integer N (or
+    its string form, as the config writes it) checkpoints every N-th block fully. `preserve_rng_state`,
+    `determinism_check`, `early_stop` and `debug` are torch.utils.checkpoint's own switches, passed
+    through as named there. `force_recompute_mm_fqns` (per-op mode): linear layers, named as inside a
+    block, whose matmul outputs are recomputed rather than kept.
+    """
+
+    mode: str = "none"
+    selective: str | int = "op"
+    preserve_rng_state: bool = False
+    determinism_check: str = "default"
+    early_stop: bool = False
+    debug: bool = False
+    force_recompute_mm_fqns: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_choice("activation_checkpoint.mode", self.mode, AC_MODES)
+        if self.mode != "selective":
+            return
+        every = self.selective
+        if isinstance(every, str) and every != "op":
+            if not every.isdigit():
+                raise ParallelConfigError(
+                    "parallelism: activation_checkpoint.selective must be 'op' or a positive integer, "
+                    f"got {every!r}"
+                )
+            every = int(every)
+        if isinstance(every, int) and every < 1:
+            raise ParallelConfigError(
+                f"parallelism: activation_checkpoint.selective must be >= 1, got {every}"
+            )
+
+    @property
+    def selective_every(self) -> int | None:
+        """N for "checkpoint every N-th block", or None for per-op selective checkpointing."""
+        return None if self.selective == "op" else int(self.selective)
+
+    def apply(self, model: nn.Module, blocks: dict[str, nn.Module]) -> nn.Module:
+        """Checkpoint `blocks` of `model` in place as these settings say (after TP, before compile and FSDP)."""
+        return apply_ac(
+            model,
+            blocks,
+            mode=self.mode,
+            selective=self.selective,
+            force_recompute_mm_fqns=self.force_recompute_mm_fqns,
+            checkpoint_kwargs={
+                "preserve_rng_state": self.preserve_rng_state,
+                "determinism_check": self.determinism_check,
+                "early_stop": self.early_stop,
+                "debug": self.debug,
+            },
+        )
 
 
 def apply_ac(

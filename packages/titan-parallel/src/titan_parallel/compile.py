@@ -3,10 +3,37 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from torch import nn
 
+from titan_parallel.errors import ParallelConfigError
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Compile:
+    """torch.compile of each block: torchtitan's `[compile]` section as it applies to the model."""
+
+    enabled: bool = False
+    backend: str = "inductor"
+
+    def __post_init__(self) -> None:
+        if not self.backend:
+            raise ParallelConfigError("parallelism: compile.backend is empty; name a torch.compile backend")
+
+    def apply(
+        self,
+        model: nn.Module,
+        blocks: dict[str, nn.Module],
+        *,
+        moe_layers: dict[str, nn.Module] | None = None,
+    ) -> nn.Module:
+        """Compile `blocks` in place when enabled (after TP and checkpointing, before FSDP); see `apply_compile`."""
+        if not self.enabled:
+            return model
+        return apply_compile(model, blocks, backend=self.backend, moe_layers=moe_layers)
 
 
 def apply_compile(

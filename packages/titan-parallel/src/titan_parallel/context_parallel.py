@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -12,10 +13,44 @@ from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
 
 from titan_parallel.cpu_ring_attention import cpu_ring_attention
-from titan_parallel.errors import ParallelConfigError, UnsupportedDeviceError
-from titan_parallel.options import ROTATE_METHODS
+from titan_parallel.errors import ParallelConfigError, UnsupportedDeviceError, check_choice
 
 logger = logging.getLogger(__name__)
+
+ROTATE_METHODS = ("allgather", "alltoall")
+
+
+@dataclass(frozen=True)
+class ContextParallelOptions:
+    """How context parallelism shards and attends: torchtitan's `[parallelism] context_parallel_*` settings.
+
+    `rotate_method`: how key/value shards travel ("allgather" or "alltoall"). `load_balance`: each rank
+    holds chunks i and 2*cp-1-i of a causal sequence, so every rank does the same attention work.
+    """
+
+    rotate_method: str = "allgather"
+    load_balance: bool = True
+
+    def __post_init__(self) -> None:
+        check_choice("context_parallel.rotate_method", self.rotate_method, ROTATE_METHODS)
+
+    def sharding(
+        self,
+        cp_mesh: DeviceMesh,
+        buffers: Sequence[torch.Tensor],
+        seq_dims: Sequence[int],
+        *,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """`context_parallel_ctx` over `buffers` with these settings."""
+        return context_parallel_ctx(
+            cp_mesh,
+            buffers,
+            seq_dims,
+            no_restore_buffers=no_restore_buffers,
+            rotate_method=self.rotate_method,
+            load_balance=self.load_balance,
+        )
 
 
 @contextlib.contextmanager
@@ -39,10 +74,7 @@ def context_parallel_ctx(
     `load_balance=False` gives each rank one contiguous chunk instead (the last rank then does the
     most causal work).
     """
-    if rotate_method not in ROTATE_METHODS:
-        raise ParallelConfigError(
-            f"parallelism: cp_rotate_method={rotate_method!r} is unknown; choose one of {list(ROTATE_METHODS)}"
-        )
+    check_choice("context_parallel.rotate_method", rotate_method, ROTATE_METHODS)
     if len(buffers) != len(seq_dims):
         raise ParallelConfigError(
             f"parallelism: context parallel got {len(buffers)} buffers but {len(seq_dims)} sequence dims; "

@@ -6,17 +6,53 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from titan_parallel.errors import ParallelConfigError, UnsupportedDeviceError
-from titan_parallel.options import FLOAT8_RECIPES
+from titan_parallel.errors import ParallelConfigError, UnsupportedDeviceError, check_choice
 
 logger = logging.getLogger(__name__)
 
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+
 # torch._scaled_mm needs both matmul dims of the weight to be multiples of 16.
 _FLOAT8_ALIGNMENT = 16
+
+
+@dataclass(frozen=True)
+class Float8Training:
+    """float8 linear layers through torchao: torchtitan's `[quantize.linear.float8]` section.
+
+    `fsdp_all_gather` (tensorwise only) all-gathers weights already cast to float8; `skip_fqns` stay in
+    high precision; `emulate` runs the matmuls in high precision on float8-rounded values (float8
+    numerics where float8 kernels are missing). `apply_float8` says more.
+    """
+
+    recipe: str = "tensorwise"
+    fsdp_all_gather: bool = False
+    skip_fqns: tuple[str, ...] = ("output",)
+    emulate: bool = False
+
+    def __post_init__(self) -> None:
+        check_choice("float8.recipe", self.recipe, FLOAT8_RECIPES)
+        if self.fsdp_all_gather and self.recipe != "tensorwise":
+            raise ParallelConfigError(
+                f"parallelism: float8.fsdp_all_gather needs float8.recipe='tensorwise' (got {self.recipe!r}); "
+                "torchao all-gathers float8 weights only with one scale per tensor"
+            )
+
+    def convert(self, model: nn.Module, device_type: str) -> nn.Module:
+        """Swap the eligible linear layers of `model` for float8 ones, in place, before TP and FSDP."""
+        return apply_float8(
+            model,
+            recipe=self.recipe,
+            fsdp_all_gather=self.fsdp_all_gather,
+            skip_fqns=self.skip_fqns,
+            device_type=device_type,
+            emulate=self.emulate,
+        )
 
 
 def apply_float8(

@@ -2,15 +2,35 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from titan_parallel.errors import ModelDescriptionError, ParallelConfigError
-from titan_parallel.options import RESHARD_POLICIES
+from titan_parallel.errors import ModelDescriptionError, ParallelConfigError, check_choice
 from titan_parallel.protocols import HasParallelBlocks
+
+RESHARD_POLICIES = ("default", "always", "never")
+
+
+@dataclass(frozen=True)
+class DataParallelOptions:
+    """How FSDP2/HSDP (and, for the dtypes, DDP) hold and reduce parameters: torchtitan's
+    `[training] mixed_precision_param/reduce, enable_cpu_offload` and `[parallelism] fsdp_reshard_after_forward`.
+
+    `reshard_after_forward`: "default" (reshard unless pipelining), "always" or "never".
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    reshard_after_forward: str = "default"
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        check_choice("data_parallel.reshard_after_forward", self.reshard_after_forward, RESHARD_POLICIES)
 
 
 def apply_fsdp(
@@ -123,10 +143,7 @@ def resolve_reshard_after_forward(policy: bool | str, pp_enabled: bool) -> bool:
     """The bool `fully_shard` takes, from a bool or a torchtitan policy name."""
     if isinstance(policy, bool):
         return policy
-    if policy not in RESHARD_POLICIES:
-        raise ParallelConfigError(
-            f"parallelism: reshard_after_forward={policy!r} is unknown; choose one of {list(RESHARD_POLICIES)}"
-        )
+    check_choice("reshard_after_forward", policy, RESHARD_POLICIES)
     return {"default": not pp_enabled, "always": True, "never": False}[policy]
 
 

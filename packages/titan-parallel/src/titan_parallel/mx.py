@@ -16,10 +16,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titan_parallel.errors import ParallelConfigError, UnsupportedDeviceError
-from titan_parallel.options import MX_DIM1_CAST_KERNELS, MX_RECIPES
+from titan_parallel.errors import ParallelConfigError, UnsupportedDeviceError, check_choice
 
 logger = logging.getLogger(__name__)
+
+# MXFP8 recipes: torchtitan 0.2.2's names, then torchao 0.18's (_RECIPES below says what each does).
+MX_RECIPES = (
+    "mxfp8_cublas",
+    "mxfp8_cublas_rceil",
+    "mxfp8_rceil",
+    "mxfp8_rceil_wgrad_with_hp",
+    "mxfp8_emulated",
+    "mxfp8_emulated_rceil",
+)
+MX_DIM1_CAST_KERNELS = ("triton", "cuda", "torch")
 
 # One MX scale covers this many consecutive values of a matmul operand.
 _MX_BLOCK = 32
@@ -51,6 +61,29 @@ assert tuple(_RECIPES) == MX_RECIPES
 def mx_recipe_is_emulated(recipe: str) -> bool:
     """Whether `recipe` runs its matmuls in high precision (any device) rather than MX kernels (SM100+)."""
     return _RECIPES[recipe].emulated
+
+
+@dataclass(frozen=True)
+class MXTraining:
+    """MXFP8 linear layers through torchao: torchtitan's `[quantize.linear.mx]` section (`apply_mx` says more)."""
+
+    recipe: str = "mxfp8_cublas"
+    dim1_cast_kernel: str = "triton"
+    skip_fqns: tuple[str, ...] = ("output",)
+
+    def __post_init__(self) -> None:
+        check_choice("mx.recipe", self.recipe, MX_RECIPES)
+        check_choice("mx.dim1_cast_kernel", self.dim1_cast_kernel, MX_DIM1_CAST_KERNELS)
+
+    def convert(self, model: nn.Module, device_type: str) -> nn.Module:
+        """Make the eligible linear layers of `model` MXFP8 ones, in place, before TP and FSDP."""
+        return apply_mx(
+            model,
+            recipe=self.recipe,
+            dim1_cast_kernel=self.dim1_cast_kernel,
+            skip_fqns=self.skip_fqns,
+            device_type=device_type,
+        )
 
 
 def apply_mx(

@@ -9,19 +9,14 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from titan_parallel.activation_checkpoint import apply_ac
-from titan_parallel.compile import apply_compile
-from titan_parallel.context_parallel import context_parallel_ctx
 from titan_parallel.ddp import apply_ddp
 from titan_parallel.errors import ParallelConfigError
 from titan_parallel.expert_parallel import apply_expert_parallel, moe_layers_of
-from titan_parallel.float8 import apply_float8
 from titan_parallel.float8_tensor_parallel import float8_tp_plan
 from titan_parallel.fsdp import apply_experts_fsdp, apply_fsdp, blocks_of
-from titan_parallel.mx import apply_mx
 from titan_parallel.options import ParallelOptions
 from titan_parallel.parallel_dims import ParallelDims
-from titan_parallel.tensor_parallel import apply_tp, loss_parallel_ctx, tp_plan_of
+from titan_parallel.tensor_parallel import apply_tp, loss_parallel_ctx
 
 logger = logging.getLogger(__name__)
 
@@ -39,59 +34,31 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
     and initialise the parameters afterwards.
     """
     options = options or ParallelOptions()
-    mesh = dims.mesh
     blocks = blocks_of(model)
-    if options.float8 is not None:
-        apply_float8(
-            model,
-            recipe=options.float8,
-            fsdp_all_gather=options.float8_fsdp_all_gather,
-            skip_fqns=options.float8_skip_fqns,
-            device_type=mesh.device_type,
-            emulate=options.float8_emulate,
-        )
-    if options.mx is not None:
-        apply_mx(
-            model,
-            recipe=options.mx,
-            dim1_cast_kernel=options.mx_dim1_cast_kernel,
-            skip_fqns=options.mx_skip_fqns,
-            device_type=mesh.device_type,
-        )
+    for conversion in (options.float8, options.mx):
+        if conversion is not None:
+            conversion.convert(model, dims.mesh.device_type)
     tp_mesh = dims.submesh("tp")
     if tp_mesh is not None:
-        plan = tp_plan_of(
-            model, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
-        )
-        if options.float8 == "tensorwise":
+        tp = options.tensor_parallel
+        plan = tp.plan(model)
+        if options.float8 is not None and options.float8.recipe == "tensorwise":
             plan = float8_tp_plan(model, plan)  # float8 all-gathers for the float8 linears
-        apply_tp(model, tp_mesh, plan, async_tp=options.async_tp, compile_enabled=options.compile)
+        apply_tp(model, tp_mesh, plan, async_tp=tp.async_tp, compile_enabled=options.compile.enabled)
     experts = apply_expert_parallel(model, dims)
     expert_units = experts if dims.ep > 1 else {}
-    apply_ac(
-        model,
-        blocks,
-        mode=options.ac_mode,
-        selective=options.ac_selective,
-        force_recompute_mm_fqns=options.ac_force_recompute_mm_fqns,
-        checkpoint_kwargs={
-            "preserve_rng_state": options.ac_preserve_rng_state,
-            "determinism_check": options.ac_determinism_check,
-            "early_stop": options.ac_early_stop,
-            "debug": options.ac_debug,
-        },
-    )
-    if options.compile:
-        apply_compile(model, blocks, backend=options.compile_backend, moe_layers=moe_layers_of(model))
+    options.activation_checkpoint.apply(model, blocks)
+    options.compile.apply(model, blocks, moe_layers=moe_layers_of(model))
+    dp = options.data_parallel
     if dims.fsdp_enabled:
         apply_fsdp(
             model,
             blocks,
             dims.submesh("fsdp"),
-            param_dtype=options.param_dtype,
-            reduce_dtype=options.reduce_dtype,
-            reshard_after_forward=options.reshard_after_forward,
-            cpu_offload=options.cpu_offload,
+            param_dtype=dp.param_dtype,
+            reduce_dtype=dp.reduce_dtype,
+            reshard_after_forward=dp.reshard_after_forward,
+            cpu_offload=dp.cpu_offload,
             pp_enabled=dims.pp > 1,
             experts=expert_units,
             experts_mesh=dims.submesh("experts_fsdp"),
@@ -103,14 +70,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
             expert_units,
             dims.submesh("experts_fsdp"),
             dims.expert_gradient_divide_factor,
-            param_dtype=options.param_dtype,
-            reduce_dtype=options.reduce_dtype,
-            reshard_after_forward=options.reshard_after_forward,
-            cpu_offload=options.cpu_offload,
+            param_dtype=dp.param_dtype,
+            reduce_dtype=dp.reduce_dtype,
+            reshard_after_forward=dp.reshard_after_forward,
+            cpu_offload=dp.cpu_offload,
             pp_enabled=dims.pp > 1,
         )
     if dims.ddp_enabled:
-        if options.cpu_offload:
+        if dp.cpu_offload:
             raise ParallelConfigError(
                 "parallelism: cpu_offload needs sharded parameters (dp_shard > 1 or cp > 1); with pure "
                 "replication (DDP) there is no shard to offload"
@@ -119,8 +86,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
             model,
             blocks,
             dims.submesh("dp_replicate"),
-            param_dtype=options.param_dtype,
-            reduce_dtype=options.reduce_dtype,
+            param_dtype=dp.param_dtype,
+            reduce_dtype=dp.reduce_dtype,
         )
     return _logged(model, dims, options)
 
@@ -149,7 +116,7 @@ def training_context(
     """
     options = options or ParallelOptions()
     with contextlib.ExitStack() as stack:
-        if dims.tp > 1 and options.loss_parallel:
+        if dims.tp > 1 and options.tensor_parallel.loss_parallel:
             stack.enter_context(loss_parallel_ctx(True))
         if dims.cp > 1:
             if not cp_buffers:
@@ -158,13 +125,8 @@ def training_context(
                     "position buffers so each rank keeps its part of the sequence"
                 )
             stack.enter_context(
-                context_parallel_ctx(
-                    dims.submesh("cp"),
-                    cp_buffers,
-                    cp_seq_dims,
-                    rotate_method=options.cp_rotate_method,
-                    no_restore_buffers=set(cp_no_restore),
-                    load_balance=options.cp_load_balance,
+                options.context_parallel.sharding(
+                    dims.submesh("cp"), cp_buffers, cp_seq_dims, no_restore_buffers=set(cp_no_restore)
                 )
             )
         yield

@@ -22,9 +22,10 @@ from torch.distributed.tensor import DTensor
 
 from titan_parallel.errors import ParallelConfigError
 from titan_parallel.fsdp import blocks_of
-from titan_parallel.options import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ParallelOptions
+from titan_parallel.options import ParallelOptions
 from titan_parallel.parallel_dims import ParallelDims
 from titan_parallel.parallelize import parallelize
+from titan_parallel.pipeline_options import PipelineOptions
 from titan_parallel.pipeline_split import pipeline_units_of, split_units, stage_module
 
 logger = logging.getLogger(__name__)
@@ -112,21 +113,21 @@ class _PipelineStage(PipelineStage):
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
 
-def stages_per_rank(options: ParallelOptions, pp: int, n_layers: int) -> int:
+def stages_per_rank(options: PipelineOptions, pp: int, n_layers: int) -> int:
     """How many stages each rank runs: 1 for single-stage schedules, 2 for the others, unless the split
     settings say otherwise.
 
-    With `pp_layers_per_stage`, the stage count is the model's layers plus the embedding and output
-    weights (`pp_first/last_stage_less_layers`) divided by it, rounded up, as torchtitan counts it.
+    With `layers_per_stage`, the stage count is the model's layers plus the embedding and output
+    weights (`first/last_stage_less_layers`) divided by it, rounded up, as torchtitan counts it.
     """
-    single = options.pp_schedule in SINGLE_STAGE_SCHEDULES
-    if options.pp_split_points:
-        total = len(options.pp_split_points) + 1
+    single = options.single_stage
+    if options.split_points:
+        total = len(options.split_points) + 1
         what = "split points + 1"
-    elif options.pp_layers_per_stage is not None:
-        effective = n_layers + options.pp_first_stage_less_layers + options.pp_last_stage_less_layers
-        total = math.ceil(effective / options.pp_layers_per_stage)
-        what = f"ceil(({n_layers} layers + embedding + output = {effective}) / pp_layers_per_stage)"
+    elif options.layers_per_stage is not None:
+        effective = n_layers + options.first_stage_less_layers + options.last_stage_less_layers
+        total = math.ceil(effective / options.layers_per_stage)
+        what = f"ceil(({n_layers} layers + embedding + output = {effective}) / pipeline.layers_per_stage)"
     else:
         return 1 if single else 2
     if total % pp:
@@ -137,24 +138,24 @@ def stages_per_rank(options: ParallelOptions, pp: int, n_layers: int) -> int:
     per_rank = total // pp
     if single and per_rank != 1:
         raise ParallelConfigError(
-            f"parallelism: schedule {options.pp_schedule} runs one stage per rank, but the split gives {per_rank}; "
+            f"parallelism: schedule {options.schedule} runs one stage per rank, but the split gives {per_rank}; "
             "use Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble, or fewer stages"
         )
     if not single and per_rank < 2:
         raise ParallelConfigError(
-            f"parallelism: schedule {options.pp_schedule} runs several stages per rank, but the split gives "
-            f"{per_rank}; use 1F1B or GPipe, or more stages (a smaller pp_layers_per_stage)"
+            f"parallelism: schedule {options.schedule} runs several stages per rank, but the split gives "
+            f"{per_rank}; use 1F1B or GPipe, or more stages (a smaller pipeline.layers_per_stage)"
         )
-    if options.pp_schedule in V_SCHEDULES and per_rank != 2:
+    if options.v_shape and per_rank != 2:
         raise ParallelConfigError(
-            f"parallelism: schedule {options.pp_schedule} runs exactly 2 stages per rank (a V), but the split "
+            f"parallelism: schedule {options.schedule} runs exactly 2 stages per rank (a V), but the split "
             f"gives {per_rank}; choose a split with 2 * pp stages"
         )
     return per_rank
 
 
 def pipeline_stages(
-    units: list[str], blocks: list[str], pp: int, options: ParallelOptions
+    units: list[str], blocks: list[str], pp: int, options: PipelineOptions
 ) -> list[list[str]]:
     """The units of every stage (pp * stages per rank, in stage order) as `build_pipeline` cuts them.
 
@@ -166,9 +167,9 @@ def pipeline_stages(
         units,
         blocks,
         pp * per_rank,
-        first_stage_less_layers=options.pp_first_stage_less_layers,
-        last_stage_less_layers=options.pp_last_stage_less_layers,
-        split_points=options.pp_split_points,
+        first_stage_less_layers=options.first_stage_less_layers,
+        last_stage_less_layers=options.last_stage_less_layers,
+        split_points=options.split_points,
     )
 
 
@@ -197,7 +198,7 @@ def build_pipeline(
     `model` is best built on the meta device (stages are deep copies); materialise and initialise
     `Pipeline.model_parts` afterwards. `loss_fn(logits, labels)` is the loss `step` trains on, a mean
     over tokens (a trainer that accumulates gradients passes it already scaled); `evaluate` uses
-    `eval_loss_fn` (default: `loss_fn`). Each microbatch of `options.pp_microbatch_size` sequences
+    `eval_loss_fn` (default: `loss_fn`). Each microbatch of `options.pipeline.microbatch_size` sequences
     gets its own loss, divided by the number of microbatches, so the gradients add up to those of the
     full-batch mean. The loss is divided, not the gradients afterwards (torch's `scale_grads`): that
     rescales every gradient the parameters hold, which under gradient accumulation includes earlier
@@ -209,11 +210,12 @@ def build_pipeline(
     pp, rank = dims.pp, pp_mesh.get_local_rank()
     units = pipeline_units_of(model)
     blocks = list(blocks_of(model))
-    stage_units = pipeline_stages(units, blocks, pp, options)
+    settings = options.pipeline
+    stage_units = pipeline_stages(units, blocks, pp, settings)
     num_stages = len(stage_units)
     per_rank = num_stages // pp
-    n_microbatches = _microbatches(local_batch_size, options.pp_microbatch_size)
-    v_shape = options.pp_schedule in V_SCHEDULES
+    n_microbatches = _microbatches(local_batch_size, settings.microbatch_size)
+    v_shape = settings.v_shape
     stages, parts = [], []
     for stage_id in stage_ids_of_rank(rank, pp, per_rank, v_shape):
         part = stage_module(model, stage_units[stage_id], units)
@@ -226,28 +228,28 @@ def build_pipeline(
     def microbatch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return loss_fns["now"](logits, labels) / n_microbatches
 
-    schedule = _schedule(options, stages, n_microbatches, microbatch_loss, num_stages, local_batch_size)
+    schedule = _schedule(settings, stages, n_microbatches, microbatch_loss, num_stages, local_batch_size)
     last_rank = next(r for r in range(pp) if num_stages - 1 in stage_ids_of_rank(r, pp, per_rank, v_shape))
     return Pipeline(schedule, stages, parts, pp_mesh, last_rank, loss_fns)
 
 
 def _schedule(
-    options: ParallelOptions,
+    options: PipelineOptions,
     stages: list[PipelineStage],
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     num_stages: int,
     local_batch_size: int,
 ) -> object:
-    """The named schedule, or with `pp_schedule_csv` torch's runtime schedule running that file's actions."""
-    csv = options.pp_schedule_csv
+    """The named schedule, or with `schedule_csv` torch's runtime schedule running that file's actions."""
+    csv = options.schedule_csv
     if csv and not Path(csv).is_file():
         raise ParallelConfigError(
             f"parallelism: pipeline schedule CSV {csv} is not a file; give an existing path"
         )
-    schedule_class = _PipelineScheduleRuntime if csv else get_schedule_class(options.pp_schedule)
+    schedule_class = _PipelineScheduleRuntime if csv else get_schedule_class(options.schedule)
     kwargs = {"n_microbatches": n_microbatches, "loss_fn": loss_fn, "scale_grads": False}
-    what = f"{csv if csv else options.pp_schedule} with {num_stages} stages and {n_microbatches} microbatches"
+    what = f"{csv if csv else options.schedule} with {num_stages} stages and {n_microbatches} microbatches"
     try:
         if issubclass(schedule_class, PipelineScheduleSingle):
             schedule = schedule_class(stages[0], **kwargs)
@@ -258,7 +260,7 @@ def _schedule(
     except (ValueError, AssertionError, RuntimeError) as e:
         raise ParallelConfigError(
             f"parallelism: schedule {what} (local batch {local_batch_size} / microbatch "
-            f"{options.pp_microbatch_size}) is refused by torch: {str(e).splitlines()[0]}"
+            f"{options.microbatch_size}) is refused by torch: {str(e).splitlines()[0]}"
         ) from e
     return schedule
 
@@ -266,7 +268,7 @@ def _schedule(
 def _microbatches(local_batch_size: int, microbatch_size: int) -> int:
     if local_batch_size % microbatch_size:
         raise ParallelConfigError(
-            f"parallelism: local batch size ({local_batch_size}) is not divisible by pp_microbatch_size "
+            f"parallelism: local batch size ({local_batch_size}) is not divisible by pipeline.microbatch_size "
             f"({microbatch_size}); choose a microbatch size that divides it"
         )
     return local_batch_size // microbatch_size

@@ -80,17 +80,17 @@ def _split_at(units: list[str], points: list[str], num_stages: int) -> list[list
     unknown = [p for p in points if p not in units]
     if unknown:
         raise ParallelConfigError(
-            f"parallelism: pp_split_points {unknown} are not pipeline units of the model; choose among {units}"
+            f"parallelism: pipeline.split_points {unknown} are not pipeline units of the model; choose among {units}"
         )
     positions = [units.index(p) for p in points]
     if positions != sorted(set(positions)) or positions[0] == 0:
         raise ParallelConfigError(
-            f"parallelism: pp_split_points {points} must be distinct units in forward order, after the first "
+            f"parallelism: pipeline.split_points {points} must be distinct units in forward order, after the first "
             f"unit '{units[0]}'"
         )
     if len(points) + 1 != num_stages:
         raise ParallelConfigError(
-            f"parallelism: {len(points)} pp_split_points make {len(points) + 1} stages, but the schedule needs "
+            f"parallelism: {len(points)} pipeline.split_points make {len(points) + 1} stages, but the schedule needs "
             f"{num_stages} (pp * stages per rank); give {num_stages - 1} split points"
         )
     bounds = [0, *positions, len(units)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -14,6 +15,24 @@ from titan_parallel.errors import ModelDescriptionError, ParallelConfigError, Un
 from titan_parallel.protocols import HasTensorParallelPlan
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorParallelOptions:
+    """How tensor parallelism splits a model: torchtitan's `[parallelism]` TP switches.
+
+    `sequence_parallel` shards norms and residuals along the sequence between the split layers;
+    `loss_parallel` computes the loss on vocabulary-sharded logits; `async_tp` overlaps TP collectives
+    with matmuls (CUDA and compiled blocks only).
+    """
+
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    async_tp: bool = False
+
+    def plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        """The model's own TP plan with these switches."""
+        return tp_plan_of(model, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
 
 
 def apply_tp(

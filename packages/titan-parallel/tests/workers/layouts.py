@@ -21,9 +21,15 @@ from torch.distributed.tensor import DTensor
 from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
 
 from titan_parallel import (
+    ContextParallelOptions,
+    DataParallelOptions,
+    Float8Training,
+    MXTraining,
     ParallelConfigError,
     ParallelDims,
     ParallelOptions,
+    PipelineOptions,
+    TensorParallelOptions,
     apply_float8,
     apply_mx,
     apply_tp,
@@ -67,9 +73,9 @@ def run_layout(degrees: dict, options: ParallelOptions, n_layers: int = 2, ref_c
     model = ToyTransformer(n_layers)
     ref_model = copy.deepcopy(model)
     if options.float8:
-        apply_float8(ref_model, recipe=options.float8)
+        apply_float8(ref_model, recipe=options.float8.recipe)
     if options.mx:
-        apply_mx(ref_model, recipe=options.mx, skip_fqns=options.mx_skip_fqns, device_type="cpu")
+        apply_mx(ref_model, recipe=options.mx.recipe, skip_fqns=options.mx.skip_fqns, device_type="cpu")
     data = batches()
     ref = reference(ref_model, data, ref_chunks)
 
@@ -105,7 +111,7 @@ def run_layout(degrees: dict, options: ParallelOptions, n_layers: int = 2, ref_c
         norm = clip_grad_norm_(params, MAX_NORM, pp_mesh=dims.submesh("pp"))
         opt.step()
         opt.zero_grad()
-        if options.float8_fsdp_all_gather:
+        if options.float8 and options.float8.fsdp_all_gather:
             precompute_float8_scales(model)
         loss = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         loss_mesh = dims.submesh("dp_cp")
@@ -203,7 +209,7 @@ def refusals() -> dict:
     ddp.build_mesh("cpu")
     attempt(
         "cpu_offload_without_sharding",
-        lambda: parallelize(ToyTransformer(), ddp, ParallelOptions(cpu_offload=True)),
+        lambda: parallelize(ToyTransformer(), ddp, data_parallel(cpu_offload=True)),
     )
     return {"facts": messages}
 
@@ -227,29 +233,36 @@ def cp_failed_step() -> dict:
 
 
 def schedule(name: str, **extra) -> ParallelOptions:
-    return ParallelOptions(pp_schedule=name, **extra)
+    return ParallelOptions(pipeline=PipelineOptions(schedule=name, **extra))
+
+
+def data_parallel(**settings) -> ParallelOptions:
+    return ParallelOptions(data_parallel=DataParallelOptions(**settings))
 
 
 CASES = {
     # 2 ranks
     "fsdp": lambda: run_layout({"dp_shard": 2}, ParallelOptions()),
-    "fsdp_reshard_always": lambda: run_layout(
-        {"dp_shard": 2}, ParallelOptions(reshard_after_forward="always")
-    ),
-    "fsdp_reshard_never": lambda: run_layout({"dp_shard": 2}, ParallelOptions(reshard_after_forward="never")),
-    "fsdp_bf16_params": lambda: run_layout({"dp_shard": 2}, ParallelOptions(param_dtype=torch.bfloat16)),
-    "fsdp_cpu_offload": lambda: run_layout({"dp_shard": 2}, ParallelOptions(cpu_offload=True)),
+    "fsdp_reshard_always": lambda: run_layout({"dp_shard": 2}, data_parallel(reshard_after_forward="always")),
+    "fsdp_reshard_never": lambda: run_layout({"dp_shard": 2}, data_parallel(reshard_after_forward="never")),
+    "fsdp_bf16_params": lambda: run_layout({"dp_shard": 2}, data_parallel(param_dtype=torch.bfloat16)),
+    "fsdp_cpu_offload": lambda: run_layout({"dp_shard": 2}, data_parallel(cpu_offload=True)),
     "ddp": lambda: run_layout({"dp_replicate": 2, "dp_shard": 1}, ParallelOptions()),
     "tp_sp_loss_parallel": lambda: run_layout({"dp_shard": 1, "tp": 2}, ParallelOptions()),
     "tp_plain": lambda: run_layout(
-        {"dp_shard": 1, "tp": 2}, ParallelOptions(sequence_parallel=False, loss_parallel=False)
+        {"dp_shard": 1, "tp": 2},
+        ParallelOptions(tensor_parallel=TensorParallelOptions(sequence_parallel=False, loss_parallel=False)),
     ),
     "cp_allgather": lambda: run_layout(
-        {"dp_shard": 1, "cp": 2}, ParallelOptions(cp_rotate_method="allgather")
+        {"dp_shard": 1, "cp": 2},
+        ParallelOptions(context_parallel=ContextParallelOptions(rotate_method="allgather")),
     ),
-    "cp_alltoall": lambda: run_layout({"dp_shard": 1, "cp": 2}, ParallelOptions(cp_rotate_method="alltoall")),
+    "cp_alltoall": lambda: run_layout(
+        {"dp_shard": 1, "cp": 2},
+        ParallelOptions(context_parallel=ContextParallelOptions(rotate_method="alltoall")),
+    ),
     "cp_no_load_balance": lambda: run_layout(
-        {"dp_shard": 1, "cp": 2}, ParallelOptions(cp_load_balance=False)
+        {"dp_shard": 1, "cp": 2}, ParallelOptions(context_parallel=ContextParallelOptions(load_balance=False))
     ),
     "pp_1F1B": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("1F1B"), n_layers=4),
     "pp_GPipe": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("GPipe"), n_layers=4),
@@ -263,21 +276,25 @@ CASES = {
     "pp_ZBVZeroBubble": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("ZBVZeroBubble"), n_layers=4),
     "pp_split_points_microbatch_2": lambda: run_layout(
         {"dp_shard": 1, "pp": 2},
-        schedule("1F1B", pp_split_points=("layers.1",), pp_microbatch_size=2),
+        schedule("1F1B", split_points=("layers.1",), microbatch_size=2),
         n_layers=3,
     ),
     "float8_tensorwise_fsdp_all_gather": lambda: run_layout(
-        {"dp_shard": 2}, ParallelOptions(float8="tensorwise", float8_fsdp_all_gather=True), ref_chunks=2
+        {"dp_shard": 2},
+        ParallelOptions(float8=Float8Training("tensorwise", fsdp_all_gather=True)),
+        ref_chunks=2,
     ),
     "float8_rowwise_fsdp": lambda: run_layout(
-        {"dp_shard": 2}, ParallelOptions(float8="rowwise"), ref_chunks=2
+        {"dp_shard": 2}, ParallelOptions(float8=Float8Training("rowwise")), ref_chunks=2
     ),
     "float8_tensorwise_tp": lambda: run_layout(
-        {"dp_shard": 1, "tp": 2}, ParallelOptions(float8="tensorwise")
+        {"dp_shard": 1, "tp": 2}, ParallelOptions(float8=Float8Training("tensorwise"))
     ),
-    "float8_rowwise_tp": lambda: run_layout({"dp_shard": 1, "tp": 2}, ParallelOptions(float8="rowwise")),
+    "float8_rowwise_tp": lambda: run_layout(
+        {"dp_shard": 1, "tp": 2}, ParallelOptions(float8=Float8Training("rowwise"))
+    ),
     "mx_emulated_fsdp": lambda: run_layout(
-        {"dp_shard": 2}, ParallelOptions(mx="mxfp8_emulated"), ref_chunks=2
+        {"dp_shard": 2}, ParallelOptions(mx=MXTraining("mxfp8_emulated")), ref_chunks=2
     ),
     "refusals": refusals,
     "cp_failed_step": cp_failed_step,

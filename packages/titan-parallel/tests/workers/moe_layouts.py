@@ -27,9 +27,12 @@ from toy_moe import ToyMoE
 from toy_transformer import SEQ, VOCAB, cross_entropy
 
 from titan_parallel import (
+    ActivationCheckpointing,
+    Compile,
     ParallelConfigError,
     ParallelDims,
     ParallelOptions,
+    PipelineOptions,
     clip_grad_norm_,
     moe_layers_of,
     parallelize,
@@ -103,12 +106,13 @@ def run_layout(degrees: dict, options: ParallelOptions | None = None, n_layers: 
     losses, norms, counts = [], [], []
     # Checkpointing every block (fully or per op) runs each MoE forward twice, so the model counts each
     # token twice (as torchtitan's does); the sign-based bias update is the same either way.
-    every_block = options.ac_mode == "full" or (
-        options.ac_mode == "selective" and options.selective_every is None
-    )
+    ac = options.activation_checkpoint
+    every_block = ac.mode == "full" or (ac.mode == "selective" and ac.selective_every is None)
     recount = 2 if every_block else 1
     all_to_all = AllToAllCount()
-    counting = contextlib.nullcontext() if options.compile else all_to_all  # compile refuses a dispatch mode
+    counting = (
+        contextlib.nullcontext() if options.compile.enabled else all_to_all
+    )  # compile refuses a dispatch mode
     for step, tokens in enumerate(data):
         local = tokens.chunk(dp_size)[dp_rank]
         x, y = local[:, :-1].clone(), local[:, 1:].clone()
@@ -220,13 +224,20 @@ CASES = {
     "tp2_experts": lambda: run_layout({"dp_shard": 2, "tp": 2}),
     "hsdp_ep2": lambda: run_layout({"dp_replicate": 2, "dp_shard": 2, "ep": 2}),
     "ep2_cp2": lambda: run_layout({"dp_shard": 2, "cp": 2, "ep": 2}),
-    "ep2_pp2": lambda: run_layout({"dp_shard": 2, "pp": 2, "ep": 2}, ParallelOptions(pp_schedule="1F1B"), 4),
+    "ep2_pp2": lambda: run_layout(
+        {"dp_shard": 2, "pp": 2, "ep": 2}, ParallelOptions(pipeline=PipelineOptions(schedule="1F1B")), 4
+    ),
     # Per-op checkpointing with the experts' own FSDP unit (on one rank) inside each block; all-to-alls kept.
     "hsdp_ep2_ac_op": lambda: run_layout(
-        {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, ParallelOptions(ac_mode="selective")
+        {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
+        ParallelOptions(activation_checkpoint=ActivationCheckpointing(mode="selective")),
     ),
     "ep2_ac_full_compile": lambda: run_layout(
-        {"dp_shard": 4, "ep": 2}, ParallelOptions(ac_mode="full", compile=True, compile_backend="aot_eager")
+        {"dp_shard": 4, "ep": 2},
+        ParallelOptions(
+            activation_checkpoint=ActivationCheckpointing(mode="full"),
+            compile=Compile(enabled=True, backend="aot_eager"),
+        ),
     ),
 }
 

@@ -124,7 +124,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
             n_kv_heads=args.kv_heads,
             seq_len=config.training.seq_len,
             vocab_size=args.vocab_size,
-            sequence_parallel=options.sequence_parallel,
+            sequence_parallel=options.tensor_parallel.sequence_parallel,
         )
     except ParallelConfigError as err:
         problems.append(str(err))
@@ -135,7 +135,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     problems.extend(_expert_problems(config, dims, model))
     if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
         try:
-            pipeline_stages(model.pipeline_units(), list(blocks_of(model)), dims.pp, options)
+            pipeline_stages(model.pipeline_units(), list(blocks_of(model)), dims.pp, options.pipeline)
         except (ParallelConfigError, ModelError) as err:
             problems.append(str(err))
     if problems:

@@ -116,8 +116,10 @@ class Trainer:
             drills=drills,
             watched_parts=self.model_parts,
         )
+        float8 = plan.options.float8
         self.float8_scales_each_step = (
-            plan.options.float8_fsdp_all_gather
+            float8 is not None
+            and float8.fsdp_all_gather
             and config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
         )
         self.loss_fn, self.train_loss_fn = plan.loss_fn, built.train_loss_fn

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titan_parallel.options import MX_RECIPES, PIPELINE_SCHEDULES
+from titan_parallel.mx import MX_RECIPES
+from titan_parallel.pipeline_options import PIPELINE_SCHEDULES
 from titan_train.config.fields import MAX_LAYERS, MAX_RANKS, MAX_SEQUENCES, MODULE_PATH, opt
 
 COMPILE_COMPONENTS = ("model", "loss")

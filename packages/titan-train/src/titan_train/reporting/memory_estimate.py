@@ -129,7 +129,7 @@ def estimate_memory(plan: RunPlan, *, fake: bool = True, capacity: int | None = 
         plan = replace(
             plan,
             config=eager,
-            options=replace(plan.options, compile=False),
+            options=replace(plan.options, compile=replace(plan.options.compile, enabled=False)),
             loss_fn=build_loss_fn(eager, plan.family),
         )
         notes.append(
@@ -139,7 +139,7 @@ def estimate_memory(plan: RunPlan, *, fake: bool = True, capacity: int | None = 
     p = config.parallelism
     per_rank = 1
     if dims.pp > 1:
-        per_rank = stages_per_rank(plan.options, dims.pp, n_layers)
+        per_rank = stages_per_rank(plan.options.pipeline, dims.pp, n_layers)
     stages = dims.pp * per_rank
     blocks = math.ceil(n_layers / stages)
     fixed_split = p.module_fqns_per_model_part or p.pipeline_parallel_layers_per_stage

@@ -166,8 +166,11 @@ def _one_step(plan, built, optimizers, trace, inputs, labels) -> None:
     for optimizer in optimizers:
         optimizer.step()
         trace.assign("optimizer state", _state_tensors(optimizer))
-    if plan.options.float8_fsdp_all_gather and (
-        config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
+    float8 = plan.options.float8
+    if (
+        float8 is not None
+        and float8.fsdp_all_gather
+        and (config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp)
     ):
         for part in parts:
             precompute_float8_scales(part)
@@ -209,12 +212,16 @@ def _declare_stage_shapes(pipeline, plan: RunPlan, args) -> None:
     t, p, dims, options = plan.config.training, plan.config.parallelism, plan.dims, plan.options
     mb = p.pipeline_parallel_microbatch_size
     seq = t.seq_len // dims.cp
-    dtype = options.param_dtype if dims.fsdp_enabled else next(pipeline.model_parts[0].parameters()).dtype
-    split = dims.tp if dims.tp > 1 and options.sequence_parallel else 1
+    dtype = (
+        options.data_parallel.param_dtype
+        if dims.fsdp_enabled
+        else next(pipeline.model_parts[0].parameters()).dtype
+    )
+    split = dims.tp if dims.tp > 1 and options.tensor_parallel.sequence_parallel else 1
     device = torch.device("cpu")
     hidden = torch.empty(mb, seq // split, args.dim, dtype=dtype, device=device)
     tokens = torch.empty(mb, seq, dtype=torch.long, device=device)
-    if dims.tp > 1 and options.loss_parallel:
+    if dims.tp > 1 and options.tensor_parallel.loss_parallel:
         local = torch.empty(mb, seq, args.vocab_size // dims.tp, dtype=dtype, device=device)
         logits = DTensor.from_local(local, dims.submesh("tp"), [Shard(2)], run_check=False)
     else:

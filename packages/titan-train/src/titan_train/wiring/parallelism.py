@@ -9,7 +9,21 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titan_parallel import ParallelDims, ParallelOptions, Pipeline, build_pipeline, parallelize
+from titan_parallel import (
+    ActivationCheckpointing,
+    Compile,
+    ContextParallelOptions,
+    DataParallelOptions,
+    Float8Training,
+    MXTraining,
+    ParallelDims,
+    ParallelOptions,
+    Pipeline,
+    PipelineOptions,
+    TensorParallelOptions,
+    build_pipeline,
+    parallelize,
+)
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 
@@ -22,9 +36,54 @@ MX_CONVERTERS = ("mx", "quantize.linear.mx")
 def parallel_options(
     config: JobConfig, param_dtype: torch.dtype, reduce_dtype: torch.dtype
 ) -> ParallelOptions:
-    """The layout settings other than the degrees, from `[parallelism]`, `[activation_checkpoint]`,
-    `[compile]`, `[model] converters`, `[quantize.linear.float8]` and `[quantize.linear.mx]`."""
+    """The layout settings other than the degrees: each config section onto its titan-parallel group."""
     p, ac = config.parallelism, config.activation_checkpoint
+    float8, mx = linear_conversions(config)
+    return ParallelOptions(
+        data_parallel=DataParallelOptions(
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            reshard_after_forward=p.fsdp_reshard_after_forward,
+            cpu_offload=config.training.enable_cpu_offload,
+        ),
+        tensor_parallel=TensorParallelOptions(
+            sequence_parallel=True,
+            loss_parallel=not p.disable_loss_parallel,
+            async_tp=p.enable_async_tensor_parallel,
+        ),
+        activation_checkpoint=ActivationCheckpointing(
+            mode=ac.mode,
+            selective=ac.selective_ac_option,
+            preserve_rng_state=ac.preserve_rng_state,
+            determinism_check=ac.determinism_check,
+            early_stop=ac.early_stop,
+            debug=ac.debug,
+            force_recompute_mm_fqns=tuple(ac.per_op_sac_force_recompute_mm_shapes_by_fqns),
+        ),
+        compile=Compile(
+            enabled=config.compile.enable and "model" in config.compile.components,
+            backend=config.compile.backend,
+        ),
+        float8=float8,
+        mx=mx,
+        pipeline=PipelineOptions(
+            schedule=p.pipeline_parallel_schedule,
+            microbatch_size=p.pipeline_parallel_microbatch_size,
+            layers_per_stage=p.pipeline_parallel_layers_per_stage,
+            split_points=tuple(part[0] for part in (p.module_fqns_per_model_part or [])[1:] if part),
+            first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
+            last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
+            schedule_csv=p.pipeline_parallel_schedule_csv or None,
+        ),
+        context_parallel=ContextParallelOptions(
+            rotate_method=p.context_parallel_rotate_method,
+            load_balance=p.context_parallel_load_balancer is not None,
+        ),
+    )
+
+
+def linear_conversions(config: JobConfig) -> tuple[Float8Training | None, MXTraining | None]:
+    """`[model] converters` with `[quantize.linear.float8]` or `[quantize.linear.mx]`: at most one is on."""
     converters = config.model.converters
     unknown = [c for c in converters if c not in (*FLOAT8_CONVERTERS, *MX_CONVERTERS)]
     if unknown:
@@ -34,52 +93,26 @@ def parallel_options(
         )
     float8 = mx = None
     if any(c in FLOAT8_CONVERTERS for c in converters):
-        float8 = config.quantize.linear.float8.recipe_name or "tensorwise"
+        f = config.quantize.linear.float8
+        float8 = Float8Training(
+            recipe=f.recipe_name or "tensorwise",
+            fsdp_all_gather=f.enable_fsdp_float8_all_gather,
+            skip_fqns=tuple(dict.fromkeys(["output", *f.filter_fqns])),
+            emulate=f.emulate,
+        )
     if any(c in MX_CONVERTERS for c in converters):
         if float8 is not None:
             raise ConfigError(
                 "config: model.converters: quantize.linear.float8 and quantize.linear.mx both convert the linear "
                 "layers; keep one of them"
             )
-        mx = config.quantize.linear.mx.recipe_name
-    split_points: tuple[str, ...] = ()
-    if p.module_fqns_per_model_part:
-        split_points = tuple(part[0] for part in p.module_fqns_per_model_part[1:] if part)
-    return ParallelOptions(
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
-        reshard_after_forward=p.fsdp_reshard_after_forward,
-        cpu_offload=config.training.enable_cpu_offload,
-        sequence_parallel=True,
-        loss_parallel=not p.disable_loss_parallel,
-        async_tp=p.enable_async_tensor_parallel,
-        ac_mode=ac.mode,
-        ac_selective=ac.selective_ac_option,
-        ac_preserve_rng_state=ac.preserve_rng_state,
-        ac_determinism_check=ac.determinism_check,
-        ac_early_stop=ac.early_stop,
-        ac_debug=ac.debug,
-        ac_force_recompute_mm_fqns=tuple(ac.per_op_sac_force_recompute_mm_shapes_by_fqns),
-        compile=config.compile.enable and "model" in config.compile.components,
-        compile_backend=config.compile.backend,
-        float8=float8,
-        float8_fsdp_all_gather=float8 is not None
-        and config.quantize.linear.float8.enable_fsdp_float8_all_gather,
-        float8_skip_fqns=tuple(dict.fromkeys(["output", *config.quantize.linear.float8.filter_fqns])),
-        float8_emulate=config.quantize.linear.float8.emulate,
-        mx=mx,
-        mx_dim1_cast_kernel=config.quantize.linear.mx.mxfp8_dim1_cast_kernel_choice,
-        mx_skip_fqns=tuple(config.quantize.linear.mx.filter_fqns),
-        pp_schedule=p.pipeline_parallel_schedule,
-        pp_microbatch_size=p.pipeline_parallel_microbatch_size,
-        pp_layers_per_stage=p.pipeline_parallel_layers_per_stage,
-        pp_split_points=split_points,
-        pp_first_stage_less_layers=p.pipeline_parallel_first_stage_less_layers,
-        pp_last_stage_less_layers=p.pipeline_parallel_last_stage_less_layers,
-        pp_schedule_csv=p.pipeline_parallel_schedule_csv or None,
-        cp_rotate_method=p.context_parallel_rotate_method,
-        cp_load_balance=p.context_parallel_load_balancer is not None,
-    )
+        m = config.quantize.linear.mx
+        mx = MXTraining(
+            recipe=m.recipe_name,
+            dim1_cast_kernel=m.mxfp8_dim1_cast_kernel_choice,
+            skip_fqns=tuple(m.filter_fqns),
+        )
+    return float8, mx
 
 
 @dataclass
