@@ -52,6 +52,18 @@ ROWS = (
     ("8b batch 5", "llama3_8b.toml", 68, (*SEQ_8192_OP, "--training.local_batch_size", "5")),
     ("70b FSDP 32 x TP 8", "llama3_70b.toml", 256, ()),
     ("405b FSDP 8 x TP 8 x PP 8", "llama3_405b.toml", 512, ()),
+    (
+        "deepseek 671b FSDP x PP 8 x EP 32",
+        "deepseek_v3_671b.toml",
+        256,
+        ("--parallelism.pipeline_parallel_degree", "8", "--parallelism.expert_parallel_degree", "32"),
+    ),
+    (
+        "llama4 17bx128e FSDP x TP 8 x EP 8",
+        "llama4_17bx16e.toml",
+        256,
+        ("--model.flavor", "17bx128e", "--parallelism.expert_parallel_degree", "8"),
+    ),
 )
 
 RANK = re.compile(r"rank (\d+) \(pp stage (\d+)\): " + ESTIMATE.pattern)
