@@ -35,11 +35,14 @@ sys.path.insert(
     0, str(Path(__file__).parent)
 )  # tests/ is not a package: the cases' folder is found from here
 from torchtitan_features.cases import BASE_CONFIG, ENABLED, GENERATE, REPO  # noqa: E402
+from torchtitan_features.model_cases import MODEL_ENABLED  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "layout_matrix.py"
 MODE = os.environ.get("TITAN_TORCHTITAN_FEATURES", "ci")
+# features.py's cases, then models.py's (all of 4 or 8 processes).
+RUNNABLE = [*ENABLED, *MODEL_ENABLED]
 # CI runs the 2-process cases (about 2 minutes on 2 cores); "all" adds the 4- and 8-process launches.
-IN_THIS_RUN = [case for case in ENABLED if MODE == "all" or case.ngpu == 2]
+IN_THIS_RUN = [case for case in RUNNABLE if MODE == "all" or case.ngpu == 2]
 TRAINING_RUNS = [(case, i) for case in IN_THIS_RUN for i, run in enumerate(case.runs) if run != GENERATE]
 
 
@@ -136,7 +139,7 @@ def test_every_case_trains(amortised, case):
     os.environ.get("TITAN_TORCHTITAN_FEATURES") != "run_train",
     reason="about 36 minutes: see the module docstring",
 )
-@pytest.mark.parametrize("case", ENABLED, ids=[case.name for case in ENABLED])
+@pytest.mark.parametrize("case", RUNNABLE, ids=[case.name for case in RUNNABLE])
 def test_run_train(case, tmp_path):
     """One case through apps/run_train.sh, as torchtitan's runner launches its own."""
     times = Path(os.environ.get("TITAN_TORCHTITAN_FEATURES_TIMES", tmp_path / "times.jsonl"))

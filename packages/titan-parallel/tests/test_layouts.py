@@ -38,6 +38,7 @@ TWO_RANKS = {
     "pp_LoopedBFS": {"stage_blocks": [["0"], ["3"]]},
     "pp_InterleavedZeroBubble": {"stage_blocks": [["0"], ["3"]]},
     "pp_ZBVZeroBubble": {"stage_blocks": [["0"], []]},
+    "pp_DualPipeV": {"stage_blocks": [["0"], []], "schedule": "ScheduleDualPipeV"},
     "pp_split_points_microbatch_2": {"stage_blocks": [["0"]]},
     "float8_tensorwise_fsdp_all_gather": {
         "linear_types": ["Float8Linear", "Linear"],

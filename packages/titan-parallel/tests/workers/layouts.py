@@ -115,6 +115,7 @@ def run_layout(degrees: dict, options: ParallelOptions, n_layers: int = 2, ref_c
         losses.append(loss.item())
         norms.append(norm.item())
     facts.update(layout_facts(dims, parts))
+    facts["schedule"] = type(pipe.schedule).__name__ if pipe is not None else None
     return {"reference": ref, "parallel": {"losses": losses, "grad_norms": norms}, "facts": facts}
 
 
@@ -261,6 +262,7 @@ CASES = {
         {"dp_shard": 1, "pp": 2}, schedule("InterleavedZeroBubble"), n_layers=4
     ),
     "pp_ZBVZeroBubble": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("ZBVZeroBubble"), n_layers=4),
+    "pp_DualPipeV": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("DualPipeV"), n_layers=4),
     "pp_split_points_microbatch_2": lambda: run_layout(
         {"dp_shard": 1, "pp": 2},
         schedule("1F1B", pp_split_points=("layers.1",), pp_microbatch_size=2),

@@ -42,6 +42,13 @@ def parallel_options(
                 "layers; keep one of them"
             )
         mx = config.quantize.linear.mx.recipe_name
+    if p.pipeline_parallel_schedule == "DualPipeV" and p.pipeline_parallel_expert_parallel_overlap:
+        # torchtitan runs each paired forward and backward in two threads so that one's expert all-to-all
+        # overlaps the other's compute; Titan runs them one after the other: the same numbers, no overlap.
+        logger.warning(
+            "parallelism.pipeline_parallel_expert_parallel_overlap = true: Titan runs DualPipeV's paired "
+            "forward and backward one after the other (the same results, without the overlap)"
+        )
     split_points: tuple[str, ...] = ()
     if p.module_fqns_per_model_part:
         split_points = tuple(part[0] for part in p.module_fqns_per_model_part[1:] if part)
