@@ -37,7 +37,22 @@ sys.path.insert(
 from torchtitan_features.cases import BASE_CONFIG, ENABLED, GENERATE, REPO  # noqa: E402
 from torchtitan_features.model_cases import MODEL_ENABLED  # noqa: E402
 
+from titan_train.commands.check import check_launch  # noqa: E402
+from titan_train.config import load_job_config  # noqa: E402
+
 WORKER = Path(__file__).parent / "workers" / "layout_matrix.py"
+FIXTURES = REPO / "packages" / "titan-train" / "tests" / "fixtures"
+# torchtitan 0.2.2's own debug configs of its MoE families (each file's keys and values unchanged), with
+# the only overrides this CPU needs: torchtitan's sequences (2048-4096 tokens, 4-8 per rank) cut to the
+# feature cases' 64 tokens, 2 per rank. Their `hf_assets_path = "./tests/assets/tokenizer"` resolves
+# from the repository root (run_train.sh's folder) to tests/assets/tokenizer, a link to Titan's
+# bundled test tokenizer.
+MOE_DEBUG_CONFIGS = {
+    "deepseek_v3": FIXTURES / "torchtitan_0.2_deepseek_v3_debug_model.toml",
+    "qwen3": FIXTURES / "torchtitan_0.2_qwen3_moe_debug.toml",
+    "llama4": FIXTURES / "torchtitan_0.2_llama4_debug_model.toml",
+}
+MOE_DEBUG_CPU_CUT = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
 MODE = os.environ.get("TITAN_TORCHTITAN_FEATURES", "ci")
 # features.py's cases, then models.py's (all of 4 or 8 processes).
 RUNNABLE = [*ENABLED, *MODEL_ENABLED]
@@ -174,4 +189,74 @@ def test_run_train(case, tmp_path):
                 {"case": case.name, "ngpu": case.ngpu, "seconds": round(time.perf_counter() - start, 1)}
             )
             + "\n"
+        )
+
+
+def _flag(argv: list[str], name: str, default: int = 1) -> int:
+    return int(argv[argv.index(name) + 1]) if name in argv else default
+
+
+@pytest.mark.parametrize("case", MODEL_ENABLED, ids=[case.name for case in MODEL_ENABLED])
+def test_model_case_is_accepted_at_its_world_size(case, tmp_path):
+    """CI's guard on models.py's cases (their training is in the slow modes above): each case's config is
+    checked in this process for its process count as `titan-train check` does before run_train.sh's
+    torchrun (every field, settings this CPU cannot run, the layout), with the degrees it asks for."""
+    argv = case.argv(0, tmp_path)
+    plan = check_launch(
+        load_job_config(["--job.config_file", str(BASE_CONFIG), *argv], check_paths=True), case.ngpu
+    )
+    asked = {
+        dim: _flag(argv, f"--parallelism.{field}_degree")
+        for dim, field in [
+            ("pp", "pipeline_parallel"),
+            ("tp", "tensor_parallel"),
+            ("ep", "expert_parallel"),
+            ("etp", "expert_tensor_parallel"),
+        ]
+    }
+    assert {dim: getattr(plan.dims, dim) for dim in asked} == asked
+    assert plan.world_size == case.ngpu
+
+
+@pytest.mark.parametrize("family", list(MOE_DEBUG_CONFIGS))
+def test_moe_debug_config_is_accepted(family, tmp_path):
+    """torchtitan's MoE debug config, as run_train.sh checks it (from the repository root, 1 process)."""
+    argv = ["--job.config_file", str(MOE_DEBUG_CONFIGS[family]), *MOE_DEBUG_CPU_CUT]
+    cwd = Path.cwd()
+    os.chdir(REPO)  # the file's tokenizer path is relative to run_train.sh's folder
+    try:
+        plan = check_launch(load_job_config(argv, check_paths=True), 1)
+    finally:
+        os.chdir(cwd)
+    assert plan.config.model.name == family
+
+
+@pytest.mark.skipif(
+    os.environ.get("TITAN_TORCHTITAN_FEATURES") != "run_train",
+    reason="minutes per config: see the module docstring",
+)
+@pytest.mark.parametrize("family", list(MOE_DEBUG_CONFIGS))
+def test_moe_debug_config_run_train(family, tmp_path):
+    """torchtitan's MoE debug config through apps/run_train.sh (CONFIG_FILE=it, 1 process) to its last step."""
+    times = Path(os.environ.get("TITAN_TORCHTITAN_FEATURES_TIMES", tmp_path / "times.jsonl"))
+    env = {
+        **os.environ,
+        "CONFIG_FILE": str(MOE_DEBUG_CONFIGS[family]),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    argv = ["--job.dump_folder", str(tmp_path / family), *MOE_DEBUG_CPU_CUT]
+    start = time.perf_counter()
+    result = subprocess.run(
+        [str(REPO / "apps" / "run_train.sh"), *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=1800,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert _last_step(tmp_path / family) == 10
+    with times.open("a") as f:
+        f.write(
+            json.dumps({"config": family, "ngpu": 1, "seconds": round(time.perf_counter() - start, 1)}) + "\n"
         )

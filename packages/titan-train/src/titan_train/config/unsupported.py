@@ -14,7 +14,6 @@ from typing import Any
 from titan_parallel.mx import missing_mx_matmuls, mx_recipe_is_emulated
 from titan_train.errors import ConfigError
 
-
 GROUPED_MM_CONVERTERS = {"quantize.grouped_mm.float8", "quantize.grouped_mm.mx"}
 
 
