@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,15 @@ import pytest
 sys.path.insert(
     0, str(Path(__file__).parent)
 )  # tests/ is not a package: the cases' folder is found from here
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torchtitan_features.cases import BASE_CONFIG, ENABLED, GENERATE, REPO  # noqa: E402
 from torchtitan_features.model_cases import MODEL_ENABLED  # noqa: E402
 
 from titan_train.commands.check import check_launch  # noqa: E402
 from titan_train.config import load_job_config  # noqa: E402
+from titan_train.reporting.traced_memory import fake_world  # noqa: E402
+from titan_train.wiring.model import build_model  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "layout_matrix.py"
 FIXTURES = REPO / "packages" / "titan-train" / "tests" / "fixtures"
@@ -196,15 +201,31 @@ def _flag(argv: list[str], name: str, default: int = 1) -> int:
     return int(argv[argv.index(name) + 1]) if name in argv else default
 
 
+def _built_on_a_fake_world(plan):
+    """What rank 0 builds of `plan` before its first step (mesh, model parallelised or cut into stages,
+    pipeline schedule), on the meta device in a fake process group of the plan's size: the refusals a
+    run meets after `titan-train check`, at start, without the ranks."""
+    fake_world(plan.world_size, 0)
+    try:
+        dims = replace(plan.dims)  # a mesh of this build's own
+        dims.build_mesh("cpu")
+        return build_model(replace(plan, dims=dims), torch.device("cpu"), eos_id=0, seed=0, materialize=False)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("case", MODEL_ENABLED, ids=[case.name for case in MODEL_ENABLED])
 def test_model_case_is_accepted_at_its_world_size(case, tmp_path):
-    """CI's guard on models.py's cases (their training is in the slow modes above): each case's config is
-    checked in this process for its process count as `titan-train check` does before run_train.sh's
-    torchrun (every field, settings this CPU cannot run, the layout), with the degrees it asks for."""
+    """CI's guard on models.py's cases (their training is in the slow modes above), in this process:
+    each case's config checked for its process count as `titan-train check` does before run_train.sh's
+    torchrun (every field, settings this CPU cannot run, the layout), with the degrees it asks for, and
+    rank 0's model built as training builds it."""
     argv = case.argv(0, tmp_path)
     plan = check_launch(
         load_job_config(["--job.config_file", str(BASE_CONFIG), *argv], check_paths=True), case.ngpu
     )
+    built = _built_on_a_fake_world(plan)
+    assert (built.pipeline is not None) == (plan.dims.pp > 1)
     asked = {
         dim: _flag(argv, f"--parallelism.{field}_degree")
         for dim, field in [
