@@ -14,8 +14,6 @@ from typing import Any
 from titan_parallel.mx import missing_mx_matmuls, mx_recipe_is_emulated
 from titan_train.errors import ConfigError
 
-GROUPED_MM_CONVERTERS = {"quantize.grouped_mm.float8", "quantize.grouped_mm.mx"}
-
 
 class UnsupportedConfigError(ConfigError):
     """A valid config value that this build of the trainer does not apply."""
@@ -68,14 +66,6 @@ _RULES = (
         lambda c: "comm.mode = 'local_tensor'",
         "simulating every rank in one process is not supported",
         "use comm.mode = 'fake_backend' (a dry run) or run the ranks with torchrun on CPU",
-    ),
-    # Like quantize.linear.*, the [quantize.grouped_mm.*] settings act only through their converter in
-    # model.converters (torchtitan 0.2.2's own MoE debug configs set fqns with no converter listed).
-    _Rule(
-        lambda c: bool(GROUPED_MM_CONVERTERS & set(c.model.converters)),
-        lambda c: f"model.converters = {[n for n in c.model.converters if n in GROUPED_MM_CONVERTERS]}",
-        "float8/MX grouped matmuls for experts (quantize.grouped_mm.float8/mx) are not wired into the trainer",
-        "remove them from model.converters (quantize.linear.float8 converts the linear layers)",
     ),
     _Rule(
         lambda c: c.activation_checkpoint.mode == "memory_budget",
