@@ -1,24 +1,34 @@
-"""torchtitan 0.2.2's own integration feature cases pass through Titan, flags unchanged.
+"""torchtitan 0.2.2's own integration cases pass through Titan, flags unchanged.
 
-The cases (tests/torchtitan_features/cases.py, transcribed from torchtitan's features.py) run on
-torchtitan's integration base config cut for CPU (seq 64, 2 sequences per rank, Titan's bundled
-tokenizer), every run of a case on the case's dump folder in order, each on its number of processes.
-A case passes when every run trains to its last step (torchtitan's runner asks only that the command
-succeeds). The second run of `test_generate` is torchtitan's generation script on the checkpoint the
-first run wrote last (`checkpoint/step-10`, with the same config file): here `titan-train generate` on
-that folder, with the first run's config and overrides (model, tokenizer), which must print new tokens.
+The cases run on torchtitan's integration base config cut for CPU (seq 64, 2 sequences per rank,
+Titan's bundled tokenizer), every run of a case on the case's dump folder in order, each on its
+number of processes: its feature cases (tests/torchtitan_features/cases.py, from features.py) and
+its model cases, the mixture-of-experts families (model_cases.py, from models.py, which torchtitan's
+runner launches on the same base config; its gpt_oss case is not applicable: Titan has no such
+family). A case passes when every run trains to its last step (torchtitan's runner asks only that the
+command succeeds). The second run of `test_generate` is torchtitan's generation script on the
+checkpoint the first run wrote last (`checkpoint/step-10`, with the same config file): here
+`titan-train generate` on that folder, with the first run's config and overrides (model, tokenizer),
+which must print new tokens.
 
 Two ways to run them:
 - `test_every_case_trains`: one torchrun launch per process count runs all the cases of that count
   one after another in the same processes through titan-train's Trainer, as the CLI does
   (tests/workers/layout_matrix.py), so start-up is paid once per count, not once per run. CI runs
   the 9 cases of 2 processes (about 2 minutes on 2 cores); `TITAN_TORCHTITAN_FEATURES=all` runs all
-  41, 4 and 8 processes too (about 25 minutes on 2 cores: 8 ranks share them).
+  41 feature and 8 model cases, 4 and 8 processes too (8 ranks share the 2 cores).
 - `TITAN_TORCHTITAN_FEATURES=run_train uv run pytest tests/test_torchtitan_features.py -k run_train`:
   each run through `apps/run_train.sh` exactly as torchtitan's runner calls its own script
-  (CONFIG_FILE, NGPU, LOG_RANK, --job.dump_folder, then the flags); it writes each case's seconds to
-  the file named by TITAN_TORCHTITAN_FEATURES_TIMES (default: the test's temporary folder). 36 minutes
-  on a 2-core CPU (bench/RESULTS.md), so not in CI.
+  (CONFIG_FILE, NGPU, LOG_RANK, --job.dump_folder, then the flags), and torchtitan's own debug
+  configs of its MoE families with CONFIG_FILE set to them (`test_moe_debug_config_run_train`); it
+  writes each case's seconds to the file named by TITAN_TORCHTITAN_FEATURES_TIMES (default: the
+  test's temporary folder). The feature cases took 36 minutes on a 2-core CPU, the model cases and
+  debug configs another hour (bench/RESULTS.md), so not in CI.
+
+The model cases all need 4 or 8 processes, so CI guards them otherwise, in seconds and one process:
+`test_model_case_is_accepted_at_its_world_size` checks each as `titan-train check` does before
+run_train.sh's torchrun and builds rank 0's model on a fake process group of the case's size, and
+`test_moe_debug_config_is_accepted` checks the debug configs.
 """
 
 import json
