@@ -23,7 +23,7 @@ Two ways to run them:
   configs of its MoE families with CONFIG_FILE set to them (`test_moe_debug_config_run_train`); it
   writes each case's seconds to the file named by TITAN_TORCHTITAN_FEATURES_TIMES (default: the
   test's temporary folder). The feature cases took 36 minutes on a 2-core CPU, the model cases and
-  debug configs another hour (bench/RESULTS.md), so not in CI.
+  debug configs 30 more (bench/RESULTS.md), so not in CI.
 
 The model cases all need 4 or 8 processes, so CI guards them otherwise, in seconds and one process:
 `test_model_case_is_accepted_at_its_world_size` checks each as `titan-train check` does before
