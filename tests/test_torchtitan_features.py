@@ -1,24 +1,34 @@
-"""torchtitan 0.2.2's own integration feature cases pass through Titan, flags unchanged.
+"""torchtitan 0.2.2's own integration cases pass through Titan, flags unchanged.
 
-The cases (tests/torchtitan_features/cases.py, transcribed from torchtitan's features.py) run on
-torchtitan's integration base config cut for CPU (seq 64, 2 sequences per rank, Titan's bundled
-tokenizer), every run of a case on the case's dump folder in order, each on its number of processes.
-A case passes when every run trains to its last step (torchtitan's runner asks only that the command
-succeeds). The second run of `test_generate` is torchtitan's generation script on the checkpoint the
-first run wrote last (`checkpoint/step-10`, with the same config file): here `titan-train generate` on
-that folder, with the first run's config and overrides (model, tokenizer), which must print new tokens.
+The cases run on torchtitan's integration base config cut for CPU (seq 64, 2 sequences per rank,
+Titan's bundled tokenizer), every run of a case on the case's dump folder in order, each on its
+number of processes: its feature cases (tests/torchtitan_features/cases.py, from features.py) and
+its model cases, the mixture-of-experts families (model_cases.py, from models.py, which torchtitan's
+runner launches on the same base config; its gpt_oss case is not applicable: Titan has no such
+family). A case passes when every run trains to its last step (torchtitan's runner asks only that the
+command succeeds). The second run of `test_generate` is torchtitan's generation script on the
+checkpoint the first run wrote last (`checkpoint/step-10`, with the same config file): here
+`titan-train generate` on that folder, with the first run's config and overrides (model, tokenizer),
+which must print new tokens.
 
 Two ways to run them:
 - `test_every_case_trains`: one torchrun launch per process count runs all the cases of that count
   one after another in the same processes through titan-train's Trainer, as the CLI does
   (tests/workers/layout_matrix.py), so start-up is paid once per count, not once per run. CI runs
   the 9 cases of 2 processes (about 2 minutes on 2 cores); `TITAN_TORCHTITAN_FEATURES=all` runs all
-  41, 4 and 8 processes too (about 25 minutes on 2 cores: 8 ranks share them).
+  41 feature and 8 model cases, 4 and 8 processes too (8 ranks share the 2 cores).
 - `TITAN_TORCHTITAN_FEATURES=run_train uv run pytest tests/test_torchtitan_features.py -k run_train`:
   each run through `apps/run_train.sh` exactly as torchtitan's runner calls its own script
-  (CONFIG_FILE, NGPU, LOG_RANK, --job.dump_folder, then the flags); it writes each case's seconds to
-  the file named by TITAN_TORCHTITAN_FEATURES_TIMES (default: the test's temporary folder). 36 minutes
-  on a 2-core CPU (bench/RESULTS.md), so not in CI.
+  (CONFIG_FILE, NGPU, LOG_RANK, --job.dump_folder, then the flags), and torchtitan's own debug
+  configs of its MoE families with CONFIG_FILE set to them (`test_moe_debug_config_run_train`); it
+  writes each case's seconds to the file named by TITAN_TORCHTITAN_FEATURES_TIMES (default: the
+  test's temporary folder). The feature cases took 36 minutes on a 2-core CPU, the model cases and
+  debug configs 30 more (bench/RESULTS.md), so not in CI.
+
+The model cases all need 4 or 8 processes, so CI guards them otherwise, in seconds and one process:
+`test_model_case_is_accepted_at_its_world_size` checks each as `titan-train check` does before
+run_train.sh's torchrun and builds rank 0's model on a fake process group of the case's size, and
+`test_moe_debug_config_is_accepted` checks the debug configs.
 """
 
 import json
@@ -27,6 +37,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,12 +45,34 @@ import pytest
 sys.path.insert(
     0, str(Path(__file__).parent)
 )  # tests/ is not a package: the cases' folder is found from here
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from torchtitan_features.cases import BASE_CONFIG, ENABLED, GENERATE, REPO  # noqa: E402
+from torchtitan_features.model_cases import MODEL_ENABLED  # noqa: E402
+
+from titan_train.commands.check import check_launch  # noqa: E402
+from titan_train.config import load_job_config  # noqa: E402
+from titan_train.reporting.traced_memory import fake_world  # noqa: E402
+from titan_train.wiring.model import build_model  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "layout_matrix.py"
+FIXTURES = REPO / "packages" / "titan-train" / "tests" / "fixtures"
+# torchtitan 0.2.2's own debug configs of its MoE families (each file's keys and values unchanged), with
+# the only overrides this CPU needs: torchtitan's sequences (2048-4096 tokens, 4-8 per rank) cut to the
+# feature cases' 64 tokens, 2 per rank. Their `hf_assets_path = "./tests/assets/tokenizer"` resolves
+# from the repository root (run_train.sh's folder) to tests/assets/tokenizer, a link to Titan's
+# bundled test tokenizer.
+MOE_DEBUG_CONFIGS = {
+    "deepseek_v3": FIXTURES / "torchtitan_0.2_deepseek_v3_debug_model.toml",
+    "qwen3": FIXTURES / "torchtitan_0.2_qwen3_moe_debug.toml",
+    "llama4": FIXTURES / "torchtitan_0.2_llama4_debug_model.toml",
+}
+MOE_DEBUG_CPU_CUT = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
 MODE = os.environ.get("TITAN_TORCHTITAN_FEATURES", "ci")
+# features.py's cases, then models.py's (all of 4 or 8 processes).
+RUNNABLE = [*ENABLED, *MODEL_ENABLED]
 # CI runs the 2-process cases (about 2 minutes on 2 cores); "all" adds the 4- and 8-process launches.
-IN_THIS_RUN = [case for case in ENABLED if MODE == "all" or case.ngpu == 2]
+IN_THIS_RUN = [case for case in RUNNABLE if MODE == "all" or case.ngpu == 2]
 TRAINING_RUNS = [(case, i) for case in IN_THIS_RUN for i, run in enumerate(case.runs) if run != GENERATE]
 
 
@@ -136,7 +169,7 @@ def test_every_case_trains(amortised, case):
     os.environ.get("TITAN_TORCHTITAN_FEATURES") != "run_train",
     reason="about 36 minutes: see the module docstring",
 )
-@pytest.mark.parametrize("case", ENABLED, ids=[case.name for case in ENABLED])
+@pytest.mark.parametrize("case", RUNNABLE, ids=[case.name for case in RUNNABLE])
 def test_run_train(case, tmp_path):
     """One case through apps/run_train.sh, as torchtitan's runner launches its own."""
     times = Path(os.environ.get("TITAN_TORCHTITAN_FEATURES_TIMES", tmp_path / "times.jsonl"))
@@ -171,4 +204,90 @@ def test_run_train(case, tmp_path):
                 {"case": case.name, "ngpu": case.ngpu, "seconds": round(time.perf_counter() - start, 1)}
             )
             + "\n"
+        )
+
+
+def _flag(argv: list[str], name: str, default: int = 1) -> int:
+    return int(argv[argv.index(name) + 1]) if name in argv else default
+
+
+def _built_on_a_fake_world(plan):
+    """What rank 0 builds of `plan` before its first step (mesh, model parallelised or cut into stages,
+    pipeline schedule), on the meta device in a fake process group of the plan's size: the refusals a
+    run meets after `titan-train check`, at start, without the ranks."""
+    fake_world(plan.world_size, 0)
+    try:
+        dims = replace(plan.dims)  # a mesh of this build's own
+        dims.build_mesh("cpu")
+        return build_model(replace(plan, dims=dims), torch.device("cpu"), eos_id=0, seed=0, materialize=False)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", MODEL_ENABLED, ids=[case.name for case in MODEL_ENABLED])
+def test_model_case_is_accepted_at_its_world_size(case, tmp_path):
+    """CI's guard on models.py's cases (their training is in the slow modes above), in this process:
+    each case's config checked for its process count as `titan-train check` does before run_train.sh's
+    torchrun (every field, settings this CPU cannot run, the layout), with the degrees it asks for, and
+    rank 0's model built as training builds it."""
+    argv = case.argv(0, tmp_path)
+    plan = check_launch(
+        load_job_config(["--job.config_file", str(BASE_CONFIG), *argv], check_paths=True), case.ngpu
+    )
+    built = _built_on_a_fake_world(plan)
+    assert (built.pipeline is not None) == (plan.dims.pp > 1)
+    asked = {
+        dim: _flag(argv, f"--parallelism.{field}_degree")
+        for dim, field in [
+            ("pp", "pipeline_parallel"),
+            ("tp", "tensor_parallel"),
+            ("ep", "expert_parallel"),
+            ("etp", "expert_tensor_parallel"),
+        ]
+    }
+    assert {dim: getattr(plan.dims, dim) for dim in asked} == asked
+    assert plan.world_size == case.ngpu
+
+
+@pytest.mark.parametrize("family", list(MOE_DEBUG_CONFIGS))
+def test_moe_debug_config_is_accepted(family, tmp_path):
+    """torchtitan's MoE debug config, as run_train.sh checks it (from the repository root, 1 process)."""
+    argv = ["--job.config_file", str(MOE_DEBUG_CONFIGS[family]), *MOE_DEBUG_CPU_CUT]
+    cwd = Path.cwd()
+    os.chdir(REPO)  # the file's tokenizer path is relative to run_train.sh's folder
+    try:
+        plan = check_launch(load_job_config(argv, check_paths=True), 1)
+    finally:
+        os.chdir(cwd)
+    assert plan.config.model.name == family
+
+
+@pytest.mark.skipif(
+    os.environ.get("TITAN_TORCHTITAN_FEATURES") != "run_train",
+    reason="minutes per config: see the module docstring",
+)
+@pytest.mark.parametrize("family", list(MOE_DEBUG_CONFIGS))
+def test_moe_debug_config_run_train(family, tmp_path):
+    """torchtitan's MoE debug config through apps/run_train.sh (CONFIG_FILE=it, 1 process) to its last step."""
+    times = Path(os.environ.get("TITAN_TORCHTITAN_FEATURES_TIMES", tmp_path / "times.jsonl"))
+    env = {
+        **os.environ,
+        "CONFIG_FILE": str(MOE_DEBUG_CONFIGS[family]),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    argv = ["--job.dump_folder", str(tmp_path / family), *MOE_DEBUG_CPU_CUT]
+    start = time.perf_counter()
+    result = subprocess.run(
+        [str(REPO / "apps" / "run_train.sh"), *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=1800,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert _last_step(tmp_path / family) == 10
+    with times.open("a") as f:
+        f.write(
+            json.dumps({"config": family, "ngpu": 1, "seconds": round(time.perf_counter() - start, 1)}) + "\n"
         )

@@ -253,6 +253,7 @@ LAYOUTS = {
             ("LoopedBFS", LOOPED),
             ("InterleavedZeroBubble", LOOPED),
             ("ZBVZeroBubble", V),
+            ("DualPipeV", V),
         ]
     },
     "pp_Interleaved1F1B_layers_per_stage_1": pp_schedule(

@@ -33,7 +33,11 @@ CUT = (
     "--validation.local_batch_size 2",
     f"--model.hf_assets_path {TOKENIZER}",
 )
-CASE_CUT = {"pp_custom_csv": ("--training.local_batch_size 8",)}
+CASE_CUT = {
+    "pp_custom_csv": ("--training.local_batch_size 8",),
+    # model_cases.py: DualPipeV runs at least one microbatch per stage (4 stages on 2 pipeline ranks).
+    "pp_dualpipev": ("--training.local_batch_size 4",),
+}
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ def test_tp_plan_forward_and_backward_equal_one_process(two_rank_results, case):
         "deepseek_plain",
         "qwen3_moe_sp_lp",
         "qwen3_dense_plain",
+        "qwen3_dense_tied_sp_lp",
         "llama4_irope_sp",
     ],
 )
@@ -89,10 +90,8 @@ def test_tp_plan_names_every_module_of_a_block():
         assert norms <= set(plan) if sequence_parallel else not norms & set(plan)
 
 
-def test_tied_embeddings_refuse_tensor_and_pipeline_parallelism_with_a_reason():
+def test_tied_embeddings_refuse_pipeline_parallelism_with_a_reason():
     with torch.device("meta"):
         model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, tie_word_embeddings=True))
-    with pytest.raises(ModelConfigError, match="tie_word_embeddings=False"):
-        model.tp_plan()
     with pytest.raises(ModelConfigError, match="tie_word_embeddings=False"):
         model.pipeline_units()

@@ -29,6 +29,8 @@ TWO_RANKS = {
     "ddp": {"wq_placements": ["R"], "wq_local_shape": [32, 32]},
     "tp_sp_loss_parallel": {"wq_placements": ["S(0)"], "wq_local_shape": [16, 32], "fsdp_module": False},
     "tp_plain": {"wq_placements": ["S(0)"], "wq_local_shape": [16, 32]},
+    # A tied embedding and output head stay one parameter, vocabulary-sharded.
+    "tp_tied": {"tied": True, "wq_placements": ["S(0)"]},
     "cp_allgather": {"local_seq_len": 8, "holds_sequence_head": False},
     "cp_no_load_balance": {"local_seq_len": 8, "holds_sequence_head": True},
     "cp_alltoall": {"local_seq_len": 8},
@@ -38,6 +40,7 @@ TWO_RANKS = {
     "pp_LoopedBFS": {"stage_blocks": [["0"], ["3"]]},
     "pp_InterleavedZeroBubble": {"stage_blocks": [["0"], ["3"]]},
     "pp_ZBVZeroBubble": {"stage_blocks": [["0"], []]},
+    "pp_DualPipeV": {"stage_blocks": [["0"], []], "schedule": "ScheduleDualPipeV"},
     "pp_split_points_microbatch_2": {"stage_blocks": [["0"]]},
     "float8_tensorwise_fsdp_all_gather": {
         "linear_types": ["Float8Linear", "Linear"],
@@ -52,6 +55,7 @@ TWO_RANKS = {
 FOUR_RANKS = {
     "hsdp": {"wq_placements": ["R", "S(0)"], "fsdp_mesh_ndim": 2, "wq_local_shape": [16, 32]},
     "fsdp_tp": {"wq_local_shape": [8, 32], "fsdp_mesh_ndim": 1},
+    "fsdp_tp_tied": {"tied": True, "wq_local_shape": [8, 32], "fsdp_module": True},
     "fsdp_cp": {"local_seq_len": 8, "wq_local_shape": [8, 32], "fsdp_mesh_ndim": 1},
     "hsdp_cp": {"local_seq_len": 8, "wq_placements": ["R", "S(0)"], "fsdp_mesh_ndim": 2},
     "pp_fsdp": {"stage_blocks": [["0"], ["3"]], "fsdp_module": True, "wq_local_shape": [16, 32]},

@@ -619,10 +619,12 @@ PROBES: dict[str, Probe] = {
     "parallelism.pipeline_parallel_microbatch_size": Probe(
         ("--parallelism.pipeline_parallel_microbatch_size", "2"), pipeline, base=PP2, world=2
     ),
-    # Inert without DualPipeV, which Titan does not offer: false is refused, the default accepted.
-    "parallelism.pipeline_parallel_expert_parallel_overlap": refused(
+    # Under DualPipeV, true (torchtitan's overlap, which Titan does not run) is said at start; false is silent.
+    "parallelism.pipeline_parallel_expert_parallel_overlap": Probe(
         ("--parallelism.no_pipeline_parallel_expert_parallel_overlap",),
-        "pipeline_parallel_expert_parallel_overlap = false: it acts only under the DualPipeV schedule",
+        lambda s: s.log("pipeline_parallel_expert_parallel_overlap = true"),
+        base=(*PP2, "--parallelism.pipeline_parallel_schedule", "DualPipeV"),
+        world=2,
     ),
     "parallelism.context_parallel_degree": Probe(
         ("--parallelism.context_parallel_degree", "2"), degrees, world=4
@@ -835,19 +837,26 @@ PROBES: dict[str, Probe] = {
     "quantize.linear.mx.filter_fqns": Probe(
         ("--quantize.linear.mx.filter_fqns", "output,layers.0"), linear_types, base=MX
     ),
+    # Inert unless their converter is in model.converters (as torchtitan reads them), and that is refused.
     "quantize.grouped_mm.float8.fqns": refused(
-        ("--quantize.grouped_mm.float8.fqns", "experts"), "grouped_mm"
+        ("--model.converters", "quantize.grouped_mm.float8", "--quantize.grouped_mm.float8.fqns", "experts"),
+        "quantize.grouped_mm.float8",
     ),
     "quantize.grouped_mm.mx.recipe_name": refused(
         (
+            "--model.converters",
+            "quantize.grouped_mm.mx",
             "--quantize.grouped_mm.mx.fqns",
             "experts",
             "--quantize.grouped_mm.mx.recipe_name",
             "mxfp8_wgrad_with_hp",
         ),
-        "grouped_mm",
+        "quantize.grouped_mm.mx",
     ),
-    "quantize.grouped_mm.mx.fqns": refused(("--quantize.grouped_mm.mx.fqns", "experts"), "grouped_mm"),
+    "quantize.grouped_mm.mx.fqns": refused(
+        ("--model.converters", "quantize.grouped_mm.mx", "--quantize.grouped_mm.mx.fqns", "experts"),
+        "quantize.grouped_mm.mx",
+    ),
     # [comm]
     "comm.init_timeout_seconds": Probe(
         ("--comm.init_timeout_seconds", "77"), lambda s: s.at_build["timeout"]

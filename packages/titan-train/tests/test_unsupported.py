@@ -10,6 +10,7 @@ import torch.distributed as dist
 from titan_train.cli import run
 from titan_train.config import load_job_config
 from titan_train.config.unsupported import UnsupportedConfigError, refuse_unsupported
+from titan_train.errors import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RUNNABLE = ("--activation_checkpoint.mode", "none")
@@ -24,10 +25,6 @@ RUNNABLE = ("--activation_checkpoint.mode", "none")
             ["--parallelism.expert_parallel_comm_backend", "deepep"],
             "DeepEP's all-to-all kernels are not wired",
         ),
-        (
-            ["--parallelism.no_pipeline_parallel_expert_parallel_overlap"],
-            "pipeline_parallel_expert_parallel_overlap = false: it acts only under the DualPipeV schedule",
-        ),
         (["--profiling.enable_memory_snapshot"], "memory snapshots record the CUDA caching allocator"),
     ],
 )
@@ -36,8 +33,21 @@ def test_unwired_settings_are_refused_with_the_fix(flags, message):
         refuse_unsupported(load_job_config([*RUNNABLE, *flags]), "cpu")
 
 
+@pytest.mark.parametrize("converter", ["quantize.grouped_mm.float8", "quantize.grouped_mm.mx"])
+def test_grouped_mm_converters_are_refused_in_one_line(converter):
+    with pytest.raises(ConfigError, match=f"model.converters has '{converter}', which is not one of"):
+        load_job_config([*RUNNABLE, "--model.converters", converter])
+
+
 def test_supported_settings_pass():
     refuse_unsupported(load_job_config([*RUNNABLE, "--training.global_batch_size", "64"]), "cpu")
+
+
+def test_grouped_mm_settings_are_inert_without_their_converter():
+    """As torchtitan reads them (its own MoE debug configs list experts with no converter switched on)."""
+    flags = ["--quantize.grouped_mm.float8.fqns", "experts", "--quantize.grouped_mm.mx.fqns", "experts"]
+    refuse_unsupported(load_job_config([*RUNNABLE, *flags]), "cpu")
+
     ep = ["--parallelism.expert_parallel_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"]
     refuse_unsupported(load_job_config([*RUNNABLE, *ep]), "cpu")
     per_op = [

@@ -135,11 +135,8 @@ class Decoder(nn.Module):
         sharded over the vocabulary (use `torch.distributed.tensor.parallel.loss_parallel`). MoE layers
         are replicated (see `titan_models.moe.tensor_parallel_plan`).
         """
-        if self.args.tie_word_embeddings:
-            raise ModelConfigError(
-                "model: tensor parallelism would split the tied embedding/output matrix into two separate "
-                "parameters; use a flavor with tie_word_embeddings=False, or FSDP only"
-            )
+        # A tied embedding/output matrix is vocabulary-sharded alike by both styles (Shard(0)), so the
+        # two modules can hold one sharded parameter; `to_empty` ties them again after parallelize_module.
         plan = decoder_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         plan |= self.attention_tp_entries()
         if self.moe_layers():

@@ -216,6 +216,10 @@ def main(out: str) -> None:
         "deepseek_plain": tp_case(DeepSeekV3Model, DEEPSEEK, mesh, False, False),
         "qwen3_moe_sp_lp": tp_case(Qwen3Model, QWEN3_MOE, mesh, True, True),
         "qwen3_dense_plain": tp_case(Qwen3Model, QWEN3_DENSE, mesh, False, False),
+        # Tied embedding and output head (Qwen3's small flavors): both shard the vocabulary, one matrix.
+        "qwen3_dense_tied_sp_lp": tp_case(
+            Qwen3Model, replace(QWEN3_DENSE, tie_word_embeddings=True), mesh, True, True
+        ),
         "llama4_irope_sp": tp_case(Llama4Model, LLAMA4_IROPE, mesh, True, False),
     }
     if dist.get_rank() == 0:

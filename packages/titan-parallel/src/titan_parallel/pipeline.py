@@ -104,7 +104,7 @@ class _PipelineStage(PipelineStage):
     """A `PipelineStage` whose start-up handshake leaves out sends to its own rank.
 
     torch 2.11's multi-stage schedules first exchange a dummy tensor with each neighbouring stage's
-    rank. In a V (ZBVZeroBubble) two neighbouring stages sit on one rank, and gloo cannot send to
+    rank. In a V (ZBVZeroBubble, DualPipeV) two neighbouring stages sit on one rank, and gloo cannot send to
     itself ("Pair is not connected"); the schedule passes those stages' tensors in memory anyway.
     Later torches have no such handshake and never call this.
     """
@@ -139,7 +139,7 @@ def stages_per_rank(options: PipelineOptions, pp: int, n_layers: int) -> int:
     if single and per_rank != 1:
         raise ParallelConfigError(
             f"parallelism: schedule {options.schedule} runs one stage per rank, but the split gives {per_rank}; "
-            "use Interleaved1F1B, LoopedBFS, InterleavedZeroBubble or ZBVZeroBubble, or fewer stages"
+            "use Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV, or fewer stages"
         )
     if not single and per_rank < 2:
         raise ParallelConfigError(

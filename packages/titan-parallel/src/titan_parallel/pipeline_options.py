@@ -17,10 +17,11 @@ PIPELINE_SCHEDULES = (
     "LoopedBFS",
     "InterleavedZeroBubble",
     "ZBVZeroBubble",
+    "DualPipeV",
     "PipelineScheduleMulti",  # a multi-stage schedule read from PipelineOptions.schedule_csv
 )
 SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
-V_SCHEDULES = ("ZBVZeroBubble",)
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from titan_parallel.errors import ModelDescriptionError, ParallelConfigError, UnsupportedDeviceError
@@ -57,9 +58,43 @@ def apply_tp(
         )
     if async_tp:
         _enable_async_tp(tp_mesh, compile_enabled)
+    shared = _shared_parameters(model)
     parallelize_module(model, tp_mesh, resolved)
+    _retie(shared)
     logger.info("tensor parallel over %d ranks: %d modules split", tp_mesh.size(), len(resolved))
     return model
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Parameters that several modules hold (a tied embedding and output head), as (module, name) lists."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((module, name))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+def _retie(shared: list[list[tuple[nn.Module, str]]]) -> None:
+    """Make each shared parameter one parameter again after `parallelize_module`, which gives every module
+    its own DTensor copy. The holders must split it alike (a tied embedding and output head both shard the
+    vocabulary: Shard(0) of the same matrix), or a rank would hold different pieces under one name."""
+    for (first, first_name), *others in shared:
+        kept = getattr(first, first_name)
+        for module, name in others:
+            copy = getattr(module, name)
+            if copy is kept:
+                continue
+            if not (
+                isinstance(copy, DTensor)
+                and isinstance(kept, DTensor)
+                and (copy.device_mesh, copy.placements) == (kept.device_mesh, kept.placements)
+            ):
+                raise ParallelConfigError(
+                    f"parallelism: a parameter shared by {type(first).__name__}.{first_name} and "
+                    f"{type(module).__name__}.{name} is split differently by their tensor-parallel styles; "
+                    "give both modules styles that shard it alike, or untie it"
+                )
+            module.register_parameter(name, kept)
 
 
 def tp_plan_of(model: nn.Module, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:

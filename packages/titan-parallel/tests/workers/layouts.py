@@ -66,11 +66,13 @@ def reference(model: torch.nn.Module, data: list[torch.Tensor], chunks: int = 1)
     return {"losses": losses, "grad_norms": norms}
 
 
-def run_layout(degrees: dict, options: ParallelOptions, n_layers: int = 2, ref_chunks: int = 1) -> dict:
+def run_layout(
+    degrees: dict, options: ParallelOptions, n_layers: int = 2, ref_chunks: int = 1, tied: bool = False
+) -> dict:
     dims = ParallelDims(**degrees, world_size=dist.get_world_size())
     dims.build_mesh("cpu")
     torch.manual_seed(0)
-    model = ToyTransformer(n_layers)
+    model = ToyTransformer(n_layers, tied=tied)
     ref_model = copy.deepcopy(model)
     if options.float8:
         apply_float8(ref_model, recipe=options.float8.recipe)
@@ -121,6 +123,7 @@ def run_layout(degrees: dict, options: ParallelOptions, n_layers: int = 2, ref_c
         losses.append(loss.item())
         norms.append(norm.item())
     facts.update(layout_facts(dims, parts))
+    facts["schedule"] = type(pipe.schedule).__name__ if pipe is not None else None
     return {"reference": ref, "parallel": {"losses": losses, "grad_norms": norms}, "facts": facts}
 
 
@@ -168,6 +171,9 @@ def layout_facts(dims: ParallelDims, parts: list) -> dict:
             for m in [dims.submesh(n)]
         },
         "fsdp_mesh_ndim": dims.submesh("fsdp").ndim if dims.submesh("fsdp") is not None else None,
+        "tied": parts[0].output.weight is parts[0].tok_embeddings.weight
+        if parts[0].output is not None and parts[0].tok_embeddings is not None
+        else None,
     }
     if isinstance(parts[0], FSDPModule):
         facts["offload_policy"] = type(parts[0]._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
@@ -249,6 +255,7 @@ CASES = {
     "fsdp_cpu_offload": lambda: run_layout({"dp_shard": 2}, data_parallel(cpu_offload=True)),
     "ddp": lambda: run_layout({"dp_replicate": 2, "dp_shard": 1}, ParallelOptions()),
     "tp_sp_loss_parallel": lambda: run_layout({"dp_shard": 1, "tp": 2}, ParallelOptions()),
+    "tp_tied": lambda: run_layout({"dp_shard": 1, "tp": 2}, ParallelOptions(), tied=True),
     "tp_plain": lambda: run_layout(
         {"dp_shard": 1, "tp": 2},
         ParallelOptions(tensor_parallel=TensorParallelOptions(sequence_parallel=False, loss_parallel=False)),
@@ -274,6 +281,7 @@ CASES = {
         {"dp_shard": 1, "pp": 2}, schedule("InterleavedZeroBubble"), n_layers=4
     ),
     "pp_ZBVZeroBubble": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("ZBVZeroBubble"), n_layers=4),
+    "pp_DualPipeV": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("DualPipeV"), n_layers=4),
     "pp_split_points_microbatch_2": lambda: run_layout(
         {"dp_shard": 1, "pp": 2},
         schedule("1F1B", split_points=("layers.1",), microbatch_size=2),
@@ -301,6 +309,7 @@ CASES = {
     # 4 ranks
     "hsdp": lambda: run_layout({"dp_replicate": 2, "dp_shard": 2}, ParallelOptions()),
     "fsdp_tp": lambda: run_layout({"dp_shard": 2, "tp": 2}, ParallelOptions()),
+    "fsdp_tp_tied": lambda: run_layout({"dp_shard": 2, "tp": 2}, ParallelOptions(), tied=True),
     "fsdp_cp": lambda: run_layout({"dp_shard": 2, "cp": 2}, ParallelOptions()),
     "hsdp_cp": lambda: run_layout({"dp_replicate": 2, "dp_shard": 1, "cp": 2}, ParallelOptions()),
     "pp_fsdp": lambda: run_layout({"dp_shard": 2, "pp": 2}, schedule("Interleaved1F1B"), n_layers=4),

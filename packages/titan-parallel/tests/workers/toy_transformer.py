@@ -79,7 +79,13 @@ class Block(nn.Module):
 
 class ToyTransformer(nn.Module):
     def __init__(
-        self, n_layers: int = 2, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS, seq: int = SEQ
+        self,
+        n_layers: int = 2,
+        vocab: int = VOCAB,
+        dim: int = DIM,
+        heads: int = HEADS,
+        seq: int = SEQ,
+        tied: bool = False,
     ):
         super().__init__()
         self.n_heads = heads
@@ -87,6 +93,8 @@ class ToyTransformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(dim, heads) for i in range(n_layers)})
         self.norm = nn.RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
+        if tied:  # one matrix for the embedding and the output head
+            self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rotary_table(seq, dim // heads), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

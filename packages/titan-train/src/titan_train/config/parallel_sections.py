@@ -82,7 +82,8 @@ class Parallelism:
         maximum=MAX_SEQUENCES,
     )
     pipeline_parallel_expert_parallel_overlap: bool = opt(
-        True, "Overlap expert- and pipeline-parallel communication (DualPipeV with MoE only)"
+        True,
+        "DualPipeV: overlap expert- and pipeline-parallel communication (torchtitan's; Titan runs the pairs in turn, said at start)",
     )
     context_parallel_degree: int = opt(
         1, "Context-parallel degree: ranks each sequence is split over; 1: off", minimum=1, maximum=MAX_RANKS
@@ -192,7 +193,10 @@ class QuantizedLinear:
 @dataclass
 class Float8GroupedMM:
     fqns: list[str] = opt(
-        [], "MoE modules whose grouped matmuls run in float8 (prototype)", pattern=MODULE_PATH
+        [],
+        "MoE modules whose grouped matmuls run in float8 (prototype); inert unless its converter is listed "
+        "in model.converters, which Titan does not offer",
+        pattern=MODULE_PATH,
     )
 
 
@@ -200,7 +204,10 @@ class Float8GroupedMM:
 class MXGroupedMM:
     recipe_name: str = opt("mxfp8", "MX recipe for grouped matmuls", choices=("mxfp8",))
     fqns: list[str] = opt(
-        [], "MoE modules whose grouped matmuls run in MX formats (prototype)", pattern=MODULE_PATH
+        [],
+        "MoE modules whose grouped matmuls run in MX formats (prototype); inert unless its converter is "
+        "listed in model.converters, which Titan does not offer",
+        pattern=MODULE_PATH,
     )
 
 

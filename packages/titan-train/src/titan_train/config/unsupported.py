@@ -56,13 +56,6 @@ _RULES = (
         "use 'standard'",
     ),
     _Rule(
-        lambda c: not c.parallelism.pipeline_parallel_expert_parallel_overlap,
-        lambda c: "parallelism.pipeline_parallel_expert_parallel_overlap = false",
-        "it acts only under the DualPipeV schedule, which Titan does not offer (nothing overlaps the experts' "
-        "all-to-all, so there is nothing to switch off)",
-        "leave it at its default",
-    ),
-    _Rule(
         lambda c: c.fault_tolerance.enable,
         lambda c: "fault_tolerance.enable = true",
         "torchft fault tolerance is not supported by Titan",
@@ -73,12 +66,6 @@ _RULES = (
         lambda c: "comm.mode = 'local_tensor'",
         "simulating every rank in one process is not supported",
         "use comm.mode = 'fake_backend' (a dry run) or run the ranks with torchrun on CPU",
-    ),
-    _Rule(
-        lambda c: bool(c.quantize.grouped_mm.float8.fqns or c.quantize.grouped_mm.mx.fqns),
-        lambda c: "quantize.grouped_mm.float8/mx.fqns",
-        "float8/MX grouped matmuls for experts are not wired into the trainer",
-        "leave both lists empty (quantize.linear.float8 converts the linear layers)",
     ),
     _Rule(
         lambda c: c.activation_checkpoint.mode == "memory_budget",

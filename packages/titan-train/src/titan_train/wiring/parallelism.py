@@ -39,6 +39,13 @@ def parallel_options(
     """The layout settings other than the degrees: each config section onto its titan-parallel group."""
     p, ac = config.parallelism, config.activation_checkpoint
     float8, mx = linear_conversions(config)
+    if p.pipeline_parallel_schedule == "DualPipeV" and p.pipeline_parallel_expert_parallel_overlap:
+        # torchtitan runs each paired forward and backward in two threads so that one's expert all-to-all
+        # overlaps the other's compute; Titan runs them one after the other: the same numbers, no overlap.
+        logger.warning(
+            "parallelism.pipeline_parallel_expert_parallel_overlap = true: Titan runs DualPipeV's paired "
+            "forward and backward one after the other (the same results, without the overlap)"
+        )
     return ParallelOptions(
         data_parallel=DataParallelOptions(
             param_dtype=param_dtype,
