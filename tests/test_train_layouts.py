@@ -234,7 +234,7 @@ LAYOUTS = {
     "float8_rowwise_with_gw_hp": Layout(
         1,
         (*FLOAT8, "rowwise_with_gw_hp"),
-        refused="float8='rowwise_with_gw_hp' is unknown; choose one of ['tensorwise', 'rowwise']",
+        refused="float8.recipe='rowwise_with_gw_hp' is unknown; choose one of ['tensorwise', 'rowwise']",
     ),
     "accumulate_2": Layout(1, (*local_batch(2), *ACCUMULATE_TO_4), {"grad_accum_steps": 2}),
     "fsdp": Layout(2, local_batch(2), {"degrees": {"dp_shard": 2}, "fsdp": True, "wq_placements": ["S(0)"]}),

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from family_checks import materialised
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from titan_models import ModelConfigError, count_parameters
 from titan_models.moe import count_active_parameters
@@ -110,12 +111,16 @@ def test_moe_training_step_reaches_every_routed_expert_and_the_qk_norms():
     assert model.layers["0"].moe.tokens_per_expert.sum() == 4 * 32 * 2
 
 
-def test_tied_flavors_tie_and_refuse_tensor_and_pipeline_parallelism():
+def test_tied_flavors_tie_shard_the_vocabulary_under_tp_and_refuse_pipeline_parallelism():
     model = _built(_tiny(tie_word_embeddings=True))
     assert model.output.weight is model.tok_embeddings.weight
-    for hook in (model.tp_plan, model.pipeline_units):
-        with pytest.raises(ModelConfigError, match="tie"):
-            hook()
+    # Both ends of the tied matrix split the vocabulary (dim 0), so tensor parallelism can keep it one
+    # parameter; a pipeline puts them on different ranks, which one parameter cannot span.
+    plan = model.tp_plan()
+    assert isinstance(plan["tok_embeddings"], RowwiseParallel)  # an embedding's weight split on dim 0
+    assert isinstance(plan["output"], ColwiseParallel)  # a linear's weight (vocab, dim) split on dim 0
+    with pytest.raises(ModelConfigError, match="tie"):
+        model.pipeline_units()
 
 
 def test_unknown_flavor_and_bad_shapes_are_refused_in_one_line():
