@@ -136,7 +136,8 @@ class Decoder(nn.Module):
         are replicated (see `titan_models.moe.tensor_parallel_plan`).
         """
         # A tied embedding/output matrix is vocabulary-sharded alike by both styles (Shard(0)), so the
-        # two modules can hold one sharded parameter; `to_empty` ties them again after parallelize_module.
+        # two modules can hold one sharded parameter: the TP step re-ties the copies parallelize_module
+        # makes, and `to_empty` keeps them tied when the model leaves the meta device.
         plan = decoder_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         plan |= self.attention_tp_entries()
         if self.moe_layers():
