@@ -15,6 +15,7 @@ import gc
 import json
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,10 +28,16 @@ import torch.distributed as dist
 from torchdata.stateful_dataloader.stateful_dataloader import _StatefulMultiProcessingDataLoaderIter
 
 from titan_train import cli
-from titan_train.distributed import _free_port
 from titan_train.trainer import Trainer
 
 FR_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE")
+
+
+def _free_port() -> int:
+    """A port for the probe's one-rank group, formed as torchrun's environment describes it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass

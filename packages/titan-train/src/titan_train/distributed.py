@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +22,6 @@ class DistInfo:
     device: torch.device
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launched_world_size() -> int:
     """The world size `init_distributed` will join: WORLD_SIZE under torchrun, else 1."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -42,9 +35,10 @@ def init_distributed(init_timeout_seconds: int) -> DistInfo:
     Run without torchrun, it forms a group of one so that every code path (device mesh, DCP) is the
     same as in a multi-process job.
     """
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    # Not launched (or launched before in this process, which left RANK and WORLD_SIZE but no address).
+    alone = launched_world_size() == 1 and not ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
+    if alone:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -55,7 +49,15 @@ def init_distributed(init_timeout_seconds: int) -> DistInfo:
         device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=dt.timedelta(seconds=init_timeout_seconds))
+        timeout = dt.timedelta(seconds=init_timeout_seconds)
+        if alone:
+            # A group of one needs no rendezvous: an in-process store, so no port that another process
+            # could take between choosing it and listening on it.
+            dist.init_process_group(
+                backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
