@@ -76,6 +76,18 @@ IN_THIS_RUN = [case for case in RUNNABLE if MODE == "all" or case.ngpu == 2]
 TRAINING_RUNS = [(case, i) for case in IN_THIS_RUN for i, run in enumerate(case.runs) if run != GENERATE]
 
 
+def _run_train_sh(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`apps/run_train.sh ARGV` as torchtitan's runner calls its own script (env names CONFIG_FILE, NGPU)."""
+    return subprocess.run(
+        [str(REPO / "apps" / "run_train.sh"), *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=1800,
+    )
+
+
 def _last_step(dump: Path) -> int:
     lines = (dump / "metrics.jsonl").read_text().splitlines()
     return json.loads(lines[-1])["step"]
@@ -188,14 +200,7 @@ def test_run_train(case, tmp_path):
             )
             continue
         argv = case.argv(i, tmp_path)
-        result = subprocess.run(
-            [str(REPO / "apps" / "run_train.sh"), *argv],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=REPO,
-            timeout=1800,
-        )
+        result = _run_train_sh(argv, env)
         assert result.returncode == 0, f"run {i + 1}: " + (result.stdout + result.stderr)[-4000:]
         assert _last_step(tmp_path / case.name) == _steps_asked(argv)
     with times.open("a") as f:
@@ -277,14 +282,7 @@ def test_moe_debug_config_run_train(family, tmp_path):
     }
     argv = ["--job.dump_folder", str(tmp_path / family), *MOE_DEBUG_CPU_CUT]
     start = time.perf_counter()
-    result = subprocess.run(
-        [str(REPO / "apps" / "run_train.sh"), *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=1800,
-    )
+    result = _run_train_sh(argv, env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert _last_step(tmp_path / family) == 10
     with times.open("a") as f:
