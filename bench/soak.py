@@ -161,7 +161,10 @@ def main() -> int:
     parser.add_argument("--checkpoint-interval", type=int, default=200)
     parser.add_argument("--validation-freq", type=int, default=250)
     parser.add_argument(
-        "--max-growth-count", type=float, default=2.0, help="open fds or threads, per 1,000 steps after warm-up"
+        "--max-growth-count",
+        type=float,
+        default=2.0,
+        help="open fds or threads, per 1,000 steps after warm-up",
     )
     parser.add_argument(
         "--max-growth-mib", type=float, default=1.0, help="RSS, per 1,000 steps after warm-up"
