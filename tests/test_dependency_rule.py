@@ -2,8 +2,8 @@
 siblings, and each one installs alone in a fresh environment on the oldest torch and torchao the packages
 accept, imports every module there and passes all its tests.
 
-The install-alone test is the floor step of `.ci/run`: it runs when TITAN_FLOOR_TORCH and
-TITAN_FLOOR_TORCHAO name those versions (the main suite already runs every library's tests in the
+The install-alone test runs when TITAN_FLOOR_TORCH and TITAN_FLOOR_TORCHAO name those versions, as
+`.ci/run` does (the main suite already runs every library's tests in the
 workspace on the locked torch, so running them a second time there would add minutes, not a check)."""
 
 import ast
@@ -92,7 +92,7 @@ def _constraints(uv: str, out: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # a library's whole suite, serially, on a shared 2-core machine
 @pytest.mark.skipif(
-    not all(FLOOR.values()), reason="the floor step of .ci/run sets TITAN_FLOOR_TORCH and TITAN_FLOOR_TORCHAO"
+    not all(FLOOR.values()), reason=".ci/run sets TITAN_FLOOR_TORCH and TITAN_FLOOR_TORCHAO to turn on the floor check"
 )
 @pytest.mark.parametrize("lib", LIBRARIES)
 def test_library_installs_alone_on_the_floor_torch_and_passes_its_tests(lib, tmp_path):

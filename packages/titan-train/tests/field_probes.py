@@ -15,7 +15,6 @@ import gc
 import json
 import logging
 import os
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,13 +30,6 @@ from titan_train import cli
 from titan_train.trainer import Trainer
 
 FR_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE")
-
-
-def _free_port() -> int:
-    """A port for the probe's one-rank group, formed as torchrun's environment describes it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -109,12 +101,10 @@ def launch(root: Path, argv: list[str], monkeypatch, *, world: int = 1, train: b
         patch.setenv("WORLD_SIZE", str(world))
         patch.setenv("WANDB_MODE", "offline")
         patch.setenv("WANDB_SILENT", "true")
-        if world == 1:
-            patch.setenv("MASTER_ADDR", "127.0.0.1")
-            patch.setenv("MASTER_PORT", str(_free_port()))
-        else:  # no peers to watch: the fake group answers for them
-            patch.delenv("MASTER_ADDR", raising=False)
-            patch.delenv("MASTER_PORT", raising=False)
+        # No address: one rank forms its group on an in-process store (no port another process could
+        # take first), and a fake group of `world` answers for the peers it does not have.
+        patch.delenv("MASTER_ADDR", raising=False)
+        patch.delenv("MASTER_PORT", raising=False)
         patch.chdir(root)
         patch.syspath_prepend(str(root))  # modules a probe writes there (custom_import)
         _spy(patch, seen, train)
