@@ -343,8 +343,10 @@ class Cluster:
             f"AccountingStoragePort={dbd_port}\n"
             # Seconds where a cluster has minutes: a requeued job may start again after cred_expire (120 s
             # by default), the scheduler looks at pending jobs every sched_interval (60 s), a node that
-            # stops answering is down after SlurmdTimeout (300 s).
-            "AuthInfo=cred_expire=5\nSchedulerType=sched/builtin\nSchedulerParameters=sched_interval=1\n"
+            # stops answering is down after SlurmdTimeout (300 s). cred_expire is also how long a step's
+            # credential stays valid: at 5 s, a node just restarted on a loaded machine (CI, 2026-11-26)
+            # took 6 s to take its step ("Job credential expired") and the job never finished.
+            "AuthInfo=cred_expire=20\nSchedulerType=sched/builtin\nSchedulerParameters=sched_interval=1\n"
             "SlurmdTimeout=10\nMpiDefault=none\nReturnToService=2\nJobRequeue=1\nKillWait=10\n"
             "MinJobAge=600\nInactiveLimit=0\n"
             f"{nodes}PartitionName=main Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP\n"
