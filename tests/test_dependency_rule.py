@@ -92,7 +92,8 @@ def _constraints(uv: str, out: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(2400)  # a library's whole suite, serially, on a shared 2-core machine
 @pytest.mark.skipif(
-    not all(FLOOR.values()), reason=".ci/run sets TITAN_FLOOR_TORCH and TITAN_FLOOR_TORCHAO to turn on the floor check"
+    not all(FLOOR.values()),
+    reason=".ci/run sets TITAN_FLOOR_TORCH and TITAN_FLOOR_TORCHAO to turn on the floor check",
 )
 @pytest.mark.parametrize("lib", LIBRARIES)
 def test_library_installs_alone_on_the_floor_torch_and_passes_its_tests(lib, tmp_path):
