@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 # With `--dist loadfile` each file is one unit of work. xdist's default hands out the files with the most
 # tests first, which left the few-test, many-minute end-to-end files to start last and run on alone at the
-# end. These start first instead, longest first (test-seconds of a 3-worker run, 2026-11-26, in brackets);
+# end. These start first instead, longest first (beside each, its test-seconds in a 3-worker run, 2026-11-26);
 # the floor check (tests/test_dependency_rule.py, minutes when .ci/run turns it on) leads.
 LONGEST_FIRST = (
     "tests/test_dependency_rule.py",
