@@ -5,7 +5,7 @@ import pytest
 import torch.distributed as dist
 
 # With `--dist loadfile` each file is one unit of work. xdist's default hands out the files with the most
-# tests first, which left the few-test, many-minute end-to-end files to start last and run on alone at the
+# tests first, which starts the few-test, many-minute end-to-end files last, where one can run on alone at the
 # end. These start first instead, longest first (beside each, its test-seconds in a 3-worker run, 2026-11-26);
 # the floor check (tests/test_dependency_rule.py, minutes when .ci/run turns it on) leads.
 LONGEST_FIRST = (
