@@ -1,4 +1,5 @@
-"""Titan against torchtitan on one GPU, alternately, in one command: Llama 3.2 1B and 3B at seq 8192.
+"""Titan against torchtitan on one GPU, alternately, in one command: Llama 3.2 1B and 3B at seq 8192,
+and mixture-of-experts models cut to 4 blocks (bench/cut_flavors.py).
 
 For every model, mode (bf16 eager; compiled; compiled with float8 tensorwise) and activation
 checkpointing (per-op selective; none), both trainers train the same untied model
@@ -7,6 +8,9 @@ checkpointing (per-op selective; none), both trainers train the same untied mode
 rest reported. A bf16 8192^3 matmul is timed in this process first: MFU is given against the
 H100 datasheet peak (989.4 TFLOP/s) and against that measured ceiling. One FLOP formula
 (titan_models.flops_per_token) counts for both trainers.
+
+A FLAVOR is a dense Llama 3.2 shape (`1B`, `3B`: trained untied) or FAMILY/FLAVOR for a cut of
+bench/cut_flavors.py that both trainers know (`deepseek_v3/16B_4layers`, `qwen3/30B-A3B_4layers`).
 
 On the GPU machine (after apps/gpu/fetch_wheels.sh here):
     apps/gpu/run.sh python bench/gpu_throughput.py --out $OUT/gpu_bench.jsonl
@@ -124,13 +128,25 @@ def _last_error(text: str) -> str:
     return (lines[-1] if lines else (text.strip().splitlines() or ["no output"])[-1])[:240]
 
 
+def _model_flags(c: Config) -> list[str]:
+    """The model's name, flavor and the bench module that registers it, the same for both trainers."""
+    if "/" in c.flavor:
+        family, flavor = c.flavor.split("/")
+        return ["--experimental.custom_import", "cut_flavors", "--model.name", family, "--model.flavor", flavor]
+    return [
+        "--experimental.custom_import",
+        "untied_flavors",
+        "--model.name",
+        "llama3",
+        "--model.flavor",
+        f"{c.flavor}_untied",
+    ]
+
+
 def _common(c: Config, args) -> list[str]:
     """Flags both trainers take the same way (torchtitan's schema is Titan's)."""
     flags = [
-        "--experimental.custom_import",
-        "untied_flavors",
-        "--model.flavor",
-        f"{c.flavor}_untied",
+        *_model_flags(c),
         "--training.local_batch_size",
         str(c.batch),
         "--training.seq_len",
@@ -205,8 +221,6 @@ def run_torchtitan(c: Config, args, run: Run, dump: Path) -> None:
     flags = [
         "--job.dump_folder",
         str(dump),
-        "--model.name",
-        "llama3",
         "--model.hf_assets_path",
         str(args.torchtitan_tokenizer),
         "--training.dataset",
@@ -247,7 +261,20 @@ def run_torchtitan(c: Config, args, run: Run, dump: Path) -> None:
 
 
 def flops_per_token(flavor: str, seq_len: int) -> float:
-    """Training FLOPs per token of the untied flavor, by Titan's formula (the same for both trainers)."""
+    """Training FLOPs per token of the flavor, by Titan's formula (the same for both trainers; an MoE
+    family counts its active experts)."""
+    if "/" in flavor:
+        from titan_train.registry import get_model_family
+
+        import cut_flavors  # noqa: F401  (registers the cuts with Titan, once imported)
+
+        name, cut = flavor.split("/")
+        family = get_model_family(name)
+        margs = family.args_for(cut, max_seq_len=seq_len, eos_id=0)  # any id: FLOPs do not depend on it
+        with torch.device("meta"):
+            model = family.build(margs)
+        total, embedding = family.count_parameters(model)
+        return family.flops_per_token(margs, total, embedding, seq_len)
     from titan_models import LLAMA3_FLAVORS, Transformer, count_parameters, flops_per_token
 
     args = replace(LLAMA3_FLAVORS[flavor], tie_word_embeddings=False, max_seq_len=seq_len)
@@ -329,7 +356,7 @@ def main() -> None:
                     dump = Path(tmp)
                     (run_titan if trainer == "titan" else run_torchtitan)(c, args, run, dump)
                     if args.keep:
-                        kept = args.keep / f"{trainer}-{c.flavor}-{c.mode}-{c.ac}-b{c.batch}-r{round_}"
+                        kept = args.keep / f"{trainer}-{c.flavor.replace('/', '-')}-{c.mode}-{c.ac}-b{c.batch}-r{round_}"
                         kept.mkdir(parents=True, exist_ok=True)
                         for item in ("log.txt", "metrics.jsonl"):
                             if (dump / item).exists():
