@@ -122,3 +122,32 @@ def test_checkpoint_settings_reach_torch_checkpoint(reference):
     grads = _grads(model, tokens)
     for name, grad in expected.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.count = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_per_op_keeps_the_float8_scales_amax_as_torchtitan_does(reference):
+    """The absolute maxima that float8 scales come from are kept, not recomputed (torchtitan's save list
+    has aten.max for this): the backward of per-op checkpointing runs no more of them than no checkpointing."""
+    from titan_parallel import apply_float8
+
+    model, tokens, _ = reference
+    counts = {}
+    for mode in ("none", "selective"):
+        converted = copy.deepcopy(model)
+        apply_float8(converted, recipe="tensorwise", skip_fqns=("output",), emulate=True)
+        apply_ac(converted, blocks_of(converted), mode=mode, selective="op")
+        loss = cross_entropy(converted(tokens[:, :-1]), tokens[:, 1:])
+        with _CountOps(torch.ops.aten.max.default) as counter:
+            loss.backward()
+        counts[mode] = counter.count
+    assert counts["none"] > 0  # the backward casts its gradients, each with an amax
+    assert counts["selective"] == counts["none"]

@@ -24,8 +24,10 @@ AC_MODES = ("none", "full", "selective")
 aten = torch.ops.aten
 
 # Outputs worth keeping under per-op checkpointing: the matmuls and attention kernels that dominate
-# recompute cost, and the TP reduce-scatters and expert-parallel all-to-alls (the autograd op and the
-# plain one it runs, plus the token counts' one) so that recompute never repeats a collective.
+# recompute cost (flex attention is a higher-order op, seen by the policy as one), the TP reduce-scatters
+# and expert-parallel all-to-alls (the autograd op and the plain one it runs, plus the token counts' one)
+# so that recompute never repeats a collective, and the whole-tensor maxima float8 scales come from: a
+# scalar each, where recomputing one reads the whole input again (torchtitan keeps them too).
 _KEEP_OPS = {
     aten.mm.default,
     aten.addmm.default,
@@ -35,6 +37,8 @@ _KEEP_OPS = {
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch._higher_order_ops.flex_attention,
+    aten.max.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_to_all_single.default,
     torch.ops._c10d_functional_autograd.all_to_all_single.default,
