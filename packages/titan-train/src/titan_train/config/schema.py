@@ -246,6 +246,13 @@ class Checkpoint:
     export_dtype: str = opt(
         "float32", "Dtype of the model-only export", choices=("float16", "bfloat16", "float32")
     )
+    hf_max_shard_bytes: int = opt(
+        5 * 10**9,
+        "(Titan) Largest safetensors file of a Hugging Face export, in bytes (transformers' default 5 GB); "
+        "each rank writes the files of the tensors it holds",
+        minimum=1,
+        maximum=10**15,
+    )
     async_mode: str = opt(
         "disabled",
         "disabled: training waits for each save; async: waits only for a copy to host memory; "

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from titan_models.errors import ModelError
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.registry import FROM_HF, ModelFamily
@@ -87,6 +88,22 @@ def model_args(config: JobConfig, family: ModelFamily, **overrides) -> Any:
                 "or pick the flavor it was trained as"
             )
     return args
+
+
+def check_hf_export(config: JobConfig, family: ModelFamily, args: Any) -> None:
+    """Refuse, before any step, a `last_save_in_hf` export the Hugging Face class cannot compute."""
+    if not config.checkpoint.last_save_in_hf:
+        return
+    adapter = hf_mapping(family, "checkpoint.last_save_in_hf writes Hugging Face files").adapter(args)
+    try:
+        adapter.hf_config()
+    except ModelError as err:
+        m = config.model
+        raise ConfigError(
+            f"config: checkpoint.last_save_in_hf cannot export {m.name} {m.flavor}: "
+            f"{str(err).removeprefix('model: ')}; pick a flavor it can compute, or set "
+            "checkpoint.last_save_in_hf = false (the DCP checkpoint is saved either way)"
+        ) from err
 
 
 def hf_export_files(config: JobConfig, bos_id: int, eos_id: int) -> dict[str, bytes | Path]:
