@@ -66,7 +66,16 @@ LAYOUTS = {  # name: (model, layout)
             "1F1B",
         ),
     ),
-    "ep2_fsdp2": (MOE, (f"{P}data_parallel_shard_degree", "4", f"{P}expert_parallel_degree", "2")),
+    "ep2_fsdp2": (
+        MOE,
+        (
+            f"{P}data_parallel_shard_degree",
+            "4",
+            f"{P}expert_parallel_degree",
+            "2",
+            "--checkpoint.hf_export_lossy",
+        ),
+    ),
 }
 register_flavor("llama3", "debug_2_layers", get_model_family("llama3").args_for("debugmodel", n_layers=2))
 

@@ -377,6 +377,7 @@ class Checkpointer:
             self.hf_adapter,
             {**self.hf_adapter.hf_config(), "torch_dtype": self.last_save.export_dtype},
             dtype=self.last_save.dtype,
+            lossy=self.last_save.hf_lossy,
             max_shard_bytes=self.last_save.max_shard_bytes,
             extra_files=self.last_save.hf_extra_files,
             group=self._group,

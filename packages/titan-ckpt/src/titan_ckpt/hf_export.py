@@ -12,6 +12,7 @@ every shard. So a rank's host memory grows by its share of the model, not by the
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from collections.abc import Mapping
@@ -25,8 +26,10 @@ from torch.distributed.tensor import DTensor
 
 from titan_ckpt.collectives import barrier, group_rank, raise_on_every_rank
 from titan_ckpt.errors import CheckpointError
-from titan_ckpt.hf_safetensors import HFStateDictAdapter, unshare
+from titan_ckpt.hf_safetensors import TITAN_ONLY_PREFIX, HFStateDictAdapter, unshare
 from titan_ckpt.step_folders import HF_INDEX
+
+logger = logging.getLogger(__name__)
 
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -136,26 +139,32 @@ def write_hf_export(
     config: dict,
     *,
     dtype: torch.dtype,
-    keep_dtype: frozenset[str] = frozenset(),
+    lossy: bool = False,
     max_shard_bytes: int,
     extra_files: Mapping[str, bytes | Path] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Write the model `state` (this rank's tensors, sharded or not) as a Hugging Face folder, from
-    every rank of `group` together. Tensors are cast to `dtype`, except Hugging Face names in
-    `keep_dtype` (buffers the Hugging Face class keeps in their own precision)."""
+    every rank of `group` together. Tensors are cast to `dtype`, except those the adapter's
+    `hf_keep_dtype` names. State the adapter's `hf_unheld_state` names is written under
+    `TITAN_ONLY_PREFIX`; where it is not neutral (zero) the export stops saying so, unless `lossy`."""
     if max_shard_bytes < 1:
         raise CheckpointError(f"checkpoint: max_shard_bytes must be >= 1, got {max_shard_bytes}")
     rank = group_rank(group)
     specs = _all_gather([_spec(n, t) for n, t in state.items() if isinstance(t, torch.Tensor)], group)
     owners = assign_owners(specs)
     owned = _gather_owned(state, owners, rank)
+    unheld = {k: v for k, v in owned.items() if k.endswith(tuple(getattr(adapter, "hf_unheld_state", ())))}
+    _refuse_unheld_state(unheld, lossy, group)
+    keep = tuple(getattr(adapter, "hf_keep_dtype", ()))
     problem, mine = None, {}
     try:
         mine = _mapped_own_share(adapter, owned, specs)
-        mine = {k: v if k in keep_dtype else v.to(dtype) for k, v in mine.items()}
+        mine = {k: v if k.endswith(keep) else v.to(dtype) for k, v in mine.items()}
+        mine |= {TITAN_ONLY_PREFIX + k: v for k, v in unheld.items()}
     except Exception as err:
         problem = f"checkpoint: the Hugging Face weight mapping failed on rank {rank}: {err}"
+    del unheld
     del owned
     raise_on_every_rank(problem, group)
     # A tensor the mapping makes on every rank (a neutral buffer) is written by the lowest one.
@@ -189,6 +198,36 @@ def write_hf_export(
             problem = f"checkpoint: writing the Hugging Face index to {folder} failed: {err}"
     raise_on_every_rank(problem, group)
     barrier(group)
+
+
+def _refuse_unheld_state(
+    unheld: dict[str, torch.Tensor], lossy: bool, group: dist.ProcessGroup | None
+) -> None:
+    """Stop the export (every rank) where state the format cannot hold is not zero, naming the layers
+    and the largest value; with `lossy`, say it once and go on."""
+    found = {}
+    for ranks in _all_gather({k: v.abs().max().item() for k, v in unheld.items() if v.numel()}, group):
+        found |= {k: x for k, x in ranks.items() if x > 0}
+    if not found:
+        return
+    by_kind: dict[str, list[str]] = {}
+    for name in sorted(found, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)]):
+        m = _BLOCK.search(name)
+        kind = name[m.end() :] if m else name
+        by_kind.setdefault(kind, []).append(m.group(1) if m else "-")
+    what = "; ".join(f"{kind} of layers {', '.join(layers)}" for kind, layers in by_kind.items())
+    line = (
+        f"checkpoint: the Hugging Face format cannot hold the trained {what} (largest |value| "
+        f"{max(found.values()):.3g}, where zero is neutral): the exported model routes tokens to other experts"
+    )
+    if lossy:
+        if group_rank(group) == 0:
+            logger.warning("%s; exported anyway (Titan keeps it under '%s' keys)", line, TITAN_ONLY_PREFIX)
+        return
+    raise CheckpointError(
+        f"{line}; set checkpoint.hf_export_lossy = true to export anyway (Titan keeps it under "
+        f"'{TITAN_ONLY_PREFIX}' keys for its own re-import)"
+    )
 
 
 def _write_index_and_config(

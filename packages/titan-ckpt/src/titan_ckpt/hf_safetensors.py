@@ -26,9 +26,18 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's own default shard size ("5GB")
 
 
+# Titan's own tensors in a Hugging Face folder: state the format has no place for, kept under this
+# prefix so that Titan's re-import is exact (transformers names them as unused and ignores them).
+TITAN_ONLY_PREFIX = "titan."
+
+
 @runtime_checkable
 class HFStateDictAdapter(Protocol):
-    """Maps a model's full state dict to Hugging Face names and layout and back."""
+    """Maps a model's full state dict to Hugging Face names and layout and back.
+
+    Optional attributes: `hf_unheld_state`, suffixes of the model's names for state the Hugging Face
+    format cannot hold (its neutral value is zero); `hf_keep_dtype`, suffixes of Hugging Face names
+    transformers keeps in their own precision whatever the export dtype."""
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
@@ -90,8 +99,11 @@ def read_hf_folder(folder: Path) -> dict[str, torch.Tensor]:
 def load_hf_weights(folder: Path, adapter: HFStateDictAdapter, target: Mapping[str, Any]) -> None:
     """Copy the weights of a Hugging Face folder into `target` (plain tensors or DTensors), in place."""
     hf = read_hf_folder(folder)
+    titan_only = {
+        k.removeprefix(TITAN_ONLY_PREFIX): hf.pop(k) for k in list(hf) if k.startswith(TITAN_ONLY_PREFIX)
+    }
     try:
-        ours = adapter.from_hf(hf)
+        ours = adapter.from_hf(hf) | titan_only
     except Exception as err:
         raise CheckpointError(f"checkpoint: the weight mapping cannot convert {folder}: {err}") from err
     where = folder / HF_INDEX if (folder / HF_INDEX).is_file() else folder
