@@ -3,17 +3,21 @@ dropped without a word: `last_save_in_hf` is refused at start, the export itself
 and the largest value, and with `checkpoint.hf_export_lossy` the export loads in transformers (which
 computes the model without the bias) while Titan's own re-import gives back the trained model exactly."""
 
+import json
 import logging
+import shutil
 from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from titan_ckpt import CheckpointError, ModelState
 from titan_ckpt.hf_export import write_hf_export
 from titan_models import qwen3
 from titan_train.cli import run
+from titan_train.commands.checkpoint_model import load_checkpoint_model
 from titan_train.plan import resolve
 from titan_train.registry import get_model_family, register_flavor
 from titan_train.trainer import Trainer
@@ -122,3 +126,30 @@ def test_with_the_opt_in_transformers_loads_it_and_titan_s_reimport_is_exact(
     )
     with torch.no_grad():
         assert torch.equal(loaded.model_parts[0](tokens), ours)
+
+
+@pytest.mark.parametrize("name", ["qwen3"])
+def test_generate_on_an_export_without_titan_s_copy_of_the_bias_warns_in_one_line(
+    tmp_path, small_config, one_rank, caplog, name
+):
+    config = small_config(tmp_path / "run", *_model(name), *EXPORT, "--checkpoint.hf_export_lossy")
+    Trainer(resolve(config, 1, "cpu"), one_rank).train()
+    export = tmp_path / "run" / "checkpoint" / "step-4"
+    # The same folder as a Hugging Face tool writes it back: without the titan.* tensors.
+    stripped = tmp_path / "stripped"
+    shutil.copytree(export, stripped, ignore=shutil.ignore_patterns("*.distcp", ".metadata"))
+    index = json.loads((stripped / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith("titan.")}
+    (stripped / "model.safetensors.index.json").write_text(json.dumps(index))
+    for file in stripped.glob("*.safetensors"):
+        tensors = {k: v for k, v in load_file(str(file)).items() if not k.startswith("titan.")}
+        save_file(tensors, str(file), metadata={"format": "pt"})
+
+    for folder, warned in ((export, False), (stripped, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            loaded = load_checkpoint_model(small_config(tmp_path, *_model(name)), folder, weights="hf")
+        lines = [r.getMessage() for r in caplog.records if "holds no Titan copy" in r.getMessage()]
+        assert len(lines) == int(warned), folder
+        biases = [v for k, v in loaded.model.state_dict().items() if k.endswith("moe.expert_bias")]
+        assert all(b.abs().max().item() > 0 for b in biases) != warned
