@@ -701,6 +701,17 @@ PROBES: dict[str, Probe] = {
     "checkpoint.export_dtype": Probe(
         ("--checkpoint.export_dtype", "bfloat16"), saved_dtypes, base=CKPT, train=True
     ),
+    "checkpoint.hf_export_lossy": refused(
+        ("--checkpoint.hf_export_lossy",),
+        "checkpoint.hf_export_lossy",
+        base=(*CKPT, "--checkpoint.last_save_in_hf"),
+    ),
+    "checkpoint.hf_max_shard_bytes": Probe(
+        ("--checkpoint.hf_max_shard_bytes", "100000"),
+        files,
+        base=(*CKPT, "--checkpoint.last_save_in_hf"),
+        train=True,
+    ),
     "checkpoint.async_mode": Probe(
         ("--checkpoint.async_mode", "async"),
         lambda s: s.at_build["checkpoint_stager"],

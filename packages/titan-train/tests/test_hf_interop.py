@@ -6,6 +6,7 @@ import json
 import logging
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,3 +160,24 @@ def test_a_flavor_export_states_the_flavor_s_context_not_the_training_length(
         "original_max_position_embeddings": 8192,
     }
     assert AutoTokenizer.from_pretrained(tmp_path / "checkpoint" / "step-1").eos_token == "<|end_of_text|>"
+
+
+def test_an_export_hugging_face_cannot_compute_is_refused_before_step_1(tmp_path, caplog):
+    """The DeepSeek debug flavor routes with softmax; DeepseekV3ForCausalLM only with sigmoid."""
+    config = Path(__file__).parents[3] / "apps" / "configs" / "deepseek_v3_debug.toml"
+    argv = [
+        "--job.config_file",
+        str(config),
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "1",
+        "--checkpoint.last_save_in_hf",
+    ]
+    with caplog.at_level(logging.INFO):
+        assert run(argv) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line.startswith("config: checkpoint.last_save_in_hf cannot export deepseek_v3 debugmodel: ")
+    assert "moe.score_func 'softmax'" in line and "\n" not in line
+    assert not any("step:" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "tb").exists()

@@ -3,7 +3,7 @@
 from titan_ckpt.async_save import ASYNC_MODES, SaveTiming
 from titan_ckpt.checkpointer import Checkpointer
 from titan_ckpt.errors import CheckpointError
-from titan_ckpt.hf_safetensors import HFStateDictAdapter
+from titan_ckpt.hf_safetensors import TITAN_ONLY_PREFIX, HFStateDictAdapter
 from titan_ckpt.load_source import LoadResult
 from titan_ckpt.policies import EXPORT_DTYPES, LastSavePolicy, LoadPolicy, SavePolicy
 from titan_ckpt.stateful import ModelState, OptimizerState
@@ -22,5 +22,6 @@ __all__ = [
     "OptimizerState",
     "SavePolicy",
     "SaveTiming",
+    "TITAN_ONLY_PREFIX",
     "complete_steps",
 ]

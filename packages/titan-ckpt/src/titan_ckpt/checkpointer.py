@@ -37,12 +37,8 @@ from titan_ckpt.async_save import (
 )
 from titan_ckpt.collectives import barrier, decide_on_rank0, group_rank, raise_on_every_rank
 from titan_ckpt.errors import CheckpointError
-from titan_ckpt.hf_safetensors import (
-    HFStateDictAdapter,
-    gather_full_tensors,
-    load_hf_weights,
-    write_hf_folder,
-)
+from titan_ckpt.hf_export import write_hf_export
+from titan_ckpt.hf_safetensors import HFStateDictAdapter, load_hf_weights
 from titan_ckpt.integrity import find_problem, flatten_state_dict, read_metadata, saved_keys
 from titan_ckpt.load_source import MODEL, LoadResult, choose_source
 from titan_ckpt.policies import LastSavePolicy, LoadPolicy, SavePolicy
@@ -375,24 +371,17 @@ class Checkpointer:
         `torch_dtype` the export dtype) and `hf_extra_files`, into `folder`."""
         if self.hf_adapter is None:
             raise CheckpointError("checkpoint: saving in Hugging Face format needs an hf_adapter")
-        full = gather_full_tensors(self.states[MODEL].state_dict(), self._group)
-        problem = None
-        if self._rank() == 0:
-            try:
-                hf = {k: v.to(self.last_save.dtype) for k, v in self.hf_adapter.to_hf(full).items()}
-                dtype_name = self.last_save.export_dtype
-                config = {**self.hf_adapter.hf_config(), "torch_dtype": dtype_name}
-                write_hf_folder(
-                    folder,
-                    hf,
-                    config,
-                    max_shard_bytes=self.last_save.max_shard_bytes,
-                    extra_files=self.last_save.hf_extra_files,
-                )
-            except Exception as err:
-                problem = f"checkpoint: Hugging Face export to {folder} failed: {err}"
-        del full
-        raise_on_every_rank(problem, self._group)
+        write_hf_export(
+            folder,
+            self.states[MODEL].state_dict(),
+            self.hf_adapter,
+            {**self.hf_adapter.hf_config(), "torch_dtype": self.last_save.export_dtype},
+            dtype=self.last_save.dtype,
+            lossy=self.last_save.hf_lossy,
+            max_shard_bytes=self.last_save.max_shard_bytes,
+            extra_files=self.last_save.hf_extra_files,
+            group=self._group,
+        )
 
     def _export(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.is_floating_point():

@@ -1,9 +1,8 @@
 """Model weights to and from Hugging Face's sharded safetensors layout, through a caller's name mapping.
 
 titan-ckpt knows nothing of any model: the caller passes an adapter (`HFStateDictAdapter`) that
-renames and re-lays out full, unsharded tensors. Export gathers each sharded tensor to rank 0,
-which writes `model-0000i-of-0000n.safetensors`, `model.safetensors.index.json` and `config.json`.
-Import has every rank read the files and keep the slice its DTensors own, so any layout
+renames and re-lays out full, unsharded tensors. Export is `titan_ckpt.hf_export` (every rank
+writes its share). Import has every rank read the files and keep the slice its DTensors own, so any layout
 (FSDP, TP, one rank) loads the same files.
 """
 
@@ -11,17 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_ckpt.collectives import group_rank
 from titan_ckpt.errors import CheckpointError
 from titan_ckpt.step_folders import HF_INDEX
 
@@ -30,9 +26,18 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's own default shard size ("5GB")
 
 
+# Titan's own tensors in a Hugging Face folder: state the format has no place for, kept under this
+# prefix so that Titan's re-import is exact (transformers names them as unused and ignores them).
+TITAN_ONLY_PREFIX = "titan."
+
+
 @runtime_checkable
 class HFStateDictAdapter(Protocol):
-    """Maps a model's full state dict to Hugging Face names and layout and back."""
+    """Maps a model's full state dict to Hugging Face names and layout and back.
+
+    Optional attributes: `hf_unheld_state`, suffixes of the model's names for state the Hugging Face
+    format cannot hold (its neutral value is zero); `hf_keep_dtype`, suffixes of Hugging Face names
+    transformers keeps in their own precision whatever the export dtype."""
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
@@ -41,30 +46,7 @@ class HFStateDictAdapter(Protocol):
     def hf_config(self) -> dict: ...
 
 
-def gather_full_tensors(state: Mapping[str, Any], group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
-    """Every tensor of `state` unsharded, on the CPU of rank 0 (an empty dict on other ranks)."""
-    names = [name for name, value in state.items() if isinstance(value, torch.Tensor)]
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        every = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, names, group=group)
-        if any(other != names for other in every):
-            raise CheckpointError(
-                "checkpoint: Hugging Face export needs every rank to hold the whole model, but the ranks hold "
-                "different parameters (pipeline parallelism); save a DCP checkpoint (last_save_in_hf = false) "
-                "and convert it with one process"
-            )
-    keep = group_rank(group) == 0
-    full: dict[str, torch.Tensor] = {}
-    for name in names:
-        tensor = state[name]
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()  # collective: every rank takes part, in the same order
-        if keep:
-            full[name] = tensor.detach().cpu()
-    return full
-
-
-def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous tensors with no two sharing memory, as safetensors requires."""
     seen: set[int] = set()
     out = {}
@@ -74,51 +56,6 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out[name] = tensor.clone() if ptr in seen else tensor
         seen.add(ptr)
     return out
-
-
-def write_hf_folder(
-    folder: Path,
-    hf_state: dict[str, torch.Tensor],
-    config: dict,
-    *,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    extra_files: Mapping[str, bytes | Path] | None = None,
-) -> list[Path]:
-    """Write `hf_state` as sharded safetensors with its index and `config.json`; return the shard files.
-
-    `extra_files` are written beside them (name -> bytes, or a file to copy): the tokenizer files and
-    `generation_config.json` that make the folder load with `AutoTokenizer` and `generate`.
-    """
-    if max_shard_bytes < 1:
-        raise CheckpointError(f"checkpoint: max_shard_bytes must be >= 1, got {max_shard_bytes}")
-    tensors = _unshare(hf_state)
-    shards: list[list[str]] = [[]]
-    shard_bytes = 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        if shards[-1] and shard_bytes + size > max_shard_bytes:
-            shards.append([])
-            shard_bytes = 0
-        shards[-1].append(name)
-        shard_bytes += size
-    folder.mkdir(parents=True, exist_ok=True)
-    weight_map, files = {}, []
-    for index, names in enumerate(shards, start=1):
-        file = folder / f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n] for n in names}, str(file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, file.name))
-        files.append(file)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    for name, content in (extra_files or {}).items():
-        if isinstance(content, Path):
-            shutil.copyfile(content, folder / name)
-        else:
-            (folder / name).write_bytes(content)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    # The index is written last: it is what marks the folder as a complete Hugging Face checkpoint.
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (folder / HF_INDEX).write_text(json.dumps(index, indent=2))
-    return files
 
 
 def read_hf_folder(folder: Path) -> dict[str, torch.Tensor]:
@@ -162,8 +99,11 @@ def read_hf_folder(folder: Path) -> dict[str, torch.Tensor]:
 def load_hf_weights(folder: Path, adapter: HFStateDictAdapter, target: Mapping[str, Any]) -> None:
     """Copy the weights of a Hugging Face folder into `target` (plain tensors or DTensors), in place."""
     hf = read_hf_folder(folder)
+    titan_only = {
+        k.removeprefix(TITAN_ONLY_PREFIX): hf.pop(k) for k in list(hf) if k.startswith(TITAN_ONLY_PREFIX)
+    }
     try:
-        ours = adapter.from_hf(hf)
+        ours = adapter.from_hf(hf) | titan_only
     except Exception as err:
         raise CheckpointError(f"checkpoint: the weight mapping cannot convert {folder}: {err}") from err
     where = folder / HF_INDEX if (folder / HF_INDEX).is_file() else folder

@@ -75,13 +75,15 @@ class LoadPolicy:
 class LastSavePolicy:
     """The last step's save, always a full checkpoint, and the export published beside it: with
     `model_only`, the model in `export_dtype`, as DCP files or with `in_hf` as Hugging Face files
-    (with `hf_extra_files`, name -> bytes or a file to copy, in shards of at most `max_shard_bytes`)."""
+    (with `hf_extra_files`, name -> bytes or a file to copy, in shards of at most `max_shard_bytes`;
+    with `hf_lossy`, even where the format cannot hold trained state: see `titan_ckpt.hf_export`)."""
 
     model_only: bool = False
     in_hf: bool = False
     export_dtype: str = "float32"
     hf_extra_files: Mapping[str, bytes | Path] = field(default_factory=dict)
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    hf_lossy: bool = False
 
     def __post_init__(self) -> None:
         if self.in_hf and not self.model_only:

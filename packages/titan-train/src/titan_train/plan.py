@@ -32,7 +32,7 @@ from titan_parallel import (
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.registry import LossFn, ModelFamily, get_model_family
-from titan_train.wiring.hf_interop import model_args
+from titan_train.wiring.hf_interop import check_hf_export, model_args
 from titan_train.wiring.loss import build_loss_fn
 from titan_train.wiring.moe import moe_run_args
 from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps, parallel_options
@@ -108,6 +108,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     family = get_model_family(config.model.name)
     seq_len = model_seq_len(config)
     args = moe_run_args(config, model_args(config, family, max_seq_len=seq_len))
+    check_hf_export(config, family, args)
     _check_context(config, args)
     dims = build_parallel_dims(config, world_size)
     param_dtype = compute_dtype(config, torch.device(device_type)) if dims.fsdp_enabled else torch.float32

@@ -80,6 +80,7 @@ class DeepSeekV3StateDictAdapter:
             for ours, theirs in block.items():
                 self._names[f"layers.{layer}.{ours}"] = f"model.layers.{layer}.{theirs}"
         self._moe_layers = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
+        self.hf_keep_dtype = ("e_score_correction_bias",)  # float32 in transformers, whatever the dtype
 
     def _hf_expert_names(self, layer: int, ours: str) -> list[str]:
         return [

@@ -44,6 +44,8 @@ class Llama4StateDictAdapter(LlamaStateDictAdapter):
                     f"{ours}{_DOWN}": f"{theirs}experts.down_proj",
                 }
         self._from_hf_names = {theirs: ours for ours, theirs in self._to_hf_names.items()}
+        # The trained expert bias, which Llama4ForCausalLM has no place for (titan_ckpt keeps it apart).
+        self.hf_unheld_state = ("moe.expert_bias",) if args.moe_args.load_balance_coeff is not None else ()
 
     def _heads_of(self, name: str) -> int | None:
         return None  # both sides rotate consecutive pairs: nothing to permute

@@ -45,6 +45,8 @@ class Qwen3StateDictAdapter(LlamaStateDictAdapter):
                 for w, proj in _EXPERT.items():
                     self._to_hf_names[f"{ours}moe.experts.{w}.{e}"] = f"{theirs}mlp.experts.{e}.{proj}.weight"
         self._from_hf_names = {theirs: ours for ours, theirs in self._to_hf_names.items()}
+        # The trained expert bias, which Qwen3MoeForCausalLM has no place for (titan_ckpt keeps it apart).
+        self.hf_unheld_state = ("moe.expert_bias",) if moe and moe.load_balance_coeff is not None else ()
 
     def _heads_of(self, name: str) -> int | None:
         return None  # both layouts rotate halves: nothing to permute

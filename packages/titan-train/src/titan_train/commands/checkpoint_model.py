@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
-from titan_ckpt import Checkpointer, LoadPolicy, ModelState, SavePolicy
+from titan_ckpt import TITAN_ONLY_PREFIX, Checkpointer, LoadPolicy, ModelState, SavePolicy
 from titan_data import Tokenizer
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
@@ -124,6 +125,32 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _warn_if_trained_state_is_missing(path: Path, adapter: Any, model: torch.nn.Module) -> None:
+    """One line where a Hugging Face folder lacks Titan's copy of state its format cannot hold (a
+    trained expert bias): the model then runs with it at zero, not as it was trained."""
+    unheld = tuple(getattr(adapter, "hf_unheld_state", ()))
+    wanted = [k for k in model.state_dict() if unheld and k.endswith(unheld)]
+    if not wanted:
+        return
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        saved = set(json.loads(index.read_text())["weight_map"])
+    else:
+        saved = set()
+        for file in path.glob("*.safetensors"):
+            with safe_open(str(file), framework="pt") as f:
+                saved |= set(f.keys())
+    missing = [k for k in wanted if TITAN_ONLY_PREFIX + k not in saved]
+    if missing:
+        logger.warning(
+            "checkpoint: %s holds no Titan copy of %s (%d tensors; its Hugging Face format has no place for "
+            "them): the model runs with them at zero, which differs from the trained model if they were trained",
+            path,
+            ", ".join(unheld),
+            len(missing),
+        )
+
+
 def load_checkpoint_model(
     config: JobConfig,
     checkpoint: str | Path,
@@ -155,12 +182,13 @@ def load_checkpoint_model(
     model.init_weights(
         buffer_device=device, seed=0
     )  # fills the rotary table; the weights come from the checkpoint
+    adapter = hf_adapter_for(family, args) if fmt == "hf" else None
     checkpointer = Checkpointer(
         path,
         {"model": ModelState([model])},
         saving=SavePolicy(interval=1, load_only=True),
         loading=LoadPolicy(initial_load_path=path, initial_load_in_hf=fmt == "hf"),
-        hf_adapter=hf_adapter_for(family, args) if fmt == "hf" else None,
+        hf_adapter=adapter,
     )
     # The folder is the checkpoint itself, not a run's folder of step-N checkpoints: say what is loaded
     # instead of the run's "no checkpoint in X; loading initial weights from X".
@@ -168,6 +196,8 @@ def load_checkpoint_model(
     what = "Hugging Face safetensors" if fmt == "hf" else "DCP checkpoint"
     checkpointer.load(replace(plan, message=f"loading the model weights of {path} ({what})"))
     checkpointer.close()
+    if adapter is not None:
+        _warn_if_trained_state_is_missing(path, adapter, model)
     with torch.no_grad():  # parameters only: buffers (the rotary table) stay complex float32, as in training
         for param in model.parameters():
             param.data = param.data.to(DTYPES[dtype])

@@ -246,6 +246,19 @@ class Checkpoint:
     export_dtype: str = opt(
         "float32", "Dtype of the model-only export", choices=("float16", "bfloat16", "float32")
     )
+    hf_export_lossy: bool = opt(
+        False,
+        "(Titan) Export to Hugging Face even a model whose trained state its format cannot hold (the expert "
+        "bias of llama4 and qwen3 MoE): it then routes some tokens to other experts; Titan keeps that state "
+        "under titan.* keys for its own re-import",
+    )
+    hf_max_shard_bytes: int = opt(
+        5 * 10**9,
+        "(Titan) Largest safetensors file of a Hugging Face export, in bytes (transformers' default 5 GB); "
+        "each rank writes the files of the tensors it holds",
+        minimum=1,
+        maximum=10**15,
+    )
     async_mode: str = opt(
         "disabled",
         "disabled: training waits for each save; async: waits only for a copy to host memory; "

@@ -89,6 +89,8 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
             in_hf=c.last_save_in_hf,
             export_dtype=c.export_dtype,
             hf_extra_files=hf_files,
+            max_shard_bytes=c.hf_max_shard_bytes,
+            hf_lossy=c.hf_export_lossy,
         ),
         hf_adapter=hf_adapter,
     )

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from titan_models.errors import ModelError
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.registry import FROM_HF, ModelFamily
@@ -87,6 +88,42 @@ def model_args(config: JobConfig, family: ModelFamily, **overrides) -> Any:
                 "or pick the flavor it was trained as"
             )
     return args
+
+
+def check_hf_export(config: JobConfig, family: ModelFamily, args: Any) -> None:
+    """Refuse, before any step, a `last_save_in_hf` export the Hugging Face class cannot compute, or
+    one that would drop trained state without `checkpoint.hf_export_lossy` (which is refused where it
+    changes nothing)."""
+    c, m = config.checkpoint, config.model
+    if not c.last_save_in_hf:
+        if c.hf_export_lossy:
+            raise ConfigError(
+                "config: checkpoint.hf_export_lossy is set but checkpoint.last_save_in_hf is false, so it "
+                "would be ignored; set last_save_in_hf = true, or drop hf_export_lossy"
+            )
+        return
+    adapter = hf_mapping(family, "checkpoint.last_save_in_hf writes Hugging Face files").adapter(args)
+    unheld = getattr(adapter, "hf_unheld_state", ())
+    if unheld and not c.hf_export_lossy:
+        raise ConfigError(
+            f"config: checkpoint.last_save_in_hf: {m.name} {m.flavor} trains {', '.join(unheld)} (auxiliary-loss-free "
+            "balancing), which its Hugging Face format cannot hold, so the exported model would route tokens to "
+            "other experts; set checkpoint.hf_export_lossy = true to export anyway (Titan keeps it under titan.* "
+            "keys for its own re-import)"
+        )
+    if c.hf_export_lossy and not unheld:
+        raise ConfigError(
+            f"config: checkpoint.hf_export_lossy is set but {m.name} {m.flavor} has no state its Hugging Face "
+            "format cannot hold, so it would be ignored; drop it"
+        )
+    try:
+        adapter.hf_config()
+    except ModelError as err:
+        raise ConfigError(
+            f"config: checkpoint.last_save_in_hf cannot export {m.name} {m.flavor}: "
+            f"{str(err).removeprefix('model: ')}; pick a flavor it can compute, or set "
+            "checkpoint.last_save_in_hf = false (the DCP checkpoint is saved either way)"
+        ) from err
 
 
 def hf_export_files(config: JobConfig, bos_id: int, eos_id: int) -> dict[str, bytes | Path]:
