@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Llama4Config,
+    Llama4ForConditionalGeneration,
+)
 
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
@@ -147,3 +153,72 @@ def test_fp8_block_quantised_deepseek_v3_imports_with_transformers_logits_on_the
     assert (ours - expected).abs().max().item() <= 1e-5
     # The reference is the dequantised model, not the bf16 one it was quantised from.
     assert (undequantised - expected).abs().max().item() > 1e-3
+
+
+def test_a_multimodal_llama4_checkpoint_imports_its_text_model_with_its_logits(
+    tmp_path, small_config, one_rank, caplog
+):
+    # Scout's text settings at a tiny size: qk norm, no rope every 4th layer, chunked attention on the
+    # rope layers, MoE every 2nd layer, Llama 3 rotary scaling; a small vision tower and projector.
+    text = dict(
+        vocab_size=2048,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        intermediate_size_mlp=160,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        no_rope_layers=[1, 1, 1, 0],
+        attention_chunk_size=16,
+        use_qk_norm=True,
+        attn_temperature_tuning=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=16384,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
+    vision = dict(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=28,
+        patch_size=14,
+        projector_input_dim=64,
+        projector_output_dim=64,
+        vision_output_dim=64,
+    )
+    config = Llama4Config(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    hf = Llama4ForConditionalGeneration(config).eval()
+    _randomise(hf, 1)
+    folder = tmp_path / "scout_tiny"
+    hf.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED_TOKENIZER / name, folder / name)
+    saved = json.loads((folder / "config.json").read_text())
+    assert (saved["model_type"], saved["architectures"]) == ("llama4", ["Llama4ForConditionalGeneration"])
+
+    with caplog.at_level(logging.INFO):
+        trainer = _trainer(small_config, tmp_path / "run", folder, one_rank, "--model.name", "llama4")
+    skipped = [r.getMessage() for r in caplog.records if "vision tower and projector" in r.getMessage()]
+    assert len(skipped) == 1, skipped
+    args = trainer.model_parts[0].args
+    assert (args.n_layers, args.every_n_layers_nope, args.attn_chunk_size) == (4, 4, 16)
+
+    tokens = _tokens(2048)
+    with torch.no_grad():
+        expected = hf(input_ids=tokens).logits
+        ours = trainer.model_parts[0].eval()(tokens)
+    assert (ours - expected).abs().max().item() <= 1e-5
+    assert expected.abs().max().item() > 0.5
