@@ -8,6 +8,7 @@ import logging
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import (
@@ -18,6 +19,7 @@ from transformers import (
     Llama4ForConditionalGeneration,
 )
 
+from titan_train.config import load_job_config
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
@@ -222,3 +224,48 @@ def test_a_multimodal_llama4_checkpoint_imports_its_text_model_with_its_logits(
         ours = trainer.model_parts[0].eval()(tokens)
     assert (ours - expected).abs().max().item() <= 1e-5
     assert expected.abs().max().item() > 0.5
+
+
+_PUBLISHED = Path(__file__).parent / "published_configs"
+
+
+@pytest.mark.parametrize(
+    ("family", "flavor", "published", "total"),
+    [
+        ("llama3", "8B", "Llama-3.1-8B", 8_030_261_248),
+        ("llama3", "70B", "Llama-3.1-70B", 70_553_706_496),
+        ("qwen3", "8B", "Qwen3-8B", 8_190_735_360),
+        ("qwen3", "30B-A3B", "Qwen3-30B-A3B", 30_532_122_624),
+        ("deepseek_v3", "671B", "DeepSeek-V3", None),
+        ("llama4", "17bx16e_irope", "Llama-4-Scout-17B-16E", None),
+    ],
+)
+def test_a_published_config_json_loads_as_from_hf_and_as_its_named_flavor(
+    tmp_path, family, flavor, published, total, caplog
+):
+    """The config.json files as the hub publishes them (tests/published_configs, values copied from the
+    model cards' repositories) describe the named flavor's model; only a norm epsilon may differ, which
+    the run takes from the checkpoint with one line."""
+    folder = tmp_path / published
+    folder.mkdir()
+    shutil.copy(_PUBLISHED / f"{published}.json", folder / "config.json")
+    hf_eps = json.loads((folder / "config.json").read_text())
+    hf_eps = hf_eps.get("text_config", hf_eps)["rms_norm_eps"]
+    plans = {}
+    for name in ("from_hf", flavor):
+        config = load_job_config(
+            [
+                *("--model.name", family, "--model.flavor", name, "--training.seq_len", "64"),
+                *("--job.dump_folder", str(tmp_path / "out"), "--model.hf_assets_path", str(folder)),
+                *("--checkpoint.enable", "--checkpoint.initial_load_in_hf"),
+            ]
+        )
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            plans[name] = resolve(config, 1, "cpu")
+        taken = [r.getMessage() for r in caplog.records if "norm epsilon" in r.getMessage()]
+        assert len(taken) == (name == flavor and family == "deepseek_v3"), taken
+    assert plans["from_hf"].params == plans[flavor].params
+    assert plans[flavor].model_args.norm_eps == plans["from_hf"].model_args.norm_eps == hf_eps
+    if total is not None:  # the published parameter count
+        assert plans[flavor].params.total == total
