@@ -77,3 +77,10 @@ def test_hf_export_from_fsdp_imports_into_tensor_parallel_exactly(report):
         "model.safetensors.index.json",
     ]
     assert report["hf_tp_max_diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_float8_block_quantised_hf_files_load_dequantised_into_fsdp_and_tensor_parallel(report):
+    # Each rank keeps exactly the rows (FSDP, column-wise TP) or columns (row-wise TP) of fp8 * scale.
+    assert report["hf_fp8_max_diff"] == {"fsdp": 0.0, "tp": 0.0}
+    assert report["hf_fp8_quantisation_error"] > 1e-3  # the files are float8, not the originals

@@ -130,3 +130,15 @@ def test_float8_tp_plan_swaps_the_styles_of_float8_linears_and_their_inputs_only
         plain["layers.*.attention"].desired_input_layouts,
     )
     assert plan["layers.0.attention.wo"].output_layouts == plain["layers.*.attention.wo"].output_layouts
+
+
+def test_float8_on_cpu_without_emulation_says_in_one_line_that_it_is_slow_and_how_to_emulate(caplog):
+    def warnings(emulate: bool) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="titan_parallel.float8"):
+            apply_float8(torch.nn.Sequential(torch.nn.Linear(32, 32)), skip_fqns=(), emulate=emulate)
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+    (line,) = warnings(emulate=False)
+    assert "reference float8 matmul" in line and "--quantize.linear.float8.emulate" in line
+    assert warnings(emulate=True) == []

@@ -11,9 +11,12 @@ from titan_parallel import (
     DataParallelOptions,
     Float8Training,
     ParallelConfigError,
+    ParallelDims,
     ParallelOptions,
     PipelineOptions,
+    TensorParallelOptions,
 )
+from titan_parallel.parallelize import describe_layout
 
 
 @pytest.mark.parametrize(
@@ -89,3 +92,20 @@ def test_groups_apply_themselves_only_when_on():
     Compile(enabled=True, backend="eager").apply(model, blocks)  # compiles lazily, at the first call
     ActivationCheckpointing(mode="full").apply(model, blocks)
     assert model[0].forward != forward and model[0]._compiled_call_impl is not None
+
+
+def test_the_parallelize_log_line_names_the_degrees_and_what_is_on_not_every_default():
+    dims = ParallelDims(dp_shard=2, tp=2, world_size=4)
+    options = ParallelOptions(
+        activation_checkpoint=ActivationCheckpointing(mode="full"),
+        compile=Compile(enabled=True),
+        float8=Float8Training(emulate=True),
+        tensor_parallel=TensorParallelOptions(sequence_parallel=True, loss_parallel=False),
+    )
+    assert describe_layout(dims, options) == (
+        "dp_shard 2, tp 2; params float32, reduce float32, sequence parallel, activation checkpointing full, "
+        "compile (inductor), float8 tensorwise emulated"
+    )
+    assert describe_layout(ParallelDims(world_size=1), ParallelOptions()) == (
+        "one rank; params float32, reduce float32"
+    )

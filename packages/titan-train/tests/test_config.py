@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from titan_train.config import JobConfig, load_job_config
@@ -142,3 +144,21 @@ def test_custom_config_module_that_cannot_be_imported_is_named():
 def test_values_out_of_range_are_named(flags, message):
     with pytest.raises(ConfigError, match=message):
         load_job_config(flags)
+
+
+def test_help_describes_titan_and_names_every_subcommand_that_has_its_own_help(capsys, monkeypatch):
+    from titan_train.cli import run
+
+    monkeypatch.setenv("COLUMNS", "400")  # no wrapped names
+
+    with pytest.raises(SystemExit):
+        run(["--help"])
+    text = capsys.readouterr().out
+    usage = text.split("\n\n")[0]
+    assert "Titan" in text and "Train a Llama model" not in text
+    for name in ("report", "dry-run", "check", "generate", "eval"):
+        assert re.search(rf"[{{|] {name} |{{{name} ", usage) and f"'{name}'" in text
+        with pytest.raises(SystemExit) as exit_info:
+            run([name, "--help"])
+        assert exit_info.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: titan-train {name}")

@@ -694,6 +694,11 @@ PROBES: dict[str, Probe] = {
         base=("--checkpoint.enable", "--checkpoint.folder", "fresh"),
         prepare=saved_run,
     ),
+    "checkpoint.initial_load_in_hf_quantized": refused(
+        ("--checkpoint.initial_load_in_hf_quantized",),
+        "initial_load_in_hf",
+        base=("--checkpoint.enable",),
+    ),
     "checkpoint.last_save_model_only": Probe(
         ("--checkpoint.no_last_save_model_only",), files, base=CKPT, train=True
     ),

@@ -181,7 +181,9 @@ class Checkpointer:
         if result.kind == "fresh":
             return result
         if result.hf:
-            self._load_hf(result.path)
+            self._load_hf(
+                result.path, quantized=result.kind == "initial" and self.loading.initial_load_in_hf_quantized
+            )
         else:
             self._load_dcp(result.path, result.states)
         return result
@@ -269,14 +271,14 @@ class Checkpointer:
         if MODEL in names:
             self.states[MODEL].load_state_dict(state)
 
-    def _load_hf(self, path: Path) -> None:
+    def _load_hf(self, path: Path, *, quantized: bool = False) -> None:
         if self.hf_adapter is None:
             raise CheckpointError(
                 f"checkpoint: {path} holds Hugging Face safetensors; loading it needs an hf_adapter"
             )
         target = self.states[MODEL].state_dict()
         try:
-            load_hf_weights(path, self.hf_adapter, target)
+            load_hf_weights(path, self.hf_adapter, target, quantized=quantized)
             problem = None
         except CheckpointError as err:
             problem = str(err)

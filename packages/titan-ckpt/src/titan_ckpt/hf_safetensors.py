@@ -3,7 +3,8 @@
 titan-ckpt knows nothing of any model: the caller passes an adapter (`HFStateDictAdapter`) that
 renames and re-lays out full, unsharded tensors. Export is `titan_ckpt.hf_export` (every rank
 writes its share). Import has every rank read the files and keep the slice its DTensors own, so any layout
-(FSDP, TP, one rank) loads the same files.
+(FSDP, TP, one rank) loads the same files; float8 block-quantised files are dequantised on the way
+(`titan_ckpt.fp8_blocks`), each rank only for its rows.
 """
 
 from __future__ import annotations
@@ -16,9 +17,17 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from safetensors.torch import load_file
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from titan_ckpt.errors import CheckpointError
+from titan_ckpt.fp8_blocks import (
+    SCALE_SUFFIX,
+    BlockQuantization,
+    dequantize_lazily,
+    is_lazy,
+    quantization_from_config,
+)
 from titan_ckpt.step_folders import HF_INDEX
 
 logger = logging.getLogger(__name__)
@@ -96,12 +105,44 @@ def read_hf_folder(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_hf_weights(folder: Path, adapter: HFStateDictAdapter, target: Mapping[str, Any]) -> None:
-    """Copy the weights of a Hugging Face folder into `target` (plain tensors or DTensors), in place."""
+def _folder_quantization(folder: Path, forced: bool) -> BlockQuantization | None:
+    """The block quantisation of the folder's weights (from its config.json), None for plain weights."""
+    config_file = folder / "config.json"
+    try:
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint: {config_file} is not valid JSON ({err})") from err
+    return quantization_from_config(config, forced=forced, where=str(folder))
+
+
+def _local_part(source: Any, tensor: DTensor) -> torch.Tensor | None:
+    """The rows of a lazily dequantised `source` that this rank's shard of `tensor` holds, read alone;
+    None where the placements are not plain shards or replicas."""
+    if not all(type(p) in (Shard, Replicate) for p in tensor.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return source[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+
+
+def load_hf_weights(
+    folder: Path, adapter: HFStateDictAdapter, target: Mapping[str, Any], *, quantized: bool = False
+) -> None:
+    """Copy the weights of a Hugging Face folder into `target` (plain tensors or DTensors), in place.
+
+    Float8 block-quantised weights (config.json's `quantization_config`, or any folder when `quantized`)
+    are dequantised, each rank only for the rows it keeps."""
     hf = read_hf_folder(folder)
     titan_only = {
         k.removeprefix(TITAN_ONLY_PREFIX): hf.pop(k) for k in list(hf) if k.startswith(TITAN_ONLY_PREFIX)
     }
+    quantization = _folder_quantization(folder, quantized)
+    if quantization is not None:
+        hf = dequantize_lazily(hf, quantization, str(folder))
+    elif any(name.endswith(SCALE_SUFFIX) for name in hf):
+        raise CheckpointError(
+            f"checkpoint: {folder} holds float8 weights with *{SCALE_SUFFIX} block scales but its config.json has "
+            "no quantization_config; set checkpoint.initial_load_in_hf_quantized = true to dequantise them"
+        )
     try:
         ours = adapter.from_hf(hf) | titan_only
     except Exception as err:
@@ -120,8 +161,12 @@ def load_hf_weights(folder: Path, adapter: HFStateDictAdapter, target: Mapping[s
                 f"checkpoint: '{key}' from {where} has shape {list(source.shape)} but the model expects "
                 f"{list(tensor.shape)}; the files come from a different model shape"
             )
-        source = source.to(device=tensor.device, dtype=tensor.dtype)
         with torch.no_grad():
+            local = _local_part(source, tensor) if is_lazy(source) and isinstance(tensor, DTensor) else None
+            if local is not None:
+                tensor.to_local().copy_(local.to(device=tensor.device, dtype=tensor.dtype))
+                continue
+            source = source.to(device=tensor.device, dtype=tensor.dtype)
             if isinstance(tensor, DTensor):
                 # src_data_rank=None: every rank holds the full tensor and keeps its slice, no communication.
                 local = distribute_tensor(source, tensor.device_mesh, tensor.placements, src_data_rank=None)

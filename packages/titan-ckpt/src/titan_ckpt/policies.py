@@ -46,12 +46,14 @@ class SavePolicy:
 class LoadPolicy:
     """What to load first: the run's checkpoint at `load_step` (-1: the newest), else the weights at
     `initial_load_path` (the model alone with `initial_load_model_only`; Hugging Face files with
-    `initial_load_in_hf`); states named in `exclude_from_loading` keep their values."""
+    `initial_load_in_hf`, float8 block-quantised ones with `initial_load_in_hf_quantized` even where
+    their config.json does not say so); states named in `exclude_from_loading` keep their values."""
 
     load_step: int = -1
     initial_load_path: str | Path | None = None
     initial_load_model_only: bool = True
     initial_load_in_hf: bool = False
+    initial_load_in_hf_quantized: bool = False
     exclude_from_loading: Iterable[str] = ()
 
     def __post_init__(self) -> None:
@@ -62,6 +64,10 @@ class LoadPolicy:
         if self.initial_load_in_hf and not self.initial_load_model_only:
             raise CheckpointError(
                 "checkpoint: initial_load_in_hf loads model weights only; set initial_load_model_only = true"
+            )
+        if self.initial_load_in_hf_quantized and not self.initial_load_in_hf:
+            raise CheckpointError(
+                "checkpoint: initial_load_in_hf_quantized describes Hugging Face files; set initial_load_in_hf = true"
             )
         object.__setattr__(self, "exclude_from_loading", tuple(self.exclude_from_loading))
 

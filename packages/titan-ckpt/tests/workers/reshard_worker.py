@@ -1,8 +1,8 @@
 """Checkpoints across layouts on 2 ranks (run under torchrun; rank 0 writes a JSON report to argv[1]).
 
 Saves with FSDP on 2 ranks, then loads into 1 rank and into tensor parallel 2; also covers async
-saves across ranks, a rank failing mid-write, a key missing on one rank only, and Hugging Face
-export from FSDP imported into TP. Uses raw torch parallelism (this package may not import
+saves across ranks, a rank failing mid-write, a key missing on one rank only, Hugging Face
+export from FSDP imported into TP, and float8 block-quantised Hugging Face files into FSDP and TP. Uses raw torch parallelism (this package may not import
 titan-parallel).
 """
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -86,6 +87,31 @@ class RenameAdapter:
 
     def hf_config(self):
         return {"model_type": "toy"}
+
+
+def quantized_files(tensors: dict, block: int) -> tuple[dict, dict]:
+    """(safetensors content with each matrix as float8 e4m3 plus its `_scale_inv` per block x block, the
+    matrices those files mean: fp8 times its block's scale), written here element by block."""
+    files, dequantised = {}, {}
+    for name, t in tensors.items():
+        if t.ndim != 2:
+            files[name] = dequantised[name] = t
+            continue
+        rows, cols = -(-t.shape[0] // block), -(-t.shape[1] // block)
+        scale = torch.empty(rows, cols)
+        fp8 = torch.empty(t.shape, dtype=torch.float8_e4m3fn)
+        for i in range(rows):
+            for j in range(cols):
+                part = (slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block))
+                scale[i, j] = t[part].abs().max() / 448
+                fp8[part] = (t[part] / scale[i, j]).to(torch.float8_e4m3fn)
+        files[name], files[f"{name}_scale_inv"] = fp8, scale
+        back = fp8.to(torch.float32)
+        for i in range(rows):
+            for j in range(cols):
+                back[i * block : (i + 1) * block, j * block : (j + 1) * block] *= scale[i, j]
+        dequantised[name] = back
+    return files, dequantised
 
 
 def fsdp_model(mesh, seed=0):
@@ -238,6 +264,30 @@ def main(out_path: str) -> None:
     ).load()
     report["hf_files"] = sorted(p.name for p in (root / "g" / "step-6").iterdir())
     report["hf_tp_max_diff"] = max_diff(get_model_state_dict(tp_hf, options=FULL), exported)
+
+    # H: float8 block-quantised Hugging Face files (12x12 blocks: partial at the edges) into FSDP and TP.
+    fp8_folder = root / "h"
+    reference = {}
+    for name, tensor in Toy().state_dict().items():
+        reference[f"model.{name}"] = torch.randn(tensor.shape, generator=torch.Generator().manual_seed(9))
+    files, dequantised = quantized_files(reference, 12)
+    if rank == 0:
+        fp8_folder.mkdir()
+        save_file(files, str(fp8_folder / "model.safetensors"))
+        quantization = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [12, 12]}
+        (fp8_folder / "config.json").write_text(json.dumps({"quantization_config": quantization}))
+    dist.barrier()
+    expected = {k.removeprefix("model."): v for k, v in dequantised.items()}
+    report["hf_fp8_max_diff"] = {}
+    for layout, fp8_model in (("fsdp", fsdp_model(mesh, seed=7)), ("tp", tp_model(mesh, seed=8))):
+        Checkpointer(
+            root / f"h_{layout}",
+            {"model": ModelState([fp8_model])},
+            loading=LoadPolicy(initial_load_path=fp8_folder, initial_load_in_hf=True),
+            hf_adapter=RenameAdapter(),
+        ).load()
+        report["hf_fp8_max_diff"][layout] = max_diff(get_model_state_dict(fp8_model, options=FULL), expected)
+    report["hf_fp8_quantisation_error"] = max_diff(dequantised, reference)
 
     if rank == 0:
         Path(out_path).write_text(json.dumps(report, indent=1))

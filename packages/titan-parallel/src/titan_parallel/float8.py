@@ -84,6 +84,12 @@ def apply_float8(
         )
     if not emulate:
         check_float8_device(device_type, recipe=recipe)
+        if device_type == "cpu":
+            logger.warning(
+                "float8 on CPU without emulation runs torch's reference float8 matmul, minutes per step (a "
+                "debug-model step took 7 minutes); add --quantize.linear.float8.emulate to run the matmuls in "
+                "high precision on float8-rounded values, or train float8 on a CUDA GPU"
+            )
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)

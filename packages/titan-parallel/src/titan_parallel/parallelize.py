@@ -93,10 +93,45 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
 
 
 def _logged(model: nn.Module, dims: ParallelDims, options: ParallelOptions) -> nn.Module:
-    logger.info(
-        "parallelized %s: %s ep %d etp %d %s", type(model).__name__, dims.degrees, dims.ep, dims.etp, options
-    )
+    logger.info("parallelized %s: %s", type(model).__name__, describe_layout(dims, options))
     return model
+
+
+def describe_layout(dims: ParallelDims, options: ParallelOptions) -> str:
+    """The degrees above 1 and what is switched on, in one short line (the whole options repr is ~900
+    characters, most of it defaults)."""
+    degrees = {name: d for name, d in dims.degrees.items() if d > 1}
+    degrees |= {name: d for name, d in (("ep", dims.ep), ("etp", dims.etp)) if d > 1}
+    dp = options.data_parallel
+    on = [
+        f"params {str(dp.param_dtype).removeprefix('torch.')}, reduce {str(dp.reduce_dtype).removeprefix('torch.')}"
+    ]
+    if dims.degrees.get("tp", 1) > 1:
+        tp = options.tensor_parallel
+        on += [
+            name
+            for name, flag in (
+                ("sequence parallel", tp.sequence_parallel),
+                ("loss parallel", tp.loss_parallel),
+                ("async TP", tp.async_tp),
+            )
+            if flag
+        ]
+    if dims.degrees.get("cp", 1) > 1:
+        on.append(f"cp {options.context_parallel.rotate_method}")
+    if dims.degrees.get("pp", 1) > 1:
+        on.append(f"pp {options.pipeline.schedule}")
+    if options.activation_checkpoint.mode != "none":
+        on.append(f"activation checkpointing {options.activation_checkpoint.mode}")
+    if options.compile.enabled:
+        on.append(f"compile ({options.compile.backend})")
+    if dp.cpu_offload:
+        on.append("cpu offload")
+    if options.float8 is not None:
+        on.append(f"float8 {options.float8.recipe}" + (" emulated" if options.float8.emulate else ""))
+    if options.mx is not None:
+        on.append(f"mx {options.mx.recipe}")
+    return f"{', '.join(f'{k} {v}' for k, v in degrees.items()) or 'one rank'}; {', '.join(on)}"
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ Names map one to one except the routed experts: Titan stacks them (`moe.experts.
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -48,14 +49,15 @@ _MOE = {
 }
 _EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj", "moe.experts.w3": "up_proj"}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+logger = logging.getLogger(__name__)
 
 
 class DeepSeekV3StateDictAdapter:
     """Converts full (unsharded) state dicts to and from `DeepseekV3ForCausalLM`'s for one model shape.
 
     A model without an expert bias (`load_balance_coeff=None`) exports a zero
-    `e_score_correction_bias`, and imports only a zero one. `mtp_layers` multi-token-prediction
-    layers after the last block (DeepSeek-V3's published checkpoint has one) are skipped on import.
+    `e_score_correction_bias`, and imports only a zero one. Multi-token-prediction layers after the
+    last block (DeepSeek-V3's published checkpoint has one; `mtp_layers` names more) are skipped on import.
     """
 
     def __init__(
@@ -120,11 +122,11 @@ class DeepSeekV3StateDictAdapter:
 
     def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """`DeepseekV3ForCausalLM`'s names and per-expert matrices -> Titan's (what `load_state_dict` takes)."""
-        n, mtp = self.args.n_layers, self.mtp_layers
+        mtp = self._mtp_layers_in(hf_state_dict)
         state = {
             k: t
             for k, t in hf_state_dict.items()
-            if not ((m := _HF_LAYER.match(k)) and n <= int(m.group(1)) < n + mtp)
+            if not ((m := _HF_LAYER.match(k)) and int(m.group(1)) in mtp)
         }
         theirs_to_ours = {theirs: ours for ours, theirs in self._names.items()}
         expert_names = {
@@ -149,6 +151,24 @@ class DeepSeekV3StateDictAdapter:
             for name, hf_names in by_weight.items():
                 ours[f"layers.{layer}.{name}"] = torch.stack([state[h] for h in hf_names])
         return ours
+
+    def _mtp_layers_in(self, hf_state_dict: dict[str, Tensor]) -> list[int]:
+        """The multi-token-prediction layers of a checkpoint, which the import skips (said once): the
+        `mtp_layers` after the last block, and any layer past it holding an MTP projection (`eh_proj`),
+        as DeepSeek-V3's layer 61 does (`num_nextn_predict_layers`)."""
+        n = self.args.n_layers
+        layers = set(range(n, n + self.mtp_layers))
+        for name in hf_state_dict:
+            if (m := _HF_LAYER.match(name)) and int(m.group(1)) >= n and name.endswith(".eh_proj.weight"):
+                layers.add(int(m.group(1)))
+        found = sorted(i for i in layers if any(k.startswith(f"model.layers.{i}.") for k in hf_state_dict))
+        if found:
+            logger.info(
+                "model: skipping DeepSeek's multi-token-prediction layer %s (num_nextn_predict_layers; "
+                "Titan trains without MTP)",
+                ", ".join(map(str, found)),
+            )
+        return found
 
     def hf_config(self) -> dict:
         """The `config.json` of the equivalent `DeepseekV3ForCausalLM` (see `hf_config.to_hf_config`)."""

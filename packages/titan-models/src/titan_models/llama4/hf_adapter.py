@@ -6,9 +6,13 @@ fused there: `feed_forward.experts.gate_up_proj` (E, dim, 2 * hidden) holds each
 (our `w1`, (E, hidden, dim)) and up (`w3`) projections transposed and side by side, and
 `feed_forward.experts.down_proj` (E, hidden, dim) is our `w2` transposed. The load-balancing
 `expert_bias` has no Hugging Face counterpart: an export leaves it out and an import starts it at zero.
+A multimodal checkpoint (`Llama4ForConditionalGeneration`) holds the text model under `language_model.`;
+its vision tower and projector are skipped on import, with one log line.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import Tensor
@@ -20,6 +24,28 @@ from titan_models.llama4.hf_config import to_hf_config
 _DENSE = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 # Our names for the fused tensors while they are renamed (never seen outside this module).
 _GATE_UP, _DOWN = "moe.experts.gate_up", "moe.experts.down"
+_TEXT_PREFIX = "language_model."
+_IMAGE_PARTS = ("vision_model.", "multi_modal_projector.")
+logger = logging.getLogger(__name__)
+
+
+def _text_model(hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The text model's tensors of a multimodal checkpoint, named as `Llama4ForCausalLM` names them (the
+    vision tower and projector skipped, said once); a text checkpoint as it is."""
+    if not any(name.startswith(_TEXT_PREFIX) for name in hf_state_dict):
+        return hf_state_dict
+    skipped = [name for name in hf_state_dict if name.startswith(_IMAGE_PARTS)]
+    if skipped:
+        logger.info(
+            "model: skipping the vision tower and projector of the multimodal Llama 4 checkpoint (%d tensors "
+            "under vision_model. and multi_modal_projector.); Titan imports its text model (language_model.)",
+            len(skipped),
+        )
+    return {
+        (name[len(_TEXT_PREFIX) :] if name.startswith(_TEXT_PREFIX) else name): t
+        for name, t in hf_state_dict.items()
+        if not name.startswith(_IMAGE_PARTS)
+    }
 
 
 class Llama4StateDictAdapter(LlamaStateDictAdapter):
@@ -68,9 +94,10 @@ class Llama4StateDictAdapter(LlamaStateDictAdapter):
         return super().to_hf(fused)
 
     def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        """`Llama4ForCausalLM`'s names and layout -> ours, with a zero expert bias where our MoE layers keep one."""
+        """`Llama4ForCausalLM`'s (or a multimodal checkpoint's text model's) names and layout -> ours, with a zero
+        expert bias where our MoE layers keep one."""
         ours: dict[str, Tensor] = {}
-        for name, t in super().from_hf(hf_state_dict).items():
+        for name, t in super().from_hf(_text_model(hf_state_dict)).items():
             if name.endswith(_GATE_UP):
                 prefix = name[: -len(_GATE_UP)]
                 w1, w3 = t.chunk(2, dim=2)

@@ -1,5 +1,9 @@
 """A Llama 4 text shape as Hugging Face's `config.json` states it (`Llama4ForCausalLM`, model type
-`llama4_text`, config class `Llama4TextConfig`): written, read, and compared field by field."""
+`llama4_text`, config class `Llama4TextConfig`): written, read, and compared field by field.
+
+Meta's published Llama 4 checkpoints (Scout, Maverick) are multimodal (`llama4`,
+`Llama4ForConditionalGeneration`): their text model's config is `text_config`, which is read instead.
+"""
 
 from __future__ import annotations
 
@@ -99,8 +103,18 @@ def _layout(config: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     return problems, fields
 
 
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a multimodal `llama4` config.json (`text_config`, with the top level's
+    `tie_word_embeddings` where it leaves that out); a `llama4_text` config as it is."""
+    inner = config.get("text_config")
+    if config.get("model_type") != "llama4" or not isinstance(inner, dict):
+        return config
+    outer = {k: config[k] for k in ("tie_word_embeddings",) if k in config}
+    return {"model_type": "llama4_text", **outer, **inner}
+
+
 def _unsupported(config: dict[str, Any]) -> list[str]:
-    # A multimodal `llama4` config holds the text model under `text_config`.
+    config = text_config(config)
     problems = shared.basic_problems(lambda key: _get(config, key), ("llama4_text",), "Llama 4")
     _, scaling = shared.rope_from_config(config)
     if scaling is not None and scaling["rope_type"] != "llama3":
@@ -116,9 +130,10 @@ def _unsupported(config: dict[str, Any]) -> list[str]:
 def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> Llama4Args:
     """The Llama4Args of the model a `llama4_text` `config.json` describes (refusing what Titan cannot compute).
 
-    A multimodal `llama4` config holds the text model under `text_config`: pass that.
+    A multimodal `llama4` config is read through its `text_config`.
     """
     shared.refuse_unsupported(_unsupported(config))
+    config = text_config(config)
     _, scaling = shared.rope_from_config(config)
     args = shared.decoder_args_from_config(config, lambda key: _get(config, key), max_seq_len_cap=8192)
     args |= dict(

@@ -116,18 +116,35 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config: {path} is not valid TOML: {err}") from None
 
 
+# The subcommands `titan_train.cli.run` dispatches: (name, arguments, what it does), for `--help`.
+SUBCOMMANDS = (
+    ("report", "DUMP_FOLDER", "draws a run's loss, throughput, MFU and memory curves"),
+    (
+        "dry-run",
+        "--ngpu N ...",
+        "checks a config and its layout for N GPUs without GPUs, with a memory estimate",
+    ),
+    ("check", "--ngpu N ...", "checks a config and its layout for N ranks before a launcher starts them"),
+    ("generate", "--checkpoint DIR ...", "generates text from a checkpoint (DCP or Hugging Face)"),
+    ("eval", "--checkpoint DIR ...", "scores a checkpoint: perplexity and lm-eval tasks"),
+)
+
+
 def build_parser(cls: type = JobConfig) -> argparse.ArgumentParser:
     """An argparse parser with one `--section.field` flag per config field.
 
     Booleans are flags (`--checkpoint.enable`, or `--checkpoint.enable false`) with a negated
     form (`--checkpoint.no_enable`); lists are comma-separated.
     """
+    commands = " | ".join(f"{name} {args}" for name, args, _ in SUBCOMMANDS)
     parser = argparse.ArgumentParser(
         prog="titan-train",
-        usage="titan-train [--job.config_file FILE] [--section.field VALUE ...] | report DUMP_FOLDER | dry-run --ngpu N",
-        description="Train a Llama model. Precedence: CLI flags over the TOML file over defaults. "
-        "Subcommands: 'titan-train report DUMP_FOLDER' draws a run's curves; "
-        "'titan-train dry-run --ngpu N ...' checks a layout without GPUs.",
+        usage=f"titan-train [--job.config_file FILE] [--section.field VALUE ...]\n       titan-train {{{commands}}}",
+        description="Titan: PyTorch-native training of Llama 2/3/4, Qwen3 and DeepSeek-V3 models on torchtitan's "
+        "TOML configs, every parallelism, exact resume. Precedence: CLI flags over the TOML file over defaults. "
+        "Subcommands (each with its own --help): "
+        + "; ".join(f"'{name}' {what}" for name, _, what in SUBCOMMANDS)
+        + ".",
         allow_abbrev=False,
     )
     groups: dict[str, argparse._ArgumentGroup] = {}

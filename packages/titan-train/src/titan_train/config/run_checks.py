@@ -38,6 +38,7 @@ def check_checkpoint_config(config: JobConfig, world_size: int) -> None:
                 ("load_step", c.load_step >= 0),
                 ("load_only", c.load_only),
                 ("create_seed_checkpoint", c.create_seed_checkpoint),
+                ("initial_load_in_hf_quantized", c.initial_load_in_hf_quantized),
             )
             if is_set
         ]
@@ -51,6 +52,11 @@ def check_checkpoint_config(config: JobConfig, world_size: int) -> None:
         raise ConfigError(
             f"config: checkpoint.create_seed_checkpoint writes the unsharded model from one process, but "
             f"WORLD_SIZE is {world_size}; run it with NGPU=1 (one process, no parallelism)"
+        )
+    if c.initial_load_in_hf_quantized and not c.initial_load_in_hf:
+        raise ConfigError(
+            "config: checkpoint.initial_load_in_hf_quantized describes Hugging Face files, but "
+            "checkpoint.initial_load_in_hf is false; add --checkpoint.initial_load_in_hf"
         )
     if c.initial_load_in_hf and not (c.initial_load_path or config.model.hf_assets_path):
         raise ConfigError(

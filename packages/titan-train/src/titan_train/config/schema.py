@@ -235,6 +235,11 @@ class Checkpoint:
     initial_load_in_hf: bool = opt(
         False, "initial_load_path holds Hugging Face safetensors (empty path: model.hf_assets_path)"
     )
+    initial_load_in_hf_quantized: bool = opt(
+        False,
+        "Those safetensors are float8 with 128x128 block scales (DeepSeek-V3's format), dequantised on load; "
+        "found from config.json's quantization_config without it",
+    )
     last_save_model_only: bool = opt(
         True, "Also write the model alone (in export_dtype) beside the final, full save: step-N/model_only"
     )

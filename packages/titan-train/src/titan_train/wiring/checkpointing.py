@@ -82,6 +82,7 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
             initial_load_path=initial_load_path,
             initial_load_model_only=c.initial_load_model_only,
             initial_load_in_hf=c.initial_load_in_hf,
+            initial_load_in_hf_quantized=c.initial_load_in_hf_quantized,
             exclude_from_loading=c.exclude_from_loading,
         ),
         last_save=LastSavePolicy(

@@ -1,9 +1,10 @@
 """Hugging Face checkpoints in and out: the model shape a run uses, and the files an export carries.
 
-Import: weights load by shape, so a checkpoint whose rotary scaling, rope theta, norm epsilon or tied
-embeddings differ from the flavor would train another function without a word. Its `config.json` is
-therefore compared with the flavor before any work, and every differing field is named; the flavor
-`from_hf` takes the shape from that `config.json` instead.
+Import: weights load by shape, so a checkpoint whose rotary scaling, rope theta or tied embeddings
+differ from the flavor would train another function without a word. Its `config.json` is therefore
+compared with the flavor before any work, and every differing field is named; a checkpoint that
+differs only in its norm epsilon lends the run its own, with one log line. The flavor `from_hf`
+takes the shape from that `config.json` instead.
 
 Export: besides the weights and `config.json`, the folder gets `generation_config.json` and the
 tokenizer files of `model.hf_assets_path`, so `AutoModelForCausalLM` and `AutoTokenizer` load it as
@@ -13,6 +14,8 @@ it is.
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,12 @@ from titan_train.registry import FROM_HF, ModelFamily
 from titan_train.wiring.data import BUNDLED_TOKENIZER
 
 HF_CONFIG = "config.json"
+# Differences from the flavor that a run takes from the checkpoint (with one log line) instead of
+# refusing: published configs state their own norm epsilon (DeepSeek-V3's 1e-6 against torchtitan's
+# 671B flavor's 1e-5), which moves the function by rounding, not its shape.
+HARMLESS_FIELDS = frozenset({"rms_norm_eps", "latent_norm_eps"})
+_EPSILON_ARGS = ("norm_eps", "latent_norm_eps", "final_norm_eps")
+logger = logging.getLogger(__name__)
 # Files of a Hugging Face tokenizer folder that AutoTokenizer reads (those present are copied).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
@@ -81,7 +90,9 @@ def model_args(config: JobConfig, family: ModelFamily, **overrides) -> Any:
         )
         hf_map = hf_mapping(family, "checkpoint.initial_load_in_hf")
         differences = hf_map.config_differences(family.args_for(m.flavor), hf)
-        if differences:
+        if differences and all(d.split(":", 1)[0] in HARMLESS_FIELDS for d in differences):
+            args = _with_checkpoint_epsilons(args, hf_map.args_from_config(hf), differences, folder)
+        elif differences:
             raise ConfigError(
                 f"config: the Hugging Face checkpoint in {folder} is not {m.name} {m.flavor}: "
                 f"{'; '.join(differences)}; set model.flavor = '{FROM_HF}' to train the checkpoint's own shape, "
@@ -124,6 +135,18 @@ def check_hf_export(config: JobConfig, family: ModelFamily, args: Any) -> None:
             f"{str(err).removeprefix('model: ')}; pick a flavor it can compute, or set "
             "checkpoint.last_save_in_hf = false (the DCP checkpoint is saved either way)"
         ) from err
+
+
+def _with_checkpoint_epsilons(args: Any, checkpoint: Any, differences: list[str], folder: Path) -> Any:
+    """`args` with the norm epsilons of the checkpoint's args, said in one line."""
+    taken = {name: getattr(checkpoint, name) for name in _EPSILON_ARGS if hasattr(args, name)}
+    logger.info(
+        "config: the Hugging Face checkpoint in %s differs from the flavor only in its norm epsilon (%s); "
+        "the run takes the checkpoint's",
+        folder,
+        "; ".join(differences),
+    )
+    return replace(args, **taken)
 
 
 def hf_export_files(config: JobConfig, bos_id: int, eos_id: int) -> dict[str, bytes | Path]:
