@@ -56,7 +56,7 @@ def update_expert_bias(
     if reduce is not None:
         counts = reduce(counts)
     for moe, count in zip(layers, counts, strict=True):
-        if moe.expert_bias is not None:
+        if moe.expert_bias is not None and moe.args.update_bias:
             delta = moe.load_balance_coeff * torch.sign(count.mean() - count)
             moe.expert_bias.add_(delta - delta.mean())
         moe.tokens_per_expert.zero_()
