@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from workers.moe_balance_flavors import TINY_BALANCE
 
 from titan_models import deepseek_v3
@@ -39,7 +40,7 @@ def _records(dump: Path) -> list[dict]:
 @pytest.mark.slow
 def test_aux_loss_gradient_under_pipeline_parallelism_equals_one_process(tmp_path):
     """Both stages hold an MoE layer with a shared expert and the aux loss at weight 1; 2 microbatches.
-    Weighted twice (as when the schedule's 1/microbatches did not reach it), step 1's grad_norm is 1.3e-3 off.
+    Weighted twice (the schedule's 1/microbatches not applied to it), step 1's grad_norm was 7e-3 off.
     """
     flags = [
         *MODEL,
@@ -144,8 +145,7 @@ def test_counts_are_what_training_routed_in_every_activation_checkpointing_mode(
         trainer = build(tmp_path / mode, *flags)
         counts[mode] = trainer.train_step(trainer._batches()).moe.counts
     assert all(sum(c) == TOKENS for c in counts["none"].values())
-    for mode, got in counts.items():
-        assert got == counts["none"], mode
+    assert [mode for mode, got in counts.items() if got != counts["none"]] == []
 
 
 def test_yarn_is_decided_by_the_training_sequence_length(tmp_path):
@@ -223,3 +223,21 @@ def test_moe_coefficients_switch_balancing_and_refuse_dense_models(tmp_path, cap
         ConfigError, match="model.moe_seq_aux_loss_coeff = 0.1: llama3 debugmodel has no experts"
     ):
         args("--model.moe_seq_aux_loss_coeff", "0.1")
+
+
+def test_moe_layouts_that_drift_on_an_older_torch_are_refused_naming_its_version(tmp_path, monkeypatch):
+    flags = [*MODEL, *BATCH, "--training.seq_len", "32", "--job.dump_folder", str(tmp_path)]
+    ep_pp = ["--parallelism.expert_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]
+    cases = (
+        (ep_pp, 4, "expert_parallel_degree(2) with pipeline_parallel_degree(2)"),
+        (["--compile.enable"], 1, "compile"),
+    )
+    monkeypatch.setattr(torch, "__version__", "2.11.0")
+    for extra, world, field in cases:
+        with pytest.raises(ConfigError) as refused:
+            resolve(load_job_config([*flags, *extra]), world, "cpu")
+        message = str(refused.value)
+        assert field in message and "torch 2.11.0" in message and "\n" not in message
+    monkeypatch.setattr(torch, "__version__", "2.15.0")
+    for extra, world, _ in cases:
+        resolve(load_job_config([*flags, *extra]), world, "cpu")

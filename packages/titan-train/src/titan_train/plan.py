@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from titan_models import ModelError
 from titan_parallel import (
@@ -150,6 +151,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
         model = family.build(counting_args(args))
     problems.extend(_expert_problems(config, dims, model))
     problems.extend(_context_parallel_problems(config, dims, args))
+    problems.extend(moe_torch_problems(config, dims, bool(moe_layers_of(model)), torch.__version__))
     if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
         try:
             pipeline_stages(model.pipeline_units(), list(blocks_of(model)), dims.pp, options.pipeline)
@@ -197,6 +199,33 @@ def _expert_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) ->
     except ParallelConfigError as err:
         return [str(err)]
     return []
+
+
+# Expert parallelism under a pipeline and compiled MoE layers are tested on torch 2.15 (the lock's), where
+# they train as one process does, and drift from it on 2.11 (the packages' floor; issue 38); the versions
+# between are untested, so they are refused too.
+MOE_TORCH_FLOOR = (2, 15)
+
+
+def moe_torch_problems(config: JobConfig, dims: ParallelDims, has_experts: bool, version: str) -> list[str]:
+    """Refuse, on a torch older than MOE_TORCH_FLOOR, the MoE layouts that drift from one process there."""
+    if not has_experts or TorchVersion(version) >= MOE_TORCH_FLOOR:
+        return []
+    floor = ".".join(map(str, MOE_TORCH_FLOOR))
+    problems = []
+    if dims.ep > 1 and dims.pp > 1:
+        problems.append(
+            f"parallelism: expert_parallel_degree({dims.ep}) with pipeline_parallel_degree({dims.pp}) needs "
+            f"torch >= {floor} (this is torch {version}; tested on {floor}, it drifts from one process on 2.11); "
+            "upgrade torch or drop one of the two"
+        )
+    if config.compile.enable and "model" in config.compile.components:
+        problems.append(
+            f"compile.enable: a compiled mixture-of-experts model needs torch >= {floor} (this is torch "
+            f"{version}; tested on {floor}, it drifts from eager on 2.11); upgrade torch or remove 'model' from "
+            "compile.components"
+        )
+    return problems
 
 
 def _context_parallel_problems(config: JobConfig, dims: ParallelDims, args: Any) -> list[str]:
