@@ -34,8 +34,8 @@ class Llama4Args(DecoderArgs):
 
     iRoPE: with `every_n_layers_nope = n`, layers first, first+n, ... (`first_nope_layer`; None: n-1,
     so n-1, 2n-1, ... as Meta published it; torchtitan 0.2.2 puts the first at 0) use no positional
-    embedding and attend over the whole sequence with queries scaled by `log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1`
-    (`attn_temperature_tuning`); the other layers rotate queries and keys, normalise them (`use_qk_norm`:
+    embedding and attend over the whole sequence, with queries scaled by
+    `log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1` (`attn_temperature_tuning`); the other layers rotate queries and keys, normalise them (`use_qk_norm`:
     RMS without a weight, after the rotation) and, with `attn_chunk_size`, attend only within chunks of
     that many positions. This is the layout of the published checkpoints and of Hugging Face's
     `Llama4ForCausalLM`.

@@ -1,10 +1,10 @@
 """Keeping experts evenly loaded: the auxiliary-loss-free expert bias and DeepSeek-V3's sequence-wise loss.
 
 Expert bias (https://arxiv.org/abs/2408.15664): each MoE layer counts the tokens routed to each expert
-during training forwards (`tokens_per_expert`; not validation's, not a recomputation's); once per applied
-optimizer step, outside autograd, `update_expert_bias`
-raises the routing bias of under-loaded experts and lowers it for over-loaded ones by
-`load_balance_coeff` (the sign of mean - count, centred), then resets the counts. Counting over every
+during training forwards (`tokens_per_expert`; not validation's, not a recomputation's); once per
+applied optimizer step, outside autograd, `update_expert_bias` raises the routing bias of under-loaded
+experts and lowers it for over-loaded ones by `load_balance_coeff` (the sign of mean - count, centred),
+then resets the counts. Counting over every
 micro-batch of the step and summing over the data-parallel ranks (`reduce`) makes the update the same
 for any gradient-accumulation or data-parallel layout.
 
@@ -13,7 +13,8 @@ the sequence's top-k choices that went to expert i (times E/k) and `P_i` its mea
 Rather than returning a second loss through every pipeline stage, the MoE layer attaches it to its
 output with `attach_aux_loss`: the forward value is unchanged and backward adds `coeff * d aux` to the
 gradients, exactly as if `coeff * aux` had been added to this forward's loss. A trainer that divides
-each micro-batch's loss by the number of micro-batches sets the same factor with `set_aux_loss_scale`.
+each micro-batch's loss by the number of micro-batches (and a pipeline schedule each microbatch's by
+their number) sets the same factor with `set_aux_loss_scale`.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def update_expert_bias(
     """Move each MoE layer's expert bias towards balance from the counts since the last call; reset them.
 
     Call once per optimizer step, after it (torchtitan moves the bias in the optimizer's step pre-hook,
-    so a step not taken moves nothing): `step_applied=False` for a step the trainer skipped leaves
-    the biases as they are and only resets the counts (still reduced, so every rank calls alike). `model` may be a list of pipeline
-    stages. `reduce` sums a (layers, experts) float tensor over the data-parallel ranks and returns it,
+    so a step not taken moves nothing): `step_applied=False` for a step the trainer skipped leaves the
+    biases as they are and only resets the counts (still reduced, so every rank calls alike). `model`
+    may be a list of pipeline stages. `reduce` sums a (layers, experts) float tensor over the data-parallel ranks and returns it,
     e.g. `lambda t: (dist.all_reduce(t, group=dp_group), t)[1]`; every rank must call it, and with
     pipelining each stage reduces only its own layers. Layers without an expert bias only reset.
     """
