@@ -17,7 +17,7 @@ be those of the run resumed: bit for bit from 2 ranks, to the layouts' tolerance
 Expert parallelism: a qwen3 mixture-of-experts model cut to dim 64 (2 layers of 8 experts, top 2, its own
 one-process reference `one_process_moe`) trains under tp alone, ep 2, ep 2 with FSDP (4 ranks), ep 4
 borrowing tp, ep 2 with etp = tp = 2, ep 2 with cp 2, ep 2 with pp 2 and ep 2 under per-op selective
-checkpointing (its logged token counts twice one process's: each MoE forward is recomputed), each taking the layout's expert mesh and
+checkpointing (its logged token counts one process's: a recomputed MoE forward does not count again), each taking the layout's expert mesh and
 placements as facts; the ep 2 run on 4 ranks saves at step 3 and runs at ep 1 on 2 ranks and at ep 4 on 4 ranks resume it. A
 gradient scaled by 1.5 in the experts' dispatch (input rows) or combine (output rows) made `moe_ep2` fail
 (weights 7e-3 off; grad_norm 8e-5 relative). The MoE layouts add about 62 CPU-seconds (load 9 on 2 cores).
@@ -91,7 +91,6 @@ class Layout:
     weights_rel: float | None = None  # each weight's distance from the reference's, over the reference's norm
     refused: str | None = None  # the trainer's refusal, instead of a run
     resumed_at: int | None = None  # resumes `reference` from its save of this step; logs the steps after it
-    counts_scale: int = 1  # MoE token counts logged per one process's (2: every MoE forward recomputed)
 
 
 P = "--parallelism."
@@ -386,13 +385,12 @@ LAYOUTS = {
         reference="moe_ep2_fsdp",
         resumed_at=3,
     ),
-    # Per-op checkpointing around the experts' own FSDP unit (efsdp 1): each recomputed MoE forward counts
-    # its tokens again, so the logged counts are twice one process's.
+    # Per-op checkpointing around the experts' own FSDP unit (efsdp 1): a recomputed MoE forward does not
+    # count its tokens again, so the logged counts are one process's.
     "moe_ep2_selective_op": moe(
         2,
         (EP, "2", *local_batch(2), *SELECTIVE, "op"),
         {**experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64]), "checkpointed_blocks": 2},
-        counts_scale=2,
     ),
     "dense_model_ep2": Layout(
         2, (EP, "2", *local_batch(2)), refused="llama3 debug_2_layers has no experts to split"
@@ -509,10 +507,7 @@ def assert_trains_as_its_reference(matrix, name: str) -> None:
         # Load balancing is layout-independent: counts summed over the data-parallel ranks move the expert
         # biases as in one process, so every step routes the same tokens to the same experts.
         # (A pipeline rank logs the layers of its own stages.)
-        want = [
-            {layer: [layout.counts_scale * c for c in counts] for layer, counts in step.items()}
-            for step in reference["expert_counts"][layout.resumed_at or 0 :]
-        ]
+        want = reference["expert_counts"][layout.resumed_at or 0 :]
         assert all(
             run_step and run_step.items() <= want_step.items()
             for run_step, want_step in zip(run["expert_counts"], want, strict=True)

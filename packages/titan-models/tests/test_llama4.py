@@ -15,6 +15,7 @@ from titan_models.llama4 import (
     llama4_moe_args,
 )
 from titan_models.llama4.masks import build_llama4_masks
+from titan_models.llama4.model import Llama4Attention
 from titan_models.moe import count_active_parameters
 
 # Meta's figures (Llama 4 model cards), in billions: total, active per token. They are the multimodal
@@ -24,12 +25,14 @@ PUBLISHED = {"17bx16e": (109, 17), "17bx128e": (400, 17)}
 EXACT = {"17bx16e": (107_769_861_120, 17_172_894_720), "17bx128e": (400_711_848_960, 17_184_691_200)}
 
 
-@pytest.mark.parametrize("flavor", ["17bx16e", "17bx128e", "17bx16e_irope", "17bx128e_irope"])
+@pytest.mark.parametrize(
+    "flavor", ["17bx16e", "17bx128e", "17bx16e_irope", "17bx128e_irope", "17bx16e_published", "17bx128e_published"]
+)
 def test_parameter_counts_match_meta_s_published_figures(flavor):
     with torch.device("meta"):
         model = Llama4Model(replace(llama4_args(flavor), eos_id=2))  # block-causal flavors need an eos
     total, active = count_parameters(model), count_active_parameters(model)
-    base = flavor.removesuffix("_irope")
+    base = flavor.split("_")[0]
     assert (total, active) == EXACT[base]
     published_total, published_active = PUBLISHED[base]
     assert abs(total / 1e9 - published_total) / published_total < 0.015
@@ -37,11 +40,32 @@ def test_parameter_counts_match_meta_s_published_figures(flavor):
 
 
 def test_scout_and_maverick_place_moe_and_no_rope_layers_as_published():
-    scout, maverick = LLAMA4_FLAVORS["17bx16e_irope"], LLAMA4_FLAVORS["17bx128e"]
+    scout, maverick = LLAMA4_FLAVORS["17bx16e_published"], LLAMA4_FLAVORS["17bx128e"]
     assert all(scout.is_moe_layer(i) for i in range(48))
     assert [maverick.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
     assert [scout.uses_rope(i) for i in range(8)] == [True, True, True, False] * 2
     assert (scout.ffn_hidden_dim, scout.moe_hidden_dim) == (16384, 8192)
+
+
+# torchtitan 0.2.2's flavors (torchtitan/models/llama4/__init__.py and model/args.py at tag v0.2.2):
+# every_n_layers_nope=4 with `layer_id % every_n_layers_nope == 0` no-rope, fixed_attn_block_size 8192
+# (debugmodel_irope: 256), flex attention, block_causal; its attention has no QK norm and no temperature.
+TORCHTITAN_IROPE = {"debugmodel_irope": 256, "17bx16e_irope": 8192, "17bx128e_irope": 8192}
+
+
+@pytest.mark.parametrize("flavor", list(TORCHTITAN_IROPE))
+def test_irope_flavors_compute_torchtitan_s_attention_and_published_ones_meta_s(flavor):
+    ours = llama4_args(flavor)
+    assert [ours.uses_rope(i) for i in range(8)] == [False, True, True, True] * 2
+    assert ours.attn_chunk_size == TORCHTITAN_IROPE[flavor]
+    assert (ours.attn_backend, ours.attn_mask_type) == ("flex", "block_causal")
+    assert not ours.use_qk_norm and not ours.attn_temperature_tuning
+    layers = [Llama4Attention(replace(ours, n_layers=4, eos_id=2), i) for i in range(4)]
+    assert all(a.qk_norm_eps is None and not a.tune_temperature for a in layers)
+    published = llama4_args(flavor.replace("_irope", "_published"))
+    assert [published.uses_rope(i) for i in range(8)] == [True, True, True, False] * 2
+    assert published.attn_temperature_tuning and published.use_qk_norm == (flavor != "17bx128e_irope")
+    assert published.attn_chunk_size == ours.attn_chunk_size
 
 
 def _tiny(**kw) -> Llama4Args:

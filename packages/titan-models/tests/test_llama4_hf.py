@@ -82,7 +82,7 @@ def test_titan_export_loads_in_transformers_with_equal_logits(tmp_path):
 
 
 def test_flavor_configs_match_the_published_scout_and_maverick():
-    scout = Llama4StateDictAdapter(llama4_args("17bx16e_irope")).hf_config()
+    scout = Llama4StateDictAdapter(llama4_args("17bx16e_published")).hf_config()
     widths = ("intermediate_size", "intermediate_size_mlp", "num_local_experts")
     assert [scout[k] for k in widths] == [8192, 16384, 16]
     assert scout["moe_layers"] == list(range(48)) and scout["no_rope_layers"][:4] == [1, 1, 1, 0]

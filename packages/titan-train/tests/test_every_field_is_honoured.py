@@ -974,6 +974,14 @@ PROBES: dict[str, Probe] = {
         base=("--debug.deterministic",),
     ),
     "debug.moe_force_load_balance": refused(("--debug.moe_force_load_balance",), "no experts"),
+    # qwen3's expert bias is frozen by default (as torchtitan's trainer): a step size moves it, and step 2 routes
+    # otherwise; the aux loss changes the gradients and shows in the metrics.
+    "model.moe_load_balance_coeff": Probe(
+        ("--model.moe_load_balance_coeff", "0.1"), metrics, base=MOE, train=True
+    ),
+    "model.moe_seq_aux_loss_coeff": Probe(
+        ("--model.moe_seq_aux_loss_coeff", "0.01"), metrics, base=MOE, train=True
+    ),
     # [health]: a planted NaN loss at step 1 shows what each setting does with it
     "health.on_nonfinite": Probe(
         ("--health.on_nonfinite", "skip"), status_and_metrics, base=DRILL, train=True

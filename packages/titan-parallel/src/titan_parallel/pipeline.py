@@ -48,6 +48,11 @@ class Pipeline:
     loss_fns: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
 
     @property
+    def n_microbatches(self) -> int:
+        """Microbatches per `step`: the schedule divides each one's loss by this many."""
+        return self.schedule._n_microbatches
+
+    @property
     def has_first_stage(self) -> bool:
         return any(s.is_first for s in self.stages)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 
 from titan_models import ModelError
 from titan_parallel import (
@@ -103,11 +104,27 @@ def model_seq_len(config: JobConfig) -> int:
     return config.training.seq_len
 
 
+def with_positions(args: Any, positions: int) -> Any:
+    """`args` with a rotary table of `positions` rows; a family whose function depends on the table's
+    length (its args have `with_positions`) keeps the function the args compute now."""
+    keep_function = getattr(args, "with_positions", None)
+    return keep_function(positions) if keep_function else replace(args, max_seq_len=positions)
+
+
+def run_model_args(config: JobConfig, family: ModelFamily, **overrides) -> Any:
+    """The run's model args: the flavor (or Hugging Face config) as training.seq_len sets it, so a
+    function that depends on the sequence length (DeepSeek's YaRN) is training's, then a rotary table
+    long enough for validation too (`model_seq_len`). With the run's MoE settings."""
+    args = moe_run_args(config, model_args(config, family, max_seq_len=config.training.seq_len, **overrides))
+    seq_len = model_seq_len(config)
+    return with_positions(args, seq_len) if seq_len > config.training.seq_len else args
+
+
 def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> RunPlan:
     """The plan of `config` on `world_size` ranks of `device_type`; a ConfigError naming every problem."""
     family = get_model_family(config.model.name)
     seq_len = model_seq_len(config)
-    args = moe_run_args(config, model_args(config, family, max_seq_len=seq_len))
+    args = run_model_args(config, family)
     check_hf_export(config, family, args)
     _check_context(config, args)
     dims = build_parallel_dims(config, world_size)
@@ -134,6 +151,8 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     with torch.device("meta"):
         model = family.build(counting_args(args))
     problems.extend(_expert_problems(config, dims, model))
+    problems.extend(_context_parallel_problems(config, dims, args))
+    problems.extend(moe_torch_problems(config, dims, bool(moe_layers_of(model)), torch.__version__))
     if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
         try:
             pipeline_stages(model.pipeline_units(), list(blocks_of(model)), dims.pp, options.pipeline)
@@ -180,6 +199,46 @@ def _expert_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) ->
         dims.check_model(num_experts=experts.w1.shape[0], expert_hidden_dim=experts.w1.shape[1])
     except ParallelConfigError as err:
         return [str(err)]
+    return []
+
+
+# Expert parallelism under a pipeline and compiled MoE layers are tested on torch 2.15 (the lock's), where
+# they train as one process does, and drift from it on 2.11 (the packages' floor; issue 38); the versions
+# between are untested, so they are refused too.
+MOE_TORCH_FLOOR = (2, 15)
+
+
+def moe_torch_problems(config: JobConfig, dims: ParallelDims, has_experts: bool, version: str) -> list[str]:
+    """Refuse, on a torch older than MOE_TORCH_FLOOR, the MoE layouts that drift from one process there."""
+    if not has_experts or TorchVersion(version) >= MOE_TORCH_FLOOR:
+        return []
+    floor = ".".join(map(str, MOE_TORCH_FLOOR))
+    problems = []
+    if dims.ep > 1 and dims.pp > 1:
+        problems.append(
+            f"parallelism: expert_parallel_degree({dims.ep}) with pipeline_parallel_degree({dims.pp}) needs "
+            f"torch >= {floor} (this is torch {version}; tested on {floor}, it drifts from one process on 2.11); "
+            "upgrade torch or drop one of the two"
+        )
+    if config.compile.enable and "model" in config.compile.components:
+        problems.append(
+            f"compile.enable: a compiled mixture-of-experts model needs torch >= {floor} (this is torch "
+            f"{version}; tested on {floor}, it drifts from eager on 2.11); upgrade torch or remove 'model' from "
+            "compile.components"
+        )
+    return problems
+
+
+def _context_parallel_problems(config: JobConfig, dims: ParallelDims, args: Any) -> list[str]:
+    """Llama 4's attention temperature scales each query by its position in the sequence; under context
+    parallelism a rank holds a slice of it and would take local positions for global ones."""
+    if dims.cp > 1 and getattr(args, "attn_temperature_tuning", False) and args.every_n_layers_nope:
+        m = config.model
+        return [
+            f"parallelism.context_parallel_degree({dims.cp}): {m.name} {m.flavor} tunes its attention "
+            "temperature by global position, which Titan does not shard yet; set context_parallel_degree "
+            "to 1, or pick a flavor without attn_temperature_tuning (the _irope ones)"
+        ]
     return []
 
 

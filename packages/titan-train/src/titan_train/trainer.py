@@ -123,7 +123,9 @@ class Trainer:
             and config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
         )
         self.loss_fn, self.train_loss_fn = plan.loss_fn, built.train_loss_fn
-        self.moe = MoEBalancing(self.model_parts, self.dims, self.grad_accum_steps)
+        # Each micro-batch's loss (and each pipeline microbatch's) is divided by their number: the aux loss too.
+        microbatches = self.pipeline.n_microbatches if self.pipeline is not None else 1
+        self.moe = MoEBalancing(self.model_parts, self.dims, self.grad_accum_steps * microbatches)
         if config.model.print_after_conversion:
             logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
         self.forward_context = forward_context(config, self.dims, self.device)
@@ -253,7 +255,6 @@ class Trainer:
             data_seconds += time.perf_counter() - start
             tokens += labels.numel()  # counted before context parallelism keeps a slice of the sequence
             loss_sum += self._forward_backward(inputs, labels)
-        moe = self.moe.step()  # expert biases from this step's routing, summed over dp x cp ranks
         parameters = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(
             parameters, self.config.training.max_norm, pp_mesh=self.dims.submesh("pp")
@@ -262,11 +263,15 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.wait_for_staging()  # a background save's copy must see the weights unchanged
         lr = self.optimizers.lr
-        if self.optimizers.step_unless(numbers.skip, lambda: self.guard.decide(self.state.step + 1, numbers)):
+        applied = self.optimizers.step_unless(
+            numbers.skip, lambda: self.guard.decide(self.state.step + 1, numbers)
+        )
+        if applied:
             self.step_lr = lr
             if self.float8_scales_each_step:
                 for part in self.model_parts:
                     precompute_float8_scales(part)
+        moe = self.moe.step(applied)  # expert biases from this step's routing, summed over dp x cp ranks
         return StepResult(numbers, tokens, data_seconds, moe)
 
     def _train_step_in_backward(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
@@ -280,12 +285,13 @@ class Trainer:
         coef = 1.0
         if max_norm > 0:
             norm = self.optimizers.measure(lambda: self._forward_backward(inputs.clone(), labels.clone()))
+            self.moe.discard_counts()  # the stepping pass routes the same tokens again
             coef = min(1.0, max_norm / (norm.item() + 1e-6))  # torch's clip_grads_with_norm_
         self.step_lr = self.optimizers.lr
         if self.checkpointer is not None:
             self.checkpointer.wait_for_staging()  # parameters move during this backward
         loss, grad_norm = self.optimizers.step(lambda: self._forward_backward(inputs, labels), coef)
-        moe = self.moe.step()  # a measuring pass counts tokens twice: the bias moves by sign, unchanged
+        moe = self.moe.step(applied=True)  # parameters moved in backward
         numbers = self.guard.agree(loss, grad_norm)
         self.guard.decide(self.state.step + 1, numbers)
         return StepResult(numbers, labels.numel(), data_seconds, moe)

@@ -32,9 +32,10 @@ class Llama4Args(DecoderArgs):
     `ffn_dim_multiplier`, rounded up to `multiple_of`); an MoE expert's width is that divided by
     top_k + shared experts before rounding (torchtitan's `auto_scale_hidden_dim`).
 
-    iRoPE: with `every_n_layers_nope = n`, layers n-1, 2n-1, ... use no positional embedding and attend
-    over the whole sequence with queries scaled by `log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1`
-    (`attn_temperature_tuning`); the other layers rotate queries and keys, normalise them (`use_qk_norm`:
+    iRoPE: with `every_n_layers_nope = n`, layers first, first+n, ... (`first_nope_layer`; None: n-1,
+    so n-1, 2n-1, ... as Meta published it; torchtitan 0.2.2 puts the first at 0) use no positional
+    embedding and attend over the whole sequence, with queries scaled by
+    `log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1` (`attn_temperature_tuning`); the other layers rotate queries and keys, normalise them (`use_qk_norm`:
     RMS without a weight, after the rotation) and, with `attn_chunk_size`, attend only within chunks of
     that many positions. This is the layout of the published checkpoints and of Hugging Face's
     `Llama4ForCausalLM`.
@@ -48,6 +49,7 @@ class Llama4Args(DecoderArgs):
     rope_scaling: RopeScaling | None = None
     # iRoPE
     every_n_layers_nope: int | None = None
+    first_nope_layer: int | None = None
     attn_chunk_size: int | None = None
     use_qk_norm: bool = False
     attn_temperature_tuning: bool = False
@@ -67,6 +69,11 @@ class Llama4Args(DecoderArgs):
             (
                 self.every_n_layers_nope is None or self.every_n_layers_nope > 1,
                 f"every_n_layers_nope ({self.every_n_layers_nope}) must be greater than 1",
+            ),
+            (
+                self.first_nope_layer is None
+                or 0 <= self.first_nope_layer < (self.every_n_layers_nope or self.n_layers + 1),
+                f"first_nope_layer ({self.first_nope_layer}) must be between 0 and every_n_layers_nope - 1",
             ),
             (
                 self.attn_chunk_size is None or self.attn_chunk_size > 0,
@@ -98,4 +105,8 @@ class Llama4Args(DecoderArgs):
         return (layer + 1) % self.interleave_moe_layer_step == 0
 
     def uses_rope(self, layer: int) -> bool:
-        return self.every_n_layers_nope is None or (layer + 1) % self.every_n_layers_nope != 0
+        n = self.every_n_layers_nope
+        if n is None:
+            return True
+        first = n - 1 if self.first_nope_layer is None else self.first_nope_layer
+        return (layer - first) % n != 0

@@ -1,12 +1,18 @@
-"""Named Llama 4 shapes under torchtitan 0.2.2's flavor names.
+"""Named Llama 4 shapes under torchtitan 0.2.2's flavor names, and the published attention under names
+of its own.
 
 17bx16e is Llama 4 Scout (16 experts, every layer MoE, Llama 3.1-style rotary stretch by 16 over an
 original 8192 positions); 17bx128e is Maverick (128 experts on every other layer, no rotary stretch).
 Both have 48 layers of width 5120, 40 query and 8 key/value heads, one shared expert and top-1 sigmoid
-routing. The `_irope` flavors add the published attention layout (see `Llama4Args`): a no-rope layer
-every 4th layer with temperature tuning, chunked attention (8192) and, where the published model has it
-(Scout, not Maverick), QK norm on the rope layers; like torchtitan's they use flex attention over
-packed documents.
+routing.
+
+The `_irope` flavors compute what torchtitan 0.2.2's flavors of that name compute: a no-rope layer every
+4th layer starting at layer 0, chunked attention (8192; 256 for the debug model) on the rope layers,
+flex attention over packed documents, and nothing else (no QK norm, no temperature tuning), so a
+torchtitan checkpoint trains on as it did there. The `_published` flavors add what Meta's published
+checkpoints (and Hugging Face's `Llama4ForCausalLM`) compute: the no-rope layers at 3, 7, ..., queries
+scaled by temperature tuning on them, and, where the published model has it (Scout, not Maverick), QK norm
+on the rope layers.
 """
 
 from __future__ import annotations
@@ -31,14 +37,21 @@ _BIG = dict(
     rope_theta=500000,
     max_seq_len=8192,
 )
+# torchtitan 0.2.2's iRoPE (`every_n_layers_nope=4`, `fixed_attn_block_size=8192`, flex, block_causal).
 _IROPE = dict(
     every_n_layers_nope=4,
+    first_nope_layer=0,
     attn_chunk_size=8192,
+    attn_backend="flex",
+    attn_mask_type="block_causal",
+)
+# Meta's published layout (Hugging Face's `no_rope_layers`, `attn_temperature_tuning`, `floor_scale`, ...).
+_PUBLISHED = dict(
+    _IROPE,
+    first_nope_layer=None,
     attn_temperature_tuning=True,
     floor_scale=8192,
     attn_scale=0.1,
-    attn_backend="flex",
-    attn_mask_type="block_causal",
 )
 
 _DEBUG = Llama4Args(
@@ -65,9 +78,12 @@ LLAMA4_FLAVORS: dict[str, Llama4Args] = {
     "debugmodel": _DEBUG,
     "17bx16e": _SCOUT,
     "17bx128e": _MAVERICK,
-    "debugmodel_irope": replace(_DEBUG, **{**_IROPE, "attn_chunk_size": 256}, use_qk_norm=True),
-    "17bx16e_irope": replace(_SCOUT, **_IROPE, use_qk_norm=True),
-    "17bx128e_irope": replace(_MAVERICK, **_IROPE, use_qk_norm=False),
+    "debugmodel_irope": replace(_DEBUG, **{**_IROPE, "attn_chunk_size": 256}),
+    "17bx16e_irope": replace(_SCOUT, **_IROPE),
+    "17bx128e_irope": replace(_MAVERICK, **_IROPE),
+    "debugmodel_published": replace(_DEBUG, **{**_PUBLISHED, "attn_chunk_size": 256}, use_qk_norm=True),
+    "17bx16e_published": replace(_SCOUT, **_PUBLISHED, use_qk_norm=True),
+    "17bx128e_published": replace(_MAVERICK, **_PUBLISHED, use_qk_norm=False),
 }
 
 

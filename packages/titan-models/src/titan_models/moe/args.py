@@ -19,7 +19,9 @@ class MoEArgs:
     `num_limited_groups` groups with the best top-2 scores (DeepSeek's node-limited routing).
 
     Load balancing: `load_balance_coeff` is the step size of the auxiliary-loss-free expert bias
-    (None: no bias); `seq_aux_loss_coeff` weighs DeepSeek-V3's sequence-wise balance loss (0: off).
+    (None: no bias buffer); `update_bias` False keeps the buffer (checkpoints keep its FQN) but never
+    moves it, as torchtitan 0.2.2's Qwen3 trainer, which registers no update; `seq_aux_loss_coeff`
+    weighs DeepSeek-V3's sequence-wise balance loss (0: off).
     `debug_force_load_balance` routes round-robin (torchtitan's `debug.moe_force_load_balance`).
     """
 
@@ -35,6 +37,7 @@ class MoEArgs:
     num_limited_groups: int | None = None
     use_grouped_mm: bool = True
     load_balance_coeff: float | None = 1e-3
+    update_bias: bool = True
     seq_aux_loss_coeff: float = 0.0
     debug_force_load_balance: bool = False
 

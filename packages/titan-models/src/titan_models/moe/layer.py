@@ -12,13 +12,20 @@ from titan_models.moe.load_balance import attach_aux_loss, sequence_aux_loss
 from titan_models.moe.router import TokenChoiceRouter
 
 
+def _recomputing() -> bool:
+    """Whether this forward runs inside backward: activation checkpointing recomputing it (every AC mode
+    recomputes there). Its tokens were counted by the forward it repeats."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class MoE(nn.Module):
     """Token-choice top-k routed experts plus always-on shared experts, with torchtitan 0.2.2's names.
 
     Parameters: `router.gate.weight` (E, dim), `experts.w1/w2/w3` (stacked, see `GroupedExperts`),
     `shared_experts.w1/w2/w3.weight` (one SwiGLU of width hidden * num_shared_experts). Buffers:
     `expert_bias` (E,) float32, saved in checkpoints, only when `load_balance_coeff` is set;
-    `tokens_per_expert` (E,) float32, not saved, counted in forward for `update_expert_bias`.
+    `tokens_per_expert` (E,) float32, not saved, counted for `update_expert_bias` by training forwards
+    only: not in eval mode (validation), not when activation checkpointing recomputes a forward.
     """
 
     # Under tensor parallelism every tp rank computes the whole layer (the models' tp_plans keep its
@@ -67,8 +74,9 @@ class MoE(nn.Module):
         counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, choices, torch.ones_like(choices)
         )
-        with torch.no_grad():
-            self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
+        if self.training and not _recomputing():
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
 
         # Stable sort keeps each expert's rows in token order, which makes the result deterministic.
         order = torch.argsort(indices.view(-1), stable=True)

@@ -1,9 +1,10 @@
 """Keeping experts evenly loaded: the auxiliary-loss-free expert bias and DeepSeek-V3's sequence-wise loss.
 
 Expert bias (https://arxiv.org/abs/2408.15664): each MoE layer counts the tokens routed to each expert
-during forward (`tokens_per_expert`); once per optimizer step, outside autograd, `update_expert_bias`
-raises the routing bias of under-loaded experts and lowers it for over-loaded ones by
-`load_balance_coeff` (the sign of mean - count, centred), then resets the counts. Counting over every
+during training forwards (`tokens_per_expert`; not validation's, not a recomputation's); once per
+applied optimizer step, outside autograd, `update_expert_bias` raises the routing bias of under-loaded
+experts and lowers it for over-loaded ones by `load_balance_coeff` (the sign of mean - count, centred),
+then resets the counts. Counting over every
 micro-batch of the step and summing over the data-parallel ranks (`reduce`) makes the update the same
 for any gradient-accumulation or data-parallel layout.
 
@@ -12,7 +13,8 @@ the sequence's top-k choices that went to expert i (times E/k) and `P_i` its mea
 Rather than returning a second loss through every pipeline stage, the MoE layer attaches it to its
 output with `attach_aux_loss`: the forward value is unchanged and backward adds `coeff * d aux` to the
 gradients, exactly as if `coeff * aux` had been added to this forward's loss. A trainer that divides
-each micro-batch's loss by the number of micro-batches sets the same factor with `set_aux_loss_scale`.
+each micro-batch's loss by the number of micro-batches (and a pipeline schedule each microbatch's by
+their number) sets the same factor with `set_aux_loss_scale`.
 """
 
 from __future__ import annotations
@@ -38,12 +40,17 @@ def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 @torch.no_grad()
 def update_expert_bias(
-    model: nn.Module | list[nn.Module], reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    model: nn.Module | list[nn.Module],
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    *,
+    step_applied: bool = True,
 ) -> None:
     """Move each MoE layer's expert bias towards balance from the counts since the last call; reset them.
 
-    Call once per optimizer step (after the step's last backward). `model` may be a list of pipeline
-    stages. `reduce` sums a (layers, experts) float tensor over the data-parallel ranks and returns it,
+    Call once per optimizer step, after it (torchtitan moves the bias in the optimizer's step pre-hook,
+    so a step not taken moves nothing): `step_applied=False` for a step the trainer skipped leaves the
+    biases as they are and only resets the counts (still reduced, so every rank calls alike). `model`
+    may be a list of pipeline stages. `reduce` sums a (layers, experts) float tensor over the data-parallel ranks and returns it,
     e.g. `lambda t: (dist.all_reduce(t, group=dp_group), t)[1]`; every rank must call it, and with
     pipelining each stage reduces only its own layers. Layers without an expert bias only reset.
     """
@@ -56,7 +63,7 @@ def update_expert_bias(
     if reduce is not None:
         counts = reduce(counts)
     for moe, count in zip(layers, counts, strict=True):
-        if moe.expert_bias is not None:
+        if step_applied and moe.expert_bias is not None and moe.args.update_bias:
             delta = moe.load_balance_coeff * torch.sign(count.mean() - count)
             moe.expert_bias.add_(delta - delta.mean())
         moe.tokens_per_expert.zero_()
@@ -66,9 +73,7 @@ def update_expert_bias(
 def expert_load(model: nn.Module | list[nn.Module]) -> dict[str, float]:
     """Per MoE layer, max / mean of the tokens each expert got since the last bias update (1.0: balanced).
 
-    Read it before `update_expert_bias` resets the counts. The ratio ignores a constant factor, so
-    activation checkpointing (which counts recomputed forwards twice) does not change it. NaN when the
-    layer saw no token.
+    Read it before `update_expert_bias` resets the counts. NaN when the layer saw no token.
     """
     loads = {}
     for part in model if isinstance(model, list) else [model]:

@@ -10,7 +10,8 @@ from titan_models.moe import MoEArgs
 
 def qwen3_moe_args(num_experts: int, top_k: int, route_norm: bool = True) -> MoEArgs:
     """Qwen3-MoE routing: softmax over all experts, the top k renormalised (`norm_topk_prob`), scores
-    applied to the experts' outputs, no shared expert."""
+    applied to the experts' outputs, no shared expert. The expert bias is kept (torchtitan's checkpoints
+    hold it) but frozen at zero, as torchtitan 0.2.2's Qwen3 trainer, which registers no bias update."""
     return MoEArgs(
         num_experts=num_experts,
         num_shared_experts=0,
@@ -19,6 +20,7 @@ def qwen3_moe_args(num_experts: int, top_k: int, route_norm: bool = True) -> MoE
         route_norm=route_norm,
         route_scale=1.0,
         score_before_experts=False,
+        update_bias=False,
     )
 
 

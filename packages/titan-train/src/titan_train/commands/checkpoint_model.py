@@ -14,7 +14,6 @@ import logging
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -24,12 +23,11 @@ from titan_ckpt import TITAN_ONLY_PREFIX, Checkpointer, LoadPolicy, ModelState, 
 from titan_data import Tokenizer
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.plan import model_seq_len
+from titan_train.plan import run_model_args, with_positions
 from titan_train.registry import FROM_HF, ModelFamily, get_model_family
 from titan_train.wiring.checkpointing import hf_adapter_for
 from titan_train.wiring.data import build_tokenizer_for
-from titan_train.wiring.hf_interop import hf_mapping, model_args
-from titan_train.wiring.moe import moe_run_args
+from titan_train.wiring.hf_interop import hf_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +94,7 @@ def _model_args(config: JobConfig, family: ModelFamily, path: Path, fmt: str, eo
     hf_config = json.loads(config_file.read_text()) if fmt == "hf" and config_file.is_file() else None
     # The run's args, as training resolved them (titan_train.plan.resolve): a model whose function depends
     # on the positions it was built for (DeepSeek's YaRN) computes here what it computed in training.
-    run_args = moe_run_args(
-        config, model_args(config, family, eos_id=eos_id, max_seq_len=model_seq_len(config))
-    )
+    run_args = run_model_args(config, family, eos_id=eos_id)
     if hf_config is None:
         return run_args
     hf = hf_mapping(family, f"{path} is a Hugging Face checkpoint")
@@ -112,13 +108,6 @@ def _model_args(config: JobConfig, family: ModelFamily, path: Path, fmt: str, eo
             f"{'; '.join(differences)}; pass the run's config, or model.flavor = '{FROM_HF}' to use the folder's shape"
         )
     return args
-
-
-def _with_positions(args: Any, positions: int) -> Any:
-    """`args` with a rotary table of `positions` rows; a family whose function depends on the table's
-    length (its args have `with_positions`) keeps the function it was trained with."""
-    keep_function = getattr(args, "with_positions", None)
-    return keep_function(positions) if keep_function else replace(args, max_seq_len=positions)
 
 
 def default_device() -> torch.device:
@@ -175,7 +164,7 @@ def load_checkpoint_model(
     family = get_model_family(config.model.name)
     tokenizer = build_tokenizer_for(config)
     args = _model_args(config, family, path, fmt, tokenizer.eos_id)
-    args = _with_positions(args, max_seq_len or args.context_len)
+    args = with_positions(args, max_seq_len or args.context_len)
     with torch.device("meta"):
         model = family.build(args)
     model.to_empty(device=device)

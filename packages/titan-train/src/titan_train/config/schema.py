@@ -92,6 +92,19 @@ class Model:
         choices=("quantize.linear.float8", "quantize.linear.mx"),
     )
     print_after_conversion: bool = opt(False, "Log the model after the converters ran")
+    moe_load_balance_coeff: float | None = opt(
+        None,
+        "(Titan) Step of the MoE expert-bias balancing per optimizer step; 0: off (the bias stays as "
+        "loaded); None: the flavor's (qwen3: off, as torchtitan's Qwen3 trainer; deepseek_v3, llama4: 1e-3)",
+        minimum=0,
+        maximum=1.0,
+    )
+    moe_seq_aux_loss_coeff: float | None = opt(
+        None,
+        "(Titan) Weight of DeepSeek-V3's sequence-wise MoE balance loss; 0: off; None: the flavor's",
+        minimum=0,
+        maximum=1.0,
+    )
 
 
 @dataclass

@@ -89,7 +89,7 @@ def model_args(config: JobConfig, family: ModelFamily, **overrides) -> Any:
             folder, "checkpoint.initial_load_in_hf checks the checkpoint's shape against the flavor"
         )
         hf_map = hf_mapping(family, "checkpoint.initial_load_in_hf")
-        differences = hf_map.config_differences(family.args_for(m.flavor), hf)
+        differences = hf_map.config_differences(args, hf)  # the run's args (seq_len decides YaRN)
         if differences and all(d.split(":", 1)[0] in HARMLESS_FIELDS for d in differences):
             args = _with_checkpoint_epsilons(args, hf_map.args_from_config(hf), differences, folder)
         elif differences:

@@ -1,13 +1,15 @@
 """Mixture-of-experts load balancing in the training step, for families whose models have MoE layers.
 
-Once per optimizer step, after the step's last backward and outside autograd, `MoEBalancing.step`
+Once per optimizer step, after the optimizer step and outside autograd, `MoEBalancing.step`
 sums each layer's tokens per expert over every data-parallel and context-parallel rank (so the update
 is the same for any layout), moves the expert biases (`titan_models.moe.update_expert_bias`) and
-returns the step's expert load and auxiliary loss for the metrics line. Under expert parallelism the
+returns the step's expert load and auxiliary loss for the metrics line. A step the health guard skips
+moves no bias (torchtitan moves it in the optimizer's step pre-hook). Under expert parallelism the
 group stays dp x cp: each rank counts the tokens it routes, before dispatch, and the ep ranks are among
 those (ep borrows dp_shard and cp ranks; the tp ranks it may borrow route the same tokens, so they are
 not summed over). The sequence-wise auxiliary
-loss is scaled by 1 / gradient-accumulation steps, like the language-model loss it joins.
+loss is scaled like the language-model loss it joins: by 1 / the losses one step backpropagates
+(gradient-accumulation steps, times a pipeline schedule's microbatches).
 A model without MoE layers makes every call here a no-op.
 """
 
@@ -32,17 +34,34 @@ def has_experts(args: Any) -> bool:
 
 
 def moe_run_args(config: JobConfig, args: Any) -> Any:
-    """`args` with the run's MoE debug settings: `debug.moe_force_load_balance` routes round-robin.
-    Refused, in one line, for a model without experts."""
-    if not config.debug.moe_force_load_balance:
+    """`args` with the run's MoE settings: `debug.moe_force_load_balance` routes round-robin,
+    `model.moe_load_balance_coeff` sets the expert-bias step (0: the bias never moves) and
+    `model.moe_seq_aux_loss_coeff` the sequence-wise loss's weight. Any of them set for a model without
+    experts is refused in one line."""
+    m = config.model
+    asked = {
+        "debug.moe_force_load_balance = true": config.debug.moe_force_load_balance,
+        f"model.moe_load_balance_coeff = {m.moe_load_balance_coeff}": m.moe_load_balance_coeff is not None,
+        f"model.moe_seq_aux_loss_coeff = {m.moe_seq_aux_loss_coeff}": m.moe_seq_aux_loss_coeff is not None,
+    }
+    if not any(asked.values()):
         return args
     if not has_experts(args):
-        m = config.model
+        setting = next(name for name, on in asked.items() if on)
         raise ConfigError(
-            f"debug.moe_force_load_balance = true: {m.name} {m.flavor} has no experts to balance; "
-            "set it to false or pick a mixture-of-experts flavor"
+            f"{setting}: {m.name} {m.flavor} has no experts to balance; unset it or pick a mixture-of-experts "
+            "flavor"
         )
-    return replace(args, moe_args=replace(args.moe_args, debug_force_load_balance=True))
+    moe = args.moe_args
+    if config.debug.moe_force_load_balance:
+        moe = replace(moe, debug_force_load_balance=True)
+    if m.moe_load_balance_coeff == 0:
+        moe = replace(moe, update_bias=False)
+    elif m.moe_load_balance_coeff is not None:
+        moe = replace(moe, load_balance_coeff=m.moe_load_balance_coeff, update_bias=True)
+    if m.moe_seq_aux_loss_coeff is not None:
+        moe = replace(moe, seq_aux_loss_coeff=m.moe_seq_aux_loss_coeff)
+    return replace(args, moe_args=moe)
 
 
 @dataclass(frozen=True)
@@ -67,13 +86,14 @@ class MoEStepStats:
 class MoEBalancing:
     """The trainer's two calls: construct once with the model parts, `step()` once per optimizer step."""
 
-    def __init__(self, model_parts: list[nn.Module], dims: ParallelDims, grad_accum_steps: int):
+    def __init__(self, model_parts: list[nn.Module], dims: ParallelDims, losses_per_step: int):
+        """`losses_per_step`: the forwards whose losses one optimizer step sums, each scaled by its inverse."""
         self.parts = model_parts
         self.layers = {name: m for part in model_parts for name, m in moe_modules(part).items()}
         mesh = dims.submesh("dp_cp") if self.layers else None
         self.group = mesh.get_group() if mesh is not None else None
         if self.layers:
-            set_aux_loss_scale(model_parts, 1.0 / grad_accum_steps)
+            set_aux_loss_scale(model_parts, 1.0 / losses_per_step)
 
     @property
     def enabled(self) -> bool:
@@ -86,13 +106,20 @@ class MoEBalancing:
         return counts
 
     @torch.no_grad()
-    def step(self) -> MoEStepStats | None:
-        """Update every expert bias from this step's counts (reset after); the step's stats, or None
-        for a model without experts. Every rank of the data-parallel x context-parallel group calls it."""
+    def discard_counts(self) -> None:
+        """Forget the tokens counted since the last step (a pass that measured, but did not train)."""
+        for moe in self.layers.values():
+            moe.tokens_per_expert.zero_()
+
+    @torch.no_grad()
+    def step(self, applied: bool) -> MoEStepStats | None:
+        """After the optimizer step: update every expert bias from this step's counts if the step was
+        `applied` (a skipped step moves none), reset the counts; the step's stats, or None for a model
+        without experts. Every rank of the data-parallel x context-parallel group calls it."""
         if not self.layers:
             return None
         aux = [m.last_aux_loss for m in self.layers.values() if m.last_aux_loss is not None]
         self._counts = None
-        update_expert_bias(self.parts, reduce=self._reduce)
+        update_expert_bias(self.parts, reduce=self._reduce, step_applied=applied)
         counts = dict(zip(self.layers, self._counts.tolist(), strict=True))
         return MoEStepStats(counts, torch.stack(aux).mean().item() if aux else None)
