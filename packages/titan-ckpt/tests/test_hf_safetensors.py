@@ -173,3 +173,37 @@ def test_hf_weights_of_another_shape_are_refused_naming_the_key(tmp_path, single
         r"'0\.weight' from .* has shape \[16, 8\] but the model expects \[32, 8\]",
         hidden=32,
     )
+
+
+def test_float8_weights_without_quantization_config_load_with_initial_load_in_hf_quantized_only(
+    tmp_path, single_process_group, toy_run, same
+):
+    """torchtitan's switch: a folder whose config.json does not declare the float8 blocks (one 128x128
+    block covers each toy matrix) is refused naming the switch, and dequantised with it."""
+    hf = {k: v.contiguous() for k, v in ToyAdapter().to_hf(toy_run(seed=9).weights()).items()}
+    files, dequantised = {}, {}
+    for name, t in hf.items():
+        if t.ndim == 2:
+            scale = t.abs().max() / 448
+            files[name] = (t / scale).to(torch.float8_e4m3fn)
+            files[f"{name}_scale_inv"] = scale.reshape(1, 1)
+            dequantised[name] = files[name].to(torch.float32) * scale
+        else:
+            files[name] = dequantised[name] = t
+    (tmp_path / "hf").mkdir()
+    save_file(files, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+
+    def load(quantized: bool):
+        run = toy_run()
+        loading = LoadPolicy(
+            initial_load_path=tmp_path / "hf", initial_load_in_hf=True, initial_load_in_hf_quantized=quantized
+        )
+        Checkpointer(
+            tmp_path / f"run_{quantized}", run.states(), loading=loading, hf_adapter=ToyAdapter()
+        ).load()
+        return run
+
+    with pytest.raises(CheckpointError, match="initial_load_in_hf_quantized = true"):
+        load(False)
+    assert same(load(True).weights(), ToyAdapter().from_hf(dequantised))
+    assert not same(ToyAdapter().from_hf(dequantised), ToyAdapter().from_hf(hf))
