@@ -3,6 +3,7 @@ are imported, trained with adapters and exported; PEFT loads the adapter folder 
 and gives Titan's logits, and so does the merged export alone. Only the adapters change."""
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from titan_models import llama3_args, to_hf_config
 from titan_models.qwen3 import Qwen3Args, Qwen3StateDictAdapter
+from titan_train.cli import run
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
@@ -134,3 +136,40 @@ def test_peft_loads_the_exported_adapter_with_titans_logits_and_only_adapters_tr
         assert (peft_model(tokens).logits - ours).abs().max() <= 1e-5
         merged = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
         assert (merged(tokens).logits - ours).abs().max() <= 1e-5
+
+
+BAD_INPUT = {
+    "rank": (("--lora.rank", "0"), "config: lora.rank must be at least 1, got 0"),
+    "alpha": (("--lora.alpha", "-1"), "config: lora.alpha must be above 0, got -1.0"),
+    "dropout": (("--lora.dropout", "1"), "config: lora.dropout must be below 1, got 1.0"),
+    "target": (
+        ("--lora.target_modules", "q_proj,qkv_proj"),
+        "config: lora.target_modules ['qkv_proj'] match no linear layer of llama3 debugmodel; its linear layers "
+        "are output, gate_proj (w1), down_proj (w2), up_proj (w3), k_proj (wk), o_proj (wo), q_proj (wq), "
+        "v_proj (wv); or use all-linear",
+    ),
+    "order": (
+        ("--model.converters", "lora,quantize.linear.float8"),
+        "config: model.converters ['lora', 'quantize.linear.float8'] puts lora before ['quantize.linear.float8']: "
+        "the adapters must sit on the quantised layers; list lora last (model.converters = "
+        "['quantize.linear.float8', 'lora'])",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_lora_settings_stop_at_start_in_one_line(case, tmp_path, caplog):
+    flags, says = BAD_INPUT[case]
+    argv = [
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.seq_len",
+        "32",
+        "--model.converters",
+        "lora",
+        *flags,
+    ]
+    with caplog.at_level(logging.ERROR):
+        assert run(argv) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line == says
