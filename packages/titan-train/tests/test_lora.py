@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from titan_models import llama3_args, to_hf_config
 from titan_models.qwen3 import Qwen3Args, Qwen3StateDictAdapter
 from titan_train.cli import run
+from titan_train.commands.checkpoint_model import load_checkpoint_model
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
@@ -136,6 +137,10 @@ def test_peft_loads_the_exported_adapter_with_titans_logits_and_only_adapters_tr
         assert (peft_model(tokens).logits - ours).abs().max() <= 1e-5
         merged = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
         assert (merged(tokens).logits - ours).abs().max() <= 1e-5
+        # What `titan-train generate/eval` load: the DCP checkpoint with its adapters, or the merged export.
+        for weights in ("dcp", "hf"):
+            loaded = load_checkpoint_model(config, export, device=torch.device("cpu"), weights=weights)
+            assert (loaded.model(tokens) - ours).abs().max() <= 1e-5, weights
 
 
 BAD_INPUT = {

@@ -28,6 +28,7 @@ from titan_train.registry import FROM_HF, ModelFamily, get_model_family
 from titan_train.wiring.checkpointing import hf_adapter_for
 from titan_train.wiring.data import build_tokenizer_for
 from titan_train.wiring.hf_interop import hf_mapping, model_args
+from titan_train.wiring.lora import lora_enabled, lora_options
 from titan_train.wiring.moe import moe_run_args
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,9 @@ def load_checkpoint_model(
     args = _with_positions(args, max_seq_len or args.context_len)
     with torch.device("meta"):
         model = family.build(args)
+    if fmt == "dcp" and lora_enabled(config):
+        # A LoRA run's DCP checkpoint holds its adapters beside the base (its Hugging Face export is merged).
+        lora_options(config, ()).convert(model)
     model.to_empty(device=device)
     model.init_weights(
         buffer_device=device, seed=0
