@@ -21,6 +21,7 @@ A config is FLAVOR:MODE:AC=BATCH; an OOM is reported as such, never retried at a
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -266,7 +267,7 @@ def flops_per_token(flavor: str, seq_len: int) -> float:
     if "/" in flavor:
         from titan_train.registry import get_model_family
 
-        import cut_flavors  # noqa: F401  (registers the cuts with Titan, once imported)
+        importlib.import_module("cut_flavors")  # after titan_train: it registers the cuts with what is loaded
 
         name, cut = flavor.split("/")
         family = get_model_family(name)

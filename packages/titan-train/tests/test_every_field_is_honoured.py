@@ -85,6 +85,7 @@ CP2 = ("--parallelism.context_parallel_degree", "2")
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe")
+LORA = ("--model.converters", "lora")
 
 
 @dataclass(frozen=True)
@@ -983,6 +984,12 @@ PROBES: dict[str, Probe] = {
         ("--model.moe_seq_aux_loss_coeff", "0.01"), metrics, base=MOE, train=True
     ),
     # [health]: a planted NaN loss at step 1 shows what each setting does with it
+    # [lora]: what reached titan-parallel's LoRA (its tests prove the adapters act on it)
+    "lora.rank": Probe(("--lora.rank", "4"), options("lora.rank"), base=LORA),
+    "lora.alpha": Probe(("--lora.alpha", "4"), options("lora.alpha"), base=LORA),
+    "lora.dropout": Probe(("--lora.dropout", "0.1"), options("lora.dropout"), base=LORA),
+    "lora.target_modules": Probe(("--lora.target_modules", "o_proj"), options("lora.targets"), base=LORA),
+    "lora.train_embeddings": Probe(("--lora.train_embeddings",), options("lora.trainable"), base=LORA),
     "health.on_nonfinite": Probe(
         ("--health.on_nonfinite", "skip"), status_and_metrics, base=DRILL, train=True
     ),

@@ -22,6 +22,8 @@ from titan_models.moe.init import moe_init_std
 
 Filler = Callable[[torch.Tensor, torch.Generator], None]
 _LAYER = re.compile(r"layers\.(\d+)\.")
+# LoRA adapters (lora_A, lora_B) added by a model converter fill themselves (titan_parallel.init_lora).
+_ADAPTER = re.compile(r"\.lora_[AB]\.weight$")
 # Parameter-name endings of the projections that read a block's input (Llama's, Qwen3's, Llama 4's).
 INPUT_PROJECTIONS = ("wq.weight", "wk.weight", "wv.weight", "w1.weight")
 
@@ -82,9 +84,11 @@ def init_parameters(
     """Fill every parameter of `model` (plain or DTensor, on any device) from `seed` and its name.
 
     `draw_dtype` is the dtype a full tensor is drawn in before the copy (None: the parameter's own);
-    DeepSeek-V3 draws in float32, as it always has.
+    DeepSeek-V3 draws in float32, as it always has. LoRA adapters are left to the converter that added them.
     """
     for name, param in model.named_parameters():
+        if _ADAPTER.search(name):
+            continue
         local = param.to_local() if isinstance(param, DTensor) else param
         generator = torch.Generator(device=local.device).manual_seed(
             seed * 1_000_003 + zlib.crc32(name.encode())

@@ -16,6 +16,16 @@ from titan_parallel.float8_tensor_parallel import float8_tp_plan
 from titan_parallel.fsdp import DataParallelOptions, apply_experts_fsdp, apply_fsdp, blocks_of
 from titan_parallel.grad_norm import clip_grad_norm_
 from titan_parallel.load_balance import sum_tokens_per_expert
+from titan_parallel.lora import (
+    LoRA,
+    adapter_names,
+    apply_lora,
+    check_targets,
+    init_lora,
+    initial_lora_weight,
+    is_adapter_parameter,
+    linear_names,
+)
 from titan_parallel.mx import MXTraining, apply_mx
 from titan_parallel.options import ParallelOptions
 from titan_parallel.parallel_dims import ParallelDims
@@ -47,6 +57,7 @@ __all__ = [
     "HasPipelineUnits",
     "HasSequenceBuffers",
     "HasTensorParallelPlan",
+    "LoRA",
     "MXTraining",
     "ModelDescriptionError",
     "ParallelConfigError",
@@ -59,6 +70,7 @@ __all__ = [
     "TensorParallelOptions",
     "TrainableModel",
     "UnsupportedDeviceError",
+    "adapter_names",
     "apply_ac",
     "apply_compile",
     "apply_ddp",
@@ -66,13 +78,19 @@ __all__ = [
     "apply_experts_fsdp",
     "apply_float8",
     "apply_fsdp",
+    "apply_lora",
     "apply_mx",
     "apply_tp",
     "blocks_of",
     "build_pipeline",
+    "check_targets",
     "clip_grad_norm_",
     "context_parallel_ctx",
     "float8_tp_plan",
+    "init_lora",
+    "initial_lora_weight",
+    "is_adapter_parameter",
+    "linear_names",
     "loss_parallel_ctx",
     "moe_layers_of",
     "parallelize",

@@ -15,6 +15,7 @@ from titan_parallel.context_parallel import ContextParallelOptions
 from titan_parallel.errors import ParallelConfigError
 from titan_parallel.float8 import Float8Training
 from titan_parallel.fsdp import DataParallelOptions
+from titan_parallel.lora import LoRA
 from titan_parallel.mx import MXTraining
 from titan_parallel.pipeline_options import PipelineOptions
 from titan_parallel.tensor_parallel import TensorParallelOptions
@@ -25,7 +26,8 @@ class ParallelOptions:
     """Everything about a layout other than its degrees (those are `ParallelDims`).
 
     The groups follow torchtitan's config sections, so a trainer maps each section onto its group one
-    to one. `float8` and `mx` are None when the linear layers stay in high precision.
+    to one. `float8` and `mx` are None when the linear layers stay in high precision; `lora` is None when
+    the whole model trains.
     """
 
     data_parallel: DataParallelOptions = field(default_factory=DataParallelOptions)
@@ -34,6 +36,7 @@ class ParallelOptions:
     compile: Compile = field(default_factory=Compile)
     float8: Float8Training | None = None
     mx: MXTraining | None = None
+    lora: LoRA | None = None
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     context_parallel: ContextParallelOptions = field(default_factory=ContextParallelOptions)
 
@@ -59,7 +62,8 @@ _GROUPS = {
     "compile": Compile,
     "float8": Float8Training,
     "mx": MXTraining,
+    "lora": LoRA,
     "pipeline": PipelineOptions,
     "context_parallel": ContextParallelOptions,
 }
-_OPTIONAL = ("float8", "mx")  # None: the linear layers stay in high precision
+_OPTIONAL = ("float8", "mx", "lora")  # None: the linear layers stay in high precision; no adapters

@@ -22,9 +22,9 @@ logger = logging.getLogger(__name__)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions | None = None) -> nn.Module:
-    """Apply float8 or MX -> TP/SP -> EP -> activation checkpointing -> compile -> FSDP/HSDP or DDP, in place.
+    """Apply float8 or MX -> LoRA -> TP/SP -> EP -> activation checkpointing -> compile -> FSDP/HSDP or DDP, in place.
 
-    The order matters: float8 swaps linear layers before they are split (with tensorwise float8, the
+    The order matters: float8 swaps linear layers before LoRA adapts them and before they are split (with tensorwise float8, the
     model's plain TP styles become torchao's float8 ones for those layers); TP turns parameters into
     DTensors that FSDP then shards along a second mesh dim; expert parallelism (for a model with
     `moe_layers()`) splits the experts after the model's tp_plan prepared the MoE layers around
@@ -38,6 +38,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
     for conversion in (options.float8, options.mx):
         if conversion is not None:
             conversion.convert(model, dims.mesh.device_type)
+    if options.lora is not None:
+        if dims.tp > 1:
+            raise ParallelConfigError(
+                f"parallelism: LoRA adapters are not split by tensor parallelism yet (tp = {dims.tp}); "
+                "use FSDP (dp_shard) or pipeline parallelism for LoRA runs"
+            )
+        options.lora.convert(model)
     tp_mesh = dims.submesh("tp")
     if tp_mesh is not None:
         tp = options.tensor_parallel

@@ -34,6 +34,7 @@ from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.registry import LossFn, ModelFamily, get_model_family
 from titan_train.wiring.hf_interop import check_hf_export, model_args
+from titan_train.wiring.lora import lora_target_problems
 from titan_train.wiring.loss import build_loss_fn
 from titan_train.wiring.moe import moe_run_args
 from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps, parallel_options
@@ -153,6 +154,12 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     problems.extend(_expert_problems(config, dims, model))
     problems.extend(_context_parallel_problems(config, dims, args))
     problems.extend(moe_torch_problems(config, dims, bool(moe_layers_of(model)), torch.__version__))
+    problems.extend(lora_target_problems(config, model))
+    if options.lora is not None and dims.tp > 1:
+        problems.append(
+            f"config: model.converters has lora and parallelism.tensor_parallel_degree = {dims.tp}: Titan does not "
+            "split adapters by tensor parallelism yet; use data_parallel_shard_degree or pipeline parallelism"
+        )
     if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
         try:
             pipeline_stages(model.pipeline_units(), list(blocks_of(model)), dims.pp, options.pipeline)

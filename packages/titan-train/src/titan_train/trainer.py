@@ -36,6 +36,8 @@ from titan_train.wiring.checkpointing import (
 from titan_train.wiring.data import build_loader, build_tokenizer_for, build_validation_loader
 from titan_train.wiring.gc_schedule import GarbageCollection
 from titan_train.wiring.host_memory import keep_freed_host_memory
+from titan_train.wiring.lora import lora_enabled
+from titan_train.wiring.lora_export import write_peft_adapter
 from titan_train.wiring.model import build_model, check_vocabulary
 from titan_train.wiring.moe import MoEBalancing, MoEStepStats
 from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
@@ -392,12 +394,27 @@ class Trainer:
                 last_step = self.state.step == c.training.steps
                 if self.checkpointer is not None:
                     self.checkpointer.maybe_save(self.state.step, last_step=last_step)
+                    if last_step:
+                        self._export_peft_adapter()
                 self.guard.end_step(self.state.step, last_step=last_step, checkpointer=self.checkpointer)
                 gc_schedule.step(self.state.step)
                 snapshots.step(self.state.step)
                 profiler.step()
         logger.info("training done at step %d", self.state.step)
         return losses
+
+    def _export_peft_adapter(self) -> None:
+        """A LoRA run's adapters as a PEFT folder beside the last step's Hugging Face export."""
+        c = self.config.checkpoint
+        if not (lora_enabled(self.config) and c.last_save_in_hf and not c.load_only):
+            return
+        ckpt = self.checkpointer
+        write_peft_adapter(
+            self.config,
+            ckpt.states["model"].state_dict(),
+            ckpt.hf_adapter.base,
+            ckpt.step_folder(self.state.step),
+        )
 
     def _log(self, numbers: AgreedNumbers, window: _Window, moe: MoEStepStats | None) -> float:
         """Log the step; return its loss. The loss is the mean over ranks, and loss_max the largest,

@@ -14,6 +14,7 @@ import logging
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -28,6 +29,7 @@ from titan_train.registry import FROM_HF, ModelFamily, get_model_family
 from titan_train.wiring.checkpointing import hf_adapter_for
 from titan_train.wiring.data import build_tokenizer_for
 from titan_train.wiring.hf_interop import hf_mapping
+from titan_train.wiring.lora import lora_enabled, lora_options
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +169,9 @@ def load_checkpoint_model(
     args = with_positions(args, max_seq_len or args.context_len)
     with torch.device("meta"):
         model = family.build(args)
+    if fmt == "dcp" and lora_enabled(config):
+        # A LoRA run's DCP checkpoint holds its adapters beside the base (its Hugging Face export is merged).
+        lora_options(config, ()).convert(model)
     model.to_empty(device=device)
     model.init_weights(
         buffer_device=device, seed=0

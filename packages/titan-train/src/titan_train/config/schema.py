@@ -19,6 +19,7 @@ from titan_train.config.fields import (
     opt,
 )
 from titan_train.config.health_section import Health
+from titan_train.config.lora_section import LoRA
 from titan_train.config.parallel_sections import ActivationCheckpoint, Compile, Parallelism, Quantize
 
 
@@ -88,8 +89,9 @@ class Model:
     )
     converters: list[str] = opt(
         [],
-        "Model transforms to apply, e.g. quantize.linear.float8, quantize.linear.mx",
-        choices=("quantize.linear.float8", "quantize.linear.mx"),
+        "Model transforms to apply, in order, e.g. quantize.linear.float8, quantize.linear.mx, lora "
+        "(low-rank adapters on a frozen base, see [lora]; after any quantisation)",
+        choices=("quantize.linear.float8", "quantize.linear.mx", "lora"),
     )
     print_after_conversion: bool = opt(False, "Log the model after the converters ran")
     moe_load_balance_coeff: float | None = opt(
@@ -418,3 +420,4 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
     health: Health = field(default_factory=Health)
+    lora: LoRA = field(default_factory=LoRA)

@@ -25,6 +25,8 @@ from titan_train.registry import ModelFamily
 from titan_train.train_state import TrainState
 from titan_train.wiring.data import build_tokenizer_for
 from titan_train.wiring.hf_interop import hf_export_files, hf_mapping
+from titan_train.wiring.lora import lora_enabled
+from titan_train.wiring.lora_export import LoRAStateDictAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
             initial_load_path,
         )
     hf_adapter, hf_files = _hf_export(plan, model_args)
+    if hf_adapter is not None and lora_enabled(config):
+        hf_adapter = _with_adapters(hf_adapter, plan, states)
     return Checkpointer(
         Path(config.job.dump_folder) / c.folder,
         states,
@@ -95,6 +99,18 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
         ),
         hf_adapter=hf_adapter,
     )
+
+
+def _with_adapters(base: HFStateDictAdapter, plan: RunPlan, states: dict[str, Any]) -> HFStateDictAdapter:
+    """The mapping of a LoRA run: merged weights out, the base in with the adapters' initial values."""
+    config = plan.config
+    shapes = {
+        name: tuple(t.shape)
+        for name, t in states["model"].state_dict().items()
+        if name.endswith((".lora_A.weight", ".lora_B.weight"))
+    }
+    seed = 0 if config.debug.seed is None else config.debug.seed  # the trainer's
+    return LoRAStateDictAdapter(base, scale=plan.options.lora.scale, adapter_shapes=shapes, seed=seed)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from titan_data import Tokenizer
-from titan_parallel import Pipeline
+from titan_parallel import Pipeline, init_lora
 from titan_train.errors import ConfigError
 from titan_train.plan import RunPlan
 from titan_train.registry import LossFn
@@ -83,5 +83,7 @@ def build_model(
         if materialize:
             part.to_empty(device=device)
             part.init_weights(buffer_device=device, seed=seed)
+            if plan.options.lora is not None:
+                init_lora(part, seed)
         part.train()
     return BuiltModel(args, wrapped.parts, wrapped.pipeline, train_loss_fn)

@@ -110,7 +110,8 @@ class SchedulesState(Stateful):
 
 
 def build_optimizer(config: JobConfig, model: nn.Module | list[nn.Parameter]) -> torch.optim.Optimizer:
-    """The configured optimizer over a model part's parameters (or a list of them)."""
+    """The configured optimizer over a model part's trainable parameters (or a list of them): a frozen
+    parameter (the base of a LoRA run) gets no optimizer state."""
     o = config.optimizer
     cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[o.name]
     impl = o.implementation
@@ -118,6 +119,7 @@ def build_optimizer(config: JobConfig, model: nn.Module | list[nn.Parameter]) ->
     kwargs["fused"] = impl == "fused"  # CUDA and CPU both have fused Adam kernels
     kwargs["foreach"] = impl == "foreach"
     params = list(model.parameters()) if isinstance(model, nn.Module) else model
+    params = [p for p in params if p.requires_grad]
     if impl == "fused":
         _check_fused_kernel(o.name, {p.device.type for p in params})
     return cls(params, **kwargs)

@@ -26,6 +26,7 @@ from titan_parallel import (
 )
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
+from titan_train.wiring.lora import LORA_CONVERTER, lora_options
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ def parallel_options(
         ),
         float8=float8,
         mx=mx,
+        lora=lora_options(config, (*FLOAT8_CONVERTERS, *MX_CONVERTERS)),
         pipeline=PipelineOptions(
             schedule=p.pipeline_parallel_schedule,
             microbatch_size=p.pipeline_parallel_microbatch_size,
@@ -92,11 +94,12 @@ def parallel_options(
 def linear_conversions(config: JobConfig) -> tuple[Float8Training | None, MXTraining | None]:
     """`[model] converters` with `[quantize.linear.float8]` or `[quantize.linear.mx]`: at most one is on."""
     converters = config.model.converters
-    unknown = [c for c in converters if c not in (*FLOAT8_CONVERTERS, *MX_CONVERTERS)]
+    unknown = [c for c in converters if c not in (*FLOAT8_CONVERTERS, *MX_CONVERTERS, LORA_CONVERTER)]
     if unknown:
         raise ConfigError(
             f"config: model.converters {unknown} cannot be applied: Titan converts linear layers to float8 "
-            f"({' or '.join(FLOAT8_CONVERTERS)}) or MXFP8 ({' or '.join(MX_CONVERTERS)})"
+            f"({' or '.join(FLOAT8_CONVERTERS)}) or MXFP8 ({' or '.join(MX_CONVERTERS)}) and adds LoRA adapters "
+            f"({LORA_CONVERTER})"
         )
     float8 = mx = None
     if any(c in FLOAT8_CONVERTERS for c in converters):

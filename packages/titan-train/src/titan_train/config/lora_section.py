@@ -1,0 +1,32 @@
+"""(Titan) The [lora] section: low-rank adapters, switched on by `lora` in `model.converters`.
+
+torchtitan 0.2.2 has no LoRA; the field names follow PEFT's `LoraConfig` (rank is its `r`, alpha its
+`lora_alpha`), since PEFT is where the adapters go after training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_train.config.fields import opt
+
+
+@dataclass
+class LoRA:
+    rank: int = opt(8, "(Titan) Rank of each adapter (PEFT's r)", minimum=1, maximum=65536)
+    alpha: float = opt(
+        16.0, "(Titan) Adapter output is scaled by alpha / rank (PEFT's lora_alpha)", above=0, maximum=1e6
+    )
+    dropout: float = opt(0.0, "(Titan) Dropout on the adapter's input while training", minimum=0, below=1)
+    target_modules: list[str] = opt(
+        ["q_proj", "v_proj"],
+        "(Titan) Linear layers that get adapters: Hugging Face names (q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj), Titan's own (wq, wk, wv, wo, w1, w2, w3), or all-linear (every "
+        "linear layer but the output head and MoE routers); routed experts never get adapters",
+        nonempty=True,
+    )
+    train_embeddings: bool = opt(
+        False,
+        "(Titan) Train the token embedding and the output head in full beside the adapters (they stay "
+        "frozen otherwise); the PEFT export saves them as modules_to_save",
+    )

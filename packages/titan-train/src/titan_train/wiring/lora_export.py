@@ -1,0 +1,154 @@
+"""LoRA runs and Hugging Face files: the base imported with fresh adapters, exported merged, and the
+adapters alone as a PEFT folder.
+
+Both directions go through the family's own weight mapping, so every renaming and re-layout it does to
+a weight (Llama's per-head row permutation of the query and key projections) is done to the adapters
+too: `lora_B` (out x rank) has the weight's rows, `lora_A` (rank x in) its columns, which no mapping
+re-orders. To learn where each `lora_B` goes, the mapping is run once on the state dict with each
+adapted weight replaced by `[code | B]`, where the code column names the layer and row; what comes out
+says, for every Hugging Face tensor, which layer it was and in which row order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from titan_ckpt import HFStateDictAdapter
+from titan_ckpt.hf_safetensors import gather_full_tensors
+from titan_parallel import initial_lora_weight, is_adapter_parameter
+from titan_train.config import JobConfig
+from titan_train.wiring.lora import EMBEDDING_MODULES
+
+logger = logging.getLogger(__name__)
+
+PEFT_FOLDER = "peft_adapter"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+_ROW_BITS = 1 << 24  # rows per layer in the code column (float64 holds the codes exactly)
+
+
+def _plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {_WRAPPERS.sub("", name): t for name, t in state.items()}
+
+
+def adapted_layers(state: dict[str, Any]) -> list[str]:
+    """The layers of a state dict that carry adapters, by name (`layers.0.attention.wq`)."""
+    return sorted(name.removesuffix(".lora_A.weight") for name in state if name.endswith(".lora_A.weight"))
+
+
+class LoRAStateDictAdapter:
+    """A family's Hugging Face mapping for a model with adapters: `to_hf` writes the merged weights
+    (`W + scale * B @ A`, computed in float32), `from_hf` reads the base and gives every adapter its
+    initial value (`titan_parallel.initial_lora_weight`), as a run without the import would start."""
+
+    def __init__(
+        self, base: HFStateDictAdapter, *, scale: float, adapter_shapes: dict[str, tuple], seed: int
+    ):
+        self.base, self.scale, self.seed = base, scale, seed
+        self.adapter_shapes = adapter_shapes
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.base.to_hf(merged_state(_plain(state_dict), self.scale))
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ours = self.base.from_hf(hf_state_dict)
+        for name, shape in self.adapter_shapes.items():
+            ours[name] = initial_lora_weight(name, shape, self.seed)
+        return ours
+
+    def hf_config(self) -> dict:
+        return self.base.hf_config()
+
+
+def merged_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """`state` without adapter tensors, each adapted weight replaced by `W + scale * B @ A`."""
+    merged = {name: t for name, t in state.items() if not is_adapter_parameter(name)}
+    for layer in adapted_layers(state):
+        weight = state[f"{layer}.weight"]
+        delta = state[f"{layer}.lora_B.weight"].float() @ state[f"{layer}.lora_A.weight"].float()
+        merged[f"{layer}.weight"] = (weight.float() + scale * delta).to(weight.dtype)
+    return merged
+
+
+def peft_tensors(state: dict[str, torch.Tensor], base: HFStateDictAdapter, *, embeddings: bool) -> dict:
+    """The adapters of a full state dict under PEFT's names and in the Hugging Face layout, with the
+    embedding and output head (`embeddings`, trained in full) as PEFT's modules_to_save."""
+    state = _plain(state)
+    layers = adapted_layers(state)
+    probe = {name: t for name, t in state.items() if not is_adapter_parameter(name)}
+    for index, layer in enumerate(layers):
+        b = state[f"{layer}.lora_B.weight"].double()
+        code = index * _ROW_BITS + torch.arange(b.shape[0], dtype=torch.float64)
+        probe[f"{layer}.weight"] = torch.cat([code[:, None], b], dim=1)
+    out = {}
+    for hf_name, tensor in base.to_hf(probe).items():
+        if tensor.dtype == torch.float64:
+            codes = tensor[:, 0].long()
+            layer = layers[int(codes[0]) // _ROW_BITS]
+            if not bool((codes // _ROW_BITS == codes[0] // _ROW_BITS).all()):
+                raise ValueError(f"the Hugging Face mapping mixes rows of {layer} with another layer's")
+            module = PEFT_PREFIX + hf_name.removesuffix(".weight")
+            a = state[f"{layer}.lora_A.weight"]
+            out[f"{module}.lora_A.weight"] = a.contiguous()
+            out[f"{module}.lora_B.weight"] = tensor[:, 1:].to(a.dtype).contiguous()
+        elif embeddings and hf_name.removesuffix(".weight").rsplit(".", 1)[-1] in EMBEDDING_MODULES.values():
+            out[PEFT_PREFIX + hf_name] = tensor.contiguous()
+    return out
+
+
+def peft_config(config: JobConfig, tensors: dict, base_model: str) -> dict:
+    """`adapter_config.json` for PEFT's LoraConfig: rank, alpha, dropout, the adapted module names."""
+    c = config.lora
+    targets = sorted({name.split(".")[-3] for name in tensors if name.endswith(".lora_A.weight")})
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": c.rank,
+        "lora_alpha": c.alpha,
+        "lora_dropout": c.dropout,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "modules_to_save": sorted(EMBEDDING_MODULES.values()) if c.train_embeddings else None,
+    }
+
+
+def write_peft_adapter(
+    config: JobConfig, model_state: dict[str, Any], base: HFStateDictAdapter, folder: Path
+) -> Path | None:
+    """Gather the adapters (every rank takes part) and write them on rank 0 as a PEFT folder,
+    `folder/peft_adapter`: `adapter_model.safetensors` and `adapter_config.json`. The Hugging Face base
+    it names is the folder the run imported (`checkpoint.initial_load_path`, else `model.hf_assets_path`)."""
+    full = gather_full_tensors(model_state, None)  # the mapping takes the whole model
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    tensors = peft_tensors(full, base, embeddings=config.lora.train_embeddings)
+    c = config.checkpoint
+    source = c.initial_load_path or config.model.hf_assets_path
+    out = folder / PEFT_FOLDER
+    partial = folder / f"{PEFT_FOLDER}.partial"
+    partial.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, c.export_dtype)
+    save_file(
+        {k: v.to(dtype) for k, v in tensors.items()}, str(partial / PEFT_WEIGHTS), metadata={"format": "pt"}
+    )
+    (partial / PEFT_CONFIG).write_text(
+        json.dumps(peft_config(config, tensors, str(Path(source).resolve()) if source else ""), indent=2)
+    )
+    partial.rename(out)
+    logger.info("lora: PEFT adapter (%d tensors) written to %s", len(tensors), out)
+    return out

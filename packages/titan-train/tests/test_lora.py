@@ -1,0 +1,180 @@
+"""LoRA through the trainer, against Hugging Face's own code: a tiny Llama and Qwen3 saved by transformers
+are imported, trained with adapters and exported; PEFT loads the adapter folder on the transformers base
+and gives Titan's logits, and so does the merged export alone. Only the adapters change."""
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from titan_models import llama3_args, to_hf_config
+from titan_models.qwen3 import Qwen3Args, Qwen3StateDictAdapter
+from titan_train.cli import run
+from titan_train.commands.checkpoint_model import load_checkpoint_model
+from titan_train.plan import resolve
+from titan_train.trainer import Trainer
+from titan_train.wiring.data import BUNDLED_TOKENIZER
+from titan_train.wiring.lora_export import PEFT_CONFIG, PEFT_FOLDER
+
+
+def _qwen3_config() -> dict:
+    args = Qwen3Args(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=2048,
+        hidden_dim=96,
+        head_dim=32,
+        max_seq_len=64,
+    )
+    return {**Qwen3StateDictAdapter(args).hf_config(), "tie_word_embeddings": True}
+
+
+FAMILIES = {
+    "llama3": lambda: {**to_hf_config(llama3_args("debugmodel")), "num_hidden_layers": 2},
+    "qwen3": _qwen3_config,
+}
+
+
+def _save_hf_model(folder, config: dict):
+    """Random weights (norms included), saved by transformers with the bundled tokenizer's files."""
+    config = {k: v for k, v in config.items() if k != "torch_dtype"}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_auto_config(config), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.05 * torch.randn(p.shape))
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED_TOKENIZER / name, folder / name)
+    return model
+
+
+def _auto_config(config: dict):
+    from transformers import AutoConfig
+
+    model_type = config.pop("model_type")
+    return AutoConfig.for_model(model_type, **config)
+
+
+def _flags(folder, name, *more):
+    return (
+        "--model.name",
+        name,
+        "--model.flavor",
+        "from_hf",
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path",
+        str(folder),
+        "--model.hf_assets_path",
+        str(folder),
+        "--model.converters",
+        "lora",
+        *more,
+    )
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_peft_loads_the_exported_adapter_with_titans_logits_and_only_adapters_train(
+    family, tmp_path, small_config, one_rank
+):
+    folder = tmp_path / "hf"
+    hf = _save_hf_model(folder, FAMILIES[family]())
+    config = small_config(
+        tmp_path / "run",
+        *_flags(folder, family, "--lora.rank", "4", "--lora.alpha", "8", "--lora.dropout", "0.1"),
+        "--lora.target_modules",
+        "q_proj,v_proj,down_proj,w3",
+        "--checkpoint.last_save_in_hf",
+        "--training.steps",
+        "3",
+    )
+    trainer = Trainer(resolve(config, 1, "cpu"), one_rank)
+    model = trainer.model_parts[0]
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {n.split(".")[-3] for n in trainable} == {"wq", "wv", "w2", "w3"}
+    trainer.train()
+
+    # Only the adapters changed: every base tensor is bit-identical to the transformers model's.
+    exported_base = trainer.checkpointer.hf_adapter.base.to_hf(
+        {n: t for n, t in model.state_dict().items() if ".lora_" not in n}
+    )
+    expected = hf.state_dict()
+    assert exported_base.keys() == {
+        k for k in expected if k != "lm_head.weight" or not hf.config.tie_word_embeddings
+    }
+    for name, tensor in exported_base.items():
+        assert torch.equal(tensor, expected[name]), name
+    # Optimizer state exists for the adapter parameters only.
+    optimizer = trainer.optimizers.optimizers[0]
+    with_state = {id(p) for p in optimizer.state}
+    assert with_state == {id(p) for n, p in model.named_parameters() if n in trainable}
+    lora_b = [p for n, p in model.named_parameters() if ".lora_B." in n]
+    assert all(p.abs().max() > 0 for p in lora_b)  # the adapters trained
+
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(1))
+    export = tmp_path / "run" / "checkpoint" / "step-3"
+    with torch.no_grad():
+        ours = model.eval()(tokens)
+        base_logits = hf(tokens).logits
+        assert (ours - base_logits).abs().max() > 1e-4  # the adapters change the function
+        adapter = json.loads((export / PEFT_FOLDER / PEFT_CONFIG).read_text())
+        assert (adapter["r"], adapter["lora_alpha"], sorted(adapter["target_modules"])) == (
+            4,
+            8.0,
+            ["down_proj", "q_proj", "up_proj", "v_proj"],
+        )
+        assert adapter["base_model_name_or_path"] == str(folder.resolve())
+        base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        peft_model = PeftModel.from_pretrained(base, export / PEFT_FOLDER).eval()
+        assert (peft_model(tokens).logits - ours).abs().max() <= 1e-5
+        merged = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+        assert (merged(tokens).logits - ours).abs().max() <= 1e-5
+        # What `titan-train generate/eval` load: the DCP checkpoint with its adapters, or the merged export.
+        for weights in ("dcp", "hf"):
+            loaded = load_checkpoint_model(config, export, device=torch.device("cpu"), weights=weights)
+            assert (loaded.model(tokens) - ours).abs().max() <= 1e-5, weights
+
+
+BAD_INPUT = {
+    "rank": (("--lora.rank", "0"), "config: lora.rank must be at least 1, got 0"),
+    "alpha": (("--lora.alpha", "-1"), "config: lora.alpha must be above 0, got -1.0"),
+    "dropout": (("--lora.dropout", "1"), "config: lora.dropout must be below 1, got 1.0"),
+    "target": (
+        ("--lora.target_modules", "q_proj,qkv_proj"),
+        "config: lora.target_modules ['qkv_proj'] match no linear layer of llama3 debugmodel; its linear layers "
+        "are output, gate_proj (w1), down_proj (w2), up_proj (w3), k_proj (wk), o_proj (wo), q_proj (wq), "
+        "v_proj (wv); or use all-linear",
+    ),
+    "order": (
+        ("--model.converters", "lora,quantize.linear.float8"),
+        "config: model.converters ['lora', 'quantize.linear.float8'] puts lora before ['quantize.linear.float8']: "
+        "the adapters must sit on the quantised layers; list lora last (model.converters = "
+        "['quantize.linear.float8', 'lora'])",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_lora_settings_stop_at_start_in_one_line(case, tmp_path, caplog):
+    flags, says = BAD_INPUT[case]
+    argv = [
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.seq_len",
+        "32",
+        "--model.converters",
+        "lora",
+        *flags,
+    ]
+    with caplog.at_level(logging.ERROR):
+        assert run(argv) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line == says
