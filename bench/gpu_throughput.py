@@ -133,7 +133,14 @@ def _model_flags(c: Config) -> list[str]:
     """The model's name, flavor and the bench module that registers it, the same for both trainers."""
     if "/" in c.flavor:
         family, flavor = c.flavor.split("/")
-        return ["--experimental.custom_import", "cut_flavors", "--model.name", family, "--model.flavor", flavor]
+        return [
+            "--experimental.custom_import",
+            "cut_flavors",
+            "--model.name",
+            family,
+            "--model.flavor",
+            flavor,
+        ]
     return [
         "--experimental.custom_import",
         "untied_flavors",
@@ -357,7 +364,10 @@ def main() -> None:
                     dump = Path(tmp)
                     (run_titan if trainer == "titan" else run_torchtitan)(c, args, run, dump)
                     if args.keep:
-                        kept = args.keep / f"{trainer}-{c.flavor.replace('/', '-')}-{c.mode}-{c.ac}-b{c.batch}-r{round_}"
+                        kept = (
+                            args.keep
+                            / f"{trainer}-{c.flavor.replace('/', '-')}-{c.mode}-{c.ac}-b{c.batch}-r{round_}"
+                        )
                         kept.mkdir(parents=True, exist_ok=True)
                         for item in ("log.txt", "metrics.jsonl"):
                             if (dump / item).exists():

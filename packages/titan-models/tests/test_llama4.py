@@ -26,7 +26,8 @@ EXACT = {"17bx16e": (107_769_861_120, 17_172_894_720), "17bx128e": (400_711_848_
 
 
 @pytest.mark.parametrize(
-    "flavor", ["17bx16e", "17bx128e", "17bx16e_irope", "17bx128e_irope", "17bx16e_published", "17bx128e_published"]
+    "flavor",
+    ["17bx16e", "17bx128e", "17bx16e_irope", "17bx128e_irope", "17bx16e_published", "17bx128e_published"],
 )
 def test_parameter_counts_match_meta_s_published_figures(flavor):
     with torch.device("meta"):
