@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from titan_ckpt import HFStateDictAdapter
-from titan_ckpt.hf_safetensors import gather_full_tensors
 from titan_parallel import initial_lora_weight, is_adapter_parameter
 from titan_train.config import JobConfig
 from titan_train.wiring.lora import EMBEDDING_MODULES
@@ -127,16 +127,57 @@ def peft_config(config: JobConfig, tensors: dict, base_model: str) -> dict:
     }
 
 
+def _is_trained_embedding(name: str, embeddings: bool) -> bool:
+    return embeddings and _WRAPPERS.sub("", name).split(".", 1)[0] in EMBEDDING_MODULES
+
+
+def gather_adapters(state: dict[str, Any], *, embeddings: bool) -> dict[str, torch.Tensor]:
+    """The adapters (and the embeddings when trained in full) unsharded on rank 0's CPU, every rank
+    taking part; an empty dict elsewhere. A small share of the model: the merged weights are written by
+    every rank through the Hugging Face export, never gathered here."""
+    names = [
+        n
+        for n, t in state.items()
+        if isinstance(t, torch.Tensor)
+        and (is_adapter_parameter(_WRAPPERS.sub("", n)) or _is_trained_embedding(n, embeddings))
+    ]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, names)
+        if any(other != names for other in every):
+            raise ValueError(
+                "lora: the PEFT adapter folder needs every rank to hold every adapter, but the ranks hold "
+                "different layers (pipeline parallelism); the merged Hugging Face export is written, and the "
+                "adapters can be taken from the DCP checkpoint with one process"
+            )
+    keep = not dist.is_initialized() or dist.get_rank() == 0
+    out = {}
+    for name in names:
+        tensor = state[name]
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()  # collective: every rank, the same order
+        if keep:
+            out[name] = tensor.detach().cpu()
+    return out
+
+
 def write_peft_adapter(
     config: JobConfig, model_state: dict[str, Any], base: HFStateDictAdapter, folder: Path
 ) -> Path | None:
     """Gather the adapters (every rank takes part) and write them on rank 0 as a PEFT folder,
     `folder/peft_adapter`: `adapter_model.safetensors` and `adapter_config.json`. The Hugging Face base
     it names is the folder the run imported (`checkpoint.initial_load_path`, else `model.hf_assets_path`)."""
-    full = gather_full_tensors(model_state, None)  # the mapping takes the whole model
+    embeddings = config.lora.train_embeddings
+    adapters = gather_adapters(model_state, embeddings=embeddings)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    tensors = peft_tensors(full, base, embeddings=config.lora.train_embeddings)
+    # The mapping wants the whole model's names: the weights nobody exports here stand in on the meta device.
+    stand_ins = {
+        n: torch.empty(t.shape, dtype=t.dtype, device="meta")
+        for n, t in model_state.items()
+        if isinstance(t, torch.Tensor) and n not in adapters
+    }
+    tensors = peft_tensors(stand_ins | adapters, base, embeddings=embeddings)
     c = config.checkpoint
     source = c.initial_load_path or config.model.hf_assets_path
     out = folder / PEFT_FOLDER
