@@ -20,6 +20,7 @@ from titan_train.config.fields import (
 )
 from titan_train.config.health_section import Health
 from titan_train.config.parallel_sections import ActivationCheckpoint, Compile, Parallelism, Quantize
+from titan_train.config.sft_section import Sft
 
 
 @dataclass
@@ -387,3 +388,4 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
     health: Health = field(default_factory=Health)
+    sft: Sft = field(default_factory=Sft)
