@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from titan_train.config import load_job_config
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
@@ -135,8 +136,40 @@ def test_step_one_loss_equals_transformers_on_the_chat_template_packed_and_padde
     for packing, rows in (("true", 3), ("false", len(conversations))):
         flags = _flags(folder, data, tmp_path / f"run_{packing}", "--training.steps", "1")
         more = ("--training.local_batch_size", str(rows), "--sft.loss_on", loss_on, "--sft.packing", packing)
-        from titan_train.config import load_job_config
-
         trainer = Trainer(resolve(load_job_config([*flags, *more]), 1, "cpu"), one_rank)
         (loss,) = trainer.train()
         assert loss == pytest.approx(expected, abs=1e-5), (packing, loss_on)
+
+
+def _metrics(dump):
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_packing_is_invisible_same_losses_grad_norms_and_weights_as_padding(tmp_path, chat_model, one_rank):
+    """Conversations of 86 to 128 positions: a packed row of 256 holds exactly two, so 2 packed rows and 4
+    padded rows carry the same conversations each step."""
+    folder, _, tokenizer = chat_model
+    rng, conversations = random.Random(2), []
+    while len(conversations) < 12:
+        messages = _conversation(rng, rng.randint(2, 3), 6)
+        n = len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+        if 86 <= n - 1 <= 128:
+            conversations.append(messages)
+    data = _write(tmp_path / "chat.jsonl", conversations)
+    trainers = {}
+    for packing, rows in (("true", 2), ("false", 4)):
+        flags = _flags(folder, data, tmp_path / packing, "--training.steps", "3", "--sft.packing", packing)
+        # lr 1e-3: Adam turns a 1e-9 gradient difference on a near-zero gradient into up to lr per step
+        config = load_job_config([*flags, "--training.local_batch_size", str(rows), "--optimizer.lr", "1e-3"])
+        trainers[packing] = Trainer(resolve(config, 1, "cpu"), one_rank)
+        trainers[packing].train()
+    packed, padded = _metrics(tmp_path / "true"), _metrics(tmp_path / "false")
+    assert len({r["loss"] for r in packed}) == 3  # three different steps
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in packed] == pytest.approx([r[key] for r in padded], abs=1e-5), key
+    weights = {k: v.state_dict() for k, v in ((k, t.model_parts[0]) for k, t in trainers.items())}
+    for name, value in weights["true"].items():
+        assert (value - weights["false"][name]).abs().max().item() <= 1e-5, name
+    initial = LlamaForCausalLM.from_pretrained(folder).state_dict()["model.norm.weight"]
+    moved = (weights["true"]["norm.weight"] - initial).abs().max().item()
+    assert moved > 1e-4  # the steps changed the weights being compared
