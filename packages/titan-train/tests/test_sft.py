@@ -173,3 +173,25 @@ def test_packing_is_invisible_same_losses_grad_norms_and_weights_as_padding(tmp_
     initial = LlamaForCausalLM.from_pretrained(folder).state_dict()["model.norm.weight"]
     moved = (weights["true"]["norm.weight"] - initial).abs().max().item()
     assert moved > 1e-4  # the steps changed the weights being compared
+
+
+def test_a_run_stopped_mid_epoch_resumes_with_the_same_batches_and_losses(tmp_path, chat_model, one_rank):
+    """A 4-step run saving every 2 steps; a copy of its folder without step-4 is a run killed after
+    step 2: resumed, the data position (packer state included) and the weights come back, so steps 3
+    and 4 log the same losses. 24 conversations in rows of 2: the stop falls mid-epoch."""
+    folder, _, _ = chat_model
+    rng = random.Random(3)
+    data = _write(tmp_path / "chat.jsonl", [_conversation(rng, rng.randint(1, 3), 4) for _ in range(24)])
+
+    def run(dump):
+        flags = _flags(folder, data, dump, "--training.steps", "4", "--training.local_batch_size", "2")
+        config = load_job_config([*flags, "--checkpoint.interval", "2", "--training.seq_len", "128"])
+        return Trainer(resolve(config, 1, "cpu"), one_rank).train()
+
+    straight = run(tmp_path / "straight")
+    assert len(set(straight)) == 4
+    shutil.copytree(
+        tmp_path / "straight" / "checkpoint" / "step-2", tmp_path / "killed" / "checkpoint" / "step-2"
+    )
+    resumed = run(tmp_path / "killed")  # finds checkpoint/step-2: steps 3 and 4 only
+    assert resumed == pytest.approx(straight[2:], abs=1e-6)
