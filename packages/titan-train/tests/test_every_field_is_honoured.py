@@ -64,6 +64,7 @@ VALIDATION = (
     "--validation.freq",
     "1",
 )
+CHAT = ("--training.dataset", "chat", "--training.dataset_path", "chat.jsonl", "--training.seq_len", "64")
 JSON_DATA = ("--training.dataset", "json", "--training.dataset_path", "docs.jsonl")
 DRILL = ("--health.drill_step", "1", "--health.drill", "nan")
 TRAINING_WORKERS = ("--training.dataloader.num_workers", "2")
@@ -404,6 +405,41 @@ def data_files(root: Path) -> None:
         "from dataclasses import dataclass, field\n\n@dataclass\nclass Extra:\n    knob: int = 1\n\n"
         "@dataclass\nclass JobConfig:\n    extra: Extra = field(default_factory=Extra)\n"
     )
+
+
+def chat_files(root: Path) -> None:
+    """Chat rows holding every layout at once (so the [sft] fields choose what is read), the first one
+    longer than 64 tokens; a file with a bad row; another chat template."""
+    turns = [
+        {"role": "system", "content": "Be brief. " + "river stone light " * 8},
+        {"role": "user", "content": "What is one plus two?"},
+        {"role": "assistant", "content": "One plus two is three."},
+        {"role": "user", "content": "And two plus two?"},
+        {"role": "assistant", "content": "Two plus two is four."},
+    ]
+    row = {
+        "messages": turns,
+        "conv": turns[1:3],
+        "prompt": "Say hello.",
+        "completion": "Hello.",
+        "q": "Say no.",
+        "a": "No.",
+    }
+    short = {**row, "messages": turns[1:3]}
+    lines = [json.dumps(r) + "\n" for r in (row, short, short, row)]
+    (root / "chat.jsonl").write_text("".join(lines))
+    (root / "chat_bad.jsonl").write_text(
+        lines[1] + json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n" + lines[1]
+    )
+    (root / "other_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    )
+
+
+def chat_batch(s: Seen) -> Any:
+    """The first batch of chat rows: inputs, labels and positions."""
+    with contextlib.chdir(s.root):
+        return s.outcome or [t.tolist() for t in next(iter(s.trainer.loader))]
 
 
 def schedule_csv(root: Path) -> None:
@@ -1014,6 +1050,41 @@ PROBES: dict[str, Probe] = {
     "health.drill_step": Probe(("--health.drill_step", "2"), status_and_metrics, base=DRILL, train=True),
     "health.drill_rank": Probe(
         ("--health.drill_rank", "1"), lambda s: s.status, base=DRILL, world=2, train=True
+    ),
+    # [sft]
+    "sft.format": Probe(("--sft.format", "prompt_completion"), chat_batch, base=CHAT, prepare=chat_files),
+    "sft.messages_field": Probe(("--sft.messages_field", "conv"), chat_batch, base=CHAT, prepare=chat_files),
+    "sft.prompt_field": Probe(
+        ("--sft.prompt_field", "q"),
+        chat_batch,
+        base=(*CHAT, "--sft.format", "prompt_completion"),
+        prepare=chat_files,
+    ),
+    "sft.completion_field": Probe(
+        ("--sft.completion_field", "a"),
+        chat_batch,
+        base=(*CHAT, "--sft.format", "prompt_completion"),
+        prepare=chat_files,
+    ),
+    "sft.loss_on": Probe(("--sft.loss_on", "all"), chat_batch, base=CHAT, prepare=chat_files),
+    "sft.packing": Probe(("--sft.packing", "false"), chat_batch, base=CHAT, prepare=chat_files),
+    "sft.overlong": Probe(("--sft.overlong", "drop"), chat_batch, base=CHAT, prepare=chat_files),
+    "sft.bad_rows": Probe(
+        ("--sft.bad_rows", "stop"),
+        chat_batch,
+        base=(
+            "--training.dataset",
+            "chat",
+            "--training.dataset_path",
+            "chat_bad.jsonl",
+            "--sft.bad_rows",
+            "skip",
+        ),
+        prepare=chat_files,
+        may_stop=True,
+    ),
+    "sft.chat_template": Probe(
+        ("--sft.chat_template", "other_template.jinja"), chat_batch, base=CHAT, prepare=chat_files
     ),
 }
 

@@ -1,4 +1,4 @@
-"""Tokenizers, packed pretraining datasets with exact resume, resumable loaders, and preprocessing.
+"""Tokenizers, packed pretraining and chat datasets with exact resume, resumable loaders, and preprocessing.
 
 Names load on first use (PEP 562), so that preprocessing (`titan-data tokenize` and its worker
 processes) starts without importing torch.
@@ -10,6 +10,10 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 _HOME = {
+    "CHAT": "titan_data.datasets.registry",
+    "ChatDataset": "titan_data.chat.dataset",
+    "ChatOptions": "titan_data.chat.dataset",
+    "ChatTemplate": "titan_data.chat.template",
     "DATASETS": "titan_data.datasets.registry",
     "DataError": "titan_data.errors",
     "DocumentReader": "titan_data.datasets.sources",
@@ -18,6 +22,7 @@ _HOME = {
     "MemmapTokenDataset": "titan_data.datasets.memmap",
     "PackedTokenDataset": "titan_data.datasets.packed",
     "RetryPolicy": "titan_data.datasets.http_files",
+    "RowFields": "titan_data.chat.rows",
     "ShardIndex": "titan_data.shards.index",
     "SourceUnavailable": "titan_data.errors",
     "StreamLayout": "titan_data.datasets.windows",
@@ -28,11 +33,18 @@ _HOME = {
     "build_tokenizer": "titan_data.tokenizers.build",
     "check_dataset": "titan_data.datasets.registry",
     "get_source": "titan_data.datasets.registry",
+    "load_chat_template": "titan_data.chat.template",
+    "load_examples": "titan_data.chat.dataset",
     "register_dataset": "titan_data.datasets.registry",
+    "tokenize_conversation": "titan_data.chat.masks",
     "tokenize_to_shards": "titan_data.shards.tokenize_job",
 }
 
 __all__ = [
+    "CHAT",
+    "ChatDataset",
+    "ChatOptions",
+    "ChatTemplate",
     "DATASETS",
     "DataError",
     "DocumentReader",
@@ -41,6 +53,7 @@ __all__ = [
     "MemmapTokenDataset",
     "PackedTokenDataset",
     "RetryPolicy",
+    "RowFields",
     "ShardIndex",
     "SourceUnavailable",
     "StreamLayout",
@@ -51,7 +64,10 @@ __all__ = [
     "build_tokenizer",
     "check_dataset",
     "get_source",
+    "load_chat_template",
+    "load_examples",
     "register_dataset",
+    "tokenize_conversation",
     "tokenize_to_shards",
 ]
 
@@ -65,12 +81,16 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from titan_data.chat.dataset import ChatDataset, ChatOptions, load_examples
+    from titan_data.chat.masks import tokenize_conversation
+    from titan_data.chat.rows import RowFields
+    from titan_data.chat.template import ChatTemplate, load_chat_template
     from titan_data.datasets.build import build_dataset
     from titan_data.datasets.file_formats import FileSource
     from titan_data.datasets.http_files import RetryPolicy
     from titan_data.datasets.memmap import MemmapTokenDataset
     from titan_data.datasets.packed import PackedTokenDataset
-    from titan_data.datasets.registry import DATASETS, check_dataset, get_source, register_dataset
+    from titan_data.datasets.registry import CHAT, DATASETS, check_dataset, get_source, register_dataset
     from titan_data.datasets.sources import DocumentReader, IterableSource, TextSource
     from titan_data.datasets.windows import StreamLayout
     from titan_data.errors import DataError, SourceUnavailable

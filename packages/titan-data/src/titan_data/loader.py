@@ -59,7 +59,7 @@ class _WorkerWindows(IterableDataset):
 
 
 class TokenLoader(StatefulDataLoader):
-    """Batches of (input, label) from a packed or memory-mapped dataset, resumable at any batch boundary.
+    """Batches of (input, label) from a packed or memory-mapped dataset (chat rows add positions), resumable at any batch boundary.
 
     `state_dict()` is the dataset's per-stream state: its keys are unique across ranks, so a
     checkpointer can save every rank's entries side by side and deal them out again on load.
@@ -107,8 +107,8 @@ class TokenLoader(StatefulDataLoader):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         batches = super().__iter__() if self.num_workers == 0 else self._from_workers()
-        for inputs, labels in batches:
-            yield (inputs.pin_memory(), labels.pin_memory()) if self.pin else (inputs, labels)
+        for batch in batches:  # (inputs, labels), and positions for chat rows
+            yield tuple(t.pin_memory() for t in batch) if self.pin else batch
 
     def _from_workers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # Workers start from what this process has consumed (they copy the dataset when they start).
@@ -147,6 +147,8 @@ class TokenLoader(StatefulDataLoader):
         self._consumed = {}
 
 
-def _stack(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _stack(windows: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     batch = torch.stack(windows)
+    if batch.dim() == 3:  # chat rows: (inputs, labels, positions) per window, already shifted
+        return tuple(batch[:, i].contiguous() for i in range(batch.shape[1]))
     return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()

@@ -45,6 +45,11 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     return torch.cumsum(is_eos, dim=-1) - is_eos
 
 
+def documents_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """Per-position document index of rows whose positions restart at 0 at each document (chat rows)."""
+    return torch.cumsum((positions == 0).to(torch.int32), dim=-1) - 1
+
+
 def block_causal_bool_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """(batch, 1, seq, seq) boolean SDPA mask: earlier-or-same positions of the same document."""
     seq_len = doc_ids.shape[-1]
@@ -110,6 +115,11 @@ def build_attention_mask(args: ModelArgs, doc_ids: torch.Tensor | None, device) 
         _log_flex_fallback(device.type)
     if args.attn_mask_type == "causal":
         return None
+    return document_mask(args, doc_ids, use_flex)
+
+
+def document_mask(args: ModelArgs, doc_ids: torch.Tensor | None, use_flex: bool) -> AttentionMask:
+    """Block-causal attention over the documents `doc_ids` numbers, in the backend's form."""
     if doc_ids is None:
         raise ModelConfigError(
             "model: attn_mask_type='block_causal' needs document ids (see titan_models.document_ids)"

@@ -15,7 +15,13 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_models.attention import check_attention_backend
-from titan_models.attention_masks import build_attention_mask, document_ids
+from titan_models.attention_masks import (
+    build_attention_mask,
+    document_ids,
+    document_mask,
+    documents_from_positions,
+    flex_can_run,
+)
 from titan_models.errors import ModelConfigError, ModelError
 from titan_models.init import INPUT_PROJECTIONS, init_parameters
 from titan_models.moe.tensor_parallel_plan import moe_tp_entries
@@ -157,13 +163,19 @@ class Decoder(nn.Module):
             )
         return ["tok_embeddings", *self.parallel_blocks(), "norm", "output"]
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits (batch, seq, vocab) for token ids (batch, seq).
 
         On a pipeline stage without the embedding, `tokens` is the previous stage's hidden state.
         `doc_ids` (batch, seq) index the packed documents for block-causal attention; by default
         they come from the token ids and `eos_id` (`document_ids`), which such a stage must be given.
+        `positions` (batch, seq), for rows of packed conversations, restart at 0 at each one: rotary
+        angles follow them and attention stays within each conversation, whatever `attn_mask_type`.
         """
+        if positions is not None:
+            return self._forward_at(tokens, positions)
         seq_len = tokens.shape[1]
         if seq_len > self.args.max_seq_len:
             raise ModelError(
@@ -178,9 +190,25 @@ class Decoder(nn.Module):
                 )
             doc_ids = document_ids(tokens, self.args.eos_id)
         masks = self._attention_masks(doc_ids, seq_len, tokens.device)
+        return self._blocks_forward(tokens, self.freqs_cis, masks)
+
+    def _blocks_forward(self, tokens: torch.Tensor, freqs_cis: torch.Tensor, masks: Any) -> torch.Tensor:
         # Pipeline stages may have dropped the embedding, norm or output (set to None).
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
-            h = block(h, self.freqs_cis, masks)
+            h = block(h, freqs_cis, masks)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def _forward_at(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`forward` for rows with their own positions: the rotary table gathered per token, and a
+        document mask found where positions restart."""
+        if type(self)._attention_masks is not Decoder._attention_masks:
+            raise ModelError(
+                f"model: {type(self).__name__} builds its own attention masks and does not take per-token "
+                "positions yet; fine-tune a Llama, Qwen3 or DeepSeek-V3 model, or train without packing"
+            )
+        device = tokens.device
+        use_flex = self.args.attn_backend == "flex" and flex_can_run(device)
+        masks = document_mask(self.args, documents_from_positions(positions), use_flex)
+        return self._blocks_forward(tokens, self.freqs_cis[positions], masks)

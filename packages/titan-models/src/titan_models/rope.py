@@ -42,11 +42,18 @@ def apply_rotary(
     Consecutive pairs of the head dimension form one complex number (Meta's layout); Hugging Face
     checkpoints use the half-split layout, which the weight mapping permutes into this one.
     """
-    seq_len = xq.shape[1]
     # Real arithmetic on (cos, sin) rather than a complex multiply: the same products, but compiled it
     # fuses with the casts around it, where a complex multiply runs as separate eager kernels.
-    cos_sin = torch.view_as_real(freqs_cis[:seq_len]).view(1, seq_len, 1, -1, 2)
+    cos_sin = rotary_rows(freqs_cis, xq.shape[1])
     return rotate(xq, cos_sin), rotate(xk, cos_sin)
+
+
+def rotary_rows(freqs_cis: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """(cos, sin) for `rotate`: the table's first `seq_len` rows shared by the batch, or, for a table
+    already gathered per token (batch, seq, pairs: packed conversations restart at 0), those rows."""
+    if freqs_cis.dim() == 3:
+        return torch.view_as_real(freqs_cis).unsqueeze(2)
+    return torch.view_as_real(freqs_cis[:seq_len]).view(1, seq_len, 1, -1, 2)
 
 
 def rotary_at(freqs_cis: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -228,14 +228,15 @@ class Trainer:
             if self.config.job.save_config_file:
                 (dump / self.config.job.save_config_file).write_text(resolved)
 
-    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _batches(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        """(inputs, labels) batches on the device; chat rows add their per-token positions."""
         # On CUDA, copied from pinned memory without waiting: a copy from pageable memory makes the
         # host wait for the previous step's optimizer before it can queue this step's forward pass.
         pinned = self.device.type == "cuda"
-        for inputs, labels in self.loader:
+        for batch in self.loader:
             if pinned:
-                inputs, labels = inputs.pin_memory(), labels.pin_memory()
-            yield inputs.to(self.device, non_blocking=pinned), labels.to(self.device, non_blocking=pinned)
+                batch = tuple(t.pin_memory() for t in batch)
+            yield tuple(t.to(self.device, non_blocking=pinned) for t in batch)
 
     def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """One optimizer step over `grad_accum_steps` micro-batches.
@@ -253,10 +254,10 @@ class Trainer:
                 if isinstance(part, FSDPModule):
                     part.set_requires_gradient_sync(micro == self.grad_accum_steps - 1)
             start = time.perf_counter()
-            inputs, labels = next(batches)
+            inputs, labels, *positions = next(batches)
             data_seconds += time.perf_counter() - start
             tokens += labels.numel()  # counted before context parallelism keeps a slice of the sequence
-            loss_sum += self._forward_backward(inputs, labels)
+            loss_sum += self._forward_backward(inputs, labels, *positions)
         parameters = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(
             parameters, self.config.training.max_norm, pp_mesh=self.dims.submesh("pp")
@@ -281,18 +282,22 @@ class Trainer:
         the norm (see optimizer_in_backward). Context parallelism shards the batch it is given: each
         pass gets its own copy."""
         start = time.perf_counter()
-        inputs, labels = next(batches)
+        inputs, labels, *positions = next(batches)
         data_seconds = time.perf_counter() - start
         max_norm = self.config.training.max_norm
         coef = 1.0
         if max_norm > 0:
-            norm = self.optimizers.measure(lambda: self._forward_backward(inputs.clone(), labels.clone()))
+            norm = self.optimizers.measure(
+                lambda: self._forward_backward(inputs.clone(), labels.clone(), *positions)
+            )
             self.moe.discard_counts()  # the stepping pass routes the same tokens again
             coef = min(1.0, max_norm / (norm.item() + 1e-6))  # torch's clip_grads_with_norm_
         self.step_lr = self.optimizers.lr
         if self.checkpointer is not None:
             self.checkpointer.wait_for_staging()  # parameters move during this backward
-        loss, grad_norm = self.optimizers.step(lambda: self._forward_backward(inputs, labels), coef)
+        loss, grad_norm = self.optimizers.step(
+            lambda: self._forward_backward(inputs, labels, *positions), coef
+        )
         moe = self.moe.step(applied=True)  # parameters moved in backward
         numbers = self.guard.agree(loss, grad_norm)
         self.guard.decide(self.state.step + 1, numbers)
@@ -310,23 +315,33 @@ class Trainer:
             cp_no_restore=[inputs, labels],
         )
 
-    def _validation_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _validation_loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Mean loss of one validation batch, forward only, through the same layout as training."""
         with self._layout_context(inputs, labels):
             if self.pipeline is not None:
                 return self.pipeline.evaluate(inputs, labels, **stage_inputs(self.model_parts, inputs))
             with self.forward_context():
-                loss = self.loss_fn(self.model_parts[0](inputs), labels)
+                loss = self.loss_fn(self._model_forward(inputs, positions), labels)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _model_forward(self, inputs: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Logits of the one model part; chat rows pass their positions (conversations restart at 0)."""
+        if positions is None:
+            return self.model_parts[0](inputs)
+        return self.model_parts[0](inputs, positions=positions)
+
+    def _forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Loss of one micro-batch, gradients accumulated. Both paths train on `train_loss_fn`, the loss
         scaled for gradient accumulation (see `micro_batch_loss`)."""
         with self._layout_context(inputs, labels):
             if self.pipeline is not None:
                 return self.pipeline.step(inputs, labels, **stage_inputs(self.model_parts, inputs)).detach()
             with self.forward_context():
-                loss = self.train_loss_fn(self.model_parts[0](inputs), labels)
+                loss = self.train_loss_fn(self._model_forward(inputs, positions), labels)
             loss.backward()
         # Under loss parallelism the loss is a replicated DTensor.
         return loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()

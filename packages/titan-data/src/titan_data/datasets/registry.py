@@ -14,6 +14,7 @@ from titan_data.errors import DataError
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TOKEN_SHARDS = "token_shards"
+CHAT = "chat"  # conversations for fine-tuning: see titan_data.chat, not a text source
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ DATASETS: dict[str, DatasetEntry] = {
         "text files (.txt, .txt.gz) at dataset_path, one document per line",
         partial(_local, "text", ("text",), None),
     ),
+    CHAT: DatasetEntry(
+        "chat rows (messages, prompt/completion or alpaca) at dataset_path: .jsonl/.json/.parquet, or a hub "
+        "dataset id; rendered with the model's chat template and masked by turn (see [sft])",
+        None,
+    ),
     TOKEN_SHARDS: DatasetEntry(
         "token shards written by `titan-data tokenize` at dataset_path, memory-mapped", None
     ),
@@ -83,6 +89,8 @@ def get_source(name: str, path: str | Path | None = None) -> TextSource:
     if name not in DATASETS:
         raise DataError(f"dataset: unknown dataset '{name}'; registered: {', '.join(sorted(DATASETS))}")
     entry = DATASETS[name]
+    if name == CHAT:
+        raise DataError(f"dataset: '{CHAT}' holds conversations, not text; build it with ChatDataset")
     if entry.open_source is None:
         raise DataError(f"dataset: '{name}' holds tokens, not text; build it with build_dataset()")
     return entry.open_source(path)
@@ -91,6 +99,12 @@ def get_source(name: str, path: str | Path | None = None) -> TextSource:
 def check_dataset(name: str, path: str | Path | None = None) -> None:
     """Raise DataError, with the fix, unless dataset `name` can be read from `path` now: its files
     exist, or its remote source answers. A trainer calls it before any work."""
+    if name == CHAT:
+        if path is None:
+            raise DataError(
+                f"dataset: '{CHAT}' needs dataset_path: a chat file or folder, or a hub dataset id"
+            )
+        return  # reading the rows (load_examples) checks them and names the bad one
     if DATASETS.get(name) is not None and DATASETS[name].open_source is None:
         if path is None:
             raise DataError(f"dataset: '{name}' needs dataset_path: the folder `titan-data tokenize` wrote")

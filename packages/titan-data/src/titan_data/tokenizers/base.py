@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from titan_data.errors import DataError
+
 
 class Tokenizer(ABC):
     """Text to token ids and back, with the ids of the document markers."""
@@ -25,6 +27,13 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, ids: list[int]) -> str:
         """Text of token ids."""
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of text a chat template rendered: special-token text there (role headers,
+        end-of-turn markers) becomes the control tokens it names, as transformers tokenises it."""
+        raise DataError(
+            f"tokenizer: {type(self).__name__} cannot encode chat templates; use a tokenizer.json"
+        )
 
     @property
     def special_ids(self) -> frozenset[int]:

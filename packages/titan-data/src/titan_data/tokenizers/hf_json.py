@@ -91,5 +91,12 @@ class HuggingFaceTokenizer(Tokenizer):
         ids = self._model.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
+    def encode_chat(self, text: str) -> list[int]:
+        self._model.encode_special_tokens = False  # the template's markers are control tokens here
+        try:
+            return self._model.encode(text, add_special_tokens=False).ids
+        finally:
+            self._model.encode_special_tokens = True
+
     def decode(self, ids: list[int]) -> str:
         return self._model.decode(list(ids), skip_special_tokens=False)

@@ -115,5 +115,8 @@ class TikTokenTokenizer(Tokenizer):
             framed[-1] = self.eos_id
         return framed
 
+    def encode_chat(self, text: str) -> list[int]:
+        return self._model.encode(text, allowed_special="all")
+
     def decode(self, ids: list[int]) -> str:
         return self._model.decode(list(ids))

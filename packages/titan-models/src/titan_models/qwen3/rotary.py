@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_models.rope import rotate
+from titan_models.rope import rotary_rows, rotate
 
 
 def _halves_as_pairs(x: torch.Tensor) -> torch.Tensor:
@@ -25,8 +25,7 @@ def apply_rotary_half_split(
     xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate `xq`, `xk` (batch, seq, heads, head_dim) by position, in the half-split layout."""
-    seq_len = xq.shape[1]
-    cos_sin = torch.view_as_real(freqs_cis[:seq_len]).view(1, seq_len, 1, -1, 2)
+    cos_sin = rotary_rows(freqs_cis, xq.shape[1])
     return (
         _pairs_as_halves(rotate(_halves_as_pairs(xq), cos_sin)),
         _pairs_as_halves(rotate(_halves_as_pairs(xk), cos_sin)),

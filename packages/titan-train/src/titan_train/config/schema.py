@@ -21,6 +21,7 @@ from titan_train.config.fields import (
 from titan_train.config.health_section import Health
 from titan_train.config.lora_section import LoRA
 from titan_train.config.parallel_sections import ActivationCheckpoint, Compile, Parallelism, Quantize
+from titan_train.config.sft_section import Sft
 
 
 @dataclass
@@ -421,3 +422,4 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
     health: Health = field(default_factory=Health)
     lora: LoRA = field(default_factory=LoRA)
+    sft: Sft = field(default_factory=Sft)

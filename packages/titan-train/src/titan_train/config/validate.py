@@ -191,7 +191,36 @@ def _names_are_registered(config: Any) -> None:
             )
 
 
+def _chat_data_fits_the_layout(config: Any) -> None:
+    """Chat rows need a path, and layouts that carry their per-token positions to the model: pipeline
+    stages and context-parallel shards do not yet, so they are refused rather than attending across
+    conversations."""
+    sections = [config.training] + ([config.validation] if config.validation.enable else [])
+    chat = [
+        name
+        for section, name in zip(sections, ("training", "validation"), strict=False)
+        if section.dataset == "chat"
+    ]
+    for section, name in zip(sections, ("training", "validation"), strict=False):
+        if section.dataset == "chat" and not section.dataset_path:
+            raise ConfigError(
+                f"config: {name}.dataset = 'chat' needs {name}.dataset_path: a .jsonl/.json/.parquet file or "
+                "folder of chat rows, or a Hugging Face dataset id"
+            )
+    p = config.parallelism
+    for degree, what in (
+        (p.pipeline_parallel_degree, "pipeline_parallel_degree"),
+        (p.context_parallel_degree, "context_parallel_degree"),
+    ):
+        if chat and degree > 1:
+            raise ConfigError(
+                f"config: {chat[0]}.dataset = 'chat' with parallelism.{what} = {degree}: chat rows carry per-"
+                "conversation positions that this layout does not pass on yet; use data or tensor parallelism"
+            )
+
+
 COMBINATIONS: tuple[Callable[[Any], None], ...] = (
+    _chat_data_fits_the_layout,
     _profiler_window_fits,
     _schedule_covers_training,
     _validation_fits_the_layout,

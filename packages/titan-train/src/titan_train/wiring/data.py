@@ -7,7 +7,20 @@ from pathlib import Path
 
 import torch
 
-from titan_data import StreamLayout, Tokenizer, TokenLoader, build_dataset, build_tokenizer, check_dataset
+from titan_data import (
+    CHAT,
+    ChatDataset,
+    ChatOptions,
+    RowFields,
+    StreamLayout,
+    Tokenizer,
+    TokenLoader,
+    build_dataset,
+    build_tokenizer,
+    check_dataset,
+    load_chat_template,
+    load_examples,
+)
 from titan_train.config.schema import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -26,28 +39,55 @@ def build_loader(config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degre
     check_dataset(config.training.dataset, config.training.dataset_path)
     if config.validation.enable:
         check_dataset(config.validation.dataset, config.validation.dataset_path)
-    return _token_loader(config.training, tokenizer, dp_rank, dp_degree, infinite=True)
+    return _token_loader(config, config.training, tokenizer, dp_rank, dp_degree, infinite=True)
 
 
 def build_validation_loader(
     config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int
 ) -> TokenLoader:
     """One pass over the validation set (not looping), dealt over data-parallel ranks like training data."""
-    return _token_loader(config.validation, tokenizer, dp_rank, dp_degree, infinite=False)
+    return _token_loader(config, config.validation, tokenizer, dp_rank, dp_degree, infinite=False)
+
+
+def chat_options(config: JobConfig) -> ChatOptions:
+    """The `[sft]` section as titan-data's options."""
+    s = config.sft
+    fields = RowFields(s.format, s.messages_field, s.prompt_field, s.completion_field)
+    return ChatOptions(fields, s.loss_on, s.packing, s.overlong, s.bad_rows)
+
+
+def _chat_dataset(config: JobConfig, section, tokenizer: Tokenizer, streams: StreamLayout, *, infinite: bool):
+    """Conversations rendered with the model's chat template and masked by turn (`[sft]`)."""
+    template = load_chat_template(config.model.hf_assets_path or BUNDLED_TOKENIZER, config.sft.chat_template)
+    options = chat_options(config)
+    examples = load_examples(section.dataset_path, template, tokenizer, section.seq_len, options)
+    return ChatDataset(
+        examples,
+        section.seq_len,
+        packing=options.packing,
+        pad_id=tokenizer.eos_id,
+        streams=streams,
+        infinite=infinite,
+        name=str(section.dataset_path),
+    )
 
 
 def _token_loader(
-    section, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, *, infinite: bool
+    config: JobConfig, section, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, *, infinite: bool
 ) -> TokenLoader:
     """A loader for `[training]` or `[validation]`: both name dataset, path, seq_len, batch size and streams."""
-    dataset = build_dataset(
-        section.dataset,
-        section.dataset_path,
-        tokenizer,
-        section.seq_len,
-        streams=StreamLayout(dp_rank, dp_degree, section.dataloader.num_streams),
-        infinite=infinite,
-    )
+    streams = StreamLayout(dp_rank, dp_degree, section.dataloader.num_streams)
+    if section.dataset == CHAT:
+        dataset = _chat_dataset(config, section, tokenizer, streams, infinite=infinite)
+    else:
+        dataset = build_dataset(
+            section.dataset,
+            section.dataset_path,
+            tokenizer,
+            section.seq_len,
+            streams=streams,
+            infinite=infinite,
+        )
     d = section.dataloader
     return TokenLoader(
         dataset,

@@ -59,8 +59,7 @@ class Validator:
                     failure = str(err)
                 if not agree_on_batches(batch is not None, failure, self.device):
                     break
-                inputs, labels = (t.to(self.device) for t in batch)
-                total += self.batch_loss(inputs, labels).float()
+                total += self.batch_loss(*(t.to(self.device) for t in batch)).float()
                 count += 1
         finally:
             for part in model_parts:

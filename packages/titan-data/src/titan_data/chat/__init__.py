@@ -1,0 +1,1 @@
+"""Supervised fine-tuning data: chat rows, the model's chat template, turn masks and packing."""

@@ -1,0 +1,178 @@
+"""Chat rows from local files or a Hugging Face dataset, as lists of messages.
+
+Three row layouts are understood: OpenAI-style `messages` (role/content turns), prompt/completion
+pairs and alpaca (instruction/input/output). Each becomes the same list of `{"role", "content"}`
+turns, so the template and the masks see one shape whatever the file held. A bad row is reported in
+one line naming the file, the row and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from titan_data.errors import DataError
+
+ROLES = ("system", "user", "assistant")
+ROW_FORMATS = ("auto", "messages", "prompt_completion", "alpaca")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass(frozen=True)
+class RowFields:
+    """Which fields of a row hold the conversation, and which layout to expect ("auto": by the fields)."""
+
+    format: str = "auto"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+
+
+@dataclass(frozen=True)
+class ChatRow:
+    """One conversation and where it came from (for error messages)."""
+
+    messages: list[dict[str, str]]
+    where: str
+
+
+def _check_message(turn: Any, where: str, field: str) -> dict[str, str]:
+    if not isinstance(turn, dict):
+        raise DataError(
+            f"dataset: {where}: '{field}' holds a {type(turn).__name__}, not a {{role, content}} turn"
+        )
+    role, content = turn.get("role"), turn.get("content")
+    if role not in ROLES:
+        raise DataError(f"dataset: {where}: '{field}' has role {role!r}; roles are {', '.join(ROLES)}")
+    if not isinstance(content, str):
+        raise DataError(
+            f"dataset: {where}: '{field}' {role} turn content is {type(content).__name__}, not a string"
+        )
+    return {"role": role, "content": content}
+
+
+def _text(row: dict, field: str, where: str, *, required: bool = True) -> str:
+    if field not in row or row[field] is None:
+        if not required:
+            return ""
+        raise DataError(f"dataset: {where}: no '{field}' field (fields: {', '.join(map(str, row))})")
+    if not isinstance(row[field], str):
+        raise DataError(f"dataset: {where}: '{field}' is {type(row[field]).__name__}, not a string")
+    return row[field]
+
+
+def _layout(row: dict, fields: RowFields) -> str:
+    if fields.format != "auto":
+        return fields.format
+    if fields.messages_field in row:
+        return "messages"
+    if fields.prompt_field in row or fields.completion_field in row:
+        return "prompt_completion"
+    if "instruction" in row or "output" in row:
+        return "alpaca"
+    return "messages"  # reported as a missing messages field
+
+
+def row_to_messages(row: Any, fields: RowFields, where: str) -> list[dict[str, str]]:
+    """The turns of one row in any of the three layouts; DataError naming `where` and the field."""
+    if not isinstance(row, dict):
+        raise DataError(f"dataset: {where} is a {type(row).__name__}, not an object with fields")
+    layout = _layout(row, fields)
+    if layout == "messages":
+        field = fields.messages_field
+        turns = row.get(field)
+        if turns is None:
+            raise DataError(f"dataset: {where}: no '{field}' field (fields: {', '.join(map(str, row))})")
+        if not isinstance(turns, list) or not turns:
+            raise DataError(f"dataset: {where}: '{field}' must be a non-empty list of turns")
+        return [_check_message(turn, where, field) for turn in turns]
+    if layout == "prompt_completion":
+        prompt = _text(row, fields.prompt_field, where)
+        completion = _text(row, fields.completion_field, where)
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    instruction = _text(row, "instruction", where)
+    extra = _text(row, "input", where, required=False)
+    output = _text(row, "output", where)
+    prompt = f"{instruction}\n\n{extra}" if extra else instruction
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+
+
+def _json_rows(path: Path) -> Iterator[tuple[Any, str]]:
+    text = path.read_text(encoding="utf-8-sig")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"dataset: {path} is not valid JSON ({err})") from None
+        for i, row in enumerate(rows):
+            yield row, f"{path} row {i}"
+        return
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line), f"{path} line {number}"
+        except json.JSONDecodeError as err:
+            yield DataError(f"dataset: {path} line {number} is not a JSON object ({err.msg})"), ""
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[Any, str]]:
+    import pyarrow.parquet as pq  # only parquet users pay for it
+
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises its own types for unreadable files
+        raise DataError(f"dataset: {path} is not a readable parquet file: {err}") from err
+    for i, row in enumerate(table.to_pylist()):
+        yield row, f"{path} row {i}"
+
+
+def _hub_rows(name: str) -> Iterator[tuple[Any, str]]:
+    """A Hugging Face dataset's train split by id (the hub, or its cache with HF_DATASETS_OFFLINE=1)."""
+    import datasets  # imported here: local files need none of it
+
+    try:
+        rows = datasets.load_dataset(name, split="train")
+    except Exception as err:  # the hub client raises many types; the message says what failed
+        raise DataError(
+            f"dataset: chat dataset '{name}' is neither a local file nor a loadable Hugging Face dataset "
+            f"({type(err).__name__}: {err}); set dataset_path to a .jsonl/.json/.parquet file or folder"
+        ) from None
+    for i, row in enumerate(rows):
+        yield row, f"{name} row {i}"
+
+
+def chat_files(path: str | Path) -> list[Path]:
+    """The chat files at `path`: the file itself, or every .jsonl/.json/.parquet under the folder."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in FILE_SUFFIXES)
+        if files:
+            return files
+        raise DataError(f"dataset: {path} holds no {', '.join(FILE_SUFFIXES)} files")
+    raise DataError(f"dataset: chat data at {path} does not exist; set dataset_path to a file or folder")
+
+
+def read_chat_rows(path: str | Path, fields: RowFields) -> Iterator[ChatRow | DataError]:
+    """Every row of the chat data at `path` (local files, else a hub dataset id), in order; a bad row
+    comes as the DataError that names it, so the caller decides whether it stops the run."""
+    local = Path(path).exists() or Path(path).suffix in FILE_SUFFIXES
+    sources = (
+        [(_parquet_rows if f.suffix == ".parquet" else _json_rows)(f) for f in chat_files(path)]
+        if local
+        else [_hub_rows(str(path))]
+    )
+    for rows in sources:
+        for row, where in rows:
+            if isinstance(row, DataError):
+                yield row
+                continue
+            try:
+                yield ChatRow(row_to_messages(row, fields, where), where)
+            except DataError as err:
+                yield err

@@ -1,0 +1,58 @@
+"""(Titan) The [sft] section: how chat rows (`training.dataset = "chat"`) become fine-tuning examples.
+
+torchtitan 0.2.2 has no fine-tuning data, and its later versions configure it only in Python; these
+fields are Titan's own. They apply to training and validation alike, so both use the same masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_train.config.fields import opt
+
+FIELD_NAME = (r"[^\s]+", "a field name without spaces")
+
+
+@dataclass
+class Sft:
+    format: str = opt(
+        "auto",
+        "(Titan) Chat row layout: messages (role/content turns), prompt_completion, alpaca "
+        "(instruction/input/output), or auto (by each row's fields)",
+        choices=("auto", "messages", "prompt_completion", "alpaca"),
+    )
+    messages_field: str = opt("messages", "(Titan) Field holding a row's list of turns", pattern=FIELD_NAME)
+    prompt_field: str = opt(
+        "prompt", "(Titan) Field holding the prompt of a prompt/completion row", pattern=FIELD_NAME
+    )
+    completion_field: str = opt(
+        "completion", "(Titan) Field holding the completion of a prompt/completion row", pattern=FIELD_NAME
+    )
+    loss_on: str = opt(
+        "assistant",
+        "(Titan) Tokens trained on: every assistant turn (its content and end-of-turn token), the last "
+        "assistant turn only, or all tokens",
+        choices=("assistant", "last", "all"),
+    )
+    packing: bool = opt(
+        True,
+        "(Titan) Pack whole conversations into training.seq_len rows (positions restart, attention stays "
+        "within each); false: one conversation per row, padded",
+    )
+    overlong: str = opt(
+        "truncate",
+        "(Titan) A conversation longer than seq_len: truncate it to seq_len or drop it (counted in the log)",
+        choices=("truncate", "drop"),
+    )
+    bad_rows: str = opt(
+        "stop",
+        "(Titan) A malformed row (missing field, unknown role, non-string turn, template error): stop "
+        "(exit 2, naming file, row and field) or skip it (counted in the log)",
+        choices=("stop", "skip"),
+    )
+    chat_template: str | None = opt(
+        None,
+        "(Titan) Jinja chat template file overriding the tokenizer's (chat_template.jinja or "
+        "tokenizer_config.json in model.hf_assets_path)",
+        path="a jinja file",
+    )

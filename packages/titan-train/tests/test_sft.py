@@ -1,0 +1,197 @@
+"""Supervised fine-tuning through the trainer, against transformers: a Llama built and saved here with
+transformers (nothing downloaded), the bundled tokenizer with its chat template, chat rows in a JSONL
+file. The expected loss is transformers' model on `tokenizer.apply_chat_template` ids, with the
+assistant spans found in the test by scanning for the template's header and end-of-turn tokens."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from titan_train.config import load_job_config
+from titan_train.plan import resolve
+from titan_train.trainer import Trainer
+from titan_train.wiring.data import BUNDLED_TOKENIZER
+
+WORDS = "alpha river stone quick blue seven garden lamp north paper music cloud orange table winter".split()
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """A 2-layer Llama with random weights (norms too), saved with the bundled tokenizer and template."""
+    folder = tmp_path_factory.mktemp("chat_model")
+    config = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1792,
+        eos_token_id=1793,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape))
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(BUNDLED_TOKENIZER / name, folder / name)
+    return folder, model, AutoTokenizer.from_pretrained(folder)
+
+
+def _sentence(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _conversation(rng, turns, words):
+    messages = [{"role": "system", "content": "You answer briefly. " + _sentence(rng, 3)}]
+    for _ in range(turns):
+        messages.append({"role": "user", "content": _sentence(rng, rng.randint(2, words))})
+        messages.append({"role": "assistant", "content": _sentence(rng, rng.randint(2, words))})
+    return messages
+
+
+def _write(path, conversations):
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    return path
+
+
+def _flags(folder, data, dump, *more):
+    return (
+        "--job.dump_folder", str(dump),
+        "--model.name", "llama3",
+        "--model.flavor", "from_hf",
+        "--model.hf_assets_path", str(folder),
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path", str(folder),
+        "--checkpoint.interval", "1000",
+        "--training.dataset", "chat",
+        "--training.dataset_path", str(data),
+        "--training.seq_len", "256",
+        "--activation_checkpoint.mode", "none",
+        "--metrics.log_freq", "1",
+        "--metrics.disable_color_printing",
+        "--lr_scheduler.warmup_steps", "0",
+        "--optimizer.lr", "1e-2",
+        *more,
+    )  # fmt: skip
+
+
+def _assistant_spans(ids, tokenizer, last_only):
+    """Targets by scanning: after each '<|start_header_id|>assistant<|end_header_id|>\\n\\n' up to and
+    including the next '<|eot_id|>'."""
+    header = tokenizer.encode("<|start_header_id|>assistant<|end_header_id|>\n\n", add_special_tokens=False)
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    spans, i = [], 0
+    while i < len(ids):
+        if ids[i : i + len(header)] == header:
+            start = i + len(header)
+            end = ids.index(eot, start) + 1
+            spans.append((start, end))
+            i = end
+        else:
+            i += 1
+    assert spans
+    return spans[-1:] if last_only else spans
+
+
+def _expected_loss(model, tokenizer, conversations, loss_on):
+    total, count = 0.0, 0
+    for messages in conversations:
+        ids = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+        trained = torch.zeros(len(ids), dtype=torch.bool)
+        if loss_on == "all":
+            trained[:] = True
+        else:
+            for start, end in _assistant_spans(ids, tokenizer, loss_on == "last"):
+                trained[start:end] = True
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, :-1].double()
+        losses = F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
+        total += losses[trained[1:]].sum().item()
+        count += int(trained[1:].sum())
+    return total / count
+
+
+@pytest.mark.parametrize("loss_on", ["assistant", "last", "all"])
+def test_step_one_loss_equals_transformers_on_the_chat_template_packed_and_padded(
+    tmp_path, chat_model, one_rank, loss_on
+):
+    folder, model, tokenizer = chat_model
+    rng = random.Random(1)
+    conversations = [_conversation(rng, turns, 4) for turns in (1, 2, 3, 2, 3, 1)]
+    data = _write(tmp_path / "chat.jsonl", conversations)
+    expected = _expected_loss(model, tokenizer, conversations, loss_on)
+    for packing, rows in (("true", 3), ("false", len(conversations))):
+        flags = _flags(folder, data, tmp_path / f"run_{packing}", "--training.steps", "1")
+        more = ("--training.local_batch_size", str(rows), "--sft.loss_on", loss_on, "--sft.packing", packing)
+        trainer = Trainer(resolve(load_job_config([*flags, *more]), 1, "cpu"), one_rank)
+        (loss,) = trainer.train()
+        assert loss == pytest.approx(expected, abs=1e-5), (packing, loss_on)
+
+
+def _metrics(dump):
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_packing_is_invisible_same_losses_grad_norms_and_weights_as_padding(tmp_path, chat_model, one_rank):
+    """Conversations of 86 to 128 positions: a packed row of 256 holds exactly two, so 2 packed rows and 4
+    padded rows carry the same conversations each step."""
+    folder, _, tokenizer = chat_model
+    rng, conversations = random.Random(2), []
+    while len(conversations) < 12:
+        messages = _conversation(rng, rng.randint(2, 3), 6)
+        n = len(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+        if 86 <= n - 1 <= 128:
+            conversations.append(messages)
+    data = _write(tmp_path / "chat.jsonl", conversations)
+    trainers = {}
+    for packing, rows in (("true", 2), ("false", 4)):
+        flags = _flags(folder, data, tmp_path / packing, "--training.steps", "3", "--sft.packing", packing)
+        # lr 1e-3: Adam turns a 1e-9 gradient difference on a near-zero gradient into up to lr per step
+        config = load_job_config([*flags, "--training.local_batch_size", str(rows), "--optimizer.lr", "1e-3"])
+        trainers[packing] = Trainer(resolve(config, 1, "cpu"), one_rank)
+        trainers[packing].train()
+    packed, padded = _metrics(tmp_path / "true"), _metrics(tmp_path / "false")
+    assert len({r["loss"] for r in packed}) == 3  # three different steps
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in packed] == pytest.approx([r[key] for r in padded], abs=1e-5), key
+    weights = {k: v.state_dict() for k, v in ((k, t.model_parts[0]) for k, t in trainers.items())}
+    for name, value in weights["true"].items():
+        assert (value - weights["false"][name]).abs().max().item() <= 1e-5, name
+    initial = LlamaForCausalLM.from_pretrained(folder).state_dict()["model.norm.weight"]
+    moved = (weights["true"]["norm.weight"] - initial).abs().max().item()
+    assert moved > 1e-4  # the steps changed the weights being compared
+
+
+def test_a_run_stopped_mid_epoch_resumes_with_the_same_batches_and_losses(tmp_path, chat_model, one_rank):
+    """A 4-step run saving every 2 steps; a copy of its folder without step-4 is a run killed after
+    step 2: resumed, the data position (packer state included) and the weights come back, so steps 3
+    and 4 log the same losses. 24 conversations in rows of 2: the stop falls mid-epoch."""
+    folder, _, _ = chat_model
+    rng = random.Random(3)
+    data = _write(tmp_path / "chat.jsonl", [_conversation(rng, rng.randint(1, 3), 4) for _ in range(24)])
+
+    def run(dump):
+        flags = _flags(folder, data, dump, "--training.steps", "4", "--training.local_batch_size", "2")
+        config = load_job_config([*flags, "--checkpoint.interval", "2", "--training.seq_len", "128"])
+        return Trainer(resolve(config, 1, "cpu"), one_rank).train()
+
+    straight = run(tmp_path / "straight")
+    assert len(set(straight)) == 4
+    shutil.copytree(
+        tmp_path / "straight" / "checkpoint" / "step-2", tmp_path / "killed" / "checkpoint" / "step-2"
+    )
+    resumed = run(tmp_path / "killed")  # finds checkpoint/step-2: steps 3 and 4 only
+    assert resumed == pytest.approx(straight[2:], abs=1e-6)
