@@ -52,7 +52,18 @@ EXPORT = (
 
 
 def _model(name: str) -> tuple[str, ...]:
-    return ("--model.name", name, "--model.flavor", "hf_unheld_2l")
+    # Qwen3-MoE, as torchtitan's, trains no expert bias by default: these runs switch balancing on.
+    balancing = ("--model.moe_load_balance_coeff", "1e-3") if name == "qwen3" else ()
+    return ("--model.name", name, "--model.flavor", "hf_unheld_2l", *balancing)
+
+
+def test_an_export_of_a_run_that_trains_no_expert_bias_is_not_refused(tmp_path):
+    plain = ("--model.name", "qwen3", "--model.flavor", "hf_unheld_2l")  # Qwen3-MoE's default: no balancing
+    off = ("--model.name", "llama4", "--model.flavor", "hf_unheld_2l", "--model.moe_load_balance_coeff", "0")
+    for name, model in (("qwen3", plain), ("llama4", off)):
+        dump = ("--job.dump_folder", str(tmp_path / name), "--training.seq_len", "32")
+        assert run([*dump, *model, *EXPORT, "--training.steps", "1"]) == 0  # the later flag wins
+        assert (tmp_path / name / "checkpoint" / "step-1" / "model.safetensors.index.json").is_file()
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -27,7 +27,7 @@ def check_checkpoint_config(config: JobConfig, world_size: int) -> None:
 
     A switch that would be silently ignored is refused: an `initial_load_path` (or `load_step`,
     `load_only`, `create_seed_checkpoint`) with `checkpoint.enable = false` would load nothing, and a
-    week-long run would quietly start from scratch.
+    week-long run would quietly start from scratch; a `last_save_in_hf` would export nothing.
     """
     c = config.checkpoint
     if not c.enable:
@@ -39,6 +39,7 @@ def check_checkpoint_config(config: JobConfig, world_size: int) -> None:
                 ("load_only", c.load_only),
                 ("create_seed_checkpoint", c.create_seed_checkpoint),
                 ("initial_load_in_hf_quantized", c.initial_load_in_hf_quantized),
+                ("last_save_in_hf", c.last_save_in_hf),  # no last save, so no export
             )
             if is_set
         ]

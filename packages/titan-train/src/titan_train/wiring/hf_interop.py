@@ -115,12 +115,16 @@ def check_hf_export(config: JobConfig, family: ModelFamily, args: Any) -> None:
         return
     adapter = hf_mapping(family, "checkpoint.last_save_in_hf writes Hugging Face files").adapter(args)
     unheld = getattr(adapter, "hf_unheld_state", ())
-    if unheld and not c.hf_export_lossy:
+    # The expert bias is the only such state today; the run trains it unless balancing is off (Qwen3-MoE's
+    # default, or model.moe_load_balance_coeff = 0). A bias loaded nonzero and never trained is caught
+    # by the export itself, which reads the values.
+    trained = unheld and getattr(getattr(args, "moe_args", None), "update_bias", False)
+    if trained and not c.hf_export_lossy:
         raise ConfigError(
             f"config: checkpoint.last_save_in_hf: {m.name} {m.flavor} trains {', '.join(unheld)} (auxiliary-loss-free "
             "balancing), which its Hugging Face format cannot hold, so the exported model would route tokens to "
             "other experts; set checkpoint.hf_export_lossy = true to export anyway (Titan keeps it under titan.* "
-            "keys for its own re-import)"
+            "keys for its own re-import), or model.moe_load_balance_coeff = 0 to train without it"
         )
     if c.hf_export_lossy and not unheld:
         raise ConfigError(
