@@ -25,7 +25,10 @@ from titan_train.wiring.lr_schedule import lr_factor
             "checkpoint.initial_load_path is set but checkpoint.enable is false",
         ),
         (["--checkpoint.load_step", "5"], "checkpoint.load_step is set but checkpoint.enable is false"),
-        (["--checkpoint.last_save_in_hf"], "checkpoint.last_save_in_hf is set but checkpoint.enable is false"),
+        (
+            ["--checkpoint.last_save_in_hf"],
+            "checkpoint.last_save_in_hf is set but checkpoint.enable is false",
+        ),
         (
             ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"],
             "WORLD_SIZE is 2; run it with NGPU=1",
