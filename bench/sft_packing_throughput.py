@@ -1,6 +1,6 @@
 """Fine-tuning throughput, packed against padded: useful tokens (trained: unmasked and not padding) per second.
 
-The debug model (llama3 debugmodel) trains on the bundled chat file (apps/configs/sft_debug.toml's data)
+The debug model (llama3 debugmodel) trains on the bundled chat file (apps/configs/debug_sft.toml's data)
 in this process on a one-rank gloo group, once with `sft.packing = true` and once false, same batch shape
 (`--batch` rows x `--seq-len`), `--steps` timed steps after one warm-up step. Useful tokens are counted from
 the batches the loader hands out for those steps (labels != -100); padded rows hold one conversation each.
@@ -30,7 +30,7 @@ DATA = REPO / "packages/titan-data/src/titan_data/assets/chat_test/chat_test.jso
 
 def measure(packing: bool, steps: int, batch: int, seq_len: int, dump: Path, info: DistInfo) -> dict:
     flags = [
-        "--job.config_file", str(REPO / "apps/configs/sft_debug.toml"),
+        "--job.config_file", str(REPO / "apps/configs/debug_sft.toml"),
         "--job.dump_folder", str(dump),
         "--training.dataset_path", str(DATA),
         "--training.local_batch_size", str(batch),

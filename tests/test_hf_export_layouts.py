@@ -73,6 +73,8 @@ LAYOUTS = {  # name: (model, layout)
             "4",
             f"{P}expert_parallel_degree",
             "2",
+            "--model.moe_load_balance_coeff",  # Qwen3-MoE trains no expert bias unless asked, as torchtitan's
+            "1e-3",
             "--checkpoint.hf_export_lossy",
         ),
     ),

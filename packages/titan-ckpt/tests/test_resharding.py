@@ -73,7 +73,8 @@ def test_hf_export_from_fsdp_imports_into_tensor_parallel_exactly(report):
         "__0_0.distcp",
         "__1_0.distcp",
         "config.json",
-        "model-00001-of-00001.safetensors",
+        "model-00001-of-00002.safetensors",  # each rank writes the file of the tensors it was given
+        "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
     ]
     assert report["hf_tp_max_diff"] == 0.0

@@ -172,6 +172,7 @@ def test_an_export_hugging_face_cannot_compute_is_refused_before_step_1(tmp_path
         str(tmp_path),
         "--training.steps",
         "1",
+        "--checkpoint.enable",
         "--checkpoint.last_save_in_hf",
     ]
     with caplog.at_level(logging.INFO):
