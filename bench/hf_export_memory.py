@@ -1,6 +1,6 @@
 """Peak host memory (RSS) of each rank while a Hugging Face export is written, and while it is read back.
 
-`uv run python bench/hf_export_memory.py --out DIR [--scale 1.0] [--models llama3,qwen3]`: for a ~1 GB (fp32) Llama and a ~1 GB
+`uv run python bench/hf_export_memory.py --out DIR [--scale 1.0] [--models llama3,qwen3] [--layouts "FSDP 4"]`: for a ~1 GB (fp32) Llama and a ~1 GB
 Qwen3-MoE (`--scale` shrinks both), on 4 ranks in each of FSDP 4, TP 2 x FSDP 2, PP 2 x FSDP 2 and
 EP 2 x FSDP 4, one torchrun trains one step with `checkpoint.last_save_in_hf`, then a second run of the
 same layout starts from that folder with `initial_load_in_hf`. A sampler thread in every rank reads
@@ -94,12 +94,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--scale", type=float, default=1.0, help="model size as a share of 1 GB (fp32)")
     parser.add_argument("--models", default="llama3,qwen3")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="a subset of: " + ", ".join(LAYOUTS))
     args = parser.parse_args()
     rows = []
     for model in args.models.split(","):
         # Qwen3-MoE trains an expert bias its Hugging Face class cannot hold: the export must opt in.
         lossy = ["--checkpoint.hf_export_lossy"] if model == "qwen3" else []
-        for layout in MODELS[model]:
+        for layout in [x for x in MODELS[model] if x in args.layouts.split(",")]:
             dump = args.out / f"{model}-{layout.replace(' ', '')}"
             shutil.rmtree(dump, ignore_errors=True)
             dump.mkdir(parents=True)

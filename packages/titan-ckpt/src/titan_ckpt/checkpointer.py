@@ -38,7 +38,8 @@ from titan_ckpt.async_save import (
 from titan_ckpt.collectives import barrier, decide_on_rank0, group_rank, raise_on_every_rank
 from titan_ckpt.errors import CheckpointError
 from titan_ckpt.hf_export import write_hf_export
-from titan_ckpt.hf_safetensors import HFStateDictAdapter, load_hf_weights
+from titan_ckpt.hf_import import load_hf_weights
+from titan_ckpt.hf_safetensors import HFStateDictAdapter
 from titan_ckpt.integrity import find_problem, flatten_state_dict, read_metadata, saved_keys
 from titan_ckpt.load_source import MODEL, LoadResult, choose_source
 from titan_ckpt.policies import LastSavePolicy, LoadPolicy, SavePolicy

@@ -176,12 +176,4 @@ def dequantize_lazily(
                 "the weight_block_size of quantization_config does not match the files"
             )
         out[name] = BlockDequantized(tensor, scale.to(torch.float32), quantization.block)
-    logger.info(
-        "checkpoint: dequantising %d float8 weights (%dx%d blocks, weight = fp8 * scale_inv) of %s as each rank "
-        "reads its rows",
-        len(scales),
-        rows,
-        cols,
-        where,
-    )
     return out
