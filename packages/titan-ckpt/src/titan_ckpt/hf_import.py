@@ -5,7 +5,7 @@ A rank must never hold the whole model: a published 70B or 671B checkpoint is la
 memory. The adapter's `from_hf` maps a whole state dict (it checks the key set and stacks experts), so it
 is called once per transformer block: that block's tensors are read from the files, every other large
 tensor is a meta stand-in of the right shape (free to permute or stack), and only the real results are
-copied. Small tensors (norms, biases) are read once and stay real, so checks on their values still see
+copied. Vectors (norms, biases) are read once and stay real, so checks on their values still see
 them. A rank's memory grows by about one block, not by the model.
 """
 
@@ -39,8 +39,6 @@ from titan_ckpt.step_folders import HF_INDEX
 
 logger = logging.getLogger(__name__)
 
-# Tensors of at most this many elements are read once and kept real through every block's pass.
-SMALL_ELEMENTS = 1 << 20
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _DTYPES = {
     "F64": torch.float64,
@@ -67,11 +65,11 @@ class StoredTensor:
     dtype: torch.dtype
 
     @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+    def small(self) -> bool:
+        """A vector (a norm, a bias): read once and kept real through every block's pass, so that checks
+        on its values still see it. Matrices, however small, are read with their block: a bench model's
+        experts can be tiny matrices that together make most of the model."""
+        return len(self.shape) <= 1
 
 
 def _header(file: Path) -> dict[str, Any]:
@@ -234,7 +232,7 @@ def load_hf_weights(
             f"checkpoint: {folder} holds float8 weights with *{SCALE_SUFFIX} block scales but its config.json has "
             "no quantization_config; set checkpoint.initial_load_in_hf_quantized = true to dequantise them"
         )
-    small = {n for n, e in stored.items() if e.numel <= SMALL_ELEMENTS or n.startswith(TITAN_ONLY_PREFIX)}
+    small = {n for n, e in stored.items() if e.small or n.startswith(TITAN_ONLY_PREFIX)}
     kept = _read(stored, small)
     titan_only = {
         k.removeprefix(TITAN_ONLY_PREFIX): kept.pop(k) for k in list(kept) if k.startswith(TITAN_ONLY_PREFIX)
