@@ -172,6 +172,12 @@ WORKERS_8_STREAMS = (
 MOE = ("--model.name", "qwen3", "--model.flavor", "tiny_moe")
 EP, ETP = f"{P}expert_parallel_degree", f"{P}expert_tensor_parallel_degree"
 LORA = ("--model.converters", "lora", "--lora.target_modules", "all-linear", "--lora.rank", "4")
+# Chat rows (the bundled arithmetic conversations, 40-90 tokens), packed two or three to a row of 128 with
+# positions restarting per conversation, loss on the assistant turns: every row trains on another share of
+# its tokens, so each layout must weigh its micro-batches by their trained tokens to match one process.
+CHAT_DATA = Path(__file__).parents[1] / "packages/titan-data/src/titan_data/assets/chat_test/chat_test.jsonl"
+CHAT = ("--training.dataset", "chat", "--training.dataset_path", str(CHAT_DATA), "--training.seq_len", "128")
+CHAT_WEIGHTS_ATOL = 1e-4  # 3.4x the largest measured (2.9e-5, pp and accumulation; loss and grad_norm 3.3e-7)
 
 
 def experts(ep: int, etp: int, mesh_dims: list[str] | None, placements: list[str] | None, local: list[int]):
@@ -414,6 +420,38 @@ LAYOUTS = {
         1, (*LORA, "--compile.enable"), {"compiled_blocks": 2}, reference="one_process_lora"
     ),
     "lora_tp": Layout(2, (*LORA, TP, "2"), refused="Titan does not split adapters by tensor parallelism yet"),
+    # Packed chat rows against one process on the same rows: positions and document masks through FSDP, TP
+    # (vocabulary-sharded loss), gradient accumulation and pipeline stages; context parallelism is refused.
+    "one_process_chat": Layout(1, CHAT, {"degrees": {}}, reference="one_process_chat"),
+    "chat_fsdp": Layout(
+        2,
+        (*CHAT, *local_batch(2)),
+        {"degrees": {"dp_shard": 2}, "fsdp": True},
+        reference="one_process_chat",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    "chat_fsdp_accumulate_2": Layout(
+        2,
+        (*CHAT, *local_batch(1), *ACCUMULATE_TO_4),
+        {"grad_accum_steps": 2, "fsdp": True},
+        reference="one_process_chat",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    "chat_tp": Layout(
+        2,
+        (*CHAT, TP, "2"),
+        {"degrees": {"tp": 2}, "loss_parallel": True},
+        reference="one_process_chat",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    "chat_pp_1F1B": Layout(
+        2,
+        (*CHAT, *pp("1F1B")),
+        {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE},
+        reference="one_process_chat",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    "chat_cp": Layout(2, (*CHAT, CP, "2"), refused="its ring attention is causal only"),
 }
 
 

@@ -192,9 +192,10 @@ def _names_are_registered(config: Any) -> None:
 
 
 def _chat_data_fits_the_layout(config: Any) -> None:
-    """Chat rows need a path, and layouts that carry their per-token positions to the model: pipeline
-    stages and context-parallel shards do not yet, so they are refused rather than attending across
-    conversations."""
+    """Chat rows need a path, and a layout that keeps each conversation's tokens together: context
+    parallelism splits a row's sequence over ranks and its ring attention is causal only, so a packed
+    row's document mask cannot be split with it; it is refused rather than attending across
+    conversations (pipeline stages are given the rows' positions, see stage_inputs)."""
     sections = [config.training] + ([config.validation] if config.validation.enable else [])
     chat = [
         name
@@ -207,16 +208,14 @@ def _chat_data_fits_the_layout(config: Any) -> None:
                 f"config: {name}.dataset = 'chat' needs {name}.dataset_path: a .jsonl/.json/.parquet file or "
                 "folder of chat rows, or a Hugging Face dataset id"
             )
-    p = config.parallelism
-    for degree, what in (
-        (p.pipeline_parallel_degree, "pipeline_parallel_degree"),
-        (p.context_parallel_degree, "context_parallel_degree"),
-    ):
-        if chat and degree > 1:
-            raise ConfigError(
-                f"config: {chat[0]}.dataset = 'chat' with parallelism.{what} = {degree}: chat rows carry per-"
-                "conversation positions that this layout does not pass on yet; use data or tensor parallelism"
-            )
+    degree = config.parallelism.context_parallel_degree
+    if chat and degree > 1:
+        raise ConfigError(
+            f"config: {chat[0]}.dataset = 'chat' with parallelism.context_parallel_degree = {degree}: context "
+            "parallelism splits each row's sequence and its ring attention is causal only, so the document "
+            "mask that keeps packed conversations apart cannot be split with it; use data, tensor or "
+            "pipeline parallelism"
+        )
 
 
 COMBINATIONS: tuple[Callable[[Any], None], ...] = (
