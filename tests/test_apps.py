@@ -163,3 +163,30 @@ def test_download_script_without_the_hub_says_so(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 1
     assert "cannot reach the Hugging Face hub for meta-llama/Llama-3.1-8B" in result.stderr
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_8b_sft_config_for_one_node(tmp_path):
+    """The 8B SFT config as a user launches it (chat data named by its hub id, the checkpoint imported from
+    Hugging Face files) passes every start-up check and plans 8 ranks; its folder holds the published
+    config.json, which the import checks the flavor against."""
+    assets = tmp_path / "Llama-3.1-8B-Instruct"
+    assets.mkdir()
+    published = REPO / "packages/titan-train/tests/published_configs/Llama-3.1-8B.json"
+    (assets / "config.json").write_text(published.read_text())
+    paths = ("--model.hf_assets_path", str(assets), "--checkpoint.initial_load_path", str(assets))
+    env = {**os.environ, "DRY_RUN": "1", "NGPU": "8", "CONFIG_FILE": "apps/configs/llama3_8b_sft.toml"}
+    env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    result = subprocess.run(
+        [str(REPO / "apps" / "run_train.sh"), *paths],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "llama3 8B on 8 ranks" in result.stdout and "mesh: (dp_shard=8)" in result.stdout
+    c = load_job_config(["--job.config_file", str(REPO / "apps/configs/llama3_8b_sft.toml")])
+    assert (c.training.dataset, c.training.dataset_path) == ("chat", "HuggingFaceH4/no_robots")
+    assert c.checkpoint.initial_load_in_hf and c.checkpoint.last_save_in_hf

@@ -256,3 +256,35 @@ def test_sft_with_lora_from_a_transformers_checkpoint_ends_in_a_peft_adapter_tha
             new = new[:-1]
             assert reason == "eos"
         assert (count, text) == (len(new), tokenizer.decode(new)), prompt
+
+
+def test_validation_on_a_chat_split_is_transformers_loss_with_the_same_masks(tmp_path, chat_model, one_rank):
+    """`validation.dataset = "chat"` on its own file, with `sft.loss_on = "last"`: after one training step,
+    the validation loss equals transformers' on the step's exported weights over the held-out conversations,
+    with the last assistant turn masked in by the test itself."""
+    folder, _, tokenizer = chat_model
+    rng = random.Random(5)
+    train = _write(tmp_path / "train.jsonl", [_conversation(rng, rng.randint(1, 3), 4) for _ in range(4)])
+    held_out = [_conversation(rng, turns, 4) for turns in (2, 3, 1)]
+    validation = _write(tmp_path / "validation.jsonl", held_out)
+    flags = _flags(
+        folder, train, tmp_path / "run", "--training.steps", "1", "--training.local_batch_size", "2"
+    )
+    more = (
+        "--sft.loss_on", "last",
+        "--sft.packing", "false",  # one held-out conversation a row: the 3 rows are one validation batch
+        "--checkpoint.last_save_in_hf",
+        "--validation.enable",
+        "--validation.dataset", "chat",
+        "--validation.dataset_path", str(validation),
+        "--validation.seq_len", "256",
+        "--validation.local_batch_size", "3",
+        "--validation.freq", "1",
+        "--validation.steps", "1",
+    )  # fmt: skip
+    Trainer(resolve(load_job_config([*flags, *more]), 1, "cpu"), one_rank).train()
+    (record,) = [
+        json.loads(line) for line in (tmp_path / "run" / "validation.jsonl").read_text().splitlines()
+    ]
+    trained = LlamaForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint" / "step-1").eval()
+    assert record["loss"] == pytest.approx(_expected_loss(trained, tokenizer, held_out, "last"), abs=1e-5)
