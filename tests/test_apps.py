@@ -167,7 +167,7 @@ def test_download_script_without_the_hub_says_so(tmp_path):
 
 
 def test_the_8b_sft_config_passes_the_start_checks_for_one_node_and_refuses_context_parallelism(
-    tmp_path, capsys
+    tmp_path, caplog
 ):
     """The 8B SFT config as a user launches it (chat data named by its hub id, the checkpoint imported from
     Hugging Face files): `titan-train check --ngpu 8`, which run_train.sh runs before torchrun, passes every
