@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from titan_train.cli import run
 from titan_train.config import load_job_config
 from titan_train.registry import model_family_names
 
@@ -163,3 +164,31 @@ def test_download_script_without_the_hub_says_so(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 1
     assert "cannot reach the Hugging Face hub for meta-llama/Llama-3.1-8B" in result.stderr
+
+
+def test_the_8b_sft_config_passes_the_start_checks_for_one_node_and_refuses_context_parallelism(
+    tmp_path, caplog
+):
+    """The 8B SFT config as a user launches it (chat data named by its hub id, the checkpoint imported from
+    Hugging Face files): `titan-train check --ngpu 8`, which run_train.sh runs before torchrun, passes every
+    start-up check, the import's flavor check against the published config.json included; with context
+    parallelism it stops in one line naming the reason."""
+    assets = tmp_path / "Llama-3.1-8B-Instruct"
+    assets.mkdir()
+    published = REPO / "packages/titan-train/tests/published_configs/Llama-3.1-8B.json"
+    (assets / "config.json").write_text(published.read_text())
+    config = ("--job.config_file", str(REPO / "apps/configs/llama3_8b_sft.toml"))
+    paths = ("--model.hf_assets_path", str(assets), "--checkpoint.initial_load_path", str(assets))
+    assert run(["check", "--ngpu", "8", *config, *paths]) == 0
+    c = load_job_config(list(config))
+    assert (c.training.dataset, c.training.dataset_path, c.model.flavor) == (
+        "chat",
+        "HuggingFaceH4/no_robots",
+        "8B",
+    )
+    assert c.checkpoint.initial_load_in_hf and c.checkpoint.last_save_in_hf
+    caplog.clear()
+    cp = ("--parallelism.context_parallel_degree", "2")
+    assert run(["check", "--ngpu", "8", *config, *paths, *cp]) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "context_parallel_degree = 2" in line and "ring attention is causal only" in line

@@ -5,17 +5,21 @@ assistant spans found in the test by scanning for the template's header and end-
 
 import json
 import random
+import re
 import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+from peft import PeftModel
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from titan_train.cli import run
 from titan_train.config import load_job_config
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
+from titan_train.wiring.lora_export import PEFT_FOLDER
 
 WORDS = "alpha river stone quick blue seven garden lamp north paper music cloud orange table winter".split()
 
@@ -195,3 +199,92 @@ def test_a_run_stopped_mid_epoch_resumes_with_the_same_batches_and_losses(tmp_pa
     )
     resumed = run(tmp_path / "killed")  # finds checkpoint/step-2: steps 3 and 4 only
     assert resumed == pytest.approx(straight[2:], abs=1e-6)
+
+
+def _generated(out: str, prompts: list[str]) -> list[tuple[str, int, str]]:
+    """(finish reason, new tokens, text) per prompt, as `titan-train generate` prints them."""
+    blocks = re.split(r"^--- prompt \d+ \((\w+), (\d+) tokens\)\n", out, flags=re.M)[1:]
+    texts = [blocks[3 * i + 2].split("\ngenerated ")[0].removesuffix("\n") for i in range(len(prompts))]
+    assert all(text.startswith(p) for text, p in zip(texts, prompts, strict=True))
+    return [
+        (blocks[3 * i], int(blocks[3 * i + 1]), t[len(p) :])
+        for i, (t, p) in enumerate(zip(texts, prompts, strict=True))
+    ]
+
+
+def test_sft_with_lora_from_a_transformers_checkpoint_ends_in_a_peft_adapter_that_generates_titans_text(
+    tmp_path, chat_model, one_rank, capsys
+):
+    """Chat SFT with LoRA adapters on every linear layer of a model saved by transformers; the last save's
+    PEFT folder, on transformers' base model, generates greedily what `titan-train generate --chat` does
+    with the run's own checkpoint (adapters unmerged), token for token, under the chat template."""
+    folder, _, tokenizer = chat_model
+    rng = random.Random(4)
+    data = _write(tmp_path / "chat.jsonl", [_conversation(rng, rng.randint(1, 3), 4) for _ in range(8)])
+    lora = ("--model.converters", "lora", "--lora.target_modules", "all-linear", "--lora.rank", "4")
+    flags = [
+        *_flags(folder, data, tmp_path / "run", "--training.steps", "3", "--training.local_batch_size", "2"),
+        *lora,
+        "--checkpoint.last_save_in_hf",
+    ]
+    Trainer(resolve(load_job_config(flags), 1, "cpu"), one_rank).train()
+    export = tmp_path / "run" / "checkpoint" / "step-3"
+
+    prompts = ["What is alpha river?", "Say seven garden lamp"]
+    argv = ["generate", "--checkpoint", str(export), "--weights", "dcp", "--chat", "--max-new-tokens", "12"]
+    capsys.readouterr()
+    assert run([*argv, *(a for p in prompts for a in ("--prompt", p)), *flags]) == 0
+    titan = _generated(capsys.readouterr().out, prompts)
+
+    base = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(base, export / PEFT_FOLDER).eval()
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    for (reason, count, text), prompt in zip(titan, prompts, strict=True):
+        messages = [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=False
+        )
+        with torch.no_grad():
+            out = peft_model.generate(
+                input_ids=ids, max_new_tokens=12, do_sample=False, eos_token_id=end_of_turn
+            )
+            adapted = peft_model(input_ids=ids).logits
+            with peft_model.disable_adapter():
+                assert (adapted - peft_model(input_ids=ids).logits).abs().max() > 1e-4  # the adapters trained
+        new = out[0, ids.shape[1] :].tolist()
+        if new[-1] == end_of_turn:
+            new = new[:-1]
+            assert reason == "eos"
+        assert (count, text) == (len(new), tokenizer.decode(new)), prompt
+
+
+def test_validation_on_a_chat_split_is_transformers_loss_with_the_same_masks(tmp_path, chat_model, one_rank):
+    """`validation.dataset = "chat"` on its own file, with `sft.loss_on = "last"`: after one training step,
+    the validation loss equals transformers' on the step's exported weights over the held-out conversations,
+    with the last assistant turn masked in by the test itself."""
+    folder, _, tokenizer = chat_model
+    rng = random.Random(5)
+    train = _write(tmp_path / "train.jsonl", [_conversation(rng, rng.randint(1, 3), 4) for _ in range(4)])
+    held_out = [_conversation(rng, turns, 4) for turns in (2, 3, 1)]
+    validation = _write(tmp_path / "validation.jsonl", held_out)
+    flags = _flags(
+        folder, train, tmp_path / "run", "--training.steps", "1", "--training.local_batch_size", "2"
+    )
+    more = (
+        "--sft.loss_on", "last",
+        "--sft.packing", "false",  # one held-out conversation a row: the 3 rows are one validation batch
+        "--checkpoint.last_save_in_hf",
+        "--validation.enable",
+        "--validation.dataset", "chat",
+        "--validation.dataset_path", str(validation),
+        "--validation.seq_len", "256",
+        "--validation.local_batch_size", "3",
+        "--validation.freq", "1",
+        "--validation.steps", "1",
+    )  # fmt: skip
+    Trainer(resolve(load_job_config([*flags, *more]), 1, "cpu"), one_rank).train()
+    (record,) = [
+        json.loads(line) for line in (tmp_path / "run" / "validation.jsonl").read_text().splitlines()
+    ]
+    trained = LlamaForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint" / "step-1").eval()
+    assert record["loss"] == pytest.approx(_expected_loss(trained, tokenizer, held_out, "last"), abs=1e-5)

@@ -32,6 +32,7 @@ _HOME = {
     "build_dataset": "titan_data.datasets.build",
     "build_tokenizer": "titan_data.tokenizers.build",
     "check_dataset": "titan_data.datasets.registry",
+    "chat_prompt": "titan_data.chat.prompt",
     "get_source": "titan_data.datasets.registry",
     "load_chat_template": "titan_data.chat.template",
     "load_examples": "titan_data.chat.dataset",
@@ -62,6 +63,7 @@ __all__ = [
     "Tokenizer",
     "build_dataset",
     "build_tokenizer",
+    "chat_prompt",
     "check_dataset",
     "get_source",
     "load_chat_template",
@@ -83,6 +85,7 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:
     from titan_data.chat.dataset import ChatDataset, ChatOptions, load_examples
     from titan_data.chat.masks import tokenize_conversation
+    from titan_data.chat.prompt import chat_prompt
     from titan_data.chat.rows import RowFields
     from titan_data.chat.template import ChatTemplate, load_chat_template
     from titan_data.datasets.build import build_dataset

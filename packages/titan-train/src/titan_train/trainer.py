@@ -125,6 +125,7 @@ class Trainer:
             and config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
         )
         self.loss_fn, self.train_loss_fn = plan.loss_fn, built.train_loss_fn
+        self.token_weights = built.token_weights
         # Each micro-batch's loss (and each pipeline microbatch's) is divided by their number: the aux loss too.
         microbatches = self.pipeline.n_microbatches if self.pipeline is not None else 1
         self.moe = MoEBalancing(self.model_parts, self.dims, self.grad_accum_steps * microbatches)
@@ -249,6 +250,10 @@ class Trainer:
         self.optimizers.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
         tokens, data_seconds = 0, 0.0
+        if self.token_weights is not None:  # the step's trained tokens are counted before its first forward
+            start = time.perf_counter()
+            batches = iter(self._weigh_step([next(batches) for _ in range(self.grad_accum_steps)]))
+            data_seconds += time.perf_counter() - start
         for micro in range(self.grad_accum_steps):
             for part in self.model_parts:
                 if isinstance(part, FSDPModule):
@@ -284,6 +289,8 @@ class Trainer:
         start = time.perf_counter()
         inputs, labels, *positions = next(batches)
         data_seconds = time.perf_counter() - start
+        if self.token_weights is not None:
+            self._weigh_step([(inputs, labels)])
         max_norm = self.config.training.max_norm
         coef = 1.0
         if max_norm > 0:
@@ -303,6 +310,18 @@ class Trainer:
         self.guard.decide(self.state.step + 1, numbers)
         return StepResult(numbers, labels.numel(), data_seconds, moe)
 
+    def _weigh_step(self, step_batches: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+        """Count the step's trained tokens over the data-parallel ranks, so that each micro-batch's loss
+        weighs its share of them (chat rows mask a different share of each row; see valid_token_loss)."""
+        microbatches = self.pipeline.n_microbatches if self.pipeline is not None else 1
+        dp = self.dims.submesh("dp")
+        self.token_weights.begin_step(
+            [batch[1] for batch in step_batches],
+            self.dims.dp_degree * len(step_batches) * microbatches,
+            dp.get_group() if dp is not None else None,
+        )
+        return step_batches
+
     def _layout_context(self, inputs: torch.Tensor, labels: torch.Tensor):
         """Loss and context parallelism around a forward pass, as the layout enables them: context
         parallelism shards the batch and the model's sequence buffers along the sequence."""
@@ -321,7 +340,9 @@ class Trainer:
         """Mean loss of one validation batch, forward only, through the same layout as training."""
         with self._layout_context(inputs, labels):
             if self.pipeline is not None:
-                return self.pipeline.evaluate(inputs, labels, **stage_inputs(self.model_parts, inputs))
+                return self.pipeline.evaluate(
+                    inputs, labels, **stage_inputs(self.model_parts, inputs, positions)
+                )
             with self.forward_context():
                 loss = self.loss_fn(self._model_forward(inputs, positions), labels)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -339,7 +360,9 @@ class Trainer:
         scaled for gradient accumulation (see `micro_batch_loss`)."""
         with self._layout_context(inputs, labels):
             if self.pipeline is not None:
-                return self.pipeline.step(inputs, labels, **stage_inputs(self.model_parts, inputs)).detach()
+                return self.pipeline.step(
+                    inputs, labels, **stage_inputs(self.model_parts, inputs, positions)
+                ).detach()
             with self.forward_context():
                 loss = self.train_loss_fn(self._model_forward(inputs, positions), labels)
             loss.backward()

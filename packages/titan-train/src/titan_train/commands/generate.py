@@ -2,7 +2,9 @@
 
 `titan-train generate --checkpoint outputs/checkpoint/step-1000 --prompt "Once upon a time"
 --job.config_file run.toml`: the flags after the generation flags are the run's config and overrides,
-which name the model flavor and the tokenizer.
+which name the model flavor and the tokenizer. With `--chat`, each prompt is a user turn (or each line
+of `--messages-file` a conversation) rendered with the run's chat template, and generation stops at
+the template's end-of-turn token.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from pathlib import Path
 import torch
 
 from titan_models import SamplingParams, generate
+from titan_train.commands.chat_input import chat_prompts, read_messages_file
 from titan_train.commands.checkpoint_model import (
     CHECKPOINT_FORMATS,
     DTYPES,
@@ -77,18 +80,32 @@ def _parser() -> argparse.ArgumentParser:
         "--no-eos-stop", action="store_true", help="keep generating past the end-of-text token"
     )
     parser.add_argument("--batch-size", type=int, default=0, help="prompts per batch; 0: all at once")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user turn, rendered with the run's chat template (sft.chat_template or the "
+        "tokenizer's); stop at the template's end-of-turn token",
+    )
+    parser.add_argument(
+        "--messages-file",
+        help='with --chat: a JSONL file, one conversation a line ({"messages": [...]} or a list of turns)',
+    )
     return parser
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
+    if args.messages_file and not args.chat:
+        raise ConfigError("generate: --messages-file holds conversations; add --chat")
     prompts = list(args.prompt)
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.is_file():
             raise ConfigError(f"generate: --prompts-file {path} does not exist")
         prompts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not prompts:
-        raise ConfigError("generate: no prompt; pass --prompt TEXT or --prompts-file FILE")
+    if not prompts and not args.messages_file:
+        raise ConfigError(
+            "generate: no prompt; pass --prompt TEXT, --prompts-file FILE or --chat --messages-file FILE"
+        )
     return prompts
 
 
@@ -98,20 +115,30 @@ def generate_main(argv: list[str]) -> int:
     config = load_job_config(rest, check_paths=True)
     loaded = load_for(args, config)
     tok = loaded.tokenizer
+    stop_ids = () if args.no_eos_stop else (tok.eos_id,)
+    if args.chat:
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
+        conversations += read_messages_file(args.messages_file) if args.messages_file else []
+        prompts = [c[-1]["content"] for c in conversations]
+        chat_ids, end_of_turn = chat_prompts(config, tok, conversations)
+        stop_ids = (end_of_turn, *stop_ids)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        eos_ids=() if args.no_eos_stop else (tok.eos_id,),
+        eos_ids=stop_ids,
         stop_strings=tuple(args.stop),
     )
     batch = args.batch_size or len(prompts)
     new_tokens, seconds = 0, 0.0
     for start in range(0, len(prompts), batch):
         texts = prompts[start : start + batch]
-        ids = [tok.encode(text, bos=not args.no_bos) for text in texts]
+        if args.chat:
+            ids = chat_ids[start : start + batch]
+        else:
+            ids = [tok.encode(text, bos=not args.no_bos) for text in texts]
         out = generate(loaded.model, ids, params, decode=tok.decode, pad_id=tok.eos_id)
         for i, (text, completion) in enumerate(zip(texts, out.texts, strict=True)):
             print(f"--- prompt {start + i + 1} ({out.finish_reasons[i]}, {len(out.tokens[i])} tokens)")

@@ -52,8 +52,23 @@ def _check_field(config: Any, dotted: str, tp: Any, rule: Any, check_paths: bool
     if rule.get("check"):
         rule["check"](value)
     needed = rule.get("needed_if") is None or get_value(config, rule["needed_if"])
-    if rule.get("path") and value != "" and check_paths and needed and not Path(value).exists():
+    local = not _names_a_hub_chat_dataset(config, dotted, value)
+    if rule.get("path") and value != "" and check_paths and needed and local and not Path(value).exists():
         raise ConfigError(f"config: {dotted} = {value} does not exist; point the config at {rule['path']}")
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+CHAT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def _names_a_hub_chat_dataset(config: Any, dotted: str, value: Any) -> bool:
+    """Whether a chat section's dataset_path is a Hugging Face dataset id (`owner/name`, fetched by the
+    datasets library at start) rather than a local path, which must exist."""
+    section, _, name = dotted.partition(".")
+    if name != "dataset_path" or get_value(config, f"{section}.dataset") != "chat":
+        return False
+    text = str(value)
+    return bool(HUB_ID.fullmatch(text)) and not text.endswith(CHAT_FILE_SUFFIXES) and not Path(text).exists()
 
 
 def _leaves(value: Any) -> list[Any]:
@@ -192,9 +207,10 @@ def _names_are_registered(config: Any) -> None:
 
 
 def _chat_data_fits_the_layout(config: Any) -> None:
-    """Chat rows need a path, and layouts that carry their per-token positions to the model: pipeline
-    stages and context-parallel shards do not yet, so they are refused rather than attending across
-    conversations."""
+    """Chat rows need a path, and a layout that keeps each conversation's tokens together: context
+    parallelism splits a row's sequence over ranks and its ring attention is causal only, so a packed
+    row's document mask cannot be split with it; it is refused rather than attending across
+    conversations (pipeline stages are given the rows' positions, see stage_inputs)."""
     sections = [config.training] + ([config.validation] if config.validation.enable else [])
     chat = [
         name
@@ -207,16 +223,14 @@ def _chat_data_fits_the_layout(config: Any) -> None:
                 f"config: {name}.dataset = 'chat' needs {name}.dataset_path: a .jsonl/.json/.parquet file or "
                 "folder of chat rows, or a Hugging Face dataset id"
             )
-    p = config.parallelism
-    for degree, what in (
-        (p.pipeline_parallel_degree, "pipeline_parallel_degree"),
-        (p.context_parallel_degree, "context_parallel_degree"),
-    ):
-        if chat and degree > 1:
-            raise ConfigError(
-                f"config: {chat[0]}.dataset = 'chat' with parallelism.{what} = {degree}: chat rows carry per-"
-                "conversation positions that this layout does not pass on yet; use data or tensor parallelism"
-            )
+    degree = config.parallelism.context_parallel_degree
+    if chat and degree > 1:
+        raise ConfigError(
+            f"config: {chat[0]}.dataset = 'chat' with parallelism.context_parallel_degree = {degree}: context "
+            "parallelism splits each row's sequence and its ring attention is causal only, so the document "
+            "mask that keeps packed conversations apart cannot be split with it; use data, tensor or "
+            "pipeline parallelism"
+        )
 
 
 COMBINATIONS: tuple[Callable[[Any], None], ...] = (

@@ -129,6 +129,10 @@ def trace_step(
 def _one_step(plan, built, optimizers, trace, inputs, labels) -> None:
     config, dims, accum = plan.config, plan.dims, plan.grad_accum_steps
     parts, pipeline, loss_fn = built.parts, built.pipeline, built.train_loss_fn
+    if (
+        built.token_weights is not None
+    ):  # chat data: the trace's labels are all trained, each micro-batch weighs 1
+        built.token_weights.begin_step([labels] * accum, accum * (pipeline.n_microbatches if pipeline else 1))
     # The trainer's autocast on the target device (one GPU without FSDP); on fake tensors, which live on
     # the CPU, emulated by CPU autocast: both run matmuls and attention in the lower precision.
     dtype = autocast_dtype(config, dims, torch.device(plan.device_type))

@@ -17,18 +17,21 @@ from titan_train.registry import LossFn
 from titan_train.wiring.loss import micro_batch_loss
 from titan_train.wiring.parallelism import split_and_wrap
 from titan_train.wiring.precision import cast_parameters, dtype_of
+from titan_train.wiring.valid_token_loss import ValidTokenWeights
 
 
 @dataclass
 class BuiltModel:
     """The model as this rank holds it: its parts, the pipeline schedule (pp > 1), the args it was built
     from, and `train_loss_fn`, the loss each micro-batch backpropagates (the plan's loss scaled for
-    gradient accumulation by `micro_batch_loss`; the pipeline's too)."""
+    gradient accumulation by `micro_batch_loss`; the pipeline's too). Chat rows, which mask a different
+    share of each row, also weight it by its trained tokens: `token_weights`, set before each step."""
 
     args: Any
     parts: list[nn.Module]
     pipeline: Pipeline | None
     train_loss_fn: LossFn
+    token_weights: ValidTokenWeights | None = None
 
 
 def check_vocabulary(plan: RunPlan, tokenizer: Tokenizer) -> None:
@@ -67,7 +70,9 @@ def build_model(
         model = plan.family.build(args)
     if config.training.dtype != "float32":
         cast_parameters(model, dtype_of(config.training.dtype))
-    train_loss_fn = micro_batch_loss(plan.loss_fn, plan.grad_accum_steps)
+    token_weights = ValidTokenWeights() if config.training.dataset == "chat" else None
+    loss_fn = token_weights.wrap(plan.loss_fn) if token_weights is not None else plan.loss_fn
+    train_loss_fn = micro_batch_loss(loss_fn, plan.grad_accum_steps)
     if drill is not None:
         train_loss_fn = drill(train_loss_fn)
     wrapped = split_and_wrap(
@@ -86,4 +91,4 @@ def build_model(
             if plan.options.lora is not None:
                 init_lora(part, seed)
         part.train()
-    return BuiltModel(args, wrapped.parts, wrapped.pipeline, train_loss_fn)
+    return BuiltModel(args, wrapped.parts, wrapped.pipeline, train_loss_fn, token_weights)

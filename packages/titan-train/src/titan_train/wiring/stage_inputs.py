@@ -1,4 +1,4 @@
-"""What every pipeline stage needs besides the hidden state it receives: the packed documents' ids.
+"""What every pipeline stage needs besides the hidden state it receives: where packed documents are.
 
 A block-causal model derives its mask from the token ids, which only the first stage holds; the
 other stages are given the ids from the same batch (as torchtitan hands every stage its masks).
@@ -12,8 +12,13 @@ from torch import nn
 from titan_models import document_ids
 
 
-def stage_inputs(parts: list[nn.Module], inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Keyword inputs for every stage's forward: `doc_ids` for a block-causal model, else none."""
+def stage_inputs(
+    parts: list[nn.Module], inputs: torch.Tensor, positions: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Keyword inputs for every stage's forward: chat rows' `positions` (each stage builds its rotary
+    angles and document mask from them), else `doc_ids` for a block-causal model, else none."""
+    if positions is not None:
+        return {"positions": positions}
     args = getattr(parts[0], "args", None)
     if getattr(args, "attn_mask_type", None) != "block_causal":
         return {}
