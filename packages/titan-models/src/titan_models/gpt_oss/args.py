@@ -55,6 +55,9 @@ class GptOssArgs(DecoderArgs):
     rope_theta: float = 150000.0
     max_seq_len: int = 131072
     context_len: int | None = 131072
+    # Flex attention as torchtitan's gpt-oss (its only kernel); where flex cannot train (CPU) the
+    # explicit-softmax path runs instead (`gpt_oss.masks`).
+    attn_backend: str = "flex"
     # gpt-oss's own fields (torchtitan 0.2.2's names).
     head_dim: int = 64
     moe_args: MoEArgs = field(default_factory=lambda: gpt_oss_moe_args(32))
