@@ -4,8 +4,7 @@ The cases run on torchtitan's integration base config cut for CPU (seq 64, 2 seq
 Titan's bundled tokenizer), every run of a case on the case's dump folder in order, each on its
 number of processes: its feature cases (tests/torchtitan_features/cases.py, from features.py) and
 its model cases, the mixture-of-experts families (model_cases.py, from models.py, which torchtitan's
-runner launches on the same base config; its gpt_oss case is not applicable: Titan has no such
-family). A case passes when every run trains to its last step (torchtitan's runner asks only that the
+runner launches on the same base config). A case passes when every run trains to its last step (torchtitan's runner asks only that the
 command succeeds). The second run of `test_generate` is torchtitan's generation script on the
 checkpoint the first run wrote last (`checkpoint/step-10`, with the same config file): here
 `titan-train generate` on that folder, with the first run's config and overrides (model, tokenizer),
@@ -66,6 +65,7 @@ MOE_DEBUG_CONFIGS = {
     "deepseek_v3": FIXTURES / "torchtitan_0.2_deepseek_v3_debug_model.toml",
     "qwen3": FIXTURES / "torchtitan_0.2_qwen3_moe_debug.toml",
     "llama4": FIXTURES / "torchtitan_0.2_llama4_debug_model.toml",
+    "gpt_oss": FIXTURES / "torchtitan_0.2_gpt_oss_debug_model.toml",
 }
 MOE_DEBUG_CPU_CUT = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
 MODE = os.environ.get("TITAN_TORCHTITAN_FEATURES", "ci")

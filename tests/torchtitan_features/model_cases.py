@@ -7,8 +7,7 @@ torchtitan's runner launches them on the same base config as the feature cases (
 unless a case names another; here they get the same CPU cut (`cases.CUT`).
 
 `pp_dualpipev` keeps 4 sequences per rank, not 2: torch's DualPipeV schedule needs at least one
-microbatch per stage (2 pipeline ranks hold 4 stages). The gpt_oss case is transcribed but not run:
-Titan has no gpt_oss model family (NOT_APPLICABLE).
+microbatch per stage (2 pipeline ranks hold 4 stages).
 """
 
 from __future__ import annotations
@@ -118,5 +117,5 @@ MODEL_CASES: list[Case] = [
         ngpu=8,
     ),
 ]
-NOT_APPLICABLE = {"gpt_oss_fsdp+tp+ep+compile": "Titan has no gpt_oss model family"}
+NOT_APPLICABLE: dict[str, str] = {}
 MODEL_ENABLED = [case for case in MODEL_CASES if case.name not in NOT_APPLICABLE]
