@@ -3,8 +3,8 @@
 titan-ckpt knows nothing of any model: the caller passes an adapter (`HFStateDictAdapter`) that
 renames and re-lays out full, unsharded tensors. Export is `titan_ckpt.hf_export` (every rank
 writes its share). Import has every rank read the files and keep the slice its DTensors own, so any layout
-(FSDP, TP, one rank) loads the same files; float8 block-quantised files are dequantised on the way
-(`titan_ckpt.fp8_blocks`), each rank only for its rows.
+(FSDP, TP, one rank) loads the same files; float8 block-quantised files (`titan_ckpt.fp8_blocks`) and
+MXFP4 files (`titan_ckpt.mxfp4_blocks`) are dequantised on the way, each rank only for its rows.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from titan_ckpt.errors import CheckpointError
-from titan_ckpt.fp8_blocks import (
-    SCALE_SUFFIX,
-    BlockQuantization,
-    dequantize_lazily,
-    is_lazy,
-    quantization_from_config,
+from titan_ckpt.fp8_blocks import SCALE_SUFFIX, dequantize_lazily, quantization_from_config
+from titan_ckpt.fp8_blocks import is_lazy as is_lazy_fp8
+from titan_ckpt.mxfp4_blocks import (
+    BLOCKS_SUFFIX,
+    SCALES_SUFFIX,
+    Mxfp4Dequantized,
+    dequantize_mxfp4_lazily,
+    holds_mxfp4,
+    is_mxfp4_config,
 )
 from titan_ckpt.step_folders import HF_INDEX
 
@@ -105,14 +108,34 @@ def read_hf_folder(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _folder_quantization(folder: Path, forced: bool) -> BlockQuantization | None:
-    """The block quantisation of the folder's weights (from its config.json), None for plain weights."""
+def _folder_config(folder: Path) -> dict:
+    """The folder's config.json ({} where there is none)."""
     config_file = folder / "config.json"
     try:
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        return json.loads(config_file.read_text()) if config_file.is_file() else {}
     except ValueError as err:
         raise CheckpointError(f"checkpoint: {config_file} is not valid JSON ({err})") from err
-    return quantization_from_config(config, forced=forced, where=str(folder))
+
+
+def _dequantized(folder: Path, hf: dict[str, torch.Tensor], forced: bool) -> dict[str, Any]:
+    """`hf` with its quantised weights (gpt-oss MXFP4 or DeepSeek FP8 blocks) lazily dequantised."""
+    config = _folder_config(folder)
+    if is_mxfp4_config(config) or (forced and holds_mxfp4(hf)):
+        return dequantize_mxfp4_lazily(hf, str(folder))
+    quantization = quantization_from_config(config, forced=forced, where=str(folder))
+    if quantization is not None:
+        return dequantize_lazily(hf, quantization, str(folder))
+    if any(name.endswith(SCALE_SUFFIX) for name in hf):
+        raise CheckpointError(
+            f"checkpoint: {folder} holds float8 weights with *{SCALE_SUFFIX} block scales but its config.json has "
+            "no quantization_config; set checkpoint.initial_load_in_hf_quantized = true to dequantise them"
+        )
+    if holds_mxfp4(hf):
+        raise CheckpointError(
+            f"checkpoint: {folder} holds MXFP4 *{BLOCKS_SUFFIX}/*{SCALES_SUFFIX} weights but its config.json has no "
+            "quantization_config; set checkpoint.initial_load_in_hf_quantized = true to dequantise them"
+        )
+    return hf
 
 
 def _local_part(source: Any, tensor: DTensor) -> torch.Tensor | None:
@@ -129,20 +152,13 @@ def load_hf_weights(
 ) -> None:
     """Copy the weights of a Hugging Face folder into `target` (plain tensors or DTensors), in place.
 
-    Float8 block-quantised weights (config.json's `quantization_config`, or any folder when `quantized`)
-    are dequantised, each rank only for the rows it keeps."""
+    Float8 block-quantised and MXFP4 weights (config.json's `quantization_config`, or any folder when
+    `quantized`) are dequantised, each rank only for the rows it keeps."""
     hf = read_hf_folder(folder)
     titan_only = {
         k.removeprefix(TITAN_ONLY_PREFIX): hf.pop(k) for k in list(hf) if k.startswith(TITAN_ONLY_PREFIX)
     }
-    quantization = _folder_quantization(folder, quantized)
-    if quantization is not None:
-        hf = dequantize_lazily(hf, quantization, str(folder))
-    elif any(name.endswith(SCALE_SUFFIX) for name in hf):
-        raise CheckpointError(
-            f"checkpoint: {folder} holds float8 weights with *{SCALE_SUFFIX} block scales but its config.json has "
-            "no quantization_config; set checkpoint.initial_load_in_hf_quantized = true to dequantise them"
-        )
+    hf = _dequantized(folder, hf, quantized)
     try:
         ours = adapter.from_hf(hf) | titan_only
     except Exception as err:
@@ -162,7 +178,8 @@ def load_hf_weights(
                 f"{list(tensor.shape)}; the files come from a different model shape"
             )
         with torch.no_grad():
-            local = _local_part(source, tensor) if is_lazy(source) and isinstance(tensor, DTensor) else None
+            lazy = is_lazy_fp8(source) or isinstance(source, Mxfp4Dequantized)
+            local = _local_part(source, tensor) if lazy and isinstance(tensor, DTensor) else None
             if local is not None:
                 tensor.to_local().copy_(local.to(device=tensor.device, dtype=tensor.dtype))
                 continue
