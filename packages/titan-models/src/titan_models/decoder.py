@@ -23,7 +23,7 @@ from titan_models.attention_masks import (
     flex_can_run,
 )
 from titan_models.errors import ModelConfigError, ModelError
-from titan_models.init import INPUT_PROJECTIONS, init_parameters
+from titan_models.init import DEPTH_SCALED, INPUT_PROJECTIONS, init_parameters
 from titan_models.moe.tensor_parallel_plan import moe_tp_entries
 from titan_models.rope import rotary_frequencies
 from titan_models.tensor_parallel_plan import decoder_tp_plan
@@ -40,6 +40,8 @@ class Decoder(nn.Module):
 
     # Parameter-name endings of a block's input projections (initialised with std 0.02).
     input_projections: tuple[str, ...] = INPUT_PROJECTIONS
+    # Parameter-name endings drawn with the depth-scaled std.
+    depth_scaled: tuple[str, ...] = DEPTH_SCALED
     # The dtype initial weights are drawn in before the copy into the parameter; None: its own.
     init_draw_dtype: torch.dtype | None = None
 
@@ -110,6 +112,7 @@ class Decoder(nn.Module):
             self.args,
             torch.initial_seed() if seed is None else seed,
             input_projections=self.input_projections,
+            depth_scaled=self.depth_scaled,
             draw_dtype=self.init_draw_dtype,
         )
 

@@ -26,6 +26,8 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 _ADAPTER = re.compile(r"\.lora_[AB]\.weight$")
 # Parameter-name endings of the projections that read a block's input (Llama's, Qwen3's, Llama 4's).
 INPUT_PROJECTIONS = ("wq.weight", "wk.weight", "wv.weight", "w1.weight")
+# Parameter-name endings drawn with the block's depth-scaled std (output projections, as in Llama).
+DEPTH_SCALED = ("wo.weight", "w2.weight", "w3.weight")
 
 
 def trunc_normal(std: float, bound: float = 2.0) -> Filler:
@@ -33,12 +35,18 @@ def trunc_normal(std: float, bound: float = 2.0) -> Filler:
     return lambda t, g: nn.init.trunc_normal_(t, mean=0.0, std=std, a=-bound, b=bound, generator=g)
 
 
-def filler_for(name: str, args: Any, input_projections: tuple[str, ...] = INPUT_PROJECTIONS) -> Filler:
+def filler_for(
+    name: str,
+    args: Any,
+    input_projections: tuple[str, ...] = INPUT_PROJECTIONS,
+    depth_scaled: tuple[str, ...] = DEPTH_SCALED,
+) -> Filler:
     """How the parameter called `name` is initialised (any decoder family's `args`).
 
     Output projections of attention and feed-forward (`wo`, `w2`, `w3`) shrink with depth,
-    0.02 / sqrt(2 * (layer + 1)), so the residual stream's variance stays bounded; parameters inside
-    an MoE layer follow `titan_models.moe.moe_init_std`; `input_projections` draw with std 0.02.
+    0.02 / sqrt(2 * (layer + 1)), so the residual stream's variance stays bounded (a family may name
+    more `depth_scaled` endings: gpt-oss draws its whole attention so); parameters inside an MoE
+    layer follow `titan_models.moe.moe_init_std`; `input_projections` draw with std 0.02.
     """
     if name.endswith("norm.weight"):
         return lambda t, g: nn.init.ones_(t)
@@ -57,7 +65,7 @@ def filler_for(name: str, args: Any, input_projections: tuple[str, ...] = INPUT_
             std = moe_init_std(name, depth_std)
             if std is not None:
                 return trunc_normal(std)
-        elif name.endswith(("wo.weight", "w2.weight", "w3.weight")):
+        elif name.endswith(depth_scaled):
             return trunc_normal(depth_std)
         elif name.endswith(input_projections):
             return trunc_normal(0.02)
@@ -79,6 +87,7 @@ def init_parameters(
     seed: int,
     *,
     input_projections: tuple[str, ...] = INPUT_PROJECTIONS,
+    depth_scaled: tuple[str, ...] = DEPTH_SCALED,
     draw_dtype: torch.dtype | None = None,
 ) -> None:
     """Fill every parameter of `model` (plain or DTensor, on any device) from `seed` and its name.
@@ -94,5 +103,5 @@ def init_parameters(
             seed * 1_000_003 + zlib.crc32(name.encode())
         )
         full = torch.empty(param.shape, dtype=draw_dtype or local.dtype, device=local.device)
-        filler_for(name, args, input_projections)(full, generator)
+        filler_for(name, args, input_projections, depth_scaled)(full, generator)
         local.copy_(_local_slice(full, param) if isinstance(param, DTensor) else full)

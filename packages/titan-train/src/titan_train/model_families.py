@@ -1,4 +1,4 @@
-"""The mixture-of-experts families (DeepSeek-V3, Qwen3, Llama 4), registered under torchtitan 0.2.2's
+"""The mixture-of-experts families (DeepSeek-V3, Qwen3, Llama 4, gpt-oss), registered under torchtitan 0.2.2's
 model names (`--model.name deepseek_v3 --model.flavor debugmodel`).
 
 `titan_train.registry` registers `MOE_FAMILIES` through `register_model_family`, as it does Llama's, so
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from titan_models import deepseek_v3, llama4, qwen3
+from titan_models import deepseek_v3, gpt_oss, llama4, qwen3
 from titan_models.moe import count_active_parameters
 from titan_train.model_family import HFMapping, ModelFamily
 
@@ -46,6 +46,13 @@ def _deepseek_flops(args: Any, total: int, embedding: int, seq_len: int) -> floa
     active = count_active_parameters(model)
     embedding_active = active - count_active_parameters(model, exclude_embedding=True)
     return deepseek_v3.deepseek_flops_per_token(args, active, embedding_active, seq_len)
+
+
+def _gpt_oss_flops(args: Any, total: int, embedding: int, seq_len: int) -> float:
+    model = _on_meta(gpt_oss.GptOssModel, args)
+    active = count_active_parameters(model)
+    embedding_active = active - count_active_parameters(model, exclude_embedding=True)
+    return gpt_oss.gpt_oss_flops_per_token(args, active, embedding_active, seq_len)
 
 
 def _hf(module: Any, adapter: Callable[..., Any]) -> HFMapping:
@@ -78,4 +85,6 @@ MOE_FAMILIES = (
         _active_flops(llama4.Llama4Model),
         hf=_hf(llama4, llama4.Llama4StateDictAdapter),
     ),
+    # Hugging Face import/export arrives with the gpt-oss weight mapping (hf=None until then).
+    ModelFamily("gpt_oss", gpt_oss.GPT_OSS_FLAVORS, gpt_oss.GptOssModel, _gpt_oss_flops),
 )

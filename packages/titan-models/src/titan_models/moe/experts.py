@@ -84,6 +84,9 @@ def experts_traced(
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU feed-forwards held as three stacked weights (torchtitan's names and shapes)."""
 
+    # Which dim of each weight holds the hidden units, for titan-parallel's tensor-parallel split.
+    tp_split_dims = {"w1": 1, "w2": 2, "w3": 1}
+
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, use_grouped_mm: bool = True):
         super().__init__()
         self.num_experts = num_experts

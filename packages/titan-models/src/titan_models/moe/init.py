@@ -12,7 +12,8 @@ def moe_init_std(name: str, depth_std: float) -> float | None:
     "experts.w2" or "layers.3.moe.router.gate.weight"); None if it is not an MoE parameter.
 
     Input projections (`w1`) use 0.02; output-side projections (`w2`, `w3`) and the router gate use
-    the block's depth-scaled std, as the dense feed-forward does.
+    the block's depth-scaled std, as the dense feed-forward does. gpt-oss's biased experts
+    (`mlp1_weight`, `mlp1_bias`, `mlp2_weight`, `mlp2_bias`) all use the depth-scaled std, as torchtitan's.
     """
     parts = name.split(".")
     if "router" in parts and "gate" in parts:
@@ -20,6 +21,6 @@ def moe_init_std(name: str, depth_std: float) -> float | None:
     if "experts" in parts or "shared_experts" in parts:
         if "w1" in parts:
             return 0.02
-        if "w2" in parts or "w3" in parts:
+        if "w2" in parts or "w3" in parts or parts[-1].startswith(("mlp1_", "mlp2_")):
             return depth_std
     return None

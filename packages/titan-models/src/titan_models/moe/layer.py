@@ -34,11 +34,13 @@ class MoE(nn.Module):
     # Read by titan-parallel's expert styles (see titan_parallel.protocols.HasMoELayers).
     tp_output_whole = True
 
-    def __init__(self, args: MoEArgs, dim: int, hidden_dim: int):
+    def __init__(self, args: MoEArgs, dim: int, hidden_dim: int, experts: nn.Module | None = None):
         super().__init__()
         self.args = args
         self.router = TokenChoiceRouter(dim, args)
-        self.experts = GroupedExperts(dim, hidden_dim, args.num_experts, args.use_grouped_mm)
+        # A family whose experts compute another function (gpt-oss: biased, clamped SwiGLU) passes its
+        # own module with the same forward contract (see `titan_models.moe.experts`).
+        self.experts = experts or GroupedExperts(dim, hidden_dim, args.num_experts, args.use_grouped_mm)
         self.shared_experts = (
             FeedForward(dim, hidden_dim * args.num_shared_experts) if args.num_shared_experts > 0 else None
         )

@@ -1,0 +1,88 @@
+"""gpt-oss attention: biased q/k/v/o projections, grouped-query heads, half-split YaRN rotary, and a
+learned sink logit per head that joins each query's softmax denominator without contributing a value.
+
+A head's weights over the keys are exp(s_j) / (exp(sink) + sum_k exp(s_k)), so a query may give less
+than its whole attention to the keys. Two kernels compute it:
+- flex attention (CUDA): the output of a plain softmax times sigmoid(lse - sink), where lse is the
+  scores' log-sum-exp flex returns: that factor is exactly sum_k exp(s_k) / (exp(sink) + sum_k exp(s_k));
+- an explicit softmax over the scores with the sink appended as one more column (CPU, or `sdpa`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from titan_models.gpt_oss.args import GptOssArgs
+from titan_models.gpt_oss.masks import GptOssMasks
+from titan_models.qwen3.rotary import apply_rotary_half_split
+
+
+def sink_attention_eager(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """(batch, heads, seq, head_dim) attention with per-head `sinks` (heads,) under a boolean `mask`
+    (batch or 1, 1, seq, seq), computed in float32."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    # Uncompiled flex attention materialises the full score matrix; compiled, it is a fused kernel.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def sink_attention_flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, mask: BlockMask, scale: float
+) -> torch.Tensor:
+    """The same attention through flex attention and its log-sum-exp (natural log)."""
+    if q.device.type == "cuda":
+        out, lse = _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=True)
+    else:  # forward only here (flex has no CPU backward): the unfused path is intended
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            warnings.filterwarnings("ignore", message=".*return_lse.*")
+            out, lse = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=True)
+    keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+    return (out.float() * keep).to(q.dtype)
+
+
+class GptOssAttention(nn.Module):
+    """One layer's attention (torchtitan 0.2.2's names: `wq`, `wk`, `wv`, `wo` with biases, `sinks`)."""
+
+    def __init__(self, args: GptOssArgs, layer: int):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.sliding = args.uses_sliding_window(layer)
+        self.scale = 1.0 / math.sqrt(args.head_dim)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=True)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=True)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=True)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=True)
+        self.sinks = nn.Parameter(torch.empty(args.n_heads))
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, masks: GptOssMasks) -> torch.Tensor:
+        bs, seq_len, _ = x.shape
+        # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads (and of
+        # the sinks, sharded alike by `gpt_oss.tensor_parallel_plan`).
+        xq = self.wq(x).view(bs, seq_len, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seq_len, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seq_len, -1, self.head_dim)
+        xq, xk = apply_rotary_half_split(xq, xk, freqs_cis)
+        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
+        mask = masks.sliding if self.sliding else masks.full
+        attend = sink_attention_flex if isinstance(mask, BlockMask) else sink_attention_eager
+        out = attend(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), sinks, mask, self.scale)
+        return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))

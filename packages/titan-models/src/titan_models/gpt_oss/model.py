@@ -1,0 +1,82 @@
+"""The gpt-oss decoder: attention with sinks (sliding window on even layers), then a mixture of
+biased, clamped SwiGLU experts, between RMSNorms.
+
+The frame around the blocks (embedding, init, forward, parallelism hooks) is
+`titan_models.decoder.Decoder`; routing and load balancing are `titan_models.moe.MoE`, with gpt-oss's
+experts (`titan_models.moe.BiasedSwiGLUExperts`). Parameter names are torchtitan 0.2.2's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from titan_models.decoder import Decoder
+from titan_models.gpt_oss.args import GptOssArgs
+from titan_models.gpt_oss.attention import GptOssAttention
+from titan_models.gpt_oss.masks import GptOssMasks, build_gpt_oss_masks
+from titan_models.gpt_oss.rope import gpt_oss_rotary_table
+from titan_models.gpt_oss.tensor_parallel_plan import HeadShardedSinks, gpt_oss_attention_tp_entries
+from titan_models.moe import MoE
+from titan_models.moe.biased_experts import BiasedSwiGLUExperts
+
+
+class GptOssBlock(nn.Module):
+    """`h = x + attention(attention_norm(x))`, then `h + moe(ffn_norm(h))`."""
+
+    def __init__(self, layer: int, args: GptOssArgs):
+        super().__init__()
+        self.attention = GptOssAttention(args, layer)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        experts = BiasedSwiGLUExperts(
+            args.dim,
+            args.moe_inter_dim,
+            args.moe_args.num_experts,
+            alpha=args.swiglu_alpha,
+            limit=args.swiglu_limit,
+        )
+        self.moe = MoE(args.moe_args, args.dim, args.moe_inter_dim, experts=experts)
+        self.moe_enabled = True
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, masks: GptOssMasks) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, masks)
+        return h + self.moe(self.ffn_norm(h))
+
+
+class GptOssModel(Decoder):
+    """A gpt-oss decoder with torchtitan 0.2.2's parameter names (frame, init and parallel hooks:
+    `titan_models.decoder.Decoder`).
+
+    Initialised as torchtitan's: every attention parameter (weights, biases, sinks) and every expert
+    parameter with the block's depth-scaled std 0.02 / sqrt(2 (layer + 1)), the router gate too (its
+    bias, which torchtitan 0.2.2 leaves as allocated, drawn like its weight).
+    """
+
+    input_projections = ()
+    depth_scaled = tuple(f"{w}.{p}" for w in ("wq", "wk", "wv", "wo") for p in ("weight", "bias")) + (
+        "attention.sinks",
+    )
+
+    def build_block(self, layer: int) -> nn.Module:
+        return GptOssBlock(layer, self.args)
+
+    def _rotary_table(self) -> torch.Tensor:
+        return gpt_oss_rotary_table(self.args)
+
+    def _attention_masks(
+        self, doc_ids: torch.Tensor | None, seq_len: int, device: torch.device
+    ) -> GptOssMasks:
+        return build_gpt_oss_masks(self.args, doc_ids, seq_len, device)
+
+    def attention_tp_entries(self) -> dict[str, ParallelStyle]:
+        return gpt_oss_attention_tp_entries()
+
+    def tp_plan(
+        self, *, sequence_parallel: bool = True, loss_parallel: bool = True
+    ) -> dict[str, ParallelStyle]:
+        """The shared decoder plan, with each attention's sinks sharded by head like its projections."""
+        plan = super().tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        plan["layers.*.attention"] = HeadShardedSinks(plan.get("layers.*.attention"))
+        return plan
