@@ -79,7 +79,9 @@ class GptOssStateDictAdapter:
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """Our names and layout -> `GptOssForCausalLM`'s bf16 names and layout (the expert bias left out)."""
         ours = {
-            _WRAPPER_PARTS.sub("", name): t for name, t in state_dict.items() if not name.endswith(_TRAINING_STATE)
+            _WRAPPER_PARTS.sub("", name): t
+            for name, t in state_dict.items()
+            if not name.endswith(_TRAINING_STATE)
         }
         hf = {}
         for name, tensor in self._checked(ours, self._to_hf_names, "output.weight", "Titan").items():
@@ -89,7 +91,9 @@ class GptOssStateDictAdapter:
     def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """`GptOssForCausalLM`'s names and layout -> ours, with a zero expert bias where our MoE keeps one."""
         ours = {}
-        for name, tensor in self._checked(hf_state_dict, self._from_hf_names, "lm_head.weight", "Hugging Face").items():
+        for name, tensor in self._checked(
+            hf_state_dict, self._from_hf_names, "lm_head.weight", "Hugging Face"
+        ).items():
             our_name = self._from_hf_names[name]
             ours[our_name] = tensor.transpose(1, 2) if our_name.endswith(_TRANSPOSED) else tensor
         if self.args.tie_word_embeddings:

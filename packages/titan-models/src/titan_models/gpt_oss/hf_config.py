@@ -91,14 +91,18 @@ def _unsupported(config: dict[str, Any]) -> list[str]:
     _, scaling = shared.rope_from_config(config)
     if scaling is not None:
         if scaling["rope_type"] != "yarn":
-            problems.append(f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan's gpt-oss implements 'yarn')")
+            problems.append(
+                f"rope_scaling.rope_type '{scaling['rope_type']}' (Titan's gpt-oss implements 'yarn')"
+            )
         elif scaling.get("truncate", True) is not False:
             problems.append("rope_scaling.truncate true (Titan's YaRN ramp keeps its band edges unrounded)")
         factor = float(scaling.get("factor", 1.0))
         published = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
         theirs = scaling.get("attention_factor")
         if theirs is not None and not math.isclose(float(theirs), published, rel_tol=1e-9):
-            problems.append(f"rope_scaling.attention_factor {theirs} (Titan's is 0.1 ln(factor) + 1 = {published:.6g})")
+            problems.append(
+                f"rope_scaling.attention_factor {theirs} (Titan's is 0.1 ln(factor) + 1 = {published:.6g})"
+            )
     return problems + shared.missing_keys(config)
 
 
@@ -135,7 +139,8 @@ def _computed_fields(args: GptOssArgs) -> dict[str, Any]:
     fields = {
         k: v
         for k, v in to_hf_config(args).items()
-        if k not in ("architectures", "max_position_embeddings", "rope_scaling", "hidden_act", "attention_bias")
+        if k
+        not in ("architectures", "max_position_embeddings", "rope_scaling", "hidden_act", "attention_bias")
         and k not in ("bos_token_id", "eos_token_id", "torch_dtype")
     }
     for key, value in (_yarn(args) or {"rope_type": "default"}).items():
