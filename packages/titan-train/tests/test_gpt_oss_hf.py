@@ -100,7 +100,12 @@ def _tokens(vocab: int) -> torch.Tensor:
 def test_config_json_round_trips_through_titan_args_with_the_published_keys():
     args = args_from_hf_config(GptOssConfig(**_CONFIG).to_dict())
     assert (args.rope_factor, args.original_seq_len, args.ntk_alpha, args.ntk_beta) == (8.0, 256, 1.0, 32.0)
-    assert (args.sliding_window_size, args.head_dim, args.moe_inter_dim, args.rope_theta) == (8, 16, 64, 150000.0)
+    assert (args.sliding_window_size, args.head_dim, args.moe_inter_dim, args.rope_theta) == (
+        8,
+        16,
+        64,
+        150000.0,
+    )
     assert (args.moe_args.num_experts, args.moe_args.top_k) == (4, 2)
     written = to_hf_config(args)
     assert written["layer_types"] == ["sliding_attention", "full_attention"]
@@ -110,7 +115,9 @@ def test_config_json_round_trips_through_titan_args_with_the_published_keys():
     assert args_from_hf_config(again.to_dict()) == args
 
 
-def test_a_gpt_oss_saved_by_transformers_imports_with_its_logits(tmp_path, bf16_folder, small_config, one_rank):
+def test_a_gpt_oss_saved_by_transformers_imports_with_its_logits(
+    tmp_path, bf16_folder, small_config, one_rank
+):
     folder, hf = bf16_folder
     trainer = _trainer(small_config, tmp_path / "run", folder, one_rank)
     ours = trainer.model_parts[0].eval()
@@ -135,7 +142,11 @@ def test_the_published_mxfp4_format_imports_equal_to_its_decode_with_transformer
     trainer = _trainer(small_config, tmp_path / "run", mxfp4, one_rank)
     ours = trainer.model_parts[0].eval()
     for layer in range(2):
-        experts = ours.layers[str(layer)].moe.experts if hasattr(ours.layers, "keys") else ours.layers[layer].moe.experts
+        experts = (
+            ours.layers[str(layer)].moe.experts
+            if hasattr(ours.layers, "keys")
+            else ours.layers[layer].moe.experts
+        )
         base = f"model.layers.{layer}.mlp.experts"
         for mine, theirs in (("mlp1_weight", "gate_up_proj"), ("mlp2_weight", "down_proj")):
             decoded = dequantize_mxfp4(written[f"{base}.{theirs}_blocks"], written[f"{base}.{theirs}_scales"])
