@@ -94,7 +94,7 @@ def _trainer(small_config, dump: Path, folder: Path, one_rank, *flags: str) -> T
 
 
 def _tokens(vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, 48), generator=torch.Generator().manual_seed(3))
+    return torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(3))
 
 
 def test_config_json_round_trips_through_titan_args_with_the_published_keys():
