@@ -171,6 +171,13 @@ WORKERS_8_STREAMS = (
 # expert parallelism (ep, with etp = tp or 1) and FSDP over what ep leaves, against one process.
 MOE = ("--model.name", "qwen3", "--model.flavor", "tiny_moe")
 EP, ETP = f"{P}expert_parallel_degree", f"{P}expert_tensor_parallel_degree"
+# gpt-oss cut alike (2 layers of 8 experts of width 32, top 4; window 16, so it bites at seq 64), against
+# its own one-process run: sinks sharded by head under TP, experts' biases split or added once. Weights by
+# each tensor's distance over its norm: under FSDP and PP one element of 131,072 in output.weight (a rare
+# token's row, its gradient near zero, which Adam scales up to a whole update) moved 1.8e-4 while every
+# tensor stayed within 2.6e-5 of its norm (2026-11-27).
+GPT_OSS = ("--model.name", "gpt_oss", "--model.flavor", "tiny")
+GPT_OSS_WEIGHTS_REL = 2e-4
 LORA = ("--model.converters", "lora", "--lora.target_modules", "all-linear", "--lora.rank", "4")
 
 
@@ -188,6 +195,11 @@ def experts(ep: int, etp: int, mesh_dims: list[str] | None, placements: list[str
 
 def moe(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
     return Layout(nproc, (*MOE, *flags), facts, reference="one_process_moe", **kwargs)
+
+
+def gpt_oss(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
+    kwargs = {"weights_atol": None, "weights_rel": GPT_OSS_WEIGHTS_REL, **kwargs}
+    return Layout(nproc, (*GPT_OSS, *flags), facts, reference="one_process_gpt_oss", **kwargs)
 
 
 def pp(schedule: str, *flags: str) -> tuple[str, ...]:
@@ -395,6 +407,19 @@ LAYOUTS = {
         2,
         (EP, "2", *local_batch(2), *SELECTIVE, "op"),
         {**experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64]), "checkpointed_blocks": 2},
+    ),
+    "one_process_gpt_oss": gpt_oss(1, (), experts(1, 1, None, None, [8, 64, 64])),
+    "gpt_oss_fsdp": gpt_oss(2, local_batch(2), {"degrees": {"dp_shard": 2}, "fsdp": True}),
+    "gpt_oss_tp": gpt_oss(
+        2, (TP, "2"), {"wq_placements": ["S(0)"], **experts(1, 1, ["tp"], ["S(1)"], [8, 32, 64])}
+    ),
+    "gpt_oss_ep2": gpt_oss(
+        2, (EP, "2", *local_batch(2)), experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64])
+    ),
+    "gpt_oss_pp2": gpt_oss(2, pp("1F1B"), {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE}),
+    "gpt_oss_compile": gpt_oss(1, ("--compile.enable",), {"compiled_attentions": 2}),
+    "gpt_oss_cp2": gpt_oss(
+        2, (CP, "2"), {}, refused="gpt_oss tiny cannot be split by context parallelism yet"
     ),
     "dense_model_ep2": Layout(
         2, (EP, "2", *local_batch(2)), refused="llama3 debug_2_layers has no experts to split"

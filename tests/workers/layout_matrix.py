@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-import tiny_moe_flavor  # noqa: F401  (registers qwen3 tiny_moe: this script's folder is on sys.path)
+import tiny_moe_flavor  # noqa: F401  (registers qwen3 tiny_moe, gpt_oss tiny: this script's folder is on sys.path)
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -112,6 +112,10 @@ def facts(trainer: Trainer) -> dict:
         "tp_styles": [tp_style(blocks[0].attention.wq), tp_style(blocks[0].attention)],
         "checkpointed_blocks": sum("forward" in vars(block) for block in blocks),
         "compiled_blocks": sum(getattr(block, "_compiled_call_impl", None) is not None for block in blocks),
+        # An MoE block is compiled around its experts: its attention on its own.
+        "compiled_attentions": sum(
+            getattr(block.attention, "_compiled_call_impl", None) is not None for block in blocks
+        ),
         "linear_types": sorted(linear_types),
         "attn_backend": trainer.model_parts[0].args.attn_backend,
         "optimizer_in_backward": type(trainer.optimizers).__name__ == "BackwardStepOptimizers",
@@ -121,11 +125,12 @@ def facts(trainer: Trainer) -> dict:
 
 
 def expert_facts(trainer: Trainer) -> dict | None:
-    """How the first MoE layer's experts are split: ep, etp, and w1's mesh dims, placements and local shape."""
+    """How the first MoE layer's experts are split: ep, etp, and its first weight's (w1, gpt-oss's
+    mlp1_weight) mesh dims, placements and local shape."""
     layers = [layer for part in trainer.model_parts for layer in moe_layers_of(part).values()]
     if not layers:
         return None
-    w1 = layers[0].experts.w1
+    w1 = next(layers[0].experts.parameters())
     split = isinstance(w1, DTensor)
     return {
         "ep": trainer.dims.ep,

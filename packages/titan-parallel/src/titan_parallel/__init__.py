@@ -9,6 +9,7 @@ from titan_parallel.expert_parallel import (
     ExpertParallel,
     TensorParallelExperts,
     apply_expert_parallel,
+    expert_sizes,
     moe_layers_of,
 )
 from titan_parallel.float8 import Float8Training, apply_float8, precompute_float8_scales
@@ -45,6 +46,7 @@ from titan_parallel.protocols import (
 from titan_parallel.tensor_parallel import TensorParallelOptions, apply_tp, loss_parallel_ctx
 
 __all__ = [
+    "expert_sizes",
     "ActivationCheckpointing",
     "Compile",
     "ContextParallelOptions",

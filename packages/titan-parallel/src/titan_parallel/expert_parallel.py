@@ -34,6 +34,22 @@ EXPERT_WEIGHTS = ("w1", "w2", "w3")
 _HIDDEN_DIM = {"w1": 1, "w2": 2, "w3": 1}
 
 
+def hidden_dims(experts: nn.Module) -> dict[str, int | None]:
+    """Weight name -> the dim holding the experts' hidden units (None: kept whole over tp), as the
+    experts module declares it (`tp_split_dims`), else the SwiGLU's w1/w2/w3."""
+    return getattr(experts, "tp_split_dims", _HIDDEN_DIM)
+
+
+def expert_sizes(experts: nn.Module) -> tuple[int, int]:
+    """(number of experts, hidden width of one expert) of an experts module, read from its weights'
+    global shapes: dim 0 of every weight, and the hidden dim of the first split one."""
+    dims = hidden_dims(experts)
+    name = next(n for n, d in dims.items() if d is not None)
+    weight = getattr(experts, name)
+    hidden = getattr(experts, "hidden_dim", None) or weight.shape[dims[name]]
+    return weight.shape[0], hidden
+
+
 class ExpertParallel(ParallelStyle):
     """Shard an experts module on dim 0 over an ep mesh; dispatch rows to it and combine them back.
 
@@ -68,14 +84,17 @@ class ExpertParallel(ParallelStyle):
             output_fn=self._combine,
         )
 
-    def _placements(self, name: str) -> list:
-        return [Shard(0), Shard(_HIDDEN_DIM[name])] if self.split_experts_over_tp else [Shard(0)]
+    def _placements(self, module: nn.Module, name: str) -> list:
+        if not self.split_experts_over_tp:
+            return [Shard(0)]
+        hidden = hidden_dims(module)[name]
+        return [Shard(0), Replicate() if hidden is None else Shard(hidden)]
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if name:  # only the experts module's own weights
             return
         for param_name, param in list(module.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param, mesh, self._placements(param_name))
+            sharded = distribute_tensor(param, mesh, self._placements(module, param_name))
             module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
     def _ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
@@ -152,7 +171,8 @@ class TensorParallelExperts(ParallelStyle):
         if name:
             return
         for param_name, param in list(module.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param, mesh, [Shard(_HIDDEN_DIM[param_name])])
+            hidden = hidden_dims(module)[param_name]
+            sharded = distribute_tensor(param, mesh, [Replicate() if hidden is None else Shard(hidden)])
             module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
     def _prepare(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -205,10 +225,10 @@ def moe_layers_of(model: nn.Module) -> dict[str, nn.Module]:
     layers = model.moe_layers()
     for fqn, layer in layers.items():
         experts = getattr(layer, "experts", None)
-        if experts is None or any(not hasattr(experts, w) for w in EXPERT_WEIGHTS):
+        if experts is None or any(not hasattr(experts, w) for w in hidden_dims(experts)):
             raise ModelDescriptionError(
                 f"{type(model).__name__}.moe_layers()['{fqn}'] has no `experts` module with weights "
-                f"{EXPERT_WEIGHTS}; see titan_parallel.protocols.HasMoELayers"
+                f"{tuple(hidden_dims(experts or nn.Module()))}; see titan_parallel.protocols.HasMoELayers"
             )
     return layers
 
@@ -227,7 +247,7 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> dict[str, nn.
         return experts
     for layer in layers.values():
         module = layer.experts
-        n_experts = module.w1.shape[0]
+        n_experts, _ = expert_sizes(module)
         if n_experts % dims.ep:
             raise ParallelConfigError(
                 f"parallelism: expert_parallel_degree({dims.ep}) does not divide the model's num_experts "

@@ -121,7 +121,8 @@ def shard_experts(
     these DTensors alone. Its gradient arrives summed over its ep group, so FSDP divides by the
     number of ranks that see different tokens instead of by its mesh size.
     """
-    local_experts = experts.w1.to_local().shape[0] if hasattr(experts.w1, "to_local") else experts.w1.shape[0]
+    weight = next(experts.parameters())
+    local_experts = weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]
     # With more FSDP ranks than local experts, sharding dim 0 would leave ranks holding padding.
     placement = (lambda _param: Shard(1)) if mesh.shape[-1] > local_experts else None
     fully_shard(

@@ -72,7 +72,10 @@ class HasMoELayers(Protocol):
     Each MoE layer module has:
 
     - `experts`: a module whose only parameters are `w1` [E, hidden, dim], `w2` [E, dim, hidden]
-      and `w3` [E, hidden, dim] (expert e computes `w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))`), and
+      and `w3` [E, hidden, dim] (expert e computes `w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))`), or
+      other stacked weights [E, ...] it names in `tp_split_dims` (weight name -> the dim of its
+      hidden units, split over tp; None for one kept whole, such as an output bias, which the module
+      must then add once to the sum of the tp ranks' partial outputs), and
       whose `forward(x: Tensor[T, dim], num_tokens_per_expert: LongTensor[E]) -> Tensor[T, dim]`
       takes the routed rows grouped by expert (the first `num_tokens_per_expert[0]` rows for
       expert 0, and so on) and returns one output row per input row, in the same order. Under

@@ -27,6 +27,7 @@ from titan_parallel import (
     ParallelDims,
     ParallelOptions,
     blocks_of,
+    expert_sizes,
     moe_layers_of,
     pipeline_stages,
 )
@@ -202,8 +203,9 @@ def _expert_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) ->
             ]
         return []
     experts = next(iter(layers.values())).experts
-    try:  # w1 is [experts, hidden, dim] (titan_parallel.protocols.HasMoELayers)
-        dims.check_model(num_experts=experts.w1.shape[0], expert_hidden_dim=experts.w1.shape[1])
+    num_experts, hidden = expert_sizes(experts)  # titan_parallel.protocols.HasMoELayers
+    try:
+        dims.check_model(num_experts=num_experts, expert_hidden_dim=hidden)
     except ParallelConfigError as err:
         return [str(err)]
     return []
@@ -238,7 +240,12 @@ def moe_torch_problems(config: JobConfig, dims: ParallelDims, has_experts: bool,
 
 def _context_parallel_problems(config: JobConfig, dims: ParallelDims, args: Any) -> list[str]:
     """Llama 4's attention temperature scales each query by its position in the sequence; under context
-    parallelism a rank holds a slice of it and would take local positions for global ones."""
+    parallelism a rank holds a slice of it and would take local positions for global ones. A family whose
+    attention context parallelism cannot split says why (`context_parallel_refusal` of its args)."""
+    refusal = getattr(args, "context_parallel_refusal", None)
+    if dims.cp > 1 and refusal:
+        m = config.model
+        return [f"parallelism.context_parallel_degree({dims.cp}): {m.name} {m.flavor} {refusal}"]
     if dims.cp > 1 and getattr(args, "attn_temperature_tuning", False) and args.every_n_layers_nope:
         m = config.model
         return [

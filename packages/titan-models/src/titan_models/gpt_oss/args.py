@@ -86,6 +86,16 @@ class GptOssArgs(DecoderArgs):
         """The experts' width (what Titan's shared code reads as the feed-forward width)."""
         return self.moe_inter_dim
 
+    @property
+    def context_parallel_refusal(self) -> str:
+        """Why context parallelism cannot split this attention (the trainer refuses cp > 1 with it)."""
+        return (
+            "cannot be split by context parallelism yet: its attention adds a learned sink to every softmax "
+            "and windows even layers, and Titan's ring attention (torch's SDPA under context_parallel) "
+            "computes neither, so each rank would attend over its own slice only; set "
+            "context_parallel_degree to 1"
+        )
+
     def uses_sliding_window(self, layer: int) -> bool:
         """Even layers attend within the window, odd ones over the whole context (as published)."""
         return layer % 2 == 0
