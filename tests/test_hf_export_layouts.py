@@ -41,6 +41,8 @@ GPT_OSS = (
     "tiny",
     "--model.moe_load_balance_coeff",
     "0",
+    "--checkpoint.hf_max_shard_bytes",  # about 1.3 MB in fp32: several files per rank
+    "100000",
 )
 COMMON = (
     "--metrics.disable_color_printing",
@@ -118,7 +120,7 @@ register_flavor("llama3", "debug_2_layers", get_model_family("llama3").args_for(
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hf_export_layouts")
     (out / "layouts.json").write_text(
-        json.dumps({k: [*m, *flags, *COMMON] for k, (m, flags) in LAYOUTS.items()})
+        json.dumps({k: [*COMMON, *m, *flags] for k, (m, flags) in LAYOUTS.items()})
     )
     result = run_torchrun(str(WORKER), str(out / "layouts.json"), str(out), nproc=4, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]

@@ -80,7 +80,9 @@ def test_a_lazy_mxfp4_weight_reads_any_slice_equal_to_the_whole_decode_in_both_l
 
 
 def _tiny_gpt_oss(folder: Path) -> None:
-    from transformers import GptOssConfig, GptOssForCausalLM
+    # A dev dependency of the workspace, absent where titan-ckpt is installed alone (the floor check).
+    transformers = pytest.importorskip("transformers")
+    GptOssConfig, GptOssForCausalLM = transformers.GptOssConfig, transformers.GptOssForCausalLM
 
     config = GptOssConfig(
         vocab_size=256,
@@ -104,7 +106,8 @@ def _tiny_gpt_oss(folder: Path) -> None:
 
 
 def test_the_mxfp4_script_writes_the_published_layout_which_titan_and_transformers_decode_alike(tmp_path):
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+    transformers = pytest.importorskip("transformers")
+    AutoModelForCausalLM, Mxfp4Config = transformers.AutoModelForCausalLM, transformers.Mxfp4Config
 
     bf16, mxfp4 = tmp_path / "bf16", tmp_path / "mxfp4"
     _tiny_gpt_oss(bf16)
