@@ -1,6 +1,7 @@
 """Hugging Face exports written by every rank of FSDP, TP, PP and EP layouts load in transformers as the run.
 
-One torchrun launch (4 ranks, gloo, tests/workers/layout_matrix.py) trains each layout 2 steps with
+One torchrun launch (4 ranks, gloo, tests/workers/layout_matrix.py) trains each layout (Llama, Qwen3-MoE
+and gpt-oss, whose sinks, biases and transposed experts go through the same per-rank export) 2 steps with
 `last_save_in_hf` and a shard size small enough that the ranks write several files. The reference is
 the same run's DCP checkpoint, resharded into one process by DCP (another path than the export):
 `AutoModelForCausalLM` on the exported folder must give its logits to 1e-5.
@@ -30,6 +31,19 @@ STEPS = 2
 SHARD_BYTES = 300_000  # the 2-layer debug model is about 4.5 MB in fp32: several files per rank
 LLAMA = ("--job.config_file", str(DEBUG_CONFIG), "--model.flavor", "debug_2_layers")
 MOE = ("--job.config_file", str(DEBUG_CONFIG), "--model.name", "qwen3", "--model.flavor", "tiny_moe")
+# gpt-oss cut to 2 layers of 8 experts (tiny_moe_flavor); no expert bias, which GptOssForCausalLM cannot hold.
+GPT_OSS = (
+    "--job.config_file",
+    str(DEBUG_CONFIG),
+    "--model.name",
+    "gpt_oss",
+    "--model.flavor",
+    "tiny",
+    "--model.moe_load_balance_coeff",
+    "0",
+    "--checkpoint.hf_max_shard_bytes",  # about 1.3 MB in fp32: several files per rank
+    "100000",
+)
 COMMON = (
     "--metrics.disable_color_printing",
     "--training.steps",
@@ -78,6 +92,16 @@ LAYOUTS = {  # name: (model, layout)
             "--checkpoint.hf_export_lossy",
         ),
     ),
+    "gpt_oss_tp2_fsdp2": (
+        GPT_OSS,
+        (f"{P}data_parallel_shard_degree", "2", f"{P}tensor_parallel_degree", "2"),
+    ),
+    # gpt-oss only where its export differs from the others' (sinks sharded by head under TP, transposed
+    # experts under EP), for CI's time; FSDP 4 and PP 2 go through the same per-block path as Llama's.
+    "gpt_oss_ep2_fsdp2": (
+        GPT_OSS,
+        (f"{P}data_parallel_shard_degree", "4", f"{P}expert_parallel_degree", "2"),
+    ),
 }
 register_flavor("llama3", "debug_2_layers", get_model_family("llama3").args_for("debugmodel", n_layers=2))
 
@@ -86,7 +110,7 @@ register_flavor("llama3", "debug_2_layers", get_model_family("llama3").args_for(
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hf_export_layouts")
     (out / "layouts.json").write_text(
-        json.dumps({k: [*m, *flags, *COMMON] for k, (m, flags) in LAYOUTS.items()})
+        json.dumps({k: [*COMMON, *m, *flags] for k, (m, flags) in LAYOUTS.items()})
     )
     result = run_torchrun(str(WORKER), str(out / "layouts.json"), str(out), nproc=4, timeout=900)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]

@@ -11,154 +11,32 @@ them. A rank's memory grows by about one block, not by the model.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-import struct
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from titan_ckpt.errors import CheckpointError
-from titan_ckpt.fp8_blocks import (
-    SCALE_SUFFIX,
-    BlockQuantization,
-    dequantize_lazily,
-    is_lazy,
-    quantization_from_config,
-)
+from titan_ckpt.hf_files import index_hf_folder, read_tensors
+from titan_ckpt.hf_quantized import folder_dequantizer, is_dequantized_lazily, stand_ins
 from titan_ckpt.hf_safetensors import TITAN_ONLY_PREFIX, HFStateDictAdapter
 from titan_ckpt.step_folders import HF_INDEX
 
 logger = logging.getLogger(__name__)
 
 _BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """Where a tensor lies in a folder's files and what it is, read from the safetensors header alone."""
-
-    file: Path
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def small(self) -> bool:
-        """A vector (a norm, a bias): read once and kept real through every block's pass, so that checks
-        on its values still see it. Matrices, however small, are read with their block: a bench model's
-        experts can be tiny matrices that together make most of the model."""
-        return len(self.shape) <= 1
-
-
-def _header(file: Path) -> dict[str, Any]:
-    """The safetensors header of `file`, checked against the file's size (a truncated copy fails here)."""
-    try:
-        with open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
-        end = max((v["data_offsets"][1] for v in header.values()), default=0)
-        if file.stat().st_size < 8 + size + end:
-            raise ValueError(f"{file.stat().st_size} bytes where the header needs {8 + size + end}")
-        for name, v in header.items():
-            if v["dtype"] not in _DTYPES:
-                raise ValueError(f"tensor {name} has dtype {v['dtype']}, which Titan does not read")
-        return header
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
-        raise CheckpointError(
-            f"checkpoint: cannot read {file} ({err}); the file is truncated or not safetensors"
-        ) from err
-
-
-def index_hf_folder(folder: Path) -> dict[str, StoredTensor]:
-    """Every tensor of a Hugging Face safetensors checkpoint (index + shards, or lone `*.safetensors`),
-    found from the headers without reading any data."""
-    index_file = folder / HF_INDEX
-    if index_file.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
-        except (ValueError, KeyError) as err:
-            raise CheckpointError(
-                f"checkpoint: {index_file} is not a valid safetensors index ({err})"
-            ) from err
-        files = sorted({folder / name for name in weight_map.values()})
-    else:
-        weight_map = {}
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(
-                f"checkpoint: {folder} holds no {HF_INDEX} and no *.safetensors file; point the initial load "
-                "at a Hugging Face model folder, or unset initial_load_in_hf for a DCP checkpoint"
-            )
-    stored: dict[str, StoredTensor] = {}
-    for file in files:
-        if not file.is_file():
-            key = next(k for k, v in weight_map.items() if folder / v == file)
-            raise CheckpointError(f"checkpoint: {file} is missing (the index lists '{key}' in it)")
-        for name, v in _header(file).items():
-            stored[name] = StoredTensor(file, tuple(v["shape"]), _DTYPES[v["dtype"]])
-    for key, name in weight_map.items():
-        if key not in stored:
-            raise CheckpointError(
-                f"checkpoint: {folder / name} has no tensor '{key}' although {index_file} lists it"
-            )
-    return stored
-
-
-def _read(stored: Mapping[str, StoredTensor], names: set[str]) -> dict[str, torch.Tensor]:
-    """The named tensors, read from their files (each file opened once, closed after)."""
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
-        by_file.setdefault(stored[name].file, []).append(name)
-    out = {}
-    for file, in_file in sorted(by_file.items()):
-        with safe_open(str(file), framework="pt") as f:
-            out |= {name: f.get_tensor(name) for name in in_file}
-    return out
 
 
 def _block_of(name: str) -> int:
     """The transformer block a Hugging Face name belongs to; -1 for the rest (embeddings, final norm)."""
     m = _BLOCK.search(name)
     return int(m.group(1)) if m else -1
-
-
-def folder_quantization(folder: Path, forced: bool) -> BlockQuantization | None:
-    """The block quantisation of the folder's weights (from its config.json), None for plain weights."""
-    config_file = folder / "config.json"
-    try:
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    except ValueError as err:
-        raise CheckpointError(f"checkpoint: {config_file} is not valid JSON ({err})") from err
-    return quantization_from_config(config, forced=forced, where=str(folder))
-
-
-def _stand_in(entry: StoredTensor, quantization: BlockQuantization | None) -> torch.Tensor:
-    """A meta tensor shaped as `entry` reads (a float8 weight dequantises to float32)."""
-    dtype = torch.float32 if quantization is not None and entry.dtype.itemsize == 1 else entry.dtype
-    return torch.empty(entry.shape, dtype=dtype, device="meta")
 
 
 def _is_stand_in(value: Any) -> bool:
@@ -176,7 +54,11 @@ def _local_part(source: Any, tensor: DTensor) -> torch.Tensor | None:
 
 def _copy_into(tensor: torch.Tensor, source: Any) -> None:
     with torch.no_grad():
-        local = _local_part(source, tensor) if is_lazy(source) and isinstance(tensor, DTensor) else None
+        local = (
+            _local_part(source, tensor)
+            if is_dequantized_lazily(source) and isinstance(tensor, DTensor)
+            else None
+        )
         if local is not None:
             tensor.to_local().copy_(local.to(device=tensor.device, dtype=tensor.dtype))
             return
@@ -223,17 +105,12 @@ def load_hf_weights(
     """Copy the weights of a Hugging Face folder into `target` (plain tensors or DTensors), in place, one
     transformer block at a time.
 
-    Float8 block-quantised weights (config.json's `quantization_config`, or any folder when `quantized`)
-    are dequantised, each rank only for the rows it keeps."""
+    Float8 block-quantised and MXFP4 weights (config.json's `quantization_config`, or any folder when
+    `quantized`) are dequantised, each rank only for the rows it keeps."""
     stored = index_hf_folder(folder)
-    quantization = folder_quantization(folder, quantized)
-    if quantization is None and any(name.endswith(SCALE_SUFFIX) for name in stored):
-        raise CheckpointError(
-            f"checkpoint: {folder} holds float8 weights with *{SCALE_SUFFIX} block scales but its config.json has "
-            "no quantization_config; set checkpoint.initial_load_in_hf_quantized = true to dequantise them"
-        )
+    dequantize = folder_dequantizer(folder, stored, quantized)
     small = {n for n, e in stored.items() if e.small or n.startswith(TITAN_ONLY_PREFIX)}
-    kept = _read(stored, small)
+    kept = read_tensors(stored, small)
     titan_only = {
         k.removeprefix(TITAN_ONLY_PREFIX): kept.pop(k) for k in list(kept) if k.startswith(TITAN_ONLY_PREFIX)
     }
@@ -241,23 +118,14 @@ def load_hf_weights(
     blocks = sorted({_block_of(n) for n in mapped})
     where = folder / HF_INDEX if (folder / HF_INDEX).is_file() else folder
     wanted = {k: t for k, t in target.items() if isinstance(t, torch.Tensor)}
-    if quantization is not None:
-        logger.info(
-            "checkpoint: dequantising %d float8 weights (%dx%d blocks, weight = fp8 * scale_inv) of %s as each "
-            "rank reads its rows",
-            sum(n.endswith(SCALE_SUFFIX) for n in stored),
-            *quantization.block,
-            folder,
-        )
     loaded: set[str] = set()
     with _each_line_once():
         for i, block in enumerate(blocks):
             names = {n for n in mapped if _block_of(n) == block}
-            real = kept | _read(stored, names - small)
-            hf = {n: _stand_in(stored[n], quantization) for n in mapped if n not in real}
-            if quantization is not None:
-                real = dequantize_lazily(_with_their_weights(real), quantization, str(folder))
-                hf = {n: t for n, t in hf.items() if not n.endswith(SCALE_SUFFIX)}
+            real = kept | read_tensors(stored, names - small)
+            hf = stand_ins(stored, [n for n in mapped if n not in real], dequantize)
+            if dequantize is not None:
+                real = dequantize(real)
             try:
                 ours = adapter.from_hf(hf | real) | titan_only
             except Exception as err:
@@ -273,15 +141,6 @@ def load_hf_weights(
                     loaded.add(key)
             del real, hf, ours
     logger.info("loaded %d tensors from Hugging Face files in %s", len(target), folder)
-
-
-def _with_their_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`tensors` without the block scales of weights that are stand-ins in this pass."""
-    return {
-        n: t
-        for n, t in tensors.items()
-        if not n.endswith(SCALE_SUFFIX) or n.removesuffix(SCALE_SUFFIX) in tensors
-    }
 
 
 def _check_against(ours: Mapping[str, Any], wanted: Mapping[str, torch.Tensor], where: Path) -> None:

@@ -86,5 +86,11 @@ MOE_FAMILIES = (
         hf=_hf(llama4, llama4.Llama4StateDictAdapter),
     ),
     # Hugging Face import/export arrives with the gpt-oss weight mapping (hf=None until then).
-    ModelFamily("gpt_oss", gpt_oss.GPT_OSS_FLAVORS, gpt_oss.GptOssModel, _gpt_oss_flops),
+    ModelFamily(
+        "gpt_oss",
+        gpt_oss.GPT_OSS_FLAVORS,
+        gpt_oss.GptOssModel,
+        _gpt_oss_flops,
+        hf=_hf(gpt_oss, gpt_oss.GptOssStateDictAdapter),
+    ),
 )

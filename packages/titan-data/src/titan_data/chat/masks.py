@@ -4,7 +4,10 @@ Turn k's trained span starts where the conversation up to turn k, rendered with 
 (the assistant header), ends, and stops where the conversation up to and including turn k ends, cut
 after its last control token (the end-of-turn marker), so what a template writes after the marker
 (a newline) stays masked. That only holds when each rendered prefix tokenises to a token prefix of
-the whole; a template that breaks it is refused in one line rather than masked wrongly.
+the whole; a template that breaks it is refused in one line rather than masked wrongly. One break is
+understood: a template that ends a conversation's last turn with another control token than the same
+turn followed by more (harmony, gpt-oss's format: <|return|> against <|end|>); an earlier turn is then
+trained up to the marker the whole conversation has there.
 """
 
 from __future__ import annotations
@@ -32,7 +35,14 @@ def _prefix_length(
     tokenizer: Tokenizer, text: str, whole: list[int], template: ChatTemplate, where: str
 ) -> int:
     ids = tokenizer.encode_chat(text)
-    if whole[: len(ids)] != ids:
+    # A template may close a conversation's last turn with another control token than the same turn
+    # followed by more (harmony: <|return|> at the end, <|end|> before the next message); the turn
+    # then ends where the whole has its own marker.
+    specials = tokenizer.special_ids
+    closed_otherwise = (
+        len(ids) <= len(whole) and ids[-1:] and ids[-1] in specials and whole[len(ids) - 1] in specials
+    )
+    if whole[: len(ids)] != ids and not (closed_otherwise and whole[: len(ids) - 1] == ids[:-1]):
         raise DataError(
             f"chat template {template.origin}: at {where} a rendered prefix of the conversation is not a token "
             "prefix of the whole, so turn boundaries cannot be found; use sft.loss_on = 'all' or another template"

@@ -2,7 +2,8 @@
 
 Three row layouts are understood: OpenAI-style `messages` (role/content turns), prompt/completion
 pairs and alpaca (instruction/input/output). Each becomes the same list of `{"role", "content"}`
-turns, so the template and the masks see one shape whatever the file held. A bad row is reported in
+turns (an assistant turn keeps a string `thinking`, the reasoning gpt-oss's harmony template renders),
+so the template and the masks see one shape whatever the file held. A bad row is reported in
 one line naming the file, the row and the field.
 """
 
@@ -51,6 +52,9 @@ def _check_message(turn: Any, where: str, field: str) -> dict[str, str]:
         raise DataError(
             f"dataset: {where}: '{field}' {role} turn content is {type(content).__name__}, not a string"
         )
+    thinking = turn.get("thinking")
+    if role == "assistant" and isinstance(thinking, str):  # gpt-oss's reasoning, rendered by its template
+        return {"role": role, "content": content, "thinking": thinking}
     return {"role": role, "content": content}
 
 
