@@ -23,7 +23,7 @@ gradient scaled by 1.5 in the experts' dispatch (input rows) or combine (output 
 (weights 7e-3 off; grad_norm 8e-5 relative). The MoE layouts add about 62 CPU-seconds (load 9 on 2 cores).
 Shared experts: a DeepSeek-V3 layer cut the same way with one shared expert and the sequence-wise aux loss on
 (`deepseek_v3 tiny_shared`, reference `one_process_shared`) trains under tp 2, ep 2 borrowing tp 2, and pp 2
-(about 35 s in the 2-rank launch, loaded machine).
+(32 s in the 2-rank launch and 4 s in the 1-rank one, loaded machine).
 
 LoRA (all-linear, rank 4, the base frozen) under FSDP 2, PP 2 (1F1B) and compile against LoRA in one process:
 loss within 2.4e-7 relative, grad_norm 6.3e-8, weights 2.2e-6 (2026-11-27); TP 2 is refused at start.
