@@ -1,19 +1,27 @@
 """Titan against torchtitan 0.2.2 itself, step by step: the same weights, data and settings, in fp32 on CPU.
 
 torchtitan 0.2.2 and the workspace's torch are installed into their own environment (bench/.torchtitan-
-0.2.2-env, ignored by git; never a dependency of the workspace). torchtitan writes a seed checkpoint on
-one rank (`--checkpoint.create_seed_checkpoint`); both trainers start from it (`checkpoint.
-initial_load_path`) and train the llama3 debugmodel for `--steps` steps on the repository's bundled
-tokenizer and c4_test documents, in each layout: one process, FSDP on 2 ranks, TP on 2 ranks. The table
-gives both trainers' loss, grad_norm and lr per step and the largest relative difference.
+0.2.2-env, ignored by git; never a dependency of the workspace). For each model family, both trainers
+read torchtitan 0.2.2's own train config for it (a copy of its keys ships as a test fixture), with the
+size, precision and data set on the command line; torchtitan writes a seed checkpoint on one rank
+(`--checkpoint.create_seed_checkpoint`), both start from it (`checkpoint.initial_load_path`) and train
+`--steps` steps on the repository's bundled tokenizer and c4_test documents in each of the family's
+layouts. The table gives both trainers' loss, grad_norm and lr per step and the largest relative
+difference. For a mixture-of-experts family both sides also log every layer's tokens per expert: a
+top-k router is discontinuous (two layouts that agree to 1e-7 can send a tied token to different
+experts), so agreement is judged up to the first step whose counts differ, and that step is reported.
 
-    uv run python bench/parity_torchtitan.py                     # constant lr: the schedules agree
+    uv run python bench/parity_torchtitan.py                     # llama3, constant lr: the schedules agree
     uv run python bench/parity_torchtitan.py --schedule wsd      # warmup and decay: where they differ
+    uv run python bench/parity_torchtitan.py --families deepseek_v3 qwen3_moe --steps 10
+
+A family is one entry of FAMILIES: its torchtitan train config and its layouts.
 
 torchtitan runs through bench/torchtitan_cpu_launch.py, whose shims (listed in the output) let it run
 on a CPU. Data: torchtitan gives each of 2 data-parallel ranks a contiguous half of the documents; Titan
-deals document i to rank i % 2. For FSDP, Titan reads a copy of the documents with the two halves
-interleaved, so each rank of both trainers reads the same documents in the same order.
+deals document i to rank i % 2. For a layout with 2 data-parallel ranks (FSDP, EP, which borrows them),
+Titan reads a copy of the documents with the two halves interleaved, so each rank of both trainers reads
+the same documents in the same order.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,14 +45,41 @@ LAUNCHER = REPO / "bench" / "torchtitan_cpu_launch.py"
 ASSETS = REPO / "packages" / "titan-data" / "src" / "titan_data" / "assets"
 TARGET = 1e-4
 
-# Layout name: (ranks, flags both trainers take; they share torchtitan's config schema).
+FIXTURES = REPO / "packages" / "titan-train" / "tests" / "fixtures"
+
+# Layout name: (ranks, data-parallel ranks, flags both trainers take; they share torchtitan's schema).
 LAYOUTS = {
-    "1 process": (1, []),
-    "FSDP 2": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "1 process": (1, 1, []),
+    "FSDP 2": (2, 2, ["--parallelism.data_parallel_shard_degree", "2"]),
     "TP 2": (
         2,
+        1,
         ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
     ),
+    # Experts split over the 2 data-parallel ranks (torchtitan's EP borrows dp_shard, as Titan's does).
+    "EP 2": (
+        2,
+        2,
+        ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"],
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family of the comparison: torchtitan 0.2.2's own train config for it and its layouts."""
+
+    toml: Path
+    layouts: tuple[str, ...]
+
+
+# Another family (gpt_oss, say) is one more entry: its torchtitan debug TOML and the layouts to run.
+FAMILIES = {
+    "llama3": Family(FIXTURES / "torchtitan_0.2_debug_model.toml", ("1 process", "FSDP 2", "TP 2")),
+    "deepseek_v3": Family(
+        FIXTURES / "torchtitan_0.2_deepseek_v3_debug_model.toml", ("1 process", "FSDP 2", "EP 2")
+    ),
+    "qwen3_moe": Family(FIXTURES / "torchtitan_0.2_qwen3_moe_debug.toml", ("1 process", "FSDP 2", "EP 2")),
 }
 # constant: no warmup, no decay, so both schedules give the peak lr at every step.
 # wsd: warmup and linear decay, where Titan's schedule and torchtitan's differ (see docs/migrating-...).
@@ -139,19 +175,20 @@ def _run(command: list[str], log: Path, env: dict[str, str] | None = None) -> No
         raise SystemExit(f"{' '.join(command[:6])} ... failed ({proc.returncode}); {log}:\n{tail}")
 
 
-def _common_flags(args, corpus: Path) -> list[str]:
+def _common_flags(args, family: Family, corpus: Path) -> list[str]:
     warmup, decay = SCHEDULES[args.schedule]
     return [
-        "--model.name",
-        "llama3",
-        "--model.flavor",
-        "debugmodel",
+        "--job.config_file",
+        str(family.toml),
+        "--model.hf_assets_path",
+        str(ASSETS / "tokenizer"),
         "--training.dataset",
         "c4_test",
         "--training.dataset_path",
         str(corpus),
         "--training.mixed_precision_param",
         "float32",
+        # A recomputing checkpoint would route every token twice in torchtitan's counts (see the launcher).
         "--activation_checkpoint.mode",
         "none",
         "--training.steps",
@@ -179,17 +216,17 @@ def _torchtitan_env(work: Path, records: Path | None, float32_norm: bool) -> dic
     return env
 
 
-def run_layout(args, python: str, work: Path, seed: Path, name: str) -> tuple[list[dict], list[dict]]:
+def run_layout(
+    args, python: str, work: Path, seed: Path, family: Family, name: str, tag: str
+) -> tuple[list[dict], list[dict]]:
     """torchtitan's and Titan's records of `args.steps` steps of layout `name`, both from `seed`."""
-    nproc, layout = LAYOUTS[name]
-    tag = name.replace(" ", "_").lower()
+    nproc, dp, layout = LAYOUTS[name]
+    tag = f"{tag}-{name.replace(' ', '_').lower()}"
     records = work / f"{tag}-torchtitan.jsonl"
     torchtitan = [
         *torchrun_command(str(LAUNCHER), nproc=nproc, python=python),
-        *_common_flags(args, work / "corpus"),
+        *_common_flags(args, family, work / "corpus"),
         *layout,
-        "--model.hf_assets_path",
-        str(ASSETS / "tokenizer"),
         "--job.dump_folder",
         str(work / tag),
         "--checkpoint.enable",
@@ -202,11 +239,11 @@ def run_layout(args, python: str, work: Path, seed: Path, name: str) -> tuple[li
     ]
     _run(torchtitan, work / f"{tag}-torchtitan.log", _torchtitan_env(work, records, args.float32_norm))
     # Titan deals documents round robin over its data-parallel ranks; see the module docstring.
-    corpus = work / ("corpus_interleaved" if name.startswith("FSDP") else "corpus")
+    corpus = work / ("corpus_interleaved" if dp == 2 else "corpus")
     titan_dump = work / f"{tag}-titan"
     titan = [
         *torchrun_command("-m", "titan_train.cli", nproc=nproc),
-        *_common_flags(args, corpus),
+        *_common_flags(args, family, corpus),
         *layout,
         "--job.dump_folder",
         str(titan_dump),
@@ -223,41 +260,137 @@ def run_layout(args, python: str, work: Path, seed: Path, name: str) -> tuple[li
 
 def write_corpora(work: Path) -> None:
     """The c4_test documents as torchtitan reads them (`datasets` takes a file named *test* for the
-    test split, so the copy is renamed), and interleaved by halves for Titan's FSDP run."""
+    test split, so the copy is renamed), and interleaved by halves for Titan's data-parallel runs."""
     lines = (ASSETS / "c4_test" / "c4_test.jsonl").read_text().splitlines(keepends=True)
     for folder, ordered in (("corpus", lines), ("corpus_interleaved", interleave_contiguous_parts(lines, 2))):
         (work / folder).mkdir()
         (work / folder / "documents.jsonl").write_text("".join(ordered))
 
 
-def print_layout(name: str, theirs: list[dict], ours: list[dict]) -> tuple[float, float, float]:
-    """Print one layout's steps; return the largest relative differences of loss, grad_norm and lr."""
+def expert_counts(record: dict) -> list[list[float]] | None:
+    """A record's tokens per expert, one list per MoE layer in layer order, from either trainer's record
+    (torchtitan's launcher writes a list of layers, Titan's metrics.jsonl a dict by layer name)."""
+    counts = record.get("expert_counts")
+    if isinstance(counts, dict):
+        counts = list(counts.values())
+    return None if counts is None else [[float(c) for c in layer] for layer in counts]
+
+
+def first_routing_difference(theirs: list[dict], ours: list[dict]) -> int | None:
+    """The first step whose per-expert counts differ between the two trainers (None: they never do, or
+    the family has no experts)."""
+    for a, b in zip(theirs, ours, strict=False):
+        if expert_counts(a) != expert_counts(b):
+            return a["step"]
+    return None
+
+
+@dataclass(frozen=True)
+class LayoutSummary:
+    """One layout's largest relative differences over the steps before the first routing difference
+    (all steps when routing never differs), and that step."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    routing_differs_at: int | None
+    steps_compared: int
+    has_experts: bool
+
+
+def print_layout(name: str, theirs: list[dict], ours: list[dict]) -> LayoutSummary:
+    """Print one layout's steps; return its summary."""
+    moe = expert_counts(theirs[0]) is not None if theirs else False
+    differs_at = first_routing_difference(theirs, ours)
     print(f"\n### {name}\n")
     print(
         "| step | loss torchtitan | loss Titan | rel | grad_norm torchtitan | grad_norm Titan | rel "
-        "| lr torchtitan | lr Titan |"
+        f"| lr torchtitan | lr Titan |{' expert counts |' if moe else ''}"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"|---:|---:|---:|---:|---:|---:|---:|---:|---:|{'---|' if moe else ''}")
     worst = [0.0, 0.0, 0.0]
+    compared = 0
     for a, b in zip(theirs, ours, strict=False):
         rel = [relative_difference(a[k], b[k]) for k in ("loss", "grad_norm", "lr")]
-        worst = [max(w, r) for w, r in zip(worst, rel, strict=True)]
+        if differs_at is None or a["step"] < differs_at:
+            worst = [max(w, r) for w, r in zip(worst, rel, strict=True)]
+            compared += 1
+        counts = ""
+        if moe:
+            a_counts, b_counts = expert_counts(a), expert_counts(b)
+            moved = sum(
+                abs(x - y)
+                for la, lb in zip(a_counts, b_counts, strict=True)
+                for x, y in zip(la, lb, strict=True)
+            )
+            counts = " equal |" if moved == 0 else f" differ ({moved / 2:g} token-choices moved) |"
         print(
             f"| {a['step']} | {a['loss']:.6f} | {b['loss']:.6f} | {rel[0]:.1e} | {a['grad_norm']:.6f} "
-            f"| {b['grad_norm']:.6f} | {rel[1]:.1e} | {a['lr']:.3e} | {b['lr']:.3e} |"
+            f"| {b['grad_norm']:.6f} | {rel[1]:.1e} | {a['lr']:.3e} | {b['lr']:.3e} |{counts}"
         )
     if len(theirs) != len(ours):
         print(f"(torchtitan logged {len(theirs)} steps, Titan {len(ours)})")
-    return worst[0], worst[1], worst[2]
+    return LayoutSummary(worst[0], worst[1], worst[2], differs_at, compared, moe)
+
+
+def _record(args, family: str, layout: str, a: dict, b: dict) -> str:
+    keep = ("step", "loss", "grad_norm", "lr")
+    ours = {k: b[k] for k in keep}
+    theirs = {k: a[k] for k in keep}
+    if expert_counts(a) is not None:
+        theirs["expert_counts"] = expert_counts(a)
+        ours["expert_counts"] = expert_counts(b)
+    return json.dumps(
+        dict(
+            date=datetime.date.today().isoformat(),
+            family=family,
+            layout=layout,
+            schedule=args.schedule,
+            float32_norm=args.float32_norm,
+            step=a["step"],
+            torchtitan=theirs,
+            titan=ours,
+        )
+    )
+
+
+def run_family(args, python: str, work: Path, name: str) -> list[tuple[str, LayoutSummary]]:
+    """Seed checkpoint, then every asked layout of family `name`; the summary row of each."""
+    family = FAMILIES[name]
+    seed_flags = [
+        *torchrun_command(str(LAUNCHER), nproc=1, python=python),
+        *_common_flags(args, family, work / "corpus"),
+        "--job.dump_folder",
+        str(work / f"{name}-seed"),
+        "--checkpoint.enable",
+        "--checkpoint.create_seed_checkpoint",
+        "--checkpoint.folder",
+        str(work / f"{name}-seed"),
+    ]
+    _run(seed_flags, work / f"{name}-seed.log", _torchtitan_env(work, None, args.float32_norm))
+    seed = work / f"{name}-seed" / "step-0"
+    print(f"\n## {name} ({family.toml.name})")
+    summary = []
+    for layout in family.layouts:
+        if args.layouts and layout not in args.layouts:
+            continue
+        theirs, ours = run_layout(args, python, work, seed, family, layout, name)
+        summary.append((layout, print_layout(f"{name}, {layout}", theirs, ours)))
+        if args.records:
+            with open(args.records, "a") as out:
+                for a, b in zip(theirs, ours, strict=False):
+                    out.write(_record(args, name, layout, a, b) + "\n")
+    return summary
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=["llama3"])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="constant")
-    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), help="default: each family's own")
     parser.add_argument(
         "--float32-norm",
         action="store_true",
@@ -270,58 +403,39 @@ def main() -> None:
     version = torchtitan_env_versions(python)
     work = Path(tempfile.mkdtemp(prefix="parity-"))
     write_corpora(work)
-    seed_flags = [
-        *torchrun_command(str(LAUNCHER), nproc=1, python=python),
-        *_common_flags(args, work / "corpus"),
-        "--model.hf_assets_path",
-        str(ASSETS / "tokenizer"),
-        "--job.dump_folder",
-        str(work / "seed"),
-        "--checkpoint.enable",
-        "--checkpoint.create_seed_checkpoint",
-        "--checkpoint.folder",
-        str(work / "seed"),
-    ]
-    _run(seed_flags, work / "seed.log", _torchtitan_env(work, None, args.float32_norm))
-    seed = work / "seed" / "step-0"
-
     print(
         f"torchtitan {version[0]} (torch {version[1]}) against Titan (torch {_torch_version()}), "
-        f"llama3 debugmodel, fp32, CPU, {args.steps} steps of {args.batch} x {args.seq_len} tokens per rank, "
-        f"schedule {args.schedule} (warmup_steps {SCHEDULES[args.schedule][0]}, "
-        f"decay_ratio {SCHEDULES[args.schedule][1]}); both from torchtitan's seed checkpoint"
+        f"{', '.join(args.families)}: torchtitan's own train configs, fp32, CPU, {args.steps} steps of "
+        f"{args.batch} x {args.seq_len} tokens per rank, schedule {args.schedule} (warmup_steps "
+        f"{SCHEDULES[args.schedule][0]}, decay_ratio {SCHEDULES[args.schedule][1]}); both from torchtitan's "
+        "seed checkpoint"
     )
     print("\ntorchtitan's CPU shims (bench/torchtitan_cpu_launch.py):")
     for shim, summary in shim_summaries():
         skipped = args.float32_norm and shim == "shim_grad_norm_float64"
         print(f"- {shim}{' (left out: --float32-norm)' if skipped else ''}: {summary}")
-    summary = []
-    for name in args.layouts:
-        theirs, ours = run_layout(args, python, work, seed, name)
-        summary.append((name, *print_layout(name, theirs, ours)))
-        if args.records:
-            with open(args.records, "a") as out:
-                for a, b in zip(theirs, ours, strict=False):
-                    out.write(
-                        json.dumps(
-                            dict(
-                                date=datetime.date.today().isoformat(),
-                                layout=name,
-                                schedule=args.schedule,
-                                float32_norm=args.float32_norm,
-                                step=a["step"],
-                                torchtitan=a,
-                                titan={k: b[k] for k in ("step", "loss", "grad_norm", "lr")},
-                            )
-                        )
-                        + "\n"
-                    )
-    print(f"\n### Largest relative difference over {args.steps} steps (target {TARGET:g})\n")
-    print("| layout | loss | grad_norm | lr | within target |")
-    print("|---|---:|---:|---:|---|")
-    for name, loss, norm, lr in summary:
-        ok = "yes" if max(loss, norm) <= TARGET else "no"
-        print(f"| {name} | {loss:.1e} | {norm:.1e} | {lr:.1e} | {ok} |")
+    rows = [
+        (family, layout, s)
+        for family in args.families
+        for layout, s in run_family(args, python, work, family)
+    ]
+    print(
+        f"\n### Largest relative difference over the steps before the first routing difference "
+        f"(all {args.steps} steps when there is none; target {TARGET:g})\n"
+    )
+    print(
+        "| family | layout | steps compared | loss | grad_norm | lr | within target | first step routed differently |"
+    )
+    print("|---|---|---:|---:|---:|---:|---|---|")
+    for family, layout, s in rows:
+        ok = "yes" if max(s.loss, s.grad_norm) <= TARGET else "no"
+        differs = "none" if s.routing_differs_at is None else str(s.routing_differs_at)
+        if not s.has_experts:
+            differs = "(no experts)"
+        print(
+            f"| {family} | {layout} | {s.steps_compared} | {s.loss:.1e} | {s.grad_norm:.1e} | {s.lr:.1e} "
+            f"| {ok} | {differs} |"
+        )
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -10,8 +10,10 @@ run time, in order, before torchtitan's trainer is imported (the package itself 
 that patches a torchtitan module imports it after the device shim has run); none changes what is
 computed, only where it runs or how it is reported, except `shim_grad_norm_float64`, which makes
 torchtitan's CPU gradient norm as exact as Titan's (see its docstring). With `PARITY_RECORDS` set, rank 0 appends one JSON
-line per logged step (step, loss, grad_norm, lr) to that file: torchtitan's console line rounds loss
-and grad_norm to 4 decimals, too coarse for a 1e-4 relative comparison.
+line per logged step (step, loss, grad_norm, lr, and for a mixture-of-experts model the tokens each
+router sent to each expert since the last logged step, summed over all ranks) to that file: torchtitan's
+console line rounds loss and grad_norm to 4 decimals, too coarse for a 1e-4 relative comparison, and
+logs no per-expert counts, which are what finds the first step where two trainers route differently.
 """
 
 from __future__ import annotations
@@ -120,16 +122,55 @@ def shim_grad_norm_float64() -> None:
     torch.nn.utils.get_total_norm = total_norm_float64
 
 
+def _count_routed_tokens() -> dict[int, torch.Tensor]:
+    """Sum each router's tokens per expert (its third output) into the returned dict, keyed by router in
+    the order the routers first run (layer order). A recomputing activation checkpoint would count twice:
+    the parity runs use `--activation_checkpoint.mode none`."""
+    from torchtitan.models.moe.moe import TokenChoiceTopKRouter
+
+    routed: dict[int, torch.Tensor] = {}
+    forward = TokenChoiceTopKRouter.forward
+
+    def counting_forward(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        counts = out[2].detach().to(torch.float64)
+        if id(self) in routed:
+            routed[id(self)] += counts
+        else:
+            routed[id(self)] = counts.clone()
+        return out
+
+    TokenChoiceTopKRouter.forward = counting_forward
+    return routed
+
+
+def _take_counts(routed: dict[int, torch.Tensor]) -> list[list[float]] | None:
+    """Every layer's routed tokens per expert since the last call, summed over all ranks (every rank
+    calls it: torchtitan logs on every rank), then reset; None for a model without experts."""
+    if not routed:
+        return None
+    counts = torch.stack(list(routed.values()))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    for layer in routed.values():
+        layer.zero_()
+    return counts.tolist()
+
+
 def record_steps(path: str) -> None:
-    """Rank 0 appends {step, loss, grad_norm, lr} to `path` each time torchtitan logs a step."""
+    """Rank 0 appends {step, loss, grad_norm, lr, expert_counts} to `path` each time torchtitan logs a step."""
     from torchtitan.components.metrics import MetricsProcessor
 
     log = MetricsProcessor.log
+    routed = _count_routed_tokens()
 
     def log_and_record(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        counts = _take_counts(routed)
         if os.environ.get("RANK", "0") == "0":
             lr = (extra_metrics or {}).get("lr")
             record = dict(step=step, loss=float(global_avg_loss), grad_norm=float(grad_norm), lr=lr)
+            if counts is not None:
+                record["expert_counts"] = counts
             with open(path, "a", encoding="utf-8") as out:
                 out.write(json.dumps(record) + "\n")
         return log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)

@@ -3,6 +3,7 @@ not a test): the document reordering that gives Titan's data-parallel ranks torc
 the shim list the table prints."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ def _parity():
         "parity_torchtitan", REPO / "bench" / "parity_torchtitan.py"
     )
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -46,3 +48,29 @@ def test_the_printed_shims_are_the_launchers_shim_functions_with_their_first_sen
     ]
     assert shims["shim_barrier_device_ids"].startswith("torchtitan calls `barrier(device_ids=")
     assert parity.relative_difference(2.0, 2.0002) == pytest.approx(1e-4)
+
+
+def test_the_first_routing_difference_is_the_first_step_whose_per_expert_counts_differ():
+    parity = _parity()
+    # torchtitan's launcher writes a list of layers, Titan's metrics.jsonl a dict by layer name.
+    theirs = [
+        {"step": 1, "expert_counts": [[3, 1], [2, 2]]},
+        {"step": 2, "expert_counts": [[2, 2], [4, 0]]},
+        {"step": 3, "expert_counts": [[1, 3], [4, 0]]},
+    ]
+    ours = [
+        {"step": 1, "expert_counts": {"layers.0.moe": [3.0, 1.0], "layers.1.moe": [2.0, 2.0]}},
+        {"step": 2, "expert_counts": {"layers.0.moe": [2.0, 2.0], "layers.1.moe": [3.0, 1.0]}},
+        {"step": 3, "expert_counts": {"layers.0.moe": [1.0, 3.0], "layers.1.moe": [4.0, 0.0]}},
+    ]
+    assert parity.first_routing_difference(theirs, ours) == 2
+    assert parity.first_routing_difference(theirs, theirs) is None
+    assert parity.first_routing_difference([{"step": 1}], [{"step": 1}]) is None  # no experts
+
+
+def test_every_family_names_an_existing_torchtitan_config_of_its_model_and_known_layouts():
+    parity = _parity()
+    for name, family in parity.FAMILIES.items():
+        assert family.toml.exists(), name
+        assert set(family.layouts) <= set(parity.LAYOUTS), name
+    assert "EP 2" in parity.FAMILIES["deepseek_v3"].layouts and "EP 2" in parity.FAMILIES["qwen3_moe"].layouts

@@ -21,6 +21,9 @@ checkpointing (its logged token counts one process's: a recomputed MoE forward d
 placements as facts; the ep 2 run on 4 ranks saves at step 3 and runs at ep 1 on 2 ranks and at ep 4 on 4 ranks resume it. A
 gradient scaled by 1.5 in the experts' dispatch (input rows) or combine (output rows) made `moe_ep2` fail
 (weights 7e-3 off; grad_norm 8e-5 relative). The MoE layouts add about 62 CPU-seconds (load 9 on 2 cores).
+Shared experts: a DeepSeek-V3 layer cut the same way with one shared expert and the sequence-wise aux loss on
+(`deepseek_v3 tiny_shared`, reference `one_process_shared`) trains under tp 2, ep 2 borrowing tp 2, and pp 2
+(32 s in the 2-rank launch and 4 s in the 1-rank one, loaded machine).
 
 LoRA (all-linear, rank 4, the base frozen) under FSDP 2, PP 2 (1F1B) and compile against LoRA in one process:
 loss within 2.4e-7 relative, grad_norm 6.3e-8, weights 2.2e-6 (2026-11-27); TP 2 is refused at start.
@@ -190,6 +193,34 @@ LORA = ("--model.converters", "lora", "--lora.target_modules", "all-linear", "--
 CHAT_DATA = Path(__file__).parents[1] / "packages/titan-data/src/titan_data/assets/chat_test/chat_test.jsonl"
 CHAT = ("--training.dataset", "chat", "--training.dataset_path", str(CHAT_DATA), "--training.seq_len", "128")
 CHAT_WEIGHTS_ATOL = 1e-4  # 3.4x the largest measured (2.9e-5, pp and accumulation; loss and grad_norm 3.3e-7)
+
+
+# DeepSeek-V3's MoE layer with a shared expert (tests/workers/tiny_moe_flavor.py), with the sequence-wise
+# auxiliary loss on, against its own one process.
+SHARED = (
+    "--model.name",
+    "deepseek_v3",
+    "--model.flavor",
+    "tiny_shared",
+    "--model.moe_seq_aux_loss_coeff",
+    "0.001",
+)
+
+
+def shared_expert(
+    w1: list[str] | None, w1_local: list[int], w2: list[str] | None, w2_local: list[int]
+) -> dict:
+    """The first MoE layer's shared expert as a layout leaves it: w1's and w2's placements and local shapes."""
+    return {"w1_placements": w1, "w1_local_shape": w1_local, "w2_placements": w2, "w2_local_shape": w2_local}
+
+
+WHOLE_SHARED = shared_expert(None, [32, 64], None, [64, 32])
+# Split like a dense feed-forward over tp, as torchtitan splits them: w1 by rows, w2 by columns.
+SPLIT_SHARED = shared_expert(["S(0)"], [16, 64], ["S(1)"], [64, 16])
+
+
+def shared(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
+    return Layout(nproc, (*SHARED, *flags), facts, reference="one_process_shared", **kwargs)
 
 
 def experts(ep: int, etp: int, mesh_dims: list[str] | None, placements: list[str] | None, local: list[int]):
@@ -431,6 +462,31 @@ LAYOUTS = {
     "gpt_oss_compile": gpt_oss(1, ("--compile.enable",), {"compiled_attentions": 2}),
     "gpt_oss_cp2": gpt_oss(
         2, (CP, "2"), {}, refused="gpt_oss tiny cannot be split by context parallelism yet"
+    ),
+    # Shared experts (one per layer, hidden 32) under tp (split over it), ep borrowing tp, and pp, against
+    # one process.
+    "one_process_shared": shared(1, (), {"shared_experts": WHOLE_SHARED}),
+    "shared_tp": shared(
+        2,
+        (TP, "2"),
+        {
+            "degrees": {"tp": 2},
+            **experts(1, 1, ["tp"], ["S(1)"], [8, 16, 64]),
+            "shared_experts": SPLIT_SHARED,
+        },
+    ),
+    "shared_ep2_tp2": shared(
+        2,
+        (EP, "2", TP, "2"),
+        {
+            **experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 32, 64]),
+            "shared_experts": SPLIT_SHARED,
+        },
+    ),
+    "shared_pp2": shared(
+        2,
+        pp("1F1B"),
+        {"stage_blocks": ONE_STAGE, "shared_experts": WHOLE_SHARED},
     ),
     "dense_model_ep2": Layout(
         2, (EP, "2", *local_batch(2)), refused="llama3 debug_2_layers has no experts to split"

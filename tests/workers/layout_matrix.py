@@ -121,6 +121,7 @@ def facts(trainer: Trainer) -> dict:
         "optimizer_in_backward": type(trainer.optimizers).__name__ == "BackwardStepOptimizers",
         "loader_workers": trainer.loader.num_workers,
         "experts": expert_facts(trainer),
+        "shared_experts": shared_expert_facts(trainer),
     }
 
 
@@ -139,6 +140,20 @@ def expert_facts(trainer: Trainer) -> dict | None:
         "w1_placements": [str(p) for p in w1.placements] if split else None,
         "w1_local_shape": list(w1.to_local().shape if split else w1.shape),
     }
+
+
+def shared_expert_facts(trainer: Trainer) -> dict | None:
+    """How the first MoE layer's shared expert is split: w1's and w2's placements and local shapes."""
+    layers = [layer for part in trainer.model_parts for layer in moe_layers_of(part).values()]
+    if not layers or layers[0].shared_experts is None:
+        return None
+    facts = {}
+    for name in ("w1", "w2"):
+        weight = getattr(layers[0].shared_experts, name).weight
+        split = isinstance(weight, DTensor)
+        facts[f"{name}_placements"] = [str(p) for p in weight.placements] if split else None
+        facts[f"{name}_local_shape"] = list(weight.to_local().shape if split else weight.shape)
+    return facts
 
 
 def main(layouts_json: Path, out: Path) -> None:

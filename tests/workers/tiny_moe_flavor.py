@@ -1,9 +1,10 @@
 """An `experimental.custom_import` module: registers `qwen3 tiny_moe` (2 layers of 8 experts, top 2, dim 64)
-and `gpt_oss tiny` (the same cut of gpt-oss), small enough for multi-process tests of the MoE wiring."""
+and `gpt_oss tiny` (the same cut of gpt-oss), and `deepseek_v3 tiny_shared` (the same with a shared expert),
+small enough for multi-process tests of the MoE wiring."""
 
 from dataclasses import replace
 
-from titan_models import gpt_oss, qwen3
+from titan_models import deepseek_v3, gpt_oss, qwen3
 from titan_train.registry import register_flavor
 
 register_flavor(
@@ -37,5 +38,34 @@ register_flavor(
         moe_inter_dim=32,
         sliding_window_size=16,
         moe_args=gpt_oss.gpt_oss_moe_args(8),
+    ),
+)
+
+# DeepSeek-V3's layer with shared experts: 2 MoE layers of 8 routed experts (top 2) and one shared expert,
+# multi-head latent attention cut to dim 64; its expert bias moves as torchtitan's deepseek_v3 trainer moves it.
+# Tokens are weighted before the experts (Llama 4's routing, torchtitan's MoEArgs default), the routing under
+# which tensor parallelism splits the shared experts.
+register_flavor(
+    "deepseek_v3",
+    "tiny_shared",
+    replace(
+        deepseek_v3.DEEPSEEK_V3_FLAVORS["debugmodel"],
+        dim=64,
+        inter_dim=128,
+        moe_inter_dim=32,
+        n_layers=2,
+        n_dense_layers=0,
+        n_heads=4,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        moe_args=replace(
+            deepseek_v3.DEEPSEEK_V3_FLAVORS["debugmodel"].moe_args,
+            num_experts=8,
+            num_shared_experts=1,
+            top_k=2,
+            score_before_experts=True,
+        ),
     ),
 )

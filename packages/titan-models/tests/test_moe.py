@@ -178,13 +178,16 @@ def test_expert_bias_moves_towards_balance_once_per_step_and_counts_reset():
     assert load == pytest.approx((counts.max() / counts.mean()).item())
     seen = []
 
-    def reduce(t):  # stands in for a data-parallel all-reduce: another rank with the same counts
+    def reduce(t):  # stands in for a data-parallel all-reduce: another rank, its counts reversed and 3x ours
         seen.append(t.shape)
-        return t * 2
+        return t + 3 * t.flip(-1)
 
     update_expert_bias(moe, reduce=reduce)
     assert seen == [torch.Size([1, 8])]
-    delta = 0.01 * torch.sign(counts.mean() - counts)
+    summed = counts + 3 * counts.flip(0)
+    # The summed counts turn some expert's sign around, so a bias moved from this rank's counts shows.
+    assert not torch.equal(torch.sign(summed.mean() - summed), torch.sign(counts.mean() - counts))
+    delta = 0.01 * torch.sign(summed.mean() - summed)
     torch.testing.assert_close(moe.expert_bias, delta - delta.mean())
     assert moe.tokens_per_expert.sum() == 0
 

@@ -56,11 +56,12 @@ def test_tp_plan_forward_and_backward_equal_one_process(two_rank_results, case):
         "qwen3_dense_plain",
         "qwen3_dense_tied_sp_lp",
         "llama4_irope_sp",
+        "llama4_irope_plain",
     ],
 )
 def test_moe_family_tp_plans_forward_and_backward_equal_one_process(two_rank_results, case):
     """DeepSeek-V3 (latent attention, replicated latents), Qwen3 (QK norms split by head) and Llama 4
-    (iRoPE, chunked attention), with their MoE layers replicated on the tensor-parallel ranks."""
+    (iRoPE, chunked attention), with their MoE layers split as their routing allows (Llama 4: shared experts split over tp)."""
     r = two_rank_results[case]
     assert r["sharded_heads"], case
     assert r["init"] == 0.0  # initial weights do not depend on the layout

@@ -141,8 +141,8 @@ class Decoder(nn.Module):
         """Module FQN -> tensor-parallel style, as `parallelize_module(model, tp_mesh, plan)` takes it.
 
         Block FQNs use "*" for the block name. Under `loss_parallel` the logits stay a DTensor
-        sharded over the vocabulary (use `torch.distributed.tensor.parallel.loss_parallel`). MoE layers
-        are replicated (see `titan_models.moe.tensor_parallel_plan`).
+        sharded over the vocabulary (use `torch.distributed.tensor.parallel.loss_parallel`). MoE layers:
+        see `titan_models.moe.tensor_parallel_plan`.
         """
         # A tied embedding/output matrix is vocabulary-sharded alike by both styles (Shard(0)), so the
         # two modules can hold one sharded parameter: the TP step re-ties the copies parallelize_module
@@ -150,7 +150,12 @@ class Decoder(nn.Module):
         plan = decoder_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         plan |= self.attention_tp_entries()
         if self.moe_layers():
-            plan |= moe_tp_entries(sequence_parallel=sequence_parallel)
+            moe = self.args.moe_args
+            plan |= moe_tp_entries(
+                sequence_parallel=sequence_parallel,
+                split_shared_experts=moe.score_before_experts,
+                has_shared_experts=moe.num_shared_experts > 0,
+            )
         return plan
 
     def pipeline_units(self) -> list[str]:

@@ -123,6 +123,28 @@ def _splits_heads(attention: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) and isinstance(p.placements[0], Shard) for p in attention.parameters())
 
 
+class _ShareOfWhole(torch.autograd.Function):
+    """Forward: a replicated tensor's 1/n share of a sum over n ranks; backward: the whole gradient."""
+
+    @staticmethod
+    def forward(ctx, whole: torch.Tensor, n: int) -> torch.Tensor:
+        return whole / n
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _routed_output_as_partial_sum(model: torch.nn.Module, mesh) -> None:
+    """The routed experts stay whole here (titan-parallel splits them, and this package cannot import it);
+    where the plan declares the MoE output a partial sum over tp (`tp_output_whole` False), each rank's
+    whole routed output counts as its 1/tp share, as a split expert's output would: divided in forward,
+    its gradient the whole one on every rank."""
+    for module in model.modules():
+        if hasattr(module, "tp_output_whole") and not module.tp_output_whole:
+            module.experts.register_forward_hook(lambda _m, _i, out: _ShareOfWhole.apply(out, mesh.size()))
+
+
 def tp_case(cls, args, mesh, sequence_parallel: bool, loss_parallel_: bool) -> dict:
     ref = _reference(cls, args)
     with torch.device("meta"):
@@ -130,6 +152,7 @@ def tp_case(cls, args, mesh, sequence_parallel: bool, loss_parallel_: bool) -> d
     parallelize_module(
         model, mesh, model.tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel_)
     )
+    _routed_output_as_partial_sum(model, mesh)
     model.to_empty(device="cpu")
     model.init_weights(seed=SEED)
     init_diff = _max_diff(zip(model.parameters(), ref.parameters(), strict=True))
@@ -221,6 +244,8 @@ def main(out: str) -> None:
             Qwen3Model, replace(QWEN3_DENSE, tie_word_embeddings=True), mesh, True, True
         ),
         "llama4_irope_sp": tp_case(Llama4Model, LLAMA4_IROPE, mesh, True, False),
+        # Without sequence parallelism the MoE output (partial: split shared experts) is all-reduced.
+        "llama4_irope_plain": tp_case(Llama4Model, LLAMA4_IROPE, mesh, False, False),
     }
     if dist.get_rank() == 0:
         with open(out, "w") as f:

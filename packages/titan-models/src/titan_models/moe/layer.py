@@ -28,15 +28,15 @@ class MoE(nn.Module):
     only: not in eval mode (validation), not when activation checkpointing recomputes a forward.
     """
 
-    # Under tensor parallelism every tp rank computes the whole layer (the models' tp_plans keep its
-    # router and shared experts replicated) and needs the experts' outputs whole: weighting them by
-    # the router's scores after the experts would otherwise give the router a partial gradient.
-    # Read by titan-parallel's expert styles (see titan_parallel.protocols.HasMoELayers).
-    tp_output_whole = True
-
     def __init__(self, args: MoEArgs, dim: int, hidden_dim: int, experts: nn.Module | None = None):
         super().__init__()
         self.args = args
+        # Under tensor parallelism, weighting the experts' outputs by the router's scores after the
+        # experts needs those outputs whole on every tp rank (a partial sum would give the router a
+        # partial gradient); weighting the tokens before them leaves the output a partial sum, which the
+        # model's tp_plan reduce-scatters with the split shared experts' (moe/tensor_parallel_plan.py).
+        # Read by titan-parallel's expert styles (see titan_parallel.protocols.HasMoELayers).
+        self.tp_output_whole = not args.score_before_experts
         self.router = TokenChoiceRouter(dim, args)
         # A family whose experts compute another function (gpt-oss: biased, clamped SwiGLU) passes its
         # own module with the same forward contract (see `titan_models.moe.experts`).
