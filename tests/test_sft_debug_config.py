@@ -38,7 +38,8 @@ def sft_run(tmp_path_factory):
     """The debug SFT run's dump folder; its last step folder holds the Hugging Face export."""
     dump = tmp_path_factory.mktemp("debug_sft")
     flags = ["--job.dump_folder", str(dump), "--metrics.log_freq", "1", "--metrics.disable_color_printing"]
-    flags += ["--training.steps", str(STEPS)]  # 12 of the config's 20, for CI's time: the loss is near 1 by then
+    # 12 of the config's 20 steps, for CI's time: the loss is near 1 by then.
+    flags += ["--training.steps", str(STEPS)]
     export = ["--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.last_save_in_hf"]
     cmd = [sys.executable, "-m", "titan_train.cli", "--job.config_file", str(SFT_CONFIG), *flags, *export]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -50,7 +51,10 @@ def test_debug_sft_config_lowers_the_loss_on_assistant_tokens(sft_run):
     records = [json.loads(line) for line in (sft_run / "metrics.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in records}
     assert sorted(losses) == list(range(1, STEPS + 1))
-    first, last = sum(losses[s] for s in (1, 2, 3)) / 3, sum(losses[s] for s in range(STEPS - 2, STEPS + 1)) / 3
+    first, last = (
+        sum(losses[s] for s in (1, 2, 3)) / 3,
+        sum(losses[s] for s in range(STEPS - 2, STEPS + 1)) / 3,
+    )
     assert last < 0.5 * first, losses
 
 

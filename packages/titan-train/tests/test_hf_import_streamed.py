@@ -25,11 +25,7 @@ class _Counting:
 
     def from_hf(self, hf):
         self.real_bytes.append(
-            sum(
-                t.numel() * t.element_size()
-                for t in hf.values()
-                if not t.is_meta and t.ndim > 1
-            )
+            sum(t.numel() * t.element_size() for t in hf.values() if not t.is_meta and t.ndim > 1)
         )
         return self.adapter.from_hf(hf)
 
