@@ -72,7 +72,7 @@ def _command(dump: Path, hf: Path, base: Path, *more: str) -> list[str]:
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
 
 
 def _losses(dump: Path) -> dict[int, float]:
