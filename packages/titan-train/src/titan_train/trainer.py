@@ -91,8 +91,6 @@ class Trainer:
             keep_freed_host_memory()  # activations live in host memory: no page faults every step
         seed = 0 if config.debug.seed is None else config.debug.seed
         torch.manual_seed(seed)
-        self.seed = seed
-        self.step_seeded = lora_enabled(config) and config.lora.dropout > 0
         if config.debug.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=config.debug.deterministic_warn_only)
 
@@ -394,10 +392,6 @@ class Trainer:
                 self.guard.begin_step(self.state.step + 1)
                 with stop_on_data_outage(self.state.step, self.checkpointer, self.loader):
                     fetch_seconds = batches.fetch()
-                    if self.step_seeded:  # LoRA dropout draws depend on the step alone: a resume repeats them
-                        torch.manual_seed(
-                            self.seed * 1_000_003 + (self.state.step + 1) * 4_099 + self.info.rank
-                        )
                     step = self.train_step(batches)
                 self.state.step += 1
                 self.state.tokens_seen += step.tokens * self.dims.dp_degree
