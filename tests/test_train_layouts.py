@@ -26,7 +26,8 @@ Shared experts: a DeepSeek-V3 layer cut the same way with one shared expert and 
 (32 s in the 2-rank launch and 4 s in the 1-rank one, loaded machine).
 
 LoRA (all-linear, rank 4, the base frozen) under FSDP 2, PP 2 (1F1B) and compile against LoRA in one process:
-loss within 2.4e-7 relative, grad_norm 6.3e-8, weights 2.2e-6 (2026-11-27); TP 2 is refused at start.
+loss within 2.4e-7 relative, grad_norm 6.3e-8, weights 2.2e-6 (2026-11-27); under TP 2 (adapters split beside
+their layers): loss 1.2e-7, grad_norm 1.2e-7.
 
 Chat rows (the bundled conversations packed into rows of 128, loss on assistant turns) under FSDP 2, FSDP 2
 with 2 accumulated micro-batches, TP 2 and PP 2 (1F1B) against one process: loss within 3.3e-7 relative,
@@ -505,7 +506,22 @@ LAYOUTS = {
     "lora_compile": Layout(
         1, (*LORA, "--compile.enable"), {"compiled_blocks": 2}, reference="one_process_lora"
     ),
-    "lora_tp": Layout(2, (*LORA, TP, "2"), refused="Titan does not split adapters by tensor parallelism yet"),
+    # Adapters follow the split of their layer: colwise wq -> A replicated, B rows split; rowwise wo -> A columns
+    # split, B replicated. FSDP over the tp split (4 ranks) shards them along dp_shard too.
+    "lora_tp": Layout(
+        2,
+        (*LORA, TP, "2"),
+        {
+            "degrees": {"tp": 2},
+            "lora_placements": {
+                "wq.lora_A": ["R"],
+                "wq.lora_B": ["S(0)"],
+                "wo.lora_A": ["S(1)"],
+                "wo.lora_B": ["R"],
+            },
+        },
+        reference="one_process_lora",
+    ),
     # Packed chat rows against one process on the same rows: positions and document masks through FSDP, TP
     # (vocabulary-sharded loss), gradient accumulation and pipeline stages; context parallelism is refused.
     "one_process_chat": Layout(1, CHAT, {"degrees": {}}, reference="one_process_chat"),

@@ -122,7 +122,20 @@ def facts(trainer: Trainer) -> dict:
         "loader_workers": trainer.loader.num_workers,
         "experts": expert_facts(trainer),
         "shared_experts": shared_expert_facts(trainer),
+        "lora_placements": lora_facts(blocks[0]),
     }
+
+
+def lora_facts(block) -> dict | None:
+    """How the first block's query and output projections' LoRA adapters are split (None: not DTensors)."""
+    adapters = {
+        f"{name}.{side}": getattr(getattr(linear, side, None), "weight", None)
+        for name, linear in (("wq", block.attention.wq), ("wo", block.attention.wo))
+        for side in ("lora_A", "lora_B")
+    }
+    if not any(isinstance(w, DTensor) for w in adapters.values()):
+        return None
+    return {key: [str(p) for p in w.placements] for key, w in adapters.items() if isinstance(w, DTensor)}
 
 
 def expert_facts(trainer: Trainer) -> dict | None:

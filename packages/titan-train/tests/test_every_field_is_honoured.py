@@ -1026,6 +1026,10 @@ PROBES: dict[str, Probe] = {
     "lora.dropout": Probe(("--lora.dropout", "0.1"), options("lora.dropout"), base=LORA),
     "lora.target_modules": Probe(("--lora.target_modules", "o_proj"), options("lora.targets"), base=LORA),
     "lora.train_embeddings": Probe(("--lora.train_embeddings",), options("lora.trainable"), base=LORA),
+    # step-1 holds the whole model (no frozen_base.json) once adapter-only saves are off
+    "lora.save_adapter_only": Probe(
+        ("--lora.save_adapter_only", "false"), files, base=(*LORA, *CKPT), train=True
+    ),
     "health.on_nonfinite": Probe(
         ("--health.on_nonfinite", "skip"), status_and_metrics, base=DRILL, train=True
     ),

@@ -3,6 +3,7 @@
 from titan_ckpt.async_save import ASYNC_MODES, SaveTiming
 from titan_ckpt.checkpointer import Checkpointer
 from titan_ckpt.errors import CheckpointError
+from titan_ckpt.frozen_base import FrozenBase
 from titan_ckpt.hf_safetensors import TITAN_ONLY_PREFIX, HFStateDictAdapter
 from titan_ckpt.load_source import LoadResult
 from titan_ckpt.policies import EXPORT_DTYPES, LastSavePolicy, LoadPolicy, SavePolicy
@@ -12,6 +13,7 @@ from titan_ckpt.step_folders import complete_steps
 __all__ = [
     "ASYNC_MODES",
     "EXPORT_DTYPES",
+    "FrozenBase",
     "CheckpointError",
     "Checkpointer",
     "HFStateDictAdapter",

@@ -10,6 +10,9 @@ export that `last_save_model_only` asks for is written beside the full state in 
 published with it in one rename: Hugging Face files (`last_save_in_hf`) next to the DCP files, where
 torchtitan's users and `from_pretrained` look for them, or a model-only DCP checkpoint in
 `export_dtype` in `step-N/model_only`.
+
+A run with a `FrozenBase` (a LoRA run's base) leaves those weights out of its periodic saves and
+reads them from where they came from on resume (`titan_ckpt.frozen_base`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from titan_ckpt.async_save import (
 )
 from titan_ckpt.collectives import barrier, decide_on_rank0, group_rank, raise_on_every_rank
 from titan_ckpt.errors import CheckpointError
+from titan_ckpt.frozen_base import FrozenBase, base_source, holds_frozen_base, write_record
 from titan_ckpt.hf_export import write_hf_export
 from titan_ckpt.hf_import import load_hf_weights
 from titan_ckpt.hf_safetensors import HFStateDictAdapter
@@ -92,6 +96,7 @@ class Checkpointer:
         loading: LoadPolicy | None = None,
         last_save: LastSavePolicy | None = None,
         hf_adapter: HFStateDictAdapter | None = None,
+        frozen_base: FrozenBase | None = None,
         process_group: dist.ProcessGroup | None = None,
     ):
         saving, loading, last_save = (
@@ -122,6 +127,7 @@ class Checkpointer:
         self.states = dict(states)
         self.saving, self.loading, self.last_save = saving, loading, last_save
         self.hf_adapter = hf_adapter
+        self.frozen_base = frozen_base
         self.timings: list[SaveTiming] = []
         # A gloo group of our own: async writes run collectives from a background thread, which must
         # not interleave with training's collectives, and DCP's async path needs a CPU backend.
@@ -155,16 +161,20 @@ class Checkpointer:
             remove_partial_folders(self.folder)
         barrier(self._group)
         wanted = [name for name in self.states if name not in self.loading.exclude_from_loading]
-        return decide_on_rank0(
-            lambda: choose_source(
+
+        def decide() -> LoadResult:
+            result = choose_source(
                 self.folder,
                 wanted,
                 self._present_states,
                 load_step=self.loading.load_step,
                 initial=self.loading.initial,
-            ),
-            self._group,
-        )
+            )
+            if result.kind != "initial" and result.path is not None:
+                base_source(result.path, self.frozen_base)  # refuses a base that cannot be found
+            return result
+
+        return decide_on_rank0(decide, self._group)
 
     def saved_keys(self, path: Path) -> set[str]:
         """The flattened keys a DCP checkpoint folder holds (`optimizer.state.<fqn>.exp_avg`, ...)."""
@@ -186,8 +196,27 @@ class Checkpointer:
                 result.path, quantized=result.kind == "initial" and self.loading.initial_load_in_hf_quantized
             )
         else:
+            if result.kind != "initial" and MODEL in result.states:
+                self._load_frozen_base(result.path)
             self._load_dcp(result.path, result.states)
         return result
+
+    def _load_frozen_base(self, step: Path) -> None:
+        """Read the frozen base of a trainable-only checkpoint from its source (nothing for a checkpoint that
+        holds the whole model, or for a base that is the run's own initialisation, already in place)."""
+        source = base_source(step, self.frozen_base)
+        if source is None or source.initial is None:
+            return
+        path = Path(source.initial.path)
+        if self._rank() == 0:
+            logger.info(
+                "checkpoint: %s holds the trained weights only; reading the frozen base from %s", step, path
+            )
+        if source.initial.in_hf:
+            self._load_hf(path, quantized=source.quantized)
+        else:
+            frozen = self.frozen_base.keys if self.frozen_base is not None else None
+            self._load_dcp(path, (MODEL,), model_keys=frozen)
 
     def _present_states(self, path: Path) -> set[str]:
         keys = saved_keys(read_metadata(path))
@@ -244,9 +273,17 @@ class Checkpointer:
                         )
         return renamed
 
-    def _load_dcp(self, path: Path, names: Iterable[str]) -> None:
+    def _load_dcp(self, path: Path, names: Iterable[str], model_keys: Iterable[str] | None = None) -> None:
+        """Load `names` from the DCP checkpoint in `path`; of the model, only `model_keys` where given, and
+        only what it holds where it is a trainable-only checkpoint."""
         names = list(names)
         state = self._state_dicts(names)
+        if model_keys is not None:
+            keep = set(model_keys)
+            state = {k: v for k, v in state.items() if k in keep or (k in names and k != MODEL)}
+        elif MODEL in names and not holds_frozen_base(path):
+            saved = self.saved_keys(path)
+            state = {k: v for k, v in state.items() if k in saved or (k in names and k != MODEL)}
         renamed: list[tuple[str, str, str]] = []
         try:
             metadata = read_metadata(path)
@@ -327,6 +364,13 @@ class Checkpointer:
             state = {k: cast(v) for k, v in self.states[MODEL].state_dict().items()}
         else:
             state = self._state_dicts(self.states)
+            frozen = self.frozen_base
+            if frozen is not None and frozen.trainable_only_saves:
+                state = {k: v for k, v in state.items() if k not in frozen.keys}
+                if self._rank() == 0:
+                    write_record(
+                        partial, frozen, self.loading.initial, self.loading.initial_load_in_hf_quantized
+                    )
         if self._stager is None or wait or model_only:
             self._dcp_save(state, partial)
             elapsed = time.perf_counter() - started

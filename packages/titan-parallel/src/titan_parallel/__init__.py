@@ -43,6 +43,7 @@ from titan_parallel.protocols import (
     ParallelizableModel,
     TrainableModel,
 )
+from titan_parallel.qlora import quantize_base_to_nf4, stored_bytes
 from titan_parallel.tensor_parallel import TensorParallelOptions, apply_tp, loss_parallel_ctx
 
 __all__ = [
@@ -96,6 +97,8 @@ __all__ = [
     "loss_parallel_ctx",
     "moe_layers_of",
     "parallelize",
+    "quantize_base_to_nf4",
+    "stored_bytes",
     "pipeline_stages",
     "precompute_float8_scales",
     "sum_tokens_per_expert",

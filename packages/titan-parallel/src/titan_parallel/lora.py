@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from titan_parallel.errors import ParallelConfigError
 
@@ -94,13 +94,40 @@ def check_targets(model: nn.Module, targets: Iterable[str]) -> None:
 
 
 def _add_adapter(module: nn.Linear, hook: _AdapterHook) -> None:
-    """Give `module` its lora_A and lora_B (on the device and dtype of its weight) and the forward hook."""
+    """Give `module` its lora_A and lora_B (on the device and dtype of its weight) and the forward hook.
+
+    A layer split by tensor parallelism (its weight a DTensor) gets adapters split to match, so that the
+    adapter's output is laid out like the layer's own before its output is redistributed: a colwise layer
+    (weight Shard(0): output columns split) gets `A` replicated and `B` Shard(0); a rowwise one (weight
+    Shard(1): input columns split, output a partial sum) gets `A` Shard(1) and `B` replicated. The hook
+    runs before the layer's tensor-parallel output hook (it is put first)."""
     weight = module.weight
     factory = {"device": weight.device, "dtype": weight.dtype}
     module.lora_A = nn.Linear(module.in_features, hook.rank, bias=False, **factory)
     module.lora_B = nn.Linear(hook.rank, module.out_features, bias=False, **factory)
     module.lora_dropout = nn.Dropout(hook.dropout) if hook.dropout else nn.Identity()
-    module.register_forward_hook(hook)
+    if isinstance(weight, DTensor):
+        a, b = _adapter_placements(weight)
+        for child, placements in ((module.lora_A, a), (module.lora_B, b)):
+            child.weight = nn.Parameter(distribute_tensor(child.weight.data, weight.device_mesh, placements))
+    module.register_forward_hook(hook, prepend=True)
+
+
+def _adapter_placements(weight: DTensor) -> tuple[list, list]:
+    """The placements of `lora_A` and `lora_B` beside a tensor-parallel weight (see `_add_adapter`)."""
+    if weight.device_mesh.ndim != 1:
+        raise ParallelConfigError(
+            f"lora: an adapted layer's weight is split over a {weight.device_mesh.ndim}-d mesh before LoRA; "
+            "adapters follow tensor parallelism alone"
+        )
+    placement = weight.placements[0]
+    if placement == Shard(0):
+        return [Replicate()], [Shard(0)]
+    if placement == Shard(1):
+        return [Shard(1)], [Replicate()]
+    if placement == Replicate():
+        return [Replicate()], [Replicate()]
+    raise ParallelConfigError(f"lora: cannot place adapters beside a weight split as {weight.placements}")
 
 
 class _AdapterHook:

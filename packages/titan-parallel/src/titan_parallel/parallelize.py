@@ -22,10 +22,11 @@ logger = logging.getLogger(__name__)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions | None = None) -> nn.Module:
-    """Apply float8 or MX -> LoRA -> TP/SP -> EP -> activation checkpointing -> compile -> FSDP/HSDP or DDP, in place.
+    """Apply float8 or MX -> TP/SP -> LoRA -> EP -> activation checkpointing -> compile -> FSDP/HSDP or DDP, in place.
 
     The order matters: float8 swaps linear layers before LoRA adapts them and before they are split (with tensorwise float8, the
-    model's plain TP styles become torchao's float8 ones for those layers); TP turns parameters into
+    model's plain TP styles become torchao's float8 ones for those layers); LoRA's adapters follow the TP split of the
+    layers they sit beside (`titan_parallel.lora`); TP turns parameters into
     DTensors that FSDP then shards along a second mesh dim; expert parallelism (for a model with
     `moe_layers()`) splits the experts after the model's tp_plan prepared the MoE layers around
     them, and with ep > 1 the experts become FSDP units of their own over the expert mesh;
@@ -38,13 +39,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
     for conversion in (options.float8, options.mx):
         if conversion is not None:
             conversion.convert(model, dims.mesh.device_type)
-    if options.lora is not None:
-        if dims.tp > 1:
-            raise ParallelConfigError(
-                f"parallelism: LoRA adapters are not split by tensor parallelism yet (tp = {dims.tp}); "
-                "use FSDP (dp_shard) or pipeline parallelism for LoRA runs"
-            )
-        options.lora.convert(model)
     tp_mesh = dims.submesh("tp")
     if tp_mesh is not None:
         tp = options.tensor_parallel
@@ -52,6 +46,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, options: ParallelOptions |
         if options.float8 is not None and options.float8.recipe == "tensorwise":
             plan = float8_tp_plan(model, plan)  # float8 all-gathers for the float8 linears
         apply_tp(model, tp_mesh, plan, async_tp=tp.async_tp, compile_enabled=options.compile.enabled)
+    if options.lora is not None:  # after TP: the adapters are placed beside the split weights
+        options.lora.convert(model)
     experts = apply_expert_parallel(model, dims)
     expert_units = experts if dims.ep > 1 else {}
     options.activation_checkpoint.apply(model, blocks)

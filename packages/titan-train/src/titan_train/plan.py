@@ -156,11 +156,6 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     problems.extend(_context_parallel_problems(config, dims, args))
     problems.extend(moe_torch_problems(config, dims, bool(moe_layers_of(model)), torch.__version__))
     problems.extend(lora_target_problems(config, model))
-    if options.lora is not None and dims.tp > 1:
-        problems.append(
-            f"config: model.converters has lora and parallelism.tensor_parallel_degree = {dims.tp}: Titan does not "
-            "split adapters by tensor parallelism yet; use data_parallel_shard_degree or pipeline parallelism"
-        )
     if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
         try:
             pipeline_stages(model.pipeline_units(), list(blocks_of(model)), dims.pp, options.pipeline)

@@ -30,3 +30,10 @@ class LoRA:
         "(Titan) Train the token embedding and the output head in full beside the adapters (they stay "
         "frozen otherwise); the PEFT export saves them as modules_to_save",
     )
+    save_adapter_only: bool = opt(
+        True,
+        "(Titan) Periodic checkpoints hold the trained weights (adapters), their optimizer state and the run's "
+        "state, not the frozen base: a resume reads the base again from checkpoint.initial_load_path (or "
+        "rebuilds the same initialisation), and is refused if it is gone; the last save holds the whole model "
+        "(torchtitan's name)",
+    )

@@ -12,13 +12,22 @@ are said in the log.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from titan_ckpt import Checkpointer, HFStateDictAdapter, LastSavePolicy, LoadPolicy, LoadResult, SavePolicy
+from titan_ckpt import (
+    Checkpointer,
+    FrozenBase,
+    HFStateDictAdapter,
+    LastSavePolicy,
+    LoadPolicy,
+    LoadResult,
+    SavePolicy,
+)
 from titan_train.config.schema import JobConfig
 from titan_train.plan import RunPlan
 from titan_train.registry import ModelFamily
@@ -98,7 +107,31 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
             hf_lossy=c.hf_export_lossy,
         ),
         hf_adapter=hf_adapter,
+        frozen_base=_frozen_base(plan, states) if lora_enabled(config) else None,
     )
+
+
+def _frozen_base(plan: RunPlan, states: dict[str, Any]) -> FrozenBase:
+    """A LoRA run's frozen weights (by state-dict name) and what builds them without an initial load: the
+    model's arguments, dtype and initialisation seed."""
+    config = plan.config
+    frozen: set[str] = set()
+    for part in states["model"].model_parts:
+        frozen.update(_state_dict_name(n) for n, p in part.named_parameters() if not p.requires_grad)
+    seed = 0 if config.debug.seed is None else config.debug.seed  # the trainer's
+    digest = hashlib.sha256(repr((plan.model_args, config.training.dtype)).encode()).hexdigest()[:12]
+    origin = (
+        f"{config.model.name} {config.model.flavor} initialised with seed {seed} (model arguments {digest})"
+    )
+    return FrozenBase(frozenset(frozen), origin, trainable_only_saves=config.lora.save_adapter_only)
+
+
+def _state_dict_name(name: str) -> str:
+    """A parameter's name as the model's state dict spells it, without the wrappers that activation
+    checkpointing, compile and FSDP insert."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
 
 
 def _with_adapters(base: HFStateDictAdapter, plan: RunPlan, states: dict[str, Any]) -> HFStateDictAdapter:

@@ -1,0 +1,59 @@
+"""QLoRA's frozen base: the weights of the adapted linear layers stored in 4-bit NormalFloat (NF4).
+
+An adapted layer's weight never trains, so it can be kept in torchao's `NF4Tensor`: 4 bits a value plus
+one 8-bit scale per `block_size` values and one float32 scale per `scaler_block_size` of those (about
+0.52 bytes a parameter with torchao's defaults). Its matmul dequantises to the original dtype on the fly;
+the adapters stay in that dtype and train as in LoRA. Call it once the base holds its final values (after
+the initial load): quantisation is lossy and one-way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titan_parallel.errors import ParallelConfigError
+from titan_parallel.lora import adapter_names
+
+logger = logging.getLogger(__name__)
+
+NF4_BLOCK_SIZE = 64
+
+
+def quantize_base_to_nf4(model: nn.Module, scaler_block_size: int = 256) -> int:
+    """Replace the weight of every LoRA-adapted linear of `model` by its NF4 copy (frozen); return how many.
+
+    Refuses a weight split across ranks (NF4 here works on whole, unsharded tensors) and a weight whose
+    size NF4's blocks do not divide, naming the layer."""
+    from torchao.quantization import to_nf4  # torchao is heavy to import; only QLoRA runs need it
+
+    modules = dict(model.named_modules())
+    adapted = {name: modules[name] for name in adapter_names(model)}
+    for name, module in adapted.items():
+        weight = module.weight
+        if isinstance(weight, DTensor):
+            raise ParallelConfigError(
+                f"qlora: {name}.weight is split across ranks ({weight.placements}); an NF4 base needs whole weights "
+                "(one process, no FSDP or tensor parallelism)"
+            )
+        if weight.numel() % (NF4_BLOCK_SIZE * scaler_block_size):
+            raise ParallelConfigError(
+                f"qlora: {name}.weight has {weight.numel()} values, not a multiple of {NF4_BLOCK_SIZE} x "
+                f"nf4_scaler_block_size ({scaler_block_size}); choose a smaller nf4_scaler_block_size"
+            )
+        module.weight = nn.Parameter(
+            to_nf4(weight.detach(), NF4_BLOCK_SIZE, scaler_block_size), requires_grad=False
+        )
+    logger.info("qlora: %d adapted linear layers hold their frozen weight in NF4", len(adapted))
+    return len(adapted)
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """The bytes a tensor holds, counting the inner tensors of a tensor subclass (NF4's codes and scales)."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(stored_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()

@@ -1,0 +1,152 @@
+"""Adapter-only checkpoints of a LoRA run over a base imported from Hugging Face files: periodic saves hold
+the adapters, their optimizer state and the run's state, not the base; a run killed with SIGKILL resumes
+from one (the base read again from its Hugging Face files) with the losses of an uninterrupted run; a
+resume whose base is gone is refused at start in one line."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from test_lora import FAMILIES, _save_hf_model
+from torch.distributed.checkpoint import FileSystemReader
+
+from titan_ckpt.frozen_base import FROZEN_BASE_FILE
+
+REPO = Path(__file__).resolve().parents[3]
+STEPS = 6
+
+
+def _command(dump: Path, hf: Path, base: Path, *more: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "titan_train.cli",
+        "--job.dump_folder",
+        str(dump),
+        "--model.name",
+        "llama3",
+        "--model.flavor",
+        "from_hf",
+        "--model.hf_assets_path",
+        str(hf),
+        "--model.converters",
+        "lora",
+        "--lora.rank",
+        "4",
+        "--lora.target_modules",
+        "all-linear",
+        "--lora.dropout",
+        "0.0",  # with dropout, a resume draws other masks: the random state is not checkpointed
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path",
+        str(base),
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--training.steps",
+        str(STEPS),
+        "--activation_checkpoint.mode",
+        "none",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--metrics.disable_color_printing",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--optimizer.lr",
+        "3e-3",
+        *more,
+    ]
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
+
+
+def _losses(dump: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in records}
+
+
+def _bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def test_adapter_only_checkpoints_resume_after_sigkill_with_the_uninterrupted_losses(tmp_path):
+    hf, base = tmp_path / "hf", tmp_path / "base"
+    _save_hf_model(hf, FAMILIES["llama3"]())
+    shutil.copytree(hf, base)
+
+    whole = tmp_path / "uninterrupted"
+    done = _run(_command(whole, hf, base))
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = _losses(whole)
+    assert sorted(expected) == list(range(1, STEPS + 1))
+
+    # Periodic saves hold no base weight; the last save holds the whole model.
+    step2 = whole / "checkpoint" / "step-2"
+    record = json.loads((step2 / FROZEN_BASE_FILE).read_text())
+    assert record["initial_load_path"] == str(base.resolve()) and record["initial_load_in_hf"]
+    keys = set(FileSystemReader(str(step2)).read_metadata().state_dict_metadata)
+    model_keys = {
+        k
+        for k in keys
+        if k.split(".", 1)[0] not in ("optimizer", "lr_scheduler", "dataloader", "train_state")
+    }
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
+    assert {
+        k.split(".state.", 1)[1].rsplit(".", 1)[0] for k in keys if k.startswith("optimizer.state.")
+    } == model_keys
+    last = whole / "checkpoint" / f"step-{STEPS}"
+    assert not (last / FROZEN_BASE_FILE).exists()
+    assert "layers.0.attention.wq.weight" in FileSystemReader(str(last)).read_metadata().state_dict_metadata
+    assert _bytes(step2) < 0.1 * _bytes(last)
+
+    # SIGKILL after step 5 (the fault drill kills the process itself): step-4 is the newest checkpoint.
+    killed = tmp_path / "killed"
+    crash = _run(_command(killed, hf, base, "--health.drill", "kill", "--health.drill_step", "5"))
+    assert crash.returncode == -9, crash.stderr[-3000:]
+    assert max(_losses(killed)) == 5
+    resumed = _run(_command(killed, hf, base))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = resumed.stdout + resumed.stderr
+    assert "resuming from step-4" in log
+    assert f"reading the frozen base from {base.resolve()}" in log
+    got = _losses(killed)
+    assert [got[s] for s in range(1, STEPS + 1)] == [expected[s] for s in range(1, STEPS + 1)]
+
+    # The base after the resumed run is the imported one, bit for bit (only adapters moved).
+    from safetensors.torch import load_file
+
+    merged_base = load_file(next(base.glob("*.safetensors")))
+    saved = FileSystemReader(str(killed / "checkpoint" / f"step-{STEPS}"))
+    names = [k for k in saved.read_metadata().state_dict_metadata if k == "layers.1.feed_forward.w2.weight"]
+    state = {n: torch.empty(merged_base["model.layers.1.mlp.down_proj.weight"].shape) for n in names}
+    torch.distributed.checkpoint.load(
+        state, checkpoint_id=str(killed / "checkpoint" / f"step-{STEPS}"), no_dist=True
+    )
+    assert torch.equal(
+        state["layers.1.feed_forward.w2.weight"], merged_base["model.layers.1.mlp.down_proj.weight"]
+    )
+
+    # A resume whose base is gone stops at start, in one line (the run itself now loads from hf_assets_path:
+    # the checkpoint names the folder its base came from).
+    shutil.rmtree(killed / "checkpoint" / f"step-{STEPS}")
+    shutil.rmtree(base)
+    refused = _run(_command(killed, hf, base, "--checkpoint.initial_load_path", ""))
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    errors = [line for line in (refused.stdout + refused.stderr).splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "step-4 holds the trained weights only" in errors[0], errors
+    assert f"frozen base comes from {base.resolve()}" in errors[0] and "does not exist" in errors[0]
