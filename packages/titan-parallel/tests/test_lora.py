@@ -134,9 +134,10 @@ class Wide(nn.Module):
 
 
 def test_qlora_stores_the_base_in_nf4_at_half_a_byte_and_trains_only_the_adapters():
-    from torchao.quantization import to_nf4
-
     from titan_parallel import quantize_base_to_nf4, stored_bytes
+    from titan_parallel.qlora import nf4_quantizer
+
+    to_nf4 = nf4_quantizer()
 
     torch.manual_seed(0)
     model = Wide()

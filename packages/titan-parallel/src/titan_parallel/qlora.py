@@ -23,12 +23,22 @@ logger = logging.getLogger(__name__)
 NF4_BLOCK_SIZE = 64
 
 
+def nf4_quantizer():
+    """torchao's `to_nf4` (imported late: torchao is heavy, only QLoRA runs need it). torchao 0.18+ exports
+    it from `torchao.quantization`; the floor, 0.17, only from `torchao.dtypes.nf4tensor`."""
+    try:
+        from torchao.quantization import to_nf4
+    except ImportError:
+        from torchao.dtypes.nf4tensor import to_nf4
+    return to_nf4
+
+
 def quantize_base_to_nf4(model: nn.Module, scaler_block_size: int = 256) -> int:
     """Replace the weight of every LoRA-adapted linear of `model` by its NF4 copy (frozen); return how many.
 
     Refuses a weight split across ranks (NF4 here works on whole, unsharded tensors) and a weight whose
     size NF4's blocks do not divide, naming the layer."""
-    from torchao.quantization import to_nf4  # torchao is heavy to import; only QLoRA runs need it
+    to_nf4 = nf4_quantizer()
 
     modules = dict(model.named_modules())
     adapted = {name: modules[name] for name in adapter_names(model)}
