@@ -33,22 +33,28 @@ def _moe(seed: int = 0, **kw) -> MoE:
     return moe
 
 
+def _choose(moe: MoE, token: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's expert scores, and the top-k experts picked with `bias` (groups limited first)."""
+    a = moe.args
+    logits = moe.router.gate.weight @ token
+    scores = torch.sigmoid(logits) if a.score_func == "sigmoid" else torch.softmax(logits, dim=0)
+    choice = scores + (bias if bias is not None else 0)
+    if a.num_expert_groups:
+        groups = choice.view(a.num_expert_groups, -1)
+        best = groups.topk(2, dim=1).values.sum(1).topk(a.num_limited_groups).indices
+        masked = torch.full_like(groups, float("-inf"))
+        masked[best] = groups[best]
+        choice = masked.view(-1)
+    return scores, choice.topk(a.top_k).indices
+
+
 def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """Token by token: score every expert, pick top-k (with the bias), run each chosen expert alone."""
     a = moe.args
     out = torch.zeros_like(x.reshape(-1, DIM))
     w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
     for t, token in enumerate(x.reshape(-1, DIM)):
-        logits = moe.router.gate.weight @ token
-        scores = torch.sigmoid(logits) if a.score_func == "sigmoid" else torch.softmax(logits, dim=0)
-        choice = scores + (moe.expert_bias if moe.expert_bias is not None else 0)
-        if a.num_expert_groups:
-            groups = choice.view(a.num_expert_groups, -1)
-            best = groups.topk(2, dim=1).values.sum(1).topk(a.num_limited_groups).indices
-            masked = torch.full_like(groups, float("-inf"))
-            masked[best] = groups[best]
-            choice = masked.view(-1)
-        chosen = choice.topk(a.top_k).indices
+        scores, chosen = _choose(moe, token, moe.expert_bias)
         w = scores[chosen]
         if a.route_norm:
             w = w / w.sum()
@@ -190,6 +196,25 @@ def test_expert_bias_moves_towards_balance_once_per_step_and_counts_reset():
     delta = 0.01 * torch.sign(summed.mean() - summed)
     torch.testing.assert_close(moe.expert_bias, delta - delta.mean())
     assert moe.tokens_per_expert.sum() == 0
+
+
+@pytest.mark.parametrize("groups", [None, 4])
+def test_the_bias_effect_counts_the_tokens_whose_experts_the_bias_changes(groups):
+    grouping = {"num_expert_groups": groups, "num_limited_groups": 2} if groups else {}
+    moe = _moe(load_balance_coeff=0.01, **grouping)
+    x = torch.randn(2, 32, DIM, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(2)) * 0.3)
+    moe(x)
+    assert moe.bias_effect is None  # not measured unless a run asks
+    moe.measure_bias_effect = True
+    moe(x)
+    changed, total = moe.bias_effect
+    expected = sum(
+        set(_choose(moe, t, moe.expert_bias)[1].tolist()) != set(_choose(moe, t, None)[1].tolist())
+        for t in x.reshape(-1, DIM)
+    )
+    assert 0 < expected < 64 and (int(changed), total) == (expected, 64)
 
 
 def test_expert_bias_evens_out_a_skewed_router():

@@ -15,7 +15,7 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +155,7 @@ def write_hf_export(
     owners = assign_owners(specs)
     owned = _gather_owned(state, owners, rank)
     unheld = {k: v for k, v in owned.items() if k.endswith(tuple(getattr(adapter, "hf_unheld_state", ())))}
-    _refuse_unheld_state(unheld, lossy, group)
+    _refuse_unheld_state(unheld, lossy, group, getattr(adapter, "hf_unheld_effect", None))
     keep = tuple(getattr(adapter, "hf_keep_dtype", ()))
     problem, mine = None, {}
     try:
@@ -201,10 +201,15 @@ def write_hf_export(
 
 
 def _refuse_unheld_state(
-    unheld: dict[str, torch.Tensor], lossy: bool, group: dist.ProcessGroup | None
+    unheld: dict[str, torch.Tensor],
+    lossy: bool,
+    group: dist.ProcessGroup | None,
+    effect: Callable[[], tuple[int, int] | None] | None = None,
 ) -> None:
-    """Stop the export (every rank) where state the format cannot hold is not zero, naming the layers
-    and the largest value; with `lossy`, say it once and go on."""
+    """Stop the export (every rank) where state the format cannot hold is not zero, naming the layers,
+    the largest value and, where the adapter's `hf_unheld_effect` measured it on the last training batch,
+    the share of routings it changes; with `lossy`, say it once and go on."""
+    measured = _all_gather(effect() if effect is not None else None, group)
     found = {}
     for ranks in _all_gather({k: v.abs().max().item() for k, v in unheld.items() if v.numel()}, group):
         found |= {k: x for k, x in ranks.items() if x > 0}
@@ -220,6 +225,12 @@ def _refuse_unheld_state(
         f"checkpoint: the Hugging Face format cannot hold the trained {what} (largest |value| "
         f"{max(found.values()):.3g}, where zero is neutral): the exported model routes tokens to other experts"
     )
+    counts = [m for m in measured if m is not None]
+    if counts and sum(t for _, t in counts):
+        changed, total = sum(c for c, _ in counts), sum(t for _, t in counts)
+        line += (
+            f" ({100 * changed / total:.1f}% of the last training batch's token routings pick other experts)"
+        )
     if lossy:
         if group_rank(group) == 0:
             logger.warning("%s; exported anyway (Titan keeps it under '%s' keys)", line, TITAN_ONLY_PREFIX)

@@ -35,6 +35,17 @@ class TokenChoiceRouter(nn.Module):
         dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
         return grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view_as(scores)
 
+    def _top_k(self, choice: torch.Tensor) -> torch.Tensor:
+        if self.args.num_expert_groups is not None:
+            choice = self._limit_groups(choice)
+        return choice.topk(self.args.top_k, dim=-1, sorted=False).indices
+
+    def changed_by_bias(self, scores: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """How many tokens' chosen experts (`idx`, picked with the bias) differ from those the unbiased
+        `scores` pick: what a model without the bias would route elsewhere."""
+        unbiased = self._top_k(scores)
+        return (unbiased.sort(dim=-1).values != idx.sort(dim=-1).values).any(dim=-1).sum()
+
     def forward(
         self, x: torch.Tensor, expert_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,10 +57,7 @@ class TokenChoiceRouter(nn.Module):
             tokens = scores.shape[0]
             idx = torch.arange(tokens * a.top_k, device=x.device).view(tokens, a.top_k) % a.num_experts
         else:
-            choice = scores if expert_bias is None else scores + expert_bias
-            if a.num_expert_groups is not None:
-                choice = self._limit_groups(choice)
-            idx = choice.topk(a.top_k, dim=-1, sorted=False).indices
+            idx = self._top_k(scores if expert_bias is None else scores + expert_bias)
         weights = scores.gather(1, idx)
         if a.route_norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

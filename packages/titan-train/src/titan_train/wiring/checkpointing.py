@@ -80,6 +80,8 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
     hf_adapter, hf_files = _hf_export(plan, model_args)
     if hf_adapter is not None and lora_enabled(config):
         hf_adapter = _with_adapters(hf_adapter, plan, states)
+    if hf_adapter is not None and c.last_save_in_hf and getattr(hf_adapter, "hf_unheld_state", ()):
+        _measure_unheld_effect(hf_adapter, states["model"].model_parts)
     return Checkpointer(
         Path(config.job.dump_folder) / c.folder,
         states,
@@ -109,6 +111,25 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
         hf_adapter=hf_adapter,
         frozen_base=_frozen_base(plan, states) if lora_enabled(config) else None,
     )
+
+
+def _measure_unheld_effect(adapter: HFStateDictAdapter, model_parts: list) -> None:
+    """Have the MoE layers count, on each training batch, the tokens whose experts the expert bias
+    changes, and the adapter report the last batch's count: the export's warning (or refusal) then says
+    how much of the routing the Hugging Face model, which has no place for the bias, would change."""
+    layers = [
+        m for part in model_parts for m in part.modules() if getattr(m, "expert_bias", None) is not None
+    ]
+    for layer in layers:
+        layer.measure_bias_effect = True
+
+    def effect() -> tuple[int, int] | None:
+        measured = [layer.bias_effect for layer in layers if layer.bias_effect is not None]
+        if not measured:
+            return None
+        return sum(int(changed) for changed, _ in measured), sum(total for _, total in measured)
+
+    adapter.hf_unheld_effect = effect
 
 
 def _frozen_base(plan: RunPlan, states: dict[str, Any]) -> FrozenBase:
