@@ -45,6 +45,26 @@ def _half_split_to_interleaved(w: Tensor, n_heads: int) -> Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def checked_keys(
+    args, state_dict: dict[str, Tensor], names: dict[str, str], head: str, kind: str, model: str = "model"
+) -> dict:
+    """A copy of `state_dict` without a tied output head (`head`), once its keys are exactly `names`;
+    else the mapping error naming what is missing and unexpected (`args`: n_layers, tie_word_embeddings)."""
+    state = dict(state_dict)
+    expected = set(names)
+    if args.tie_word_embeddings:
+        state.pop(head, None)
+        expected.discard(head)
+    missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unknown:
+        raise WeightMappingError(
+            f"model: the {kind} state dict does not fit this {model} ({args.n_layers} layers, "
+            f"tie_word_embeddings={args.tie_word_embeddings}): missing {missing[:5]}, "
+            f"unexpected {unknown[:5]}; check the model flavor against the checkpoint"
+        )
+    return state
+
+
 class LlamaStateDictAdapter:
     """Converts full (unsharded) state dicts to and from `LlamaForCausalLM` for one model shape.
 
@@ -70,20 +90,7 @@ class LlamaStateDictAdapter:
         return None
 
     def _checked(self, state_dict: dict[str, Tensor], names: dict[str, str], head: str, kind: str) -> dict:
-        """A copy of `state_dict` without a tied output head, once its keys are exactly `names`."""
-        state = dict(state_dict)
-        expected = set(names)
-        if self.args.tie_word_embeddings:
-            state.pop(head, None)
-            expected.discard(head)
-        missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unknown:
-            raise WeightMappingError(
-                f"model: the {kind} state dict does not fit this model ({self.args.n_layers} layers, "
-                f"tie_word_embeddings={self.args.tie_word_embeddings}): missing {missing[:5]}, "
-                f"unexpected {unknown[:5]}; check the model flavor against the checkpoint"
-            )
-        return state
+        return checked_keys(self.args, state_dict, names, head, kind)
 
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """Our names and layout -> `LlamaForCausalLM` names and layout."""

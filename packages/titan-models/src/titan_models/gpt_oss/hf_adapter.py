@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from titan_models.errors import WeightMappingError
 from titan_models.gpt_oss.args import GptOssArgs
 from titan_models.gpt_oss.hf_config import to_hf_config
-from titan_models.hf_adapter import _WRAPPER_PARTS
+from titan_models.hf_adapter import _WRAPPER_PARTS, checked_keys
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -62,19 +61,7 @@ class GptOssStateDictAdapter:
         self.hf_unheld_state = ("moe.expert_bias",) if args.moe_args.load_balance_coeff is not None else ()
 
     def _checked(self, state: dict[str, Tensor], names: dict[str, str], head: str, kind: str) -> dict:
-        state = dict(state)
-        expected = set(names)
-        if self.args.tie_word_embeddings:
-            state.pop(head, None)
-            expected.discard(head)
-        missing, unknown = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unknown:
-            raise WeightMappingError(
-                f"model: the {kind} state dict does not fit this gpt-oss model ({self.args.n_layers} layers, "
-                f"tie_word_embeddings={self.args.tie_word_embeddings}): missing {missing[:5]}, "
-                f"unexpected {unknown[:5]}; check the model flavor against the checkpoint"
-            )
-        return state
+        return checked_keys(self.args, state, names, head, kind, model="gpt-oss model")
 
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """Our names and layout -> `GptOssForCausalLM`'s bf16 names and layout (the expert bias left out)."""
