@@ -1,30 +1,52 @@
-"""Suite-wide hooks: the longest test files start first, and a test that leaves a default process group
-behind fails itself, not the tests after it."""
+"""Suite-wide hooks: the longest work starts first, each library's floor check is its own unit of work, and a
+test that leaves a default process group behind fails itself, not the tests after it."""
 
 import pytest
 import torch.distributed as dist
 
 # With `--dist loadfile` each file is one unit of work. xdist's default hands out the files with the most
 # tests first, which starts the few-test, many-minute end-to-end files last, where one can run on alone at the
-# end. These start first instead, longest first (beside each, its test-seconds in a 3-worker run, 2026-11-26);
-# the floor check (tests/test_dependency_rule.py, minutes when .ci/run turns it on) leads.
-LONGEST_FIRST = (
-    "tests/test_dependency_rule.py",
-    "packages/titan-train/tests/test_every_field_is_honoured.py",  # 645
-    "tests/test_train_layouts.py",  # 328
-    "tests/test_train_end_to_end.py",  # 297
-    "tests/slurm/test_slurm_jobs.py",  # 282
-    "tests/test_torchtitan_features.py",  # 222
-    "packages/titan-train/tests/test_dry_run.py",  # 165
-    "packages/titan-train/tests/test_traced_memory.py",  # 161
-    "tests/test_generate_eval.py",  # 151
-    "tests/test_docs_commands.py",  # 145
-    "packages/titan-parallel/tests/test_layouts.py",  # 131
-    "packages/titan-train/tests/test_pipeline_replay.py",  # 109
-    "tests/test_fault_multinode.py",  # 104
-    "packages/titan-train/tests/test_memory_against_gpu.py",  # 99
-    "tests/test_apps.py",  # 95
+# end. These start first instead, longest first (beside each, its test-seconds in a 3-worker run of
+# 2026-11-27). An entry is a file or one test of it: the floor check's four libraries (tests/
+# test_dependency_rule.py, minutes each when .ci/run turns it on) are units of their own (below), so two
+# workers take the two longest ones at once while the third starts the field probes.
+FLOOR_CHECK = (
+    "tests/test_dependency_rule.py::test_library_installs_alone_on_the_floor_torch_and_passes_its_tests"
 )
+LONGEST_FIRST = (
+    f"{FLOOR_CHECK}[models]",  # 473
+    f"{FLOOR_CHECK}[parallel]",  # 357
+    "packages/titan-train/tests/test_every_field_is_honoured.py",  # 492
+    "tests/test_train_layouts.py",  # 432
+    "tests/slurm/test_slurm_jobs.py",  # 326, mostly waiting on SLURM's clock
+    f"{FLOOR_CHECK}[ckpt]",  # 135
+    f"{FLOOR_CHECK}[data]",  # 83
+    "tests/test_train_end_to_end.py",  # 246
+    "packages/titan-train/tests/test_traced_memory.py",  # 234
+    "tests/test_docs_commands.py",  # 206
+    "packages/titan-train/tests/test_dry_run.py",  # 195
+    "tests/test_torchtitan_features.py",  # 167
+    "tests/test_generate_eval.py",  # 158
+    "packages/titan-train/tests/test_pipeline_replay.py",  # 133
+    "tests/test_fault_multinode.py",  # 95
+    "packages/titan-parallel/tests/test_layouts.py",  # 88
+    "tests/test_sft_debug_config.py",  # 86
+    "packages/titan-parallel/tests/test_expert_parallel_layouts.py",  # 76
+    "tests/test_fault_restarts.py",  # 73
+    "packages/titan-parallel/tests/test_compile.py",  # 70
+    "tests/test_soak.py",  # 66
+    "packages/titan-train/tests/test_lora_checkpoints.py",  # 61
+    "tests/test_hf_export_layouts.py",  # 59
+    "tests/test_apps.py",  # 56
+)
+
+
+def _rank(nodeid: str) -> int:
+    """The place of the first LONGEST_FIRST entry that is this test or its file; everything else after them."""
+    for i, entry in enumerate(LONGEST_FIRST):
+        if nodeid == entry or nodeid.startswith(entry + "::"):
+            return i
+    return len(LONGEST_FIRST)
 
 
 def pytest_configure(config):
@@ -33,8 +55,22 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(items):
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+    items.sort(key=lambda item: _rank(item.nodeid))
+
+
+@pytest.hookimpl(optionalhook=True)  # the floor check runs library suites where xdist is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, except that each library's floor check is a unit of its own: in one unit they held one
+    worker for 17 minutes, the suite's longest path."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FloorChecksApart(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid if nodeid.startswith(FLOOR_CHECK) else super()._split_scope(nodeid)
+
+    return FloorChecksApart(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ import logging
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from titan_models.qwen3 import QWEN3_FLAVORS, qwen3_moe_args
 from titan_train.config import JobConfig
 from titan_train.config.fields import iter_fields
 from titan_train.faults import numerics as numerics_module
+from titan_train.registry import register_flavor
 
 ASSETS = Path(__file__).parents[2] / "titan-data" / "src" / "titan_data" / "assets"
 BASE = (
@@ -85,7 +87,23 @@ PP2 = ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_si
 CP2 = ("--parallelism.context_parallel_degree", "2")
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 EP2 = ("--parallelism.expert_parallel_degree", "2")
-MOE = ("--model.name", "qwen3", "--model.flavor", "debugmodel_moe")
+# The MoE probes observe where experts are placed and what balancing logs, not the size: a cut of qwen3
+# debugmodel_moe (2 layers of 8 experts at dim 64) instead of its 300M parameters, which took a minute a probe.
+register_flavor(
+    "qwen3",
+    "probe_moe",
+    replace(
+        QWEN3_FLAVORS["debugmodel_moe"],
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        moe_inter_dim=64,
+        moe_args=qwen3_moe_args(8, 2),
+    ),
+)
+MOE = ("--model.name", "qwen3", "--model.flavor", "probe_moe")
 LORA = ("--model.converters", "lora")
 
 
