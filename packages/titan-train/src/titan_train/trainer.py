@@ -39,7 +39,7 @@ from titan_train.wiring.host_memory import keep_freed_host_memory
 from titan_train.wiring.lora import lora_enabled
 from titan_train.wiring.lora_export import write_peft_adapter
 from titan_train.wiring.model import build_model, check_vocabulary
-from titan_train.wiring.moe import MoEBalancing, MoEStepStats
+from titan_train.wiring.moe import MoEBalancing, MoEStepStats, has_experts
 from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
 from titan_train.wiring.precision import forward_context
@@ -128,7 +128,9 @@ class Trainer:
         self.token_weights = built.token_weights
         # Each micro-batch's loss (and each pipeline microbatch's) is divided by their number: the aux loss too.
         microbatches = self.pipeline.n_microbatches if self.pipeline is not None else 1
-        self.moe = MoEBalancing(self.model_parts, self.dims, self.grad_accum_steps * microbatches)
+        self.moe = MoEBalancing(
+            self.model_parts, self.dims, self.grad_accum_steps * microbatches, has_experts(built.args)
+        )
         if config.model.print_after_conversion:
             logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
         self.forward_context = forward_context(config, self.dims, self.device)

@@ -10,6 +10,7 @@ those (ep borrows dp_shard and cp ranks; the tp ranks it may borrow route the sa
 not summed over). The sequence-wise auxiliary
 loss is scaled like the language-model loss it joins: by 1 / the losses one step backpropagates
 (gradient-accumulation steps, times a pipeline schedule's microbatches).
+Under a pipeline the step's stats gather every stage's layers, so the logging rank reports the whole model.
 A model without MoE layers makes every call here a no-op.
 """
 
@@ -68,8 +69,9 @@ def moe_run_args(config: JobConfig, args: Any) -> Any:
 class MoEStepStats:
     """One optimizer step's routing, summed over the data-parallel and context-parallel ranks.
 
-    `counts`: layer FQN -> tokens per expert (what the bias update used); `aux_loss`: the mean over
-    layers of this rank's last sequence-wise auxiliary loss (None when it is off)."""
+    `counts`: layer FQN -> tokens per expert (what the bias update used), every pipeline stage's layers;
+    `aux_loss`: the mean over those layers of their last sequence-wise auxiliary loss on this data-parallel
+    rank (None when it is off)."""
 
     counts: dict[str, list[float]]
     aux_loss: float | None
@@ -86,12 +88,19 @@ class MoEStepStats:
 class MoEBalancing:
     """The trainer's two calls: construct once with the model parts, `step()` once per optimizer step."""
 
-    def __init__(self, model_parts: list[nn.Module], dims: ParallelDims, losses_per_step: int):
-        """`losses_per_step`: the forwards whose losses one optimizer step sums, each scaled by its inverse."""
+    def __init__(
+        self, model_parts: list[nn.Module], dims: ParallelDims, losses_per_step: int, model_has_experts: bool
+    ):
+        """`losses_per_step`: the forwards whose losses one optimizer step sums, each scaled by its inverse;
+        `model_has_experts`: whether the whole model has MoE layers (a pipeline rank's stages may have none)."""
         self.parts = model_parts
         self.layers = {name: m for part in model_parts for name, m in moe_modules(part).items()}
         mesh = dims.submesh("dp_cp") if self.layers else None
         self.group = mesh.get_group() if mesh is not None else None
+        # Under a pipeline each rank holds some stages' layers; the stats gather every stage's, so the
+        # logging rank reports the whole model. Every pp rank joins, with or without layers of its own.
+        pp = dims.submesh("pp") if model_has_experts else None
+        self.stage_group = pp.get_group() if pp is not None else None
         if self.layers:
             set_aux_loss_scale(model_parts, 1.0 / losses_per_step)
 
@@ -116,10 +125,17 @@ class MoEBalancing:
         """After the optimizer step: update every expert bias from this step's counts if the step was
         `applied` (a skipped step moves none), reset the counts; the step's stats, or None for a model
         without experts. Every rank of the data-parallel x context-parallel group calls it."""
-        if not self.layers:
+        if not self.layers and self.stage_group is None:
             return None
-        aux = [m.last_aux_loss for m in self.layers.values() if m.last_aux_loss is not None]
-        self._counts = None
-        update_expert_bias(self.parts, reduce=self._reduce, step_applied=applied)
-        counts = dict(zip(self.layers, self._counts.tolist(), strict=True))
-        return MoEStepStats(counts, torch.stack(aux).mean().item() if aux else None)
+        aux = [m.last_aux_loss.item() for m in self.layers.values() if m.last_aux_loss is not None]
+        counts = {}
+        if self.layers:
+            self._counts = None
+            update_expert_bias(self.parts, reduce=self._reduce, step_applied=applied)
+            counts = dict(zip(self.layers, self._counts.tolist(), strict=True))
+        if self.stage_group is not None:
+            stages: list[Any] = [None] * dist.get_world_size(self.stage_group)
+            dist.all_gather_object(stages, (counts, aux), group=self.stage_group)
+            counts = {name: c for stage_counts, _ in stages for name, c in stage_counts.items()}
+            aux = [a for _, stage_aux in stages for a in stage_aux]
+        return MoEStepStats(counts, sum(aux) / len(aux) if aux else None)
