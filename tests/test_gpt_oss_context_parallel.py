@@ -7,9 +7,10 @@ positions apart) with load balancing, and at 64 with contiguous chunks, through
 `titan_parallel.context_parallel_ctx` handing the model its `SequenceShard`. The outputs and the
 gradients of the input and of every parameter (through q, k, v and the sinks) are compared with the same
 layers in one process; the outputs also with a float64 softmax written in the worker, key by key.
-Measured within 7.9e-7 relative (float32; 2026-11-27). Plants: the sink column dropped under context
-parallelism made every case fail (outputs 0.3 off); query positions taken as contiguous (rank * len +
-i) failed the load-balanced cases only (contiguous chunks then are right, as they should be).
+Measured within 7.9e-7 relative (float32; 2026-11-27). Plants: the sink dropped under context
+parallelism failed every case (outputs 0.53-0.84 off, the sinks' gradient wholly); query positions taken
+as contiguous (rank * len + i) failed the load-balanced cases only (outputs 0.95-1.13 off), contiguous
+chunks being right for them.
 """
 
 import json
