@@ -133,6 +133,8 @@ def main(out_path: str) -> None:
             dist.all_reduce(grad)
             cp_grads[name] = grad
 
+        if rank != 0:  # only rank 0 writes the results
+            continue
         with torch.no_grad():
             ref = torch.stack(
                 [
