@@ -47,7 +47,7 @@ def _bool_mask(
     window: int | None,
     doc_ids: torch.Tensor | None,
     *,
-    square: bool,
+    square: bool,  # (the block mask's; a boolean mask reads the positions either way)
 ) -> torch.Tensor:
     distance = q_pos[:, None] - kv_pos[None, :]
     keep = distance >= 0
