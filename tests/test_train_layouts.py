@@ -471,8 +471,16 @@ LAYOUTS = {
     ),
     "gpt_oss_pp2": gpt_oss(2, pp("1F1B"), {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE}),
     "gpt_oss_compile": gpt_oss(1, ("--compile.enable",), {"compiled_attentions": 2}),
-    "gpt_oss_cp2": gpt_oss(
-        2, (CP, "2"), {}, refused="gpt_oss tiny cannot be split by context parallelism yet"
+    # Sinks and the 16-position window across load-balanced shards (positions 0-15 and 48-63 on rank 0):
+    # keys and values gathered, masks from global positions (tests/test_gpt_oss_context_parallel.py). Loss
+    # within 6e-8, grad_norm 1e-7, weights 6.7e-6 of their norm; each rank attending over its own slice
+    # (the model not handed its shard) put grad_norm 2.7e-4 off (2026-11-27).
+    "gpt_oss_cp2": gpt_oss(2, (CP, "2"), {"degrees": {"cp": 2}, "cp_rotate_method": "allgather"}),
+    "gpt_oss_cp2_alltoall": gpt_oss(
+        2,
+        (CP, "2", f"{P}context_parallel_rotate_method", "alltoall"),
+        {},
+        refused="gpt_oss tiny gathers the whole sequence's keys and values",
     ),
     # Shared experts (one per layer, hidden 32) under tp (split over it), ep borrowing tp, and pp, against
     # one process.

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from titan_models.gpt_oss import (
     GptOssAttention,
@@ -81,6 +82,46 @@ def test_sinks_and_sliding_window_match_a_direct_softmax_with_gradients(seq_len)
                 q.detach(), k.detach(), v.detach(), sinks, flex_mask, 1 / math.sqrt(16)
             )
         torch.testing.assert_close(flex.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+class _RankZeroOfTwo:
+    """What context parallelism hands rank 0 of 2 over `seq_len` load-balanced positions: chunks 0 and 3 of 4
+    here, the gathered keys in rank order (rank 1 holds chunks 1 and 2)."""
+
+    def __init__(self, seq_len: int):
+        c = seq_len // 4
+        self.positions = torch.cat([torch.arange(c), torch.arange(3 * c, seq_len)])
+        self.everywhere = torch.cat([self.positions, torch.arange(c, 3 * c)])
+
+    def all_positions(self) -> torch.Tensor:
+        return self.everywhere
+
+    def gather(self, tensor, dim):  # the masks only store it; the test gathers by hand
+        raise AssertionError("not called when building masks")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_a_context_parallel_shard_attends_by_global_positions(backend):
+    """Rank 0's queries (positions 0-49 and 150-199 of 200) against every rank's keys in gathered order,
+    masked by global positions: the reference's rows at those positions (flex forward only on CPU)."""
+    torch.manual_seed(3)
+    shard = _RankZeroOfTwo(200)
+    q, k, v = torch.randn(1, 4, 200, 16), torch.randn(1, 2, 200, 16), torch.randn(1, 2, 200, 16)
+    sinks = torch.randn(4)
+    with torch.no_grad():  # flex masks are built on CPU only where no backward follows
+        masks = build_gpt_oss_masks(_args(attn_backend=backend), None, 100, "cpu", shard)
+    assert isinstance(masks.full, BlockMask) == (backend == "flex")
+    assert masks.gather_kv == shard.gather
+    local_q, gathered_k, gathered_v = (
+        q[:, :, shard.positions],
+        k[:, :, shard.everywhere],
+        v[:, :, shard.everywhere],
+    )
+    attend = sink_attention_flex if backend == "flex" else sink_attention_eager
+    for mask, window in ((masks.sliding, 128), (masks.full, None)):
+        ours = attend(local_q, gathered_k, gathered_v, sinks, mask, 0.25)
+        want = _reference(q, k, v, sinks, window)[:, :, shard.positions]
+        torch.testing.assert_close(ours.double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_block_causal_sliding_window_keeps_documents_apart():

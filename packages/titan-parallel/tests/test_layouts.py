@@ -135,10 +135,17 @@ def test_mesh_views_name_each_use(four_ranks):
 
 
 @pytest.mark.slow
-def test_a_step_that_fails_under_context_parallel_leaves_sdpa_and_buffers_restored(two_ranks):
+def test_a_step_that_fails_under_context_parallel_leaves_sdpa_buffers_and_shards_restored(two_ranks):
     result = two_ranks["cp_failed_step"]
     assert "error" not in result, result.get("error")
-    assert result["facts"] == {"sdpa_restored": True, "buffer_restored": True}
+    # Rank 0 of 2, load-balanced: chunks 0 and 3 of 4 (rank 1 holds 2..5); a self-attending part's shard says so.
+    assert result["facts"] == {
+        "sdpa_restored": True,
+        "buffer_restored": True,
+        "shard_withdrawn": True,
+        "positions": [0, 1, 6, 7],
+        "all_positions": [0, 1, 6, 7, 2, 3, 4, 5],
+    }
 
 
 @pytest.mark.slow
@@ -152,6 +159,10 @@ def test_a_step_that_fails_under_context_parallel_leaves_sdpa_and_buffers_restor
         ("pipeline_without_pp", "build_pipeline needs pp > 1"),
         ("cp_without_buffers", r"cp\(2\) > 1 but no cp_buffers were given"),
         ("cp_seq_not_divisible", r"sequence length 6 on dim 1, not divisible by 4, the number of chunks"),
+        (
+            "cp_alltoall_with_own_attention",
+            r"OwnAttention gathers the whole sequence's keys .* use rotate_method='allgather'",
+        ),
         ("cpu_offload_without_sharding", "cpu_offload needs sharded parameters"),
     ],
 )

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from titan_models import llama3_args, to_hf_config
+from titan_models.gpt_oss import gpt_oss_args
 from titan_parallel import ParallelConfigError
+from titan_train import registry
 from titan_train.cli import run
 from titan_train.commands.check import check_launch
 from titan_train.config import load_job_config
@@ -111,3 +113,25 @@ def test_every_registered_family_pickles():
 
     for name in model_family_names():
         assert pickle.loads(pickle.dumps(get_model_family(name))).name == name
+
+
+def test_gpt_oss_context_parallelism_refuses_alltoall_and_block_causal_in_one_line(tmp_path, monkeypatch):
+    """gpt-oss gathers keys and values under CP (allgather only), and its document ids would be counted on
+    each rank's slice; causal gpt-oss with allgather is accepted."""
+    monkeypatch.setitem(registry._FAMILIES, "gpt_oss", registry.get_model_family("gpt_oss"))  # restored after
+    registry.register_flavor(
+        "gpt_oss",
+        "debugmodel_block_causal",
+        replace(gpt_oss_args("debugmodel"), attn_mask_type="block_causal"),
+    )
+    cp = ["--model.name", "gpt_oss", "--training.seq_len", "64", "--job.dump_folder", str(tmp_path)]
+    cp += ["--parallelism.context_parallel_degree", "2"]
+    alltoall = ["--model.flavor", "debugmodel", "--parallelism.context_parallel_rotate_method", "alltoall"]
+    for flags, words in (
+        (alltoall, "context_parallel_rotate_method = 'alltoall': gpt_oss debugmodel gathers"),
+        (["--model.flavor", "debugmodel_block_causal"], "with attn_mask_type 'block_causal'"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            resolve(load_job_config([*cp, *flags]), 2, "cpu")
+        assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
+    assert resolve(load_job_config([*cp, "--model.flavor", "debugmodel"]), 2, "cpu").dims.cp == 2

@@ -39,11 +39,13 @@ from titan_parallel.protocols import (
     HasParallelBlocks,
     HasPipelineUnits,
     HasSequenceBuffers,
+    HasShardedSequenceAttention,
     HasTensorParallelPlan,
     ParallelizableModel,
     TrainableModel,
 )
 from titan_parallel.qlora import quantize_base_to_nf4, stored_bytes
+from titan_parallel.sequence_shard import SequenceShard
 from titan_parallel.tensor_parallel import TensorParallelOptions, apply_tp, loss_parallel_ctx
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "HasParallelBlocks",
     "HasPipelineUnits",
     "HasSequenceBuffers",
+    "HasShardedSequenceAttention",
     "HasTensorParallelPlan",
     "LoRA",
     "MXTraining",
@@ -69,6 +72,7 @@ __all__ = [
     "ParallelizableModel",
     "Pipeline",
     "PipelineOptions",
+    "SequenceShard",
     "TensorParallelExperts",
     "TensorParallelOptions",
     "TrainableModel",

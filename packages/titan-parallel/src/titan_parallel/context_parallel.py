@@ -8,12 +8,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
 
 from titan_parallel.cpu_ring_attention import cpu_ring_attention
 from titan_parallel.errors import ParallelConfigError, UnsupportedDeviceError, check_choice
+from titan_parallel.protocols import HasShardedSequenceAttention
+from titan_parallel.sequence_shard import SequenceShard
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +44,9 @@ class ContextParallelOptions:
         seq_dims: Sequence[int],
         *,
         no_restore_buffers: set[torch.Tensor] | None = None,
+        models: Sequence[nn.Module] = (),
     ) -> contextlib.AbstractContextManager[None]:
-        """`context_parallel_ctx` over `buffers` with these settings."""
+        """`context_parallel_ctx` over `buffers` (and `models`) with these settings."""
         return context_parallel_ctx(
             cp_mesh,
             buffers,
@@ -50,6 +54,7 @@ class ContextParallelOptions:
             no_restore_buffers=no_restore_buffers,
             rotate_method=self.rotate_method,
             load_balance=self.load_balance,
+            models=models,
         )
 
 
@@ -62,6 +67,7 @@ def context_parallel_ctx(
     no_restore_buffers: set[torch.Tensor] | None = None,
     rotate_method: str = "allgather",
     load_balance: bool = True,
+    models: Sequence[nn.Module] = (),
 ) -> Iterator[None]:
     """Run forward and backward with every tensor in `buffers` sharded on its sequence dim.
 
@@ -73,6 +79,13 @@ def context_parallel_ctx(
     attention. `rotate_method` is how key/value shards travel: "allgather" or "alltoall".
     `load_balance=False` gives each rank one contiguous chunk instead (the last rank then does the
     most causal work).
+
+    Each of `models` (the model parts) that implements `set_sequence_shard`
+    (`titan_parallel.protocols.HasShardedSequenceAttention`) computes its attention itself over keys
+    and values gathered from the group (`titan_parallel.sequence_shard`): it is handed a `SequenceShard`
+    with the global positions of this rank's tokens (the length of `buffers[0]`, the inputs, sharded
+    like them) and set back to None on exit. Such a model gathers rather than rotates, so it takes
+    `rotate_method` "allgather" only.
     """
     check_choice("context_parallel.rotate_method", rotate_method, ROTATE_METHODS)
     if len(buffers) != len(seq_dims):
@@ -86,6 +99,19 @@ def context_parallel_ctx(
         raise UnsupportedDeviceError(
             f"parallelism: context parallel runs on CPU and CUDA, not {device!r}; set cp = 1 on this device"
         )
+    sharded_attention = [m for m in models if isinstance(m, HasShardedSequenceAttention)]
+    if sharded_attention and rotate_method != "allgather":
+        raise ParallelConfigError(
+            f"parallelism: {type(sharded_attention[0]).__name__} gathers the whole sequence's keys and values "
+            f"for its own attention, so context_parallel rotate_method={rotate_method!r} would not be "
+            "honoured; use rotate_method='allgather'"
+        )
+    buffers, seq_dims = list(buffers), list(seq_dims)
+    positions = None
+    if sharded_attention:
+        positions = torch.arange(buffers[0].shape[seq_dims[0]], device=buffers[0].device)
+        buffers.append(positions)
+        seq_dims.append(0)
     set_rotate_method(rotate_method)
     with contextlib.ExitStack() as stack:
         balance = _cp_options.enable_load_balance
@@ -93,14 +119,20 @@ def context_parallel_ctx(
         stack.callback(setattr, _cp_options, "enable_load_balance", balance)
         sharded = context_parallel(
             cp_mesh,
-            buffers=list(buffers),
-            buffer_seq_dims=list(seq_dims),
-            no_restore_buffers=set(no_restore_buffers or ()),
+            buffers=buffers,
+            buffer_seq_dims=seq_dims,
+            no_restore_buffers=set(no_restore_buffers or ())
+            | ({positions} if positions is not None else set()),
         )
         sharded.__enter__()
         # Always exit as if cleanly: torch 2.11's context_parallel restores SDPA and the buffers only
         # then, so an exception in the step would leave every later SDPA call patched for ring attention.
         stack.callback(sharded.__exit__, None, None, None)
+        if positions is not None:  # sharded in place above: this rank's global positions
+            shard = SequenceShard(cp_mesh.get_group(), positions)
+            for model in sharded_attention:
+                model.set_sequence_shard(shard)
+                stack.callback(model.set_sequence_shard, None)
         if device == "cpu":
             # Entered after context_parallel, which resets the handler table on entry.
             stack.enter_context(cpu_ring_attention())

@@ -145,12 +145,15 @@ def training_context(
     cp_buffers: Sequence[torch.Tensor] = (),
     cp_seq_dims: Sequence[int] = (),
     cp_no_restore: Sequence[torch.Tensor] = (),
+    cp_models: Sequence[nn.Module] = (),
 ) -> Iterator[None]:
     """Wrap forward and backward (or `Pipeline.step`) in loss parallelism and context parallelism as enabled.
 
     With cp > 1, `cp_buffers` must hold the batch (inputs, labels) and each position-dependent
     buffer of every model part, with their sequence dims in `cp_seq_dims`; tensors in
-    `cp_no_restore` (typically the batch) are left sharded afterwards.
+    `cp_no_restore` (typically the batch) are left sharded afterwards. `cp_models` (the model parts)
+    lets a model whose attention ring attention cannot compute attend over the gathered sequence
+    (`context_parallel_ctx`).
     """
     options = options or ParallelOptions()
     with contextlib.ExitStack() as stack:
@@ -164,7 +167,11 @@ def training_context(
                 )
             stack.enter_context(
                 options.context_parallel.sharding(
-                    dims.submesh("cp"), cp_buffers, cp_seq_dims, no_restore_buffers=set(cp_no_restore)
+                    dims.submesh("cp"),
+                    cp_buffers,
+                    cp_seq_dims,
+                    no_restore_buffers=set(cp_no_restore),
+                    models=cp_models,
                 )
             )
         yield

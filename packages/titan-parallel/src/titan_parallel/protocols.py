@@ -4,7 +4,8 @@ titan-parallel never imports a model class. A model (from titan-models or any ot
 describes itself through plain data and torch types; these protocols document that shape. A model
 implements only the methods for the parallelisms it is used with: FSDP, DDP, activation
 checkpointing and compile need `parallel_blocks`; tensor parallelism needs `tp_plan`; pipeline
-parallelism needs `pipeline_units`; context parallelism shards the `sequence_buffers`; expert
+parallelism needs `pipeline_units`; context parallelism shards the `sequence_buffers` (and hands
+an attention it cannot route through ring attention a `SequenceShard`, `set_sequence_shard`); expert
 parallelism splits the experts of the `moe_layers`. A model is
 built on the meta device, and `init_weights` gives it its values once parallelised (`TrainableModel`:
 everything a trainer asks of a model beyond `nn.Module`).
@@ -17,6 +18,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from titan_parallel.sequence_shard import SequenceShard
 
 
 @runtime_checkable
@@ -113,6 +116,17 @@ class HasSequenceBuffers(Protocol):
 
         The buffers themselves, not copies: context parallelism replaces their contents for the step.
         """
+        ...
+
+
+@runtime_checkable
+class HasShardedSequenceAttention(Protocol):
+    """A model whose attention context parallelism's ring cannot compute (learned sinks, sliding windows):
+    it attends over keys and values gathered from the whole group, with masks from global positions."""
+
+    def set_sequence_shard(self, shard: SequenceShard | None) -> None:
+        """Attend through `shard` (`titan_parallel.sequence_shard.SequenceShard`: the group, the global
+        positions of this rank's tokens, a differentiable gather) until called again with None."""
         ...
 
 

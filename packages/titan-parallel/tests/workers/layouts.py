@@ -211,6 +211,12 @@ def refusals() -> dict:
     attempt("cp_without_buffers", lambda: training_context(cp, ParallelOptions()).__enter__())
     odd = torch.zeros(2, 6, dtype=torch.long)
     attempt("cp_seq_not_divisible", lambda: context_parallel_ctx(cp.submesh("cp"), [odd], [1]).__enter__())
+    attempt(
+        "cp_alltoall_with_own_attention",
+        lambda: context_parallel_ctx(
+            cp.submesh("cp"), [odd[:, :4]], [1], rotate_method="alltoall", models=[OwnAttention()]
+        ).__enter__(),
+    )
     ddp = ParallelDims(dp_replicate=2, dp_shard=1, world_size=2)
     ddp.build_mesh("cpu")
     attempt(
@@ -220,13 +226,28 @@ def refusals() -> dict:
     return {"facts": messages}
 
 
+class OwnAttention(torch.nn.Module):
+    """A model part that attends itself under context parallelism: it records the shards it is handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.shards = []
+
+    def set_sequence_shard(self, shard) -> None:
+        self.shards.append(shard)
+
+
 def cp_failed_step() -> dict:
-    """A step that raises inside context parallelism: SDPA and the sharded buffers come back all the same."""
+    """A step that raises inside context parallelism: SDPA and the sharded buffers come back all the same,
+    and a model part attending itself got this rank's global positions (and the gathered ones), then None."""
     cp = ParallelDims(dp_shard=1, cp=2, world_size=2)
     cp.build_mesh("cpu")
-    sdpa, rope = F.scaled_dot_product_attention, torch.arange(8.0)
+    sdpa, rope, part = F.scaled_dot_product_attention, torch.arange(8.0), OwnAttention()
+    seen = {}
     try:
-        with context_parallel_ctx(cp.submesh("cp"), [rope], [0]):
+        with context_parallel_ctx(cp.submesh("cp"), [rope], [0], models=[part]):
+            shard = part.shards[0]
+            seen = {"positions": shard.positions.tolist(), "all_positions": shard.all_positions().tolist()}
             raise RuntimeError("step failed")
     except RuntimeError:
         pass
@@ -234,6 +255,8 @@ def cp_failed_step() -> dict:
         "facts": {
             "sdpa_restored": F.scaled_dot_product_attention is sdpa,
             "buffer_restored": rope.tolist() == [float(i) for i in range(8)],
+            "shard_withdrawn": len(part.shards) == 2 and part.shards[1] is None,
+            **seen,
         }
     }
 

@@ -236,11 +236,21 @@ def moe_torch_problems(config: JobConfig, dims: ParallelDims, has_experts: bool,
 def _context_parallel_problems(config: JobConfig, dims: ParallelDims, args: Any) -> list[str]:
     """Llama 4's attention temperature scales each query by its position in the sequence; under context
     parallelism a rank holds a slice of it and would take local positions for global ones. A family whose
-    attention context parallelism cannot split says why (`context_parallel_refusal` of its args)."""
+    attention context parallelism cannot split says why (`context_parallel_refusal` of its args), and one
+    that computes its own attention names the rotate methods it honours (`context_parallel_rotate_methods`)."""
     refusal = getattr(args, "context_parallel_refusal", None)
     if dims.cp > 1 and refusal:
         m = config.model
         return [f"parallelism.context_parallel_degree({dims.cp}): {m.name} {m.flavor} {refusal}"]
+    methods = getattr(args, "context_parallel_rotate_methods", None)
+    rotate = config.parallelism.context_parallel_rotate_method
+    if dims.cp > 1 and methods and rotate not in methods:
+        m = config.model
+        return [
+            f"parallelism.context_parallel_rotate_method = {rotate!r}: {m.name} {m.flavor} gathers the whole "
+            f"sequence's keys and values for its own attention under context parallelism; set it to "
+            f"{' or '.join(map(repr, methods))}"
+        ]
     if dims.cp > 1 and getattr(args, "attn_temperature_tuning", False) and args.every_n_layers_nope:
         m = config.model
         return [

@@ -334,6 +334,7 @@ class Trainer:
             cp_buffers=[inputs, labels, *(b for b, _ in positions)],
             cp_seq_dims=[1, 1, *(dim for _, dim in positions)],
             cp_no_restore=[inputs, labels],
+            cp_models=self.model_parts,
         )
 
     def _validation_loss(

@@ -90,14 +90,21 @@ class GptOssArgs(DecoderArgs):
         return self.moe_inter_dim
 
     @property
-    def context_parallel_refusal(self) -> str:
-        """Why context parallelism cannot split this attention (the trainer refuses cp > 1 with it)."""
-        return (
-            "cannot be split by context parallelism yet: its attention adds a learned sink to every softmax "
-            "and windows even layers, and Titan's ring attention (torch's SDPA under context_parallel) "
-            "computes neither, so each rank would attend over its own slice only; set "
-            "context_parallel_degree to 1"
-        )
+    def context_parallel_refusal(self) -> str | None:
+        """Why context parallelism cannot split this attention, if it cannot (the trainer refuses cp > 1).
+
+        Causal attention splits: each rank attends over the group's gathered keys and values with masks
+        from global positions (`gpt_oss.masks`). Block-causal document ids come from each rank's own
+        tokens, which do not know where earlier documents began, so they would be wrong."""
+        if self.attn_mask_type == "block_causal":
+            return (
+                "cannot be split by context parallelism with attn_mask_type 'block_causal': document ids would be "
+                "counted on each rank's slice of the sequence; set context_parallel_degree to 1 or use causal masks"
+            )
+        return None
+
+    # Keys and values are gathered, never rotated (`titan_parallel.sequence_shard`).
+    context_parallel_rotate_methods: ClassVar[tuple[str, ...]] = ("allgather",)
 
     def uses_sliding_window(self, layer: int) -> bool:
         """Even layers attend within the window, odd ones over the whole context (as published)."""

@@ -6,6 +6,11 @@ than its whole attention to the keys. Two kernels compute it:
 - flex attention (CUDA): the output of a plain softmax times sigmoid(lse - sink), where lse is the
   scores' log-sum-exp flex returns: that factor is exactly sum_k exp(s_k) / (exp(sink) + sum_k exp(s_k));
 - an explicit softmax over the scores with the sink appended as one more column (CPU, or `sdpa`).
+
+Under context parallelism neither goes through torch's ring attention (causal SDPA, no sink, no
+window): each rank gathers the group's keys and values (`GptOssMasks.gather_kv`) and runs the same
+kernel on its queries against the whole sequence, masked by global positions (`gpt_oss.masks`), so the
+sink joins every query's full denominator and the window is exact across shard boundaries.
 """
 
 from __future__ import annotations
@@ -81,6 +86,8 @@ class GptOssAttention(nn.Module):
         xk = self.wk(x).view(bs, seq_len, -1, self.head_dim)
         xv = self.wv(x).view(bs, seq_len, -1, self.head_dim)
         xq, xk = apply_rotary_half_split(xq, xk, freqs_cis)
+        if masks.gather_kv is not None:  # context parallel: every rank's keys, rotated at their positions
+            xk, xv = masks.gather_kv(xk, 1), masks.gather_kv(xv, 1)
         sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
         mask = masks.sliding if self.sliding else masks.full
         attend = sink_attention_flex if isinstance(mask, BlockMask) else sink_attention_eager

@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from titan_models.decoder import Decoder
 from titan_models.gpt_oss.args import GptOssArgs
 from titan_models.gpt_oss.attention import GptOssAttention
-from titan_models.gpt_oss.masks import GptOssMasks, build_gpt_oss_masks
+from titan_models.gpt_oss.masks import GptOssMasks, SequenceShard, build_gpt_oss_masks
 from titan_models.gpt_oss.rope import gpt_oss_rotary_table
 from titan_models.gpt_oss.tensor_parallel_plan import HeadShardedSinks, gpt_oss_attention_tp_entries
 from titan_models.moe import MoE
@@ -62,13 +62,20 @@ class GptOssModel(Decoder):
     def build_block(self, layer: int) -> nn.Module:
         return GptOssBlock(layer, self.args)
 
+    _sequence_shard = None
+
+    def set_sequence_shard(self, shard: SequenceShard | None) -> None:
+        """Attend over the whole sequence gathered through `shard` (context parallelism hands it for the
+        step, then None): torch's ring attention has no sink and no window (see `gpt_oss.attention`)."""
+        self._sequence_shard = shard
+
     def _rotary_table(self) -> torch.Tensor:
         return gpt_oss_rotary_table(self.args)
 
     def _attention_masks(
         self, doc_ids: torch.Tensor | None, seq_len: int, device: torch.device
     ) -> GptOssMasks:
-        return build_gpt_oss_masks(self.args, doc_ids, seq_len, device)
+        return build_gpt_oss_masks(self.args, doc_ids, seq_len, device, self._sequence_shard)
 
     def attention_tp_entries(self) -> dict[str, ParallelStyle]:
         return gpt_oss_attention_tp_entries()

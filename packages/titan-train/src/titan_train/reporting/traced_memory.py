@@ -151,7 +151,9 @@ def _one_step(plan, built, optimizers, trace, inputs, labels) -> None:
                 part.set_requires_gradient_sync(micro == accum - 1)
         trace.label(("forward start",))
         buffers = [inputs, labels, *(buffer for part in parts for buffer, _ in part.sequence_buffers())]
-        with training_context(dims, plan.options, cp_buffers=buffers, cp_seq_dims=[1, 1, *[0] * len(parts)]):
+        with training_context(
+            dims, plan.options, cp_buffers=buffers, cp_seq_dims=[1, 1, *[0] * len(parts)], cp_models=parts
+        ):
             if pipeline is not None:
                 pipeline.step(inputs, labels, **stage_inputs(parts, inputs))
             else:
