@@ -61,6 +61,7 @@ def counting_trace(flops: list[int]) -> type:
 def traced_flops(plan, n_layers: int) -> int:
     """FLOPs rank 0 computes in the traced step of the model cut to `n_layers` blocks."""
     flops = [0]
+    # trace_step makes its trace from this module-level name: the dry run's step, counted.
     traced_memory.MemoryTrace = counting_trace(flops)
     traced_memory.trace_rank(plan, 0, n_layers=n_layers)
     return flops[0]
@@ -79,14 +80,17 @@ def main() -> None:
     total = outside + n_layers * block
     tokens = plan.config.training.local_batch_size * plan.train_seq_len
     print(f"{plan.config.model.name} {plan.config.model.flavor} on {known.ngpu} ranks, {plan.dims}")
-    print(f"rank 0, one training step (1 and 2 blocks traced in {seconds:.0f} s, scaled to {n_layers}):")
+    print(f"rank 0, one training step (1 and 2 blocks traced in {seconds:.0f} s, scaled to {n_layers}):\n")
+    print("| part | TFLOP per step | GFLOP per token of the rank's batch |")
+    print("|---|---:|---:|")
+    for name, n in (
+        ("one block", block),
+        ("outside the blocks", outside),
+        (f"the step ({n_layers} blocks and the rest)", total),
+    ):
+        print(f"| {name} | {n / 1e12:.2f} | {n / tokens / 1e9:.3f} |")
     print(
-        f"  per block      {block / 1e12:10.2f} TFLOP  ({block / tokens / 1e9:.3f} GFLOP per token of the batch)"
-    )
-    print(f"  outside blocks {outside / 1e12:10.2f} TFLOP  ({outside / tokens / 1e9:.3f} GFLOP per token)")
-    print(f"  total          {total / 1e12:10.2f} TFLOP  ({total / tokens / 1e9:.3f} GFLOP per token)")
-    print(
-        f"  the model's FLOPs per token (plan.flops_per_token, MFU's numerator): {plan.flops_per_token / 1e9:.3f} G"
+        f"\nthe model's FLOPs per token (plan.flops_per_token, MFU's numerator): {plan.flops_per_token / 1e9:.3f} G"
     )
 
 
