@@ -33,6 +33,29 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
             p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape, generator=gen))
 
 
+# The rotary table is no state: it is computed from the config, as transformers rebuilds it from config.json
+# (whose round trip the import checks test). Every other buffer is randomised, the token counts included
+# (an eval forward must not read them).
+_DERIVED_BUFFERS = ("freqs_cis",)
+
+
+def perturb_buffers(model: torch.nn.Module, adapter: Any, seed: int) -> list[str]:
+    """Random values in every floating buffer of `model` an export must carry (the expert bias, where
+    the Hugging Face class holds one): all but the derived ones and those the adapter declares it cannot
+    hold (`hf_unheld_state`: Llama 4's and Qwen3-MoE's expert bias, whose refusal and warning
+    packages/titan-train/tests/test_hf_export_unheld_state.py covers). A buffer the export drops without
+    declaring it then changes the logits. Returns the perturbed buffers' names."""
+    unheld = getattr(adapter, "hf_unheld_state", ())
+    gen = torch.Generator().manual_seed(seed)
+    perturbed = []
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if b.is_floating_point() and not name.endswith((*_DERIVED_BUFFERS, *unheld)):
+                b.copy_(0.5 * torch.randn(b.shape, generator=gen))
+                perturbed.append(name)
+    return perturbed
+
+
 def tokens_for(args) -> torch.Tensor:
     """A fixed batch of 2 sequences of `max_seq_len` token ids."""
     return torch.randint(
@@ -79,10 +102,11 @@ def check_hf_import(
 def check_hf_export(
     args: Any, adapter: Any, model_cls: type, tmp_path: Path, *, attn_implementation: str, hf_class: str
 ) -> None:
-    """Titan's export of an initialised, perturbed model loads with `AutoModelForCausalLM` as `hf_class`
-    and gives logits equal to Titan's to 1e-5."""
+    """Titan's export of an initialised model with random parameters and buffers (`perturb_buffers`)
+    loads with `AutoModelForCausalLM` as `hf_class` and gives logits equal to Titan's to 1e-5."""
     ours = materialised(model_cls, args, seed=5)
     perturb(ours, seed=6)
+    perturb_buffers(ours, adapter, seed=7)
     ours.eval()
     save_safetensors_sharded(adapter.to_hf(ours.state_dict()), tmp_path, config=adapter.hf_config())
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=attn_implementation).eval()

@@ -4,6 +4,17 @@ Each layout trains 4 steps beside an unparallelized copy on the full batch (floa
 losses and gradient norms must agree to 1e-5 relative at every step, the tokens-per-expert summed
 over the data ranks (which move the expert bias) exactly, and every weight after the run to 2e-5 of its tensor's
 largest value. Facts recorded in the run show the experts really are split as the layout says.
+
+The MoE here is a toy (workers/toy_moe.py): titan-parallel may not import titan_models (the dependency
+rule, tests/test_dependency_rule.py). The production MoE layer (`titan_models.moe.MoE`, its router,
+grouped experts, shared experts and token counts) runs under this package's expert parallelism in two
+cross-package tests: tests/test_production_moe_expert_parallel.py compares the layer at ep 2 with the
+unsharded layer (outputs and gradients, DeepSeek's and Llama 4's routing), and the layout matrix,
+tests/test_train_layouts.py, trains it: Qwen3-MoE cut to 2 layers of 8 experts trains
+under `moe_ep2`, `moe_ep2_fsdp`, `moe_ep4_borrowing_tp`, `moe_ep2_etp2_tp2`, `moe_ep2_cp2` and
+`moe_ep2_pp2`, and DeepSeek-V3 with a shared expert under `shared_ep2_tp2`, each against one process by
+loss and grad_norm at every step and by its final weights (a gradient scaled by 1.5 in the dispatch or
+the combine made `moe_ep2` fail; see that module's docstring).
 """
 
 import json

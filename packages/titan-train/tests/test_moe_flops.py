@@ -58,3 +58,36 @@ def test_moe_flops_per_token_equal_torchtitan_s_formula(family, flavor):
         model = fam.build(args)
     want = torchtitan_moe_flops_per_token(args, model, HEAD_DIMS[family](args), SEQ_LEN)
     assert fam.flops_per_token(args, 0, 0, SEQ_LEN) == want
+
+
+# torchtitan 0.2.2's own `get_nparams_and_flops` output, (nparams, FLOPs per token), for its model of each
+# flavor after `update_from_config` at that seq_len, as its trainer logs them. Produced by
+# `uv run python bench/flops_against_torchtitan.py` (torchtitan 0.2.2 in bench/.torchtitan-0.2.2-env; the
+# table is in bench/RESULTS.md, 2026-11-27), which CI cannot run: torchtitan is not installed here.
+TORCHTITAN_0_2_2 = {
+    ("llama3", "8B", 8192): (8_030_261_248, 57_914_449_920),
+    ("deepseek_v3", "16B", 4096): (15_706_484_224, 18_105_996_288),
+    ("deepseek_v3", "671B", 4096): (671_026_404_352, 281_158_232_064),
+    ("qwen3", "30B-A3B", 4096): (30_532_122_624, 27_914_883_072),
+    ("llama4", "17bx16e", 8192): (107_769_861_120, 120_989_644_800),
+    ("gpt_oss", "20b", 128): (20_914_757_184, 21_800_838_528),
+    ("gpt_oss", "120b", 8192): (116_829_156_672, 45_292_611_456),
+}
+# Where Titan counts other FLOPs on purpose: gpt-oss's sliding-window layers (every other layer; window
+# 128) attend to at most 128 keys, which Titan counts and torchtitan 0.2.2 does not (it counts every layer
+# over the whole sequence). 120b: 12 * 64 heads * 64 head_dim * (8192 - 128) keys * 18 windowed layers.
+FEWER_THAN_TORCHTITAN = {("gpt_oss", "120b", 8192): 12 * 64 * 64 * (8192 - 128) * 18}
+
+
+@pytest.mark.parametrize(("family", "flavor", "seq_len"), list(TORCHTITAN_0_2_2))
+def test_a_run_s_parameters_and_flops_are_torchtitan_0_2_2_s_own_output(family, flavor, seq_len):
+    from titan_train.config import load_job_config
+    from titan_train.plan import resolve
+
+    config = load_job_config(
+        ["--model.name", family, "--model.flavor", flavor, "--training.seq_len", str(seq_len)]
+    )
+    plan = resolve(config, 1, "cuda")
+    nparams, flops = TORCHTITAN_0_2_2[(family, flavor, seq_len)]
+    assert plan.params.total == nparams
+    assert plan.flops_per_token == flops - FEWER_THAN_TORCHTITAN.get((family, flavor, seq_len), 0)
