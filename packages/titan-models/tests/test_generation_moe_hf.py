@@ -3,7 +3,8 @@
 Each family in miniature is built by transformers (random weights and buffers, fp32), saved, imported
 through Titan's Hugging Face import, and both continue two prompts of different lengths greedily. Titan
 runs them as one left-padded batch through its KV cache; transformers runs each prompt alone (the
-exact meaning of a padded row). The tokens must agree one for one. What each shape exercises:
+exact meaning of a padded row). The tokens must agree one for one, and the logits of every step
+to 1e-4. What each shape exercises:
 - Qwen3-MoE: QK norm, half-split rotary, 8 experts top 2;
 - Llama 4: a no-rope layer with temperature tuning (scales change every 4 positions), chunks of 8
   on rope layers with QK norm, Llama 3.1 rotary scaling, sigmoid routing and a shared expert;
@@ -24,7 +25,7 @@ from test_gpt_oss import _args as gpt_oss_shape
 from test_llama4_hf import SHAPES as LLAMA4_SHAPES
 from test_qwen3_hf import SHAPES as QWEN3_SHAPES
 
-from titan_models import SamplingParams, generate, load_safetensors_sharded
+from titan_models import KVCache, SamplingParams, forward_cached, generate, load_safetensors_sharded
 from titan_models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter
 from titan_models.deepseek_v3 import args_from_hf_config as deepseek_args
 from titan_models.gpt_oss import GptOssModel, GptOssStateDictAdapter
@@ -71,13 +72,24 @@ FAMILIES = {
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
     """Every floating parameter and buffer but the rotary frequencies: embeddings of std 1, norms around 1,
-    other weights std 0.3 (biases and sinks smaller), for varied continuations with clear margins."""
+    query and key projections std 0.1 (scores soft enough that a query scale shows), other weights std
+    0.3 (biases and sinks smaller or larger), for varied continuations with clear margins."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if not t.is_floating_point() or "inv_freq" in name:
                 continue
-            std = 1.0 if "embed" in name else 0.5 if "sinks" in name else 0.1 if "bias" in name else 0.3
+            std = 0.3
+            for part, part_std in (
+                ("embed", 1.0),
+                ("sinks", 0.5),
+                ("bias", 0.1),
+                ("q_proj", 0.1),
+                ("k_proj", 0.1),
+            ):
+                if part in name:
+                    std = part_std
+                    break
             t.copy_(torch.randn(t.shape, generator=gen) * (0.1 if "norm" in name else std) + ("norm" in name))
 
 
@@ -99,15 +111,40 @@ def test_batched_cached_greedy_tokens_equal_transformers_generate(family, tmp_pa
 
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (13, 5)]
-    expected = []
+    expected, expected_logits = [], []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, pad_token_id=0
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
-        expected.append(out[0, len(prompt) :].tolist())
+        expected.append(out.sequences[0, len(prompt) :].tolist())
+        expected_logits.append(torch.cat(out.logits))
     assert all(len(set(tokens)) >= 6 for tokens in expected)  # varied text, not one repeated token
 
     got = generate(ours, prompts, SamplingParams(max_new_tokens=NEW), pad_id=0)
     assert got.tokens == expected
+    # Tokens can agree while a small error (a query scale at a wrong position) moves logits below the
+    # margins: the cached logits of every step must equal transformers' too.
+    logits = _cached_logits(ours, prompts, expected)
+    for row, want in enumerate(expected_logits):
+        assert (logits[row] - want).abs().max().item() <= 1e-4, (family, row)
+
+
+def _cached_logits(model: torch.nn.Module, prompts: list[list[int]], continuations: list[list[int]]):
+    """(batch, NEW, vocab): Titan's logits at each new position, the prompts as one left-padded batch
+    through the KV cache, then the given continuations one token a step."""
+    width = max(map(len, prompts))
+    tokens = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts])
+    cache = KVCache.for_model(model, len(prompts), width + NEW)
+    steps = [forward_cached(model, tokens, cache, valid)]
+    for i in range(NEW - 1):
+        steps.append(forward_cached(model, torch.tensor([[c[i]] for c in continuations]), cache))
+    return torch.stack(steps, dim=1)
