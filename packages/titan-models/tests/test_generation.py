@@ -1,5 +1,6 @@
 """Generation with the KV cache: against transformers' `generate`, against recomputing every position,
-and the sampling and stopping rules; the families without a KV cache (Qwen3, Llama 4, DeepSeek-V3)."""
+and the sampling and stopping rules; the MoE families' cache against their own training forward here
+(block-causal documents included), against transformers in test_generation_moe_hf.py."""
 
 from dataclasses import replace
 
@@ -201,9 +202,9 @@ def test_generation_refuses_what_it_cannot_do():
 
 
 _TINY = dict(dim=64, n_layers=2, n_heads=4, vocab_size=96, max_seq_len=48)
-# The MoE families in miniature, each with what Llama's KV cache path would get wrong or cannot run:
-# Qwen3's QK norm, Llama 4's no-rope layer, chunked and block-causal attention, DeepSeek's latent attention.
-NO_CACHE_FAMILIES = {
+# The MoE families in miniature, each with what Llama's attention alone would get wrong: Qwen3's QK norm,
+# Llama 4's no-rope layer, chunked and block-causal attention, DeepSeek's latent attention.
+MOE_FAMILIES = {
     "qwen3_moe": (
         Qwen3Model,
         Qwen3Args(
@@ -234,12 +235,12 @@ NO_CACHE_FAMILIES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(NO_CACHE_FAMILIES))
-def test_families_without_a_kv_cache_generate_what_their_own_forward_chooses(family):
-    cls, args = NO_CACHE_FAMILIES[family]
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_moe_families_cached_batch_generates_what_their_own_forward_chooses(family):
+    cls, args = MOE_FAMILIES[family]
     model = materialised(cls, args, seed=0).eval()
     perturb(model, seed=3)
-    assert not has_kv_cache(model)
+    assert has_kv_cache(model)
     prompts = [[3, 4, 7, 9, 10, 11], [5]]  # different lengths, one batch; 7 ends a document (Llama 4)
     got = generate(model, prompts, SamplingParams(max_new_tokens=8)).tokens
     with torch.no_grad():
@@ -249,3 +250,5 @@ def test_families_without_a_kv_cache_generate_what_their_own_forward_chooses(fam
             assert torch.equal(logits.argmax(-1), torch.tensor(tokens)), (family, prompt)
     with pytest.raises(ModelError, match="max_seq_len"):
         generate(model, [[1] * 40], SamplingParams(max_new_tokens=10))
+    with pytest.raises(ModelError, match="max_seq_len"):
+        generate(model, [[1] * 40], SamplingParams(max_new_tokens=10), kv_cache=False)

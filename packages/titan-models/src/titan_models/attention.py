@@ -140,12 +140,31 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unrotated queries, keys and values of `x`, each (batch, seq, heads, head_dim)."""
         bs, seq_len, _ = x.shape
         # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
         xq = self.wq(x).view(bs, seq_len, -1, self.head_dim)
         xk = self.wk(x).view(bs, seq_len, -1, self.head_dim)
         xv = self.wv(x).view(bs, seq_len, -1, self.head_dim)
+        return xq, xk, xv
+
+    def project(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The queries, keys and values (batch, seq, heads, head_dim) attention runs on: what the forward
+        attends with and what the KV cache keeps (`titan_models.kv_cache`), so both compute one thing.
+
+        `freqs_cis` is the rotary table (its first rows are used) or rows gathered per token
+        (batch, seq, pairs); `positions` (batch, seq) are for families whose queries depend on the
+        position beyond the rotation (Llama 4's temperature); None: 0, 1, ...
+        """
+        xq, xk, xv = self.heads(x)
         xq, xk = apply_rotary(xq, xk, freqs_cis)
+        return xq, xk, xv
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        bs, seq_len, _ = x.shape
+        xq, xk, xv = self.project(x, freqs_cis)
         out = attend(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), self.backend, mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))

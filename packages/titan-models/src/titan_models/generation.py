@@ -5,10 +5,10 @@ generator. A row stops at an end-of-sequence id, at a stop string (needs `decode
 holds no tokenizer), or after `max_new_tokens`; the others go on. Prompts of different lengths run
 as one left-padded batch.
 
-The KV cache (`titan_models.kv_cache`) follows Llama's attention (`Transformer`) only. Any other
-model (Qwen3's QK norm, Llama 4's no-rope and chunked layers, DeepSeek's latent attention) generates
-through its own forward over the whole sequence at every step, one prompt at a time (that forward
-has no mask for left padding): slower, but it computes exactly what training computes.
+Every family (Llama, Qwen3, Llama 4, DeepSeek-V3, gpt-oss) generates through the KV cache
+(`titan_models.kv_cache`). `generate(..., kv_cache=False)` instead runs the model's own forward over
+the whole sequence at every step, one prompt at a time (that forward has no mask for left padding):
+much slower, kept as the reference the cache is measured against (bench/generate_throughput.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from titan_models.errors import ModelError
-from titan_models.kv_cache import KVCache, _check_whole_model, forward_cached
-from titan_models.transformer import Transformer
+from titan_models.kv_cache import KVCache, _check_whole_model, forward_cached, supports_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +155,8 @@ class _Recomputed:
 
 
 def has_kv_cache(model: nn.Module) -> bool:
-    """Whether `generate` runs `model` through the KV cache (Llama's `Transformer`) or recomputes."""
-    return isinstance(model, Transformer)
+    """Whether `generate` can run `model` through the KV cache (every family Titan builds)."""
+    return supports_kv_cache(model)
 
 
 def _sync(device: torch.device) -> None:
@@ -173,24 +172,27 @@ def generate(
     *,
     decode: Callable[[list[int]], str] | None = None,
     pad_id: int = 0,
+    kv_cache: bool = True,
 ) -> Generation:
-    """Continue each prompt (a list of token ids) with `model`, a whole `Transformer` in eval mode.
+    """Continue each prompt (a list of token ids) with `model`, a whole decoder in eval mode.
 
     `decode` turns ids into text: needed for `stop_strings`, and gives `Generation.texts`. `pad_id`
-    fills the left padding (any id: padding is masked out).
+    fills the left padding (any id: padding is masked out). `kv_cache=False` recomputes every position
+    at every step, one prompt at a time (a reference for measuring the cache).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ModelError("generation: every prompt needs at least one token (e.g. the BOS id)")
     if params.stop_strings and decode is None:
         raise ModelError("generation: stop_strings need a decode function (token ids -> text)")
     _check_whole_model(model)
-    if has_kv_cache(model):
+    if kv_cache and has_kv_cache(model):
         return _generate(model, prompts, params, decode, pad_id, _Cached)
-    log.info(
-        "generation: %s has no KV cache (Llama only); every token recomputes its prompt's whole "
-        "sequence, one prompt at a time",
-        type(model).__name__,
-    )
+    if kv_cache:
+        log.warning(
+            "generation: %s has an attention the KV cache does not know; every token recomputes its "
+            "prompt's whole sequence, one prompt at a time",
+            type(model).__name__,
+        )
     rows = [_generate(model, [prompt], params, decode, pad_id, _Recomputed) for prompt in prompts]
     return Generation(
         [t for r in rows for t in r.tokens],

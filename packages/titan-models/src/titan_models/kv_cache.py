@@ -1,10 +1,11 @@
 """Keys and values kept between forwards, so generation computes each position once.
 
-The training forward (`Transformer.forward`) recomputes every position of its input. Here the prompt
-runs once (prefill) and each later forward appends one token: every block writes the new keys and
-values into static buffers and attends over what the buffers hold. It runs the model's own modules
-and rotary table (`model.freqs_cis`, so Llama 3.1 rope scaling included); nothing is copied or
-re-derived.
+The training forward (`Decoder.forward`) recomputes every position of its input. Here the prompt runs
+once (prefill) and each later forward appends one token: every block writes what its attention caches
+into static buffers and attends over what the buffers hold. It runs the model's own modules and
+rotary table (`model.freqs_cis`: Llama 3.1 scaling, YaRN included) for every family; what a family
+caches and how it attends differ only through its hook (`titan_models.cached_attention`). Feed-forwards
+and mixtures of experts run as in training: each token is routed alone, no capacity limit.
 
 Rows of a batch are left-padded to one length: padding slots are masked out of every attention, and
 each row counts its positions from its own first real token, so a padded row computes what it would
@@ -14,63 +15,75 @@ alone.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from titan_models.attention import Attention
+from titan_models.cached_attention import cache_hook
+from titan_models.deepseek_v3.attention import MultiHeadLatentAttention
 from titan_models.errors import ModelError
-from titan_models.rope import rotary_at, rotate
+from titan_models.gpt_oss.attention import GptOssAttention
+
+_CACHED_ATTENTIONS = (Attention, MultiHeadLatentAttention, GptOssAttention)
 
 
 class KVCache:
-    """Static key/value buffers of every block for `batch` rows of up to `max_len` slots.
+    """Static buffers of every block for `batch` rows of up to `max_len` slots.
 
-    `length` slots are filled, the same number in every row; `valid` marks the slots that hold a real
-    token (False: left padding).
+    `layers[i]` holds what block i's attention caches (shapes from its hook, the slot dimension second
+    to last). `length` slots are filled, the same number in every row; `valid` marks the slots that
+    hold a real token (False: left padding), `positions` each slot's position in its row.
     """
 
     def __init__(
         self,
-        n_layers: int,
+        layer_shapes: list[list[tuple[int, ...]]],
         batch: int,
         max_len: int,
-        kv_heads: int,
-        head_dim: int,
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.layers = [
+            [
+                torch.zeros(batch, *shape[:-1], max_len, shape[-1], dtype=dtype, device=device)
+                for shape in shapes
+            ]
+            for shapes in layer_shapes
+        ]
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.doc_ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.next_position = torch.zeros(batch, dtype=torch.long, device=device)
         self.next_doc = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_len = max_len
         self.length = 0
-        self.padded = False
 
     @classmethod
     def for_model(cls, model: nn.Module, batch: int, max_len: int) -> KVCache:
-        """Buffers shaped for `model` (a whole `Transformer`), in its parameters' dtype and device."""
+        """Buffers shaped for `model` (a whole decoder of any family), in its parameters' dtype and device."""
         _check_whole_model(model)
-        a = model.args
+        if not supports_kv_cache(model):
+            raise ModelError(f"model: {type(model).__name__} has an attention the KV cache does not know")
         if max_len > model.freqs_cis.shape[0]:
             raise ModelError(
                 f"model: generation needs {max_len} positions but the rotary table has {model.freqs_cis.shape[0]} "
                 "(max_seq_len); build the model with a larger max_seq_len, or ask for fewer tokens"
             )
         weight = model.tok_embeddings.weight
-        return cls(
-            a.n_layers, batch, max_len, a.kv_heads, a.head_dim, dtype=weight.dtype, device=weight.device
-        )
+        shapes = [cache_hook(b.attention).shapes(b.attention) for b in model.layers.values()]
+        return cls(shapes, batch, max_len, dtype=weight.dtype, device=weight.device)
+
+
+def supports_kv_cache(model: nn.Module) -> bool:
+    """Whether every block's attention is one the KV cache knows (every family Titan builds)."""
+    return all(isinstance(getattr(b, "attention", None), _CACHED_ATTENTIONS) for b in model.layers.values())
 
 
 def _check_whole_model(model: nn.Module) -> None:
     if model.tok_embeddings is None or model.norm is None or model.output is None:
         raise ModelError(
             "model: generation needs the whole model, not a pipeline stage; load the checkpoint into an "
-            "unsplit Transformer"
+            "unsplit model"
         )
 
 
@@ -92,32 +105,25 @@ def _attention_mask(cache: KVCache, start: int, end: int, doc_ids: torch.Tensor 
 def _attend(
     attention: nn.Module,
     x: torch.Tensor,
-    cos_sin: torch.Tensor,
+    freqs_cis: torch.Tensor,
     cache: KVCache,
     layer: int,
     start: int,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor,
 ) -> torch.Tensor:
+    """One block's attention of the new tokens `x` over its cache: the same steps for every family."""
+    hook = cache_hook(attention)
     bs, seq_len, _ = x.shape
     end = start + seq_len
-    hd = attention.head_dim
-    xq = attention.wq(x).view(bs, seq_len, -1, hd)
-    xk = attention.wk(x).view(bs, seq_len, -1, hd)
-    xv = attention.wv(x).view(bs, seq_len, -1, hd)
-    xq, xk = rotate(xq, cos_sin), rotate(xk, cos_sin)
-    keys, values = cache.keys[layer], cache.values[layer]
-    keys[:, :, start:end] = xk.transpose(1, 2)
-    values[:, :, start:end] = xv.transpose(1, 2)
-    # Plain causal prefill of unpadded rows needs no mask; one new token sees every filled slot.
-    causal = mask is None and seq_len > 1
-    out = F.scaled_dot_product_attention(
-        xq.transpose(1, 2),
-        keys[:, :, :end],
-        values[:, :, :end],
-        attn_mask=mask,
-        is_causal=causal,
-        enable_gqa=True,
-    )
+    query_pos = cache.positions[:, start:end]
+    q, new = hook.project(attention, x, freqs_cis, query_pos)
+    buffers = cache.layers[layer]
+    for buffer, entry in zip(buffers, new, strict=True):
+        buffer[..., start:end, :] = entry
+    first = hook.first_slot(attention, start)
+    k, v = hook.keys_values(attention, [buffer[..., first:end, :] for buffer in buffers])
+    mask = hook.restrict(attention, mask[..., first:end], query_pos, cache.positions[:, first:end])
+    out = hook.attend(attention, q, k, v, mask)
     return attention.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
 
 
@@ -138,12 +144,11 @@ def forward_cached(
         )
     if valid is None:
         valid = torch.ones_like(tokens, dtype=torch.bool)
-    elif start == 0:
-        cache.padded = not bool(valid.all())
     cache.valid[:, start:end] = valid
     # Positions count real tokens only: a left-padded row starts at 0 at its first real token.
     counted = torch.cumsum(valid, dim=1)
     positions = (cache.next_position[:, None] + counted - 1).clamp(min=0)
+    cache.positions[:, start:end] = positions
     cache.next_position += counted[:, -1]
     doc_ids = None
     if model.args.attn_mask_type == "block_causal":
@@ -153,13 +158,14 @@ def forward_cached(
         doc_ids = cache.next_doc[:, None] + seen - is_eos
         cache.doc_ids[:, start:end] = doc_ids
         cache.next_doc += seen[:, -1]
-    needs_mask = cache.padded or doc_ids is not None or (seq_len > 1 and start > 0)
-    mask = _attention_mask(cache, start, end, doc_ids) if needs_mask else None
+    mask = _attention_mask(cache, start, end, doc_ids)
 
-    cos_sin = rotary_at(model.freqs_cis, positions)
+    # The table's rows gathered per token: each family's own rotation takes them as it takes the table.
+    freqs_cis = model.freqs_cis[positions]
     h = model.tok_embeddings(tokens)
     for layer, block in enumerate(model.layers.values()):
-        h = h + _attend(block.attention, block.attention_norm(h), cos_sin, cache, layer, start, mask)
-        h = h + block.feed_forward(block.ffn_norm(h))
+        h = h + _attend(block.attention, block.attention_norm(h), freqs_cis, cache, layer, start, mask)
+        ffn = block.moe if block.moe_enabled else block.feed_forward
+        h = h + ffn(block.ffn_norm(h))
     cache.length = end
     return model.output(model.norm(h[:, -1]))

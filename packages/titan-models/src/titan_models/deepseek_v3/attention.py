@@ -46,7 +46,15 @@ class MultiHeadLatentAttention(nn.Module):
         # The kernels scale scores by 1/sqrt(qk_dim); folding the ratio into q gives YaRN's scale instead.
         self.q_factor = args.softmax_scale * qk_dim**0.5
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (batch, seq, heads, qk_head_dim), already scaled; the normalised key/value latent
+        (batch, seq, kv_lora_rank); the rotated key part every head shares (batch, seq, 1, rope_dim).
+
+        The latent and the shared key part are all that keys and values are made of (`expand`): a KV
+        cache keeps these two and not the per-head keys and values.
+        """
         bs, seq_len, _ = x.shape
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
         # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
@@ -55,9 +63,19 @@ class MultiHeadLatentAttention(nn.Module):
         kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         q_pe, k_pe = apply_rotary(q_pe, self.shared_rope_key(k_pe).unsqueeze(2), freqs_cis)
         q = torch.cat([q_nope, q_pe], dim=-1) * self.q_factor
+        return q, self.kv_norm(kv), k_pe
 
-        kv = self.wkv_b(self.kv_norm(kv)).view(bs, seq_len, -1, self.nope_dim + self.v_dim)
+    def expand(self, latent: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys (batch, seq, heads, qk_head_dim) and values (batch, seq, heads, v_head_dim)."""
+        bs, seq_len, _ = latent.shape
+        kv = self.wkv_b(latent).view(bs, seq_len, -1, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        return k, v
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+        bs, seq_len, _ = x.shape
+        q, latent, k_pe = self.project(x, freqs_cis)
+        k, v = self.expand(latent, k_pe)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.backend, mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))

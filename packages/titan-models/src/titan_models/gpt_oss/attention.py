@@ -71,6 +71,7 @@ class GptOssAttention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         self.sliding = args.uses_sliding_window(layer)
+        self.window = args.sliding_window_size if self.sliding else None
         self.scale = 1.0 / math.sqrt(args.head_dim)
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=True)
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=True)
@@ -78,7 +79,11 @@ class GptOssAttention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=True)
         self.sinks = nn.Parameter(torch.empty(args.n_heads))
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, masks: GptOssMasks) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries and keys and the values (batch, seq, heads, head_dim): what the forward attends
+        with and what the KV cache keeps."""
         bs, seq_len, _ = x.shape
         # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads (and of
         # the sinks, sharded alike by `gpt_oss.tensor_parallel_plan`).
@@ -86,10 +91,20 @@ class GptOssAttention(nn.Module):
         xk = self.wk(x).view(bs, seq_len, -1, self.head_dim)
         xv = self.wv(x).view(bs, seq_len, -1, self.head_dim)
         xq, xk = apply_rotary_half_split(xq, xk, freqs_cis)
+        return xq, xk, xv
+
+    def local_sinks(self) -> torch.Tensor:
+        """This rank's sinks, one per head it holds."""
+        return self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, masks: GptOssMasks) -> torch.Tensor:
+        bs, seq_len, _ = x.shape
+        xq, xk, xv = self.project(x, freqs_cis)
         if masks.gather_kv is not None:  # context parallel: every rank's keys, rotated at their positions
             xk, xv = masks.gather_kv(xk, 1), masks.gather_kv(xv, 1)
-        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
         mask = masks.sliding if self.sliding else masks.full
         attend = sink_attention_flex if isinstance(mask, BlockMask) else sink_attention_eager
-        out = attend(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), sinks, mask, self.scale)
+        out = attend(
+            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), self.local_sinks(), mask, self.scale
+        )
         return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))

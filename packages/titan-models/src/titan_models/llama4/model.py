@@ -29,21 +29,23 @@ class Llama4Attention(Attention):
     def __init__(self, args: Llama4Args, layer: int):
         super().__init__(args)
         self.use_rope = args.uses_rope(layer)
+        # Rope layers attend within chunks of this many positions (None: the whole context).
+        self.chunk = args.attn_chunk_size if self.use_rope else None
         self.qk_norm_eps = args.norm_eps if args.use_qk_norm and self.use_rope else None
         self.tune_temperature = args.attn_temperature_tuning and not self.use_rope
         self.floor_scale, self.attn_scale = args.floor_scale, args.attn_scale
 
-    def _temperature(self, seq_len: int, device) -> torch.Tensor:
-        """Per-position query scale: sharper attention far into a long context, where no rotation helps."""
-        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    def _temperature(self, positions: torch.Tensor) -> torch.Tensor:
+        """Query scale at `positions` (batch or 1, seq), each row's own (not its chunk's): sharper
+        attention far into a long context, where no rotation helps."""
+        pos = positions.to(torch.float32)
         scale = torch.log1p(torch.floor((pos + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
-        return scale.view(1, seq_len, 1, 1)
+        return scale[:, :, None, None]
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, masks: Llama4Masks) -> torch.Tensor:
-        bs, seq_len, _ = x.shape
-        xq = self.wq(x).view(bs, seq_len, -1, self.head_dim)
-        xk = self.wk(x).view(bs, seq_len, -1, self.head_dim)
-        xv = self.wv(x).view(bs, seq_len, -1, self.head_dim)
+    def project(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        xq, xk, xv = self.heads(x)
         if self.use_rope:
             xq, xk = apply_rotary(xq, xk, freqs_cis)
         if self.qk_norm_eps is not None:
@@ -51,7 +53,14 @@ class Llama4Attention(Attention):
             xq = F.rms_norm(xq.float(), shape, eps=self.qk_norm_eps).type_as(xq)
             xk = F.rms_norm(xk.float(), shape, eps=self.qk_norm_eps).type_as(xk)
         if self.tune_temperature:
-            xq = (xq * self._temperature(seq_len, x.device)).to(xv.dtype)
+            if positions is None:
+                positions = torch.arange(x.shape[1], device=x.device)[None]
+            xq = (xq * self._temperature(positions)).to(xv.dtype)
+        return xq, xk, xv
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, masks: Llama4Masks) -> torch.Tensor:
+        bs, seq_len, _ = x.shape
+        xq, xk, xv = self.project(x, freqs_cis)
         mask = masks.rope if self.use_rope else masks.nope
         out = attend(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), self.backend, mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))

@@ -12,8 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from titan_models.attention import Attention, attend
-from titan_models.attention_masks import AttentionMask
+from titan_models.attention import Attention
 from titan_models.decoder import Decoder
 from titan_models.decoder_block import DecoderBlock
 from titan_models.qwen3.args import Qwen3Args
@@ -30,17 +29,14 @@ class Qwen3Attention(Attention):
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        bs, seq_len, _ = x.shape
-        # -1 rather than n_heads: under tensor parallelism each rank holds a slice of the heads.
-        xq = self.wq(x).view(bs, seq_len, -1, self.head_dim)
-        xk = self.wk(x).view(bs, seq_len, -1, self.head_dim)
-        xv = self.wv(x).view(bs, seq_len, -1, self.head_dim)
+    def project(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        xq, xk, xv = self.heads(x)
         if self.q_norm is not None:
             xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rotary_half_split(xq, xk, freqs_cis)
-        out = attend(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), self.backend, mask)
-        return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
+        return xq, xk, xv
 
 
 def qwen3_block(args: Qwen3Args) -> DecoderBlock:
