@@ -15,6 +15,7 @@ from titan_models import llama3_args, to_hf_config
 from titan_models.qwen3 import Qwen3Args, Qwen3StateDictAdapter
 from titan_train.cli import run
 from titan_train.commands.checkpoint_model import load_checkpoint_model
+from titan_train.errors import ConfigError
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
@@ -159,6 +160,30 @@ BAD_INPUT = {
         "the adapters must sit on the quantised layers; list lora last (model.converters = "
         "['quantize.linear.float8', 'lora'])",
     ),
+    "qlora_kind": (
+        ("--lora.quantize_base", "int4"),
+        "config: lora.quantize_base = 'int4' is not one of '', 'nf4'",
+    ),
+    "qlora_float8": (
+        ("--model.converters", "quantize.linear.float8,lora", "--lora.quantize_base", "nf4"),
+        "config: lora.quantize_base = \"nf4\" with model.converters ['quantize.linear.float8']: a linear layer "
+        "holds either an NF4 base or a float8/MXFP8 one; drop one of them",
+    ),
+    "qlora_without_lora": (
+        ("--model.converters", "quantize.linear.float8", "--lora.quantize_base", "nf4"),
+        'config: lora.quantize_base = "nf4" quantises the base under LoRA adapters, but model.converters '
+        "['quantize.linear.float8'] has no lora; add it (model.converters = [..., \"lora\"])",
+    ),
+    "qlora_compile": (
+        ("--lora.quantize_base", "nf4", "--compile.enable"),
+        'config: lora.quantize_base = "nf4" with compile.enable: compiling NF4 matmuls is not tested; set '
+        "compile.enable = false",
+    ),
+    "qlora_blocks": (
+        ("--lora.quantize_base", "nf4", "--lora.nf4_scaler_block_size", "65536"),
+        "config: qlora: layers.0.attention.wq.weight has 65536 values, not a multiple of 64 x "
+        "lora.nf4_scaler_block_size (65536); choose a smaller nf4_scaler_block_size",
+    ),
 }
 
 
@@ -178,3 +203,25 @@ def test_bad_lora_settings_stop_at_start_in_one_line(case, tmp_path, caplog):
         assert run(argv) == 2
     (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert line == says
+
+
+@pytest.mark.parametrize("split", ["data_parallel_shard_degree", "tensor_parallel_degree"])
+def test_qlora_split_across_ranks_stops_at_start_in_one_line(split, small_config, tmp_path):
+    config = small_config(
+        tmp_path, "--model.converters", "lora", "--lora.quantize_base", "nf4", f"--parallelism.{split}", "2"
+    )
+    with pytest.raises(ConfigError) as err:
+        resolve(config, 2, "cpu")
+    name = {"data_parallel_shard_degree": "dp_shard", "tensor_parallel_degree": "tp"}[split]
+    assert str(err.value).startswith(
+        f"config: lora.quantize_base = \"nf4\" runs in one process; this run splits the model ({{'{name}': 2}})"
+    )
+
+
+def test_qlora_with_a_torchao_too_old_stops_at_start_in_one_line(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr("titan_train.wiring.qlora.torchao_version", lambda: "0.16.0")
+    argv = ["--job.dump_folder", str(tmp_path), "--training.seq_len", "32"]
+    with caplog.at_level(logging.ERROR):
+        assert run([*argv, "--model.converters", "lora", "--lora.quantize_base", "nf4"]) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line == "config: qlora: torchao 0.16.0 is too old for NF4 (to_nf4); install torchao>=0.17"

@@ -26,6 +26,7 @@ from titan_parallel.lora import (
     initial_lora_weight,
     is_adapter_parameter,
     linear_names,
+    target_linears,
 )
 from titan_parallel.mx import MXTraining, apply_mx
 from titan_parallel.options import ParallelOptions
@@ -43,7 +44,14 @@ from titan_parallel.protocols import (
     ParallelizableModel,
     TrainableModel,
 )
-from titan_parallel.qlora import quantize_base_to_nf4, stored_bytes
+from titan_parallel.qlora import (
+    dequantized,
+    is_nf4,
+    nf4_size_problem,
+    quantize_base_to_nf4,
+    stored_bytes,
+    torchao_nf4_problem,
+)
 from titan_parallel.tensor_parallel import TensorParallelOptions, apply_tp, loss_parallel_ctx
 
 __all__ = [
@@ -82,6 +90,7 @@ __all__ = [
     "apply_float8",
     "apply_fsdp",
     "apply_lora",
+    "target_linears",
     "apply_mx",
     "apply_tp",
     "blocks_of",
@@ -99,6 +108,10 @@ __all__ = [
     "parallelize",
     "quantize_base_to_nf4",
     "stored_bytes",
+    "dequantized",
+    "is_nf4",
+    "nf4_size_problem",
+    "torchao_nf4_problem",
     "pipeline_stages",
     "precompute_float8_scales",
     "sum_tokens_per_expert",
