@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
@@ -93,6 +94,8 @@ def test_peft_loads_the_exported_adapter_with_titans_logits_and_only_adapters_tr
         "--lora.target_modules",
         "q_proj,v_proj,down_proj,w3",
         "--checkpoint.last_save_in_hf",
+        "--checkpoint.interval",
+        "2",
         "--training.steps",
         "3",
     )
@@ -142,6 +145,19 @@ def test_peft_loads_the_exported_adapter_with_titans_logits_and_only_adapters_tr
         for weights in ("dcp", "hf"):
             loaded = load_checkpoint_model(config, export, device=torch.device("cpu"), weights=weights)
             assert (loaded.model(tokens) - ours).abs().max() <= 1e-5, weights
+
+        # An adapter-only step folder (step-2) reads its base from the Hugging Face folder it names: the same
+        # logits and greedy tokens as the whole step-3 model given step-2's adapters (read from its files).
+        step2 = tmp_path / "run" / "checkpoint" / "step-2"
+        from_adapters = load_checkpoint_model(config, step2, device=torch.device("cpu"), weights="dcp").model
+        whole = load_checkpoint_model(config, export, device=torch.device("cpu"), weights="dcp").model
+        adapters = {n: torch.empty_like(t) for n, t in whole.state_dict().items() if ".lora_" in n}
+        torch.distributed.checkpoint.load(adapters, checkpoint_id=str(step2), no_dist=True)
+        whole.load_state_dict(adapters, strict=False)
+        got, expected = from_adapters(tokens), whole(tokens)
+        assert (got - expected).abs().max() <= 1e-6
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        assert (expected - ours).abs().max() > 1e-5  # step-2's adapters are not step-3's
 
 
 BAD_INPUT = {
