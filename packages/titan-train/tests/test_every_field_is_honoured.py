@@ -221,6 +221,18 @@ def full_collections(s: Seen) -> int:
     return s.collections
 
 
+def base_storage(s: Seen) -> Any:
+    """How the first block's query weight is stored: its type, and NF4's block sizes where it is NF4."""
+    if s.outcome:
+        return s.outcome
+    weight = s.trainer.model_parts[0].layers["0"].attention.wq.weight
+    return (
+        type(weight).__name__,
+        getattr(weight, "block_size", None),
+        getattr(weight, "scaler_block_size", None),
+    )
+
+
 def files(s: Seen) -> list[str]:
     return [f for f in s.files() if not f.endswith("config.json")]
 
@@ -1047,6 +1059,14 @@ PROBES: dict[str, Probe] = {
     # step-1 holds the whole model (no frozen_base.json) once adapter-only saves are off
     "lora.save_adapter_only": Probe(
         ("--lora.save_adapter_only", "false"), files, base=(*LORA, *CKPT), train=True
+    ),
+    # the first block's query weight once training has loaded the base: NF4 (with these blocks) or as it was
+    "lora.quantize_base": Probe(("--lora.quantize_base", "nf4"), base_storage, base=LORA, train=True),
+    "lora.nf4_scaler_block_size": Probe(
+        ("--lora.nf4_scaler_block_size", "8"),
+        base_storage,
+        base=(*LORA, "--lora.quantize_base", "nf4"),
+        train=True,
     ),
     "health.on_nonfinite": Probe(
         ("--health.on_nonfinite", "skip"), status_and_metrics, base=DRILL, train=True

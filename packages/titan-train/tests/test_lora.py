@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
@@ -15,6 +16,7 @@ from titan_models import llama3_args, to_hf_config
 from titan_models.qwen3 import Qwen3Args, Qwen3StateDictAdapter
 from titan_train.cli import run
 from titan_train.commands.checkpoint_model import load_checkpoint_model
+from titan_train.errors import ConfigError
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
@@ -92,6 +94,8 @@ def test_peft_loads_the_exported_adapter_with_titans_logits_and_only_adapters_tr
         "--lora.target_modules",
         "q_proj,v_proj,down_proj,w3",
         "--checkpoint.last_save_in_hf",
+        "--checkpoint.interval",
+        "2",
         "--training.steps",
         "3",
     )
@@ -142,6 +146,19 @@ def test_peft_loads_the_exported_adapter_with_titans_logits_and_only_adapters_tr
             loaded = load_checkpoint_model(config, export, device=torch.device("cpu"), weights=weights)
             assert (loaded.model(tokens) - ours).abs().max() <= 1e-5, weights
 
+        # An adapter-only step folder (step-2) reads its base from the Hugging Face folder it names: the same
+        # logits and greedy tokens as the whole step-3 model given step-2's adapters (read from its files).
+        step2 = tmp_path / "run" / "checkpoint" / "step-2"
+        from_adapters = load_checkpoint_model(config, step2, device=torch.device("cpu"), weights="dcp").model
+        whole = load_checkpoint_model(config, export, device=torch.device("cpu"), weights="dcp").model
+        adapters = {n: torch.empty_like(t) for n, t in whole.state_dict().items() if ".lora_" in n}
+        torch.distributed.checkpoint.load(adapters, checkpoint_id=str(step2), no_dist=True)
+        whole.load_state_dict(adapters, strict=False)
+        got, expected = from_adapters(tokens), whole(tokens)
+        assert (got - expected).abs().max() <= 1e-6
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        assert (expected - ours).abs().max() > 1e-5  # step-2's adapters are not step-3's
+
 
 BAD_INPUT = {
     "rank": (("--lora.rank", "0"), "config: lora.rank must be at least 1, got 0"),
@@ -158,6 +175,30 @@ BAD_INPUT = {
         "config: model.converters ['lora', 'quantize.linear.float8'] puts lora before ['quantize.linear.float8']: "
         "the adapters must sit on the quantised layers; list lora last (model.converters = "
         "['quantize.linear.float8', 'lora'])",
+    ),
+    "qlora_kind": (
+        ("--lora.quantize_base", "int4"),
+        "config: lora.quantize_base = 'int4' is not one of '', 'nf4'",
+    ),
+    "qlora_float8": (
+        ("--model.converters", "quantize.linear.float8,lora", "--lora.quantize_base", "nf4"),
+        "config: lora.quantize_base = \"nf4\" with model.converters ['quantize.linear.float8']: a linear layer "
+        "holds either an NF4 base or a float8/MXFP8 one; drop one of them",
+    ),
+    "qlora_without_lora": (
+        ("--model.converters", "quantize.linear.float8", "--lora.quantize_base", "nf4"),
+        'config: lora.quantize_base = "nf4" quantises the base under LoRA adapters, but model.converters '
+        "['quantize.linear.float8'] has no lora; add it (model.converters = [..., \"lora\"])",
+    ),
+    "qlora_compile": (
+        ("--lora.quantize_base", "nf4", "--compile.enable"),
+        'config: lora.quantize_base = "nf4" with compile.enable: compiling NF4 matmuls is not tested; set '
+        "compile.enable = false",
+    ),
+    "qlora_blocks": (
+        ("--lora.quantize_base", "nf4", "--lora.nf4_scaler_block_size", "65536"),
+        "config: qlora: layers.0.attention.wq.weight has 65536 values, not a multiple of 64 x "
+        "lora.nf4_scaler_block_size (65536); choose a smaller nf4_scaler_block_size",
     ),
 }
 
@@ -178,3 +219,25 @@ def test_bad_lora_settings_stop_at_start_in_one_line(case, tmp_path, caplog):
         assert run(argv) == 2
     (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert line == says
+
+
+@pytest.mark.parametrize("split", ["data_parallel_shard_degree", "tensor_parallel_degree"])
+def test_qlora_split_across_ranks_stops_at_start_in_one_line(split, small_config, tmp_path):
+    config = small_config(
+        tmp_path, "--model.converters", "lora", "--lora.quantize_base", "nf4", f"--parallelism.{split}", "2"
+    )
+    with pytest.raises(ConfigError) as err:
+        resolve(config, 2, "cpu")
+    name = {"data_parallel_shard_degree": "dp_shard", "tensor_parallel_degree": "tp"}[split]
+    assert str(err.value).startswith(
+        f"config: lora.quantize_base = \"nf4\" runs in one process; this run splits the model ({{'{name}': 2}})"
+    )
+
+
+def test_qlora_with_a_torchao_too_old_stops_at_start_in_one_line(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr("titan_train.wiring.qlora.torchao_version", lambda: "0.16.0")
+    argv = ["--job.dump_folder", str(tmp_path), "--training.seq_len", "32"]
+    with caplog.at_level(logging.ERROR):
+        assert run([*argv, "--model.converters", "lora", "--lora.quantize_base", "nf4"]) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line == "config: qlora: torchao 0.16.0 is too old for NF4 (to_nf4); install torchao>=0.17"

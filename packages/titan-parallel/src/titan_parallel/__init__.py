@@ -26,6 +26,7 @@ from titan_parallel.lora import (
     initial_lora_weight,
     is_adapter_parameter,
     linear_names,
+    target_linears,
 )
 from titan_parallel.mx import MXTraining, apply_mx
 from titan_parallel.options import ParallelOptions
@@ -44,7 +45,14 @@ from titan_parallel.protocols import (
     ParallelizableModel,
     TrainableModel,
 )
-from titan_parallel.qlora import quantize_base_to_nf4, stored_bytes
+from titan_parallel.qlora import (
+    dequantized,
+    is_nf4,
+    nf4_size_problem,
+    quantize_base_to_nf4,
+    stored_bytes,
+    torchao_nf4_problem,
+)
 from titan_parallel.sequence_shard import SequenceShard
 from titan_parallel.tensor_parallel import TensorParallelOptions, apply_tp, loss_parallel_ctx
 
@@ -86,6 +94,7 @@ __all__ = [
     "apply_float8",
     "apply_fsdp",
     "apply_lora",
+    "target_linears",
     "apply_mx",
     "apply_tp",
     "blocks_of",
@@ -103,6 +112,10 @@ __all__ = [
     "parallelize",
     "quantize_base_to_nf4",
     "stored_bytes",
+    "dequantized",
+    "is_nf4",
+    "nf4_size_problem",
+    "torchao_nf4_problem",
     "pipeline_stages",
     "precompute_float8_scales",
     "sum_tokens_per_expert",

@@ -21,6 +21,7 @@ from titan_parallel.lora import adapter_names
 logger = logging.getLogger(__name__)
 
 NF4_BLOCK_SIZE = 64
+TORCHAO_FLOOR = (0, 17)  # the first torchao whose NF4 this module was checked against
 
 
 def nf4_quantizer():
@@ -31,6 +32,38 @@ def nf4_quantizer():
     except ImportError:
         from torchao.dtypes.nf4tensor import to_nf4
     return to_nf4
+
+
+def torchao_nf4_problem(version: str) -> str | None:
+    """Why the installed torchao (`version`, e.g. "0.18.0") cannot give QLoRA its NF4 base, or None."""
+    try:
+        found = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return f"qlora: cannot read the torchao version {version!r}; install torchao>=0.17"
+    if found < TORCHAO_FLOOR:
+        return f"qlora: torchao {version} is too old for NF4 (to_nf4); install torchao>=0.17"
+    return None
+
+
+def nf4_size_problem(name: str, numel: int, scaler_block_size: int) -> str | None:
+    """Why a weight of `numel` values cannot be stored in NF4 blocks, or None: NF4 cuts it into blocks of
+    64 values, and their scales into groups of `scaler_block_size`."""
+    if numel % (NF4_BLOCK_SIZE * scaler_block_size):
+        return (
+            f"qlora: {name}.weight has {numel} values, not a multiple of {NF4_BLOCK_SIZE} x "
+            f"lora.nf4_scaler_block_size ({scaler_block_size}); choose a smaller nf4_scaler_block_size"
+        )
+    return None
+
+
+def is_nf4(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` (or the data of a parameter) is torchao's NF4Tensor."""
+    return type(tensor).__name__ == "NF4Tensor"
+
+
+def dequantized(tensor: torch.Tensor) -> torch.Tensor:
+    """An NF4 tensor's values in its original dtype (what its matmuls compute with); other tensors as they are."""
+    return tensor.get_original_weight() if is_nf4(tensor) else tensor
 
 
 def quantize_base_to_nf4(model: nn.Module, scaler_block_size: int = 256) -> int:
@@ -49,11 +82,9 @@ def quantize_base_to_nf4(model: nn.Module, scaler_block_size: int = 256) -> int:
                 f"qlora: {name}.weight is split across ranks ({weight.placements}); an NF4 base needs whole weights "
                 "(one process, no FSDP or tensor parallelism)"
             )
-        if weight.numel() % (NF4_BLOCK_SIZE * scaler_block_size):
-            raise ParallelConfigError(
-                f"qlora: {name}.weight has {weight.numel()} values, not a multiple of {NF4_BLOCK_SIZE} x "
-                f"nf4_scaler_block_size ({scaler_block_size}); choose a smaller nf4_scaler_block_size"
-            )
+        problem = nf4_size_problem(name, weight.numel(), scaler_block_size)
+        if problem:
+            raise ParallelConfigError(problem)
         module.weight = nn.Parameter(
             to_nf4(weight.detach(), NF4_BLOCK_SIZE, scaler_block_size), requires_grad=False
         )

@@ -40,6 +40,7 @@ from titan_train.wiring.loss import build_loss_fn
 from titan_train.wiring.moe import moe_run_args
 from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps, parallel_options
 from titan_train.wiring.precision import compute_dtype, dtype_of
+from titan_train.wiring.qlora import qlora_problems
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     problems.extend(_context_parallel_problems(config, dims, args))
     problems.extend(moe_torch_problems(config, dims, bool(moe_layers_of(model)), torch.__version__))
     problems.extend(lora_target_problems(config, model))
+    problems.extend(qlora_problems(config, dims, model))
     if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
         try:
             pipeline_stages(model.pipeline_units(), list(blocks_of(model)), dims.pp, options.pipeline)

@@ -43,6 +43,7 @@ from titan_train.wiring.moe import MoEBalancing, MoEStepStats, has_experts
 from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
 from titan_train.wiring.precision import forward_context
+from titan_train.wiring.qlora import DequantizedModelState, qlora_enabled, quantize_parts
 from titan_train.wiring.stage_inputs import stage_inputs
 from titan_train.wiring.validation import Validator
 
@@ -143,7 +144,7 @@ class Trainer:
             lambda part: build_optimizer(config, part),
             lambda optimizer: build_lr_schedule(config, optimizer),
         )
-        self.state = TrainState()
+        self.state = TrainState(rank=info.rank)
         self.step_lr = config.optimizer.lr  # the lr of the last step taken, for its log line
         # A replica (one data-parallel rank's batch) spans tp * cp * pp devices.
         self.devices_per_replica = self.dims.tp * self.dims.cp * self.dims.pp
@@ -170,7 +171,7 @@ class Trainer:
         self.checkpointer = build_checkpointer(
             plan,
             {
-                "model": ModelState(self.model_parts),
+                "model": (DequantizedModelState if qlora_enabled(config) else ModelState)(self.model_parts),
                 "optimizer": OptimizerState(self.model_parts, self.optimizers.optimizers),
                 "lr_scheduler": self.optimizers.schedule_state(),
                 "dataloader": self.loader,
@@ -208,6 +209,7 @@ class Trainer:
         (the run stops there)."""
         self.state.training_steps = self.config.training.steps
         if self.checkpointer is None:
+            self._quantize_base()
             return False
         if self.config.checkpoint.create_seed_checkpoint:
             write_seed_checkpoint(self.checkpointer)
@@ -219,7 +221,13 @@ class Trainer:
             self.closing.callback(self.loader.close)
             self.checkpointer.states["dataloader"] = self.loader
         load_found(self.checkpointer, found, self.state, self.config.training.steps)
+        self._quantize_base()
         return False
+
+    def _quantize_base(self) -> None:
+        """QLoRA: the base, now loaded, into NF4 (see `titan_train.wiring.qlora`)."""
+        if qlora_enabled(self.config):
+            quantize_parts(self.model_parts, self.config)
 
     def _write_config(self, dump: Path) -> None:
         resolved = json.dumps(config_to_dict(self.config), indent=2)
@@ -418,6 +426,7 @@ class Trainer:
                 self.guard.begin_step(self.state.step + 1)
                 with stop_on_data_outage(self.state.step, self.checkpointer, self.loader):
                     fetch_seconds = batches.fetch()
+                    self.state.apply_saved_rng()  # after the data iterator drew its seed (see TrainState)
                     step = self.train_step(batches)
                 self.state.step += 1
                 self.state.tokens_seen += step.tokens * self.dims.dp_degree

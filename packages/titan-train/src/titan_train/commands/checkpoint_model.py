@@ -21,7 +21,9 @@ from safetensors import safe_open
 from torch import nn
 
 from titan_ckpt import TITAN_ONLY_PREFIX, Checkpointer, LoadPolicy, ModelState, SavePolicy
+from titan_ckpt.frozen_base import FROZEN_BASE_FILE
 from titan_data import Tokenizer
+from titan_parallel import adapter_names, dequantized, quantize_base_to_nf4
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.plan import run_model_args, with_positions
@@ -30,6 +32,8 @@ from titan_train.wiring.checkpointing import hf_adapter_for
 from titan_train.wiring.data import build_tokenizer_for
 from titan_train.wiring.hf_interop import hf_mapping
 from titan_train.wiring.lora import lora_enabled, lora_options
+from titan_train.wiring.lora_export import LoRAStateDictAdapter
+from titan_train.wiring.qlora import qlora_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +146,52 @@ def _warn_if_trained_state_is_missing(path: Path, adapter: Any, model: torch.nn.
         )
 
 
+def _load_frozen_base(
+    path: Path, model: nn.Module, family: ModelFamily, args: Any, config: JobConfig
+) -> None:
+    """Read the base of an adapter-only step folder from the Hugging Face folder its `frozen_base.json`
+    names (the adapters are read over it after); refuse, in one line, a base that cannot be read again."""
+    record = json.loads((path / FROZEN_BASE_FILE).read_text())
+    source = record.get("initial_load_path")
+    if not (source and record.get("initial_load_in_hf")) or not Path(source).exists():
+        where = f"from {source}" if source else f"from the run's own initialisation ({record.get('origin')})"
+        raise ConfigError(
+            f"checkpoint: {path} holds the trained adapters only; its frozen base came {where}, which generate and "
+            "eval read only from a Hugging Face folder that still exists: use a step folder that holds the whole "
+            "model (the run's last one)"
+        )
+    shapes = {
+        n: tuple(t.shape)
+        for n, t in model.state_dict().items()
+        if n.endswith((".lora_A.weight", ".lora_B.weight"))
+    }
+    adapter = LoRAStateDictAdapter(
+        hf_adapter_for(family, args),
+        scale=config.lora.alpha / config.lora.rank,
+        adapter_shapes=shapes,
+        seed=0,
+    )
+    base = Checkpointer(
+        Path(source),
+        {"model": ModelState([model])},
+        saving=SavePolicy(interval=1, load_only=True),
+        loading=LoadPolicy(
+            initial_load_path=Path(source),
+            initial_load_in_hf=True,
+            initial_load_in_hf_quantized=bool(record.get("initial_load_in_hf_quantized")),
+        ),
+        hf_adapter=adapter,
+    )
+    plan = base.plan_load()
+    base.load(replace(plan, message=f"{path} holds the adapters only: reading its frozen base from {source}"))
+    base.close()
+    if qlora_enabled(config):  # the run trained over the NF4 base: its dequantised values
+        quantize_base_to_nf4(model, config.lora.nf4_scaler_block_size)
+        for name in adapter_names(model):
+            linear = model.get_submodule(name)
+            linear.weight = nn.Parameter(dequantized(linear.weight), requires_grad=False)
+
+
 def load_checkpoint_model(
     config: JobConfig,
     checkpoint: str | Path,
@@ -184,6 +234,8 @@ def load_checkpoint_model(
         loading=LoadPolicy(initial_load_path=path, initial_load_in_hf=fmt == "hf"),
         hf_adapter=adapter,
     )
+    if fmt == "dcp" and (path / FROZEN_BASE_FILE).is_file():
+        _load_frozen_base(path, model, family, args, config)
     # The folder is the checkpoint itself, not a run's folder of step-N checkpoints: say what is loaded
     # instead of the run's "no checkpoint in X; loading initial weights from X".
     plan = checkpointer.plan_load()

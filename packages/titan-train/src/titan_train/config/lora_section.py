@@ -37,3 +37,17 @@ class LoRA:
         "rebuilds the same initialisation), and is refused if it is gone; the last save holds the whole model "
         "(torchtitan's name)",
     )
+    quantize_base: str = opt(
+        "",
+        "(torchtitan's name) QLoRA: \"nf4\" stores the frozen weights of the adapted layers in torchao's 4-bit "
+        "NormalFloat once the base is loaded (about 0.52 bytes a parameter), the adapters in training.dtype; "
+        '"" keeps the base as it is. One process only; not with float8/mx converters or compile',
+        choices=("", "nf4"),
+    )
+    nf4_scaler_block_size: int = opt(
+        256,
+        '(torchtitan\'s name) With quantize_base = "nf4": NF4 scales each block of 64 values, and quantises '
+        "those scales in groups of this many; every adapted weight's size must be a multiple of 64 x this",
+        minimum=1,
+        maximum=65536,
+    )

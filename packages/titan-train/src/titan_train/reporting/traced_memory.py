@@ -28,6 +28,7 @@ from titan_train.plan import RunPlan, counting_args
 from titan_train.wiring.model import build_model
 from titan_train.wiring.optimizers import build_optimizer
 from titan_train.wiring.precision import autocast_dtype
+from titan_train.wiring.qlora import qlora_enabled, quantize_parts
 from titan_train.wiring.stage_inputs import stage_inputs
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ def trace_step(
                 part.to_empty(device=device)
                 if target_device == "cuda":
                     use_cuda_kernel_memory(part)
+        if qlora_enabled(config):  # the base as training holds it once loaded: NF4 codes and scales
+            quantize_parts(parts, config)
         if pipeline is not None and dist.get_backend() == "fake":
             _declare_stage_shapes(pipeline, plan, args)
         optimizers = [build_optimizer(config, part) for part in parts]
@@ -200,7 +203,8 @@ def _create_optimizer_state(params: list, optimizers: list) -> None:
     """Step the optimizers once on zero gradients: the traced step then holds optimizer state, as every
     step but the first does."""
     for p in params:
-        p.grad = torch.zeros_like(p)
+        if p.requires_grad:  # a frozen base (LoRA's, QLoRA's NF4 one) has no gradient
+            p.grad = torch.zeros_like(p)
     for optimizer in optimizers:
         optimizer.step()
         optimizer.zero_grad()
