@@ -174,6 +174,25 @@ def shim_block_masks_on_cpu() -> None:
     attention._compiled_create_block_mask = create_on_cpu
 
 
+def shim_router_gate_bias_initialised() -> None:
+    """torchtitan 0.2.2's router initialises its gate's weight but not the bias gpt-oss gives it
+    (`TokenChoiceTopKRouter.init_weights`), so a seed checkpoint holds whatever memory held: measured
+    here, -1e9 and NaN in the debug model's biases, a NaN loss from step 1 and every token routed to
+    the same experts. Draw the bias like the weight (as Titan does); only the seed checkpoint's values
+    change, which both trainers then load."""
+    from torchtitan.models.moe.moe import TokenChoiceTopKRouter
+    from torchtitan.models.utils import trunc_normal_
+
+    init = TokenChoiceTopKRouter.init_weights
+
+    def init_with_bias(self, init_std: float):
+        init(self, init_std)
+        if self.gate.bias is not None:
+            trunc_normal_(self.gate.bias, mean=0.0, std=init_std)
+
+    TokenChoiceTopKRouter.init_weights = init_with_bias
+
+
 def shim_gpt_oss_blocks_in_float32() -> None:
     """torchtitan 0.2.2's gpt-oss casts every block to bfloat16 as it builds it, whatever
     mixed_precision_param says (`TransformerBlock(...).to(torch.bfloat16)` in gpt_oss/model/model.py):
@@ -262,6 +281,7 @@ SHIMS = (
     shim_grad_norm_float64,
     shim_flex_attention_dense_on_cpu,
     shim_block_masks_on_cpu,
+    shim_router_gate_bias_initialised,
     shim_gpt_oss_blocks_in_float32,
 )
 
