@@ -14,6 +14,7 @@ experts), so agreement is judged up to the first step whose counts differ, and t
     uv run python bench/parity_torchtitan.py                     # llama3, constant lr: the schedules agree
     uv run python bench/parity_torchtitan.py --schedule wsd      # warmup and decay: where they differ
     uv run python bench/parity_torchtitan.py --families deepseek_v3 qwen3_moe --steps 10
+    uv run python bench/parity_torchtitan.py --families gpt_oss --steps 10
 
 A family is one entry of FAMILIES: its torchtitan train config and its layouts.
 
@@ -73,13 +74,15 @@ class Family:
     layouts: tuple[str, ...]
 
 
-# Another family (gpt_oss, say) is one more entry: its torchtitan debug TOML and the layouts to run.
+# Another family is one more entry: its torchtitan debug TOML and the layouts to run.
 FAMILIES = {
     "llama3": Family(FIXTURES / "torchtitan_0.2_debug_model.toml", ("1 process", "FSDP 2", "TP 2")),
     "deepseek_v3": Family(
         FIXTURES / "torchtitan_0.2_deepseek_v3_debug_model.toml", ("1 process", "FSDP 2", "EP 2")
     ),
     "qwen3_moe": Family(FIXTURES / "torchtitan_0.2_qwen3_moe_debug.toml", ("1 process", "FSDP 2", "EP 2")),
+    # Flex attention only in torchtitan: on CPU the launcher computes it densely (its shims say how).
+    "gpt_oss": Family(FIXTURES / "torchtitan_0.2_gpt_oss_debug_model.toml", ("1 process", "FSDP 2", "EP 2")),
 }
 # constant: no warmup, no decay, so both schedules give the peak lr at every step.
 # wsd: warmup and linear decay, where Titan's schedule and torchtitan's differ (see docs/migrating-...).
@@ -208,6 +211,7 @@ def _common_flags(args, family: Family, corpus: Path) -> list[str]:
 
 def _torchtitan_env(work: Path, records: Path | None, float32_norm: bool) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_CACHE=str(work / "hf_cache"))
+    env["PARITY_GPT_OSS_FLOAT32"] = "1"  # see the launcher's shim_gpt_oss_blocks_in_float32
     env.pop("PARITY_RECORDS", None)
     if records is not None:
         env["PARITY_RECORDS"] = str(records)

@@ -122,6 +122,99 @@ def shim_grad_norm_float64() -> None:
     torch.nn.utils.get_total_norm = total_norm_float64
 
 
+def shim_flex_attention_dense_on_cpu() -> None:
+    """torchtitan's gpt-oss attends only through `torch.compile(flex_attention)`, which has no backward
+    on CPU ("FlexAttention does not support backward on CPU"): on CPU tensors, compute the same
+    attention densely instead (the block mask's own `mask_mod` expanded by torch's `create_mask`, an
+    explicit softmax and its natural-log log-sum-exp), which autograd differentiates. Its forward equals
+    eager flex_attention's to 2.4e-7 (lse) on causal and sliding-window masks with grouped-query heads."""
+    from torch.nn.attention.flex_attention import create_mask
+    from torchtitan.models.attention import FlexAttentionWrapper
+
+    compiled = FlexAttentionWrapper._compiled_flex_attn
+
+    def dense_attention(q, k, v, *, block_mask=None, scale=None, enable_gqa=False, return_lse=False, **kw):
+        if q.device.type != "cpu" or kw:
+            return compiled(
+                q,
+                k,
+                v,
+                block_mask=block_mask,
+                scale=scale,
+                enable_gqa=enable_gqa,
+                return_lse=return_lse,
+                **kw,
+            )
+        if enable_gqa and k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if block_mask is not None:
+            batch = block_mask.kv_num_blocks.shape[0]
+            mask = create_mask(block_mask.mask_mod, batch, 1, *block_mask.seq_lengths, device=q.device)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.softmax(scores, dim=-1) @ v
+        return (out, lse) if return_lse else out
+
+    FlexAttentionWrapper._compiled_flex_attn = dense_attention
+
+
+def shim_block_masks_on_cpu() -> None:
+    """torchtitan builds flex attention's block masks with `torch.compile(create_block_mask)` and no
+    device, so torch's default "cuda" ("Found no NVIDIA driver"): build them eagerly on the CPU, the same
+    mask (`shim_flex_attention_dense_on_cpu` reads only its `mask_mod` and lengths)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models import attention
+
+    def create_on_cpu(*args, **kwargs):
+        kwargs.setdefault("device", "cpu")
+        return create_block_mask(*args, **kwargs)
+
+    attention._compiled_create_block_mask = create_on_cpu
+
+
+def shim_router_gate_bias_initialised() -> None:
+    """torchtitan 0.2.2's router initialises its gate's weight but not the bias gpt-oss gives it
+    (`TokenChoiceTopKRouter.init_weights`), so a seed checkpoint holds whatever memory held: measured
+    here, -1e9 and NaN in the debug model's biases, a NaN loss from step 1 and every token routed to
+    the same experts. Draw the bias like the weight (as Titan does); only the seed checkpoint's values
+    change, which both trainers then load."""
+    from torchtitan.models.moe.moe import TokenChoiceTopKRouter
+    from torchtitan.models.utils import trunc_normal_
+
+    init = TokenChoiceTopKRouter.init_weights
+
+    def init_with_bias(self, init_std: float):
+        init(self, init_std)
+        if self.gate.bias is not None:
+            trunc_normal_(self.gate.bias, mean=0.0, std=init_std)
+
+    TokenChoiceTopKRouter.init_weights = init_with_bias
+
+
+def shim_gpt_oss_blocks_in_float32() -> None:
+    """torchtitan 0.2.2's gpt-oss casts every block to bfloat16 as it builds it, whatever
+    mixed_precision_param says (`TransformerBlock(...).to(torch.bfloat16)` in gpt_oss/model/model.py):
+    its weights and AdamW state are bfloat16, and on one process float32 stops at the first linear
+    ("mat1 and mat2 must have the same dtype"). With PARITY_GPT_OSS_FLOAT32=1 (the parity bench sets it)
+    the blocks stay in the default dtype, so the float32 comparison measures the trainers, not bfloat16
+    weights. It changes what torchtitan computes; the checkpoint fixture (tests/fixtures/torchtitan_moe)
+    is written without it, as torchtitan trains."""
+    if os.environ.get("PARITY_GPT_OSS_FLOAT32") != "1":
+        return
+    from torchtitan.models.gpt_oss.model.model import GptOssModel
+
+    build = GptOssModel.__init__
+
+    def build_in_default_dtype(self, model_args):
+        build(self, model_args)
+        for block in self.layers.values():
+            block.to(torch.get_default_dtype())
+
+    GptOssModel.__init__ = build_in_default_dtype
+
+
 def _count_routed_tokens() -> dict[int, torch.Tensor]:
     """Sum each router's tokens per expert (its third output) into the returned dict, keyed by router in
     the order the routers first run (layer order). A recomputing activation checkpoint would count twice:
@@ -186,6 +279,10 @@ SHIMS = (
     shim_histc_integer_counts,
     shim_moe_permute_indices_on_cpu,
     shim_grad_norm_float64,
+    shim_flex_attention_dense_on_cpu,
+    shim_block_masks_on_cpu,
+    shim_router_gate_bias_initialised,
+    shim_gpt_oss_blocks_in_float32,
 )
 
 

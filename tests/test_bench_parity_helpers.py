@@ -45,6 +45,10 @@ def test_the_printed_shims_are_the_launchers_shim_functions_with_their_first_sen
         "shim_histc_integer_counts",
         "shim_moe_permute_indices_on_cpu",
         "shim_grad_norm_float64",
+        "shim_flex_attention_dense_on_cpu",
+        "shim_block_masks_on_cpu",
+        "shim_router_gate_bias_initialised",
+        "shim_gpt_oss_blocks_in_float32",
     ]
     assert shims["shim_barrier_device_ids"].startswith("torchtitan calls `barrier(device_ids=")
     assert parity.relative_difference(2.0, 2.0002) == pytest.approx(1e-4)

@@ -32,6 +32,10 @@ from titan_train.errors import ConfigError
 REPO = Path(__file__).resolve().parents[3]
 DEBUG_CONFIG = REPO / "apps" / "configs" / "debug_model.toml"
 MISSING = "/nonexistent/titan-field-check"
+CHAT_ROWS = (
+    REPO / "packages" / "titan-data" / "src" / "titan_data" / "assets" / "chat_test" / "chat_test.jsonl"
+)
+CHAT = {"training.dataset": "chat", "training.dataset_path": str(CHAT_ROWS)}
 
 # The only fields that accept any value of their type, each with the reason. A new field must declare
 # what it accepts (`opt(..., minimum=..., choices=..., path=...)`) or be listed here.
@@ -205,6 +209,10 @@ def test_every_bad_value_of_every_field_is_refused_in_one_line_naming_the_field(
             },
             r"training.local_batch_size \(8\) is not a multiple of parallelism.pipeline_parallel_microbatch_size",
         ),
+        (
+            {"model.name": "gpt_oss", "model.flavor": "debugmodel", **CHAT},
+            r"training.dataset = 'chat' with sft.packing = true: model.name 'gpt_oss' builds its own attention",
+        ),
     ],
 )
 def test_combinations_of_fields_are_refused_naming_both(settings, message):
@@ -212,6 +220,18 @@ def test_combinations_of_fields_are_refused_naming_both(settings, message):
     for name, value in settings.items():
         _set(config, name, value)
     with pytest.raises(ConfigError, match=message):
+        validate_config(config)
+
+
+def test_packed_chat_rows_pass_where_the_model_takes_their_positions_or_rows_are_padded():
+    """The other side of gpt-oss's packing refusal: unpacked rows for it, packed rows for Llama."""
+    for settings in (
+        {"model.name": "gpt_oss", "model.flavor": "debugmodel", **CHAT, "sft.packing": False},
+        {**CHAT},
+    ):
+        config = JobConfig()
+        for name, value in settings.items():
+            _set(config, name, value)
         validate_config(config)
 
 
@@ -251,6 +271,12 @@ RUNS = [
         "negative_lr_resuming_from_a_checkpoint",
         ("--optimizer.lr", "-1", "--checkpoint.enable"),
         "config: optimizer.lr must be at least 0, got -1.0",
+    ),
+    (
+        "gpt_oss_on_packed_chat_rows",
+        ("--model.name", "gpt_oss", "--model.flavor", "debugmodel", "--training.dataset", "chat")
+        + ("--training.dataset_path", str(CHAT_ROWS), "--checkpoint.enable"),
+        "config: training.dataset = 'chat' with sft.packing = true: model.name 'gpt_oss'",
     ),
     (
         "validation_longer_than_training",

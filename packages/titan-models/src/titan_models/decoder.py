@@ -70,6 +70,13 @@ class Decoder(nn.Module):
         a = self.args
         return rotary_frequencies(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
 
+    @classmethod
+    def takes_positions(cls) -> bool:
+        """Whether `forward` takes per-token `positions` (packed chat rows): not where the family builds
+        its own attention masks (gpt-oss's windows and sinks, Llama 4's chunks), which have no
+        document mask from restarting positions yet. The trainer refuses packing at start with it."""
+        return cls._attention_masks is Decoder._attention_masks
+
     def _attention_masks(self, doc_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> Any:
         """What every block's attention takes as its mask (Llama 4 passes a pair)."""
         return build_attention_mask(self.args, doc_ids, device)
@@ -211,7 +218,7 @@ class Decoder(nn.Module):
     def _forward_at(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`forward` for rows with their own positions: the rotary table gathered per token, and a
         document mask found where positions restart."""
-        if type(self)._attention_masks is not Decoder._attention_masks:
+        if not self.takes_positions():
             raise ModelError(
                 f"model: {type(self).__name__} builds its own attention masks and does not take per-token "
                 "positions yet; fine-tune a Llama, Qwen3 or DeepSeek-V3 model, or train without packing"

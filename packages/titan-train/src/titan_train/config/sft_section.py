@@ -37,7 +37,8 @@ class Sft:
     packing: bool = opt(
         True,
         "(Titan) Pack whole conversations into training.seq_len rows (positions restart, attention stays "
-        "within each); false: one conversation per row, padded",
+        "within each); false: one conversation per row, padded (needed by gpt_oss and llama4, whose own "
+        "attention masks do not take packed positions yet)",
     )
     overlong: str = opt(
         "truncate",

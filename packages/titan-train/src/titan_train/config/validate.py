@@ -223,6 +223,14 @@ def _chat_data_fits_the_layout(config: Any) -> None:
                 f"config: {name}.dataset = 'chat' needs {name}.dataset_path: a .jsonl/.json/.parquet file or "
                 "folder of chat rows, or a Hugging Face dataset id"
             )
+    # A packed row's conversations are kept apart by positions that restart (`Decoder.takes_positions`).
+    build = get_model_family(config.model.name).build if chat and config.sft.packing else None
+    if build is not None and not getattr(build, "takes_positions", lambda: True)():
+        raise ConfigError(
+            f"config: {chat[0]}.dataset = 'chat' with sft.packing = true: model.name '{config.model.name}' "
+            "builds its own attention masks and cannot keep packed conversations apart yet; set "
+            "sft.packing = false (one conversation per row) or fine-tune a llama3, qwen3 or deepseek_v3 model"
+        )
     degree = config.parallelism.context_parallel_degree
     if chat and degree > 1:
         raise ConfigError(
