@@ -29,6 +29,8 @@ LONGEST_FIRST = (
     "tests/test_generate_eval.py",  # 158
     "packages/titan-train/tests/test_pipeline_replay.py",  # 133
     "tests/test_fault_multinode.py",  # 95
+    "tests/test_production_moe_expert_parallel.py",  # new, 139 under load 16-20
+    "tests/test_gpt_oss_context_parallel.py",  # new, 201-241 under load 12-25
     "packages/titan-parallel/tests/test_layouts.py",  # 88
     "tests/test_sft_debug_config.py",  # 86
     "packages/titan-parallel/tests/test_expert_parallel_layouts.py",  # 76
