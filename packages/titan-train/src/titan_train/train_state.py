@@ -17,9 +17,9 @@ class TrainState(Stateful):
     checkpoints from before the rename hold `tokens_seen`, read as `ntokens_seen` (`older_keys`).
 
     Each rank also saves its random generators' states under its own keys (`rng_state_rank<r>`, and
-    `cuda_rng_state_rank<r>` on a GPU), so that what draws from them after a resume (LoRA's dropout masks)
-    draws what the uninterrupted run drew; a checkpoint without them (older, or another world size) leaves
-    the generators as seeded. A loaded state waits for `apply_saved_rng`, called once the first batch is
+    `cuda_rng_state_rank<r>` on a GPU) and sets them again on resume; a checkpoint without them (older, or
+    another world size) leaves the generators as seeded. This is not yet enough for LoRA's dropout masks:
+    a resumed run with dropout > 0 still draws other masks from its first step (docs/lora.md, "Not yet"). A loaded state waits for `apply_saved_rng`, called once the first batch is
     fetched: creating the data iterator draws a seed from the generator, which the uninterrupted run did
     before its first step, not before the resumed one."""
 
