@@ -42,7 +42,7 @@ def _command(dump: Path, hf: Path, base: Path, *more: str) -> list[str]:
         "--lora.target_modules",
         "all-linear",
         "--lora.dropout",
-        "0.0",  # with 0.1 the first resumed step still draws other masks (docs/lora.md): not exact yet
+        "0.1",  # the resumed run must draw the uninterrupted run's dropout masks
         "--checkpoint.enable",
         "--checkpoint.initial_load_in_hf",
         "--checkpoint.initial_load_path",

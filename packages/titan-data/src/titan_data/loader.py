@@ -91,9 +91,15 @@ class TokenLoader(StatefulDataLoader):
             raise DataError(
                 "loader: persistent_workers and prefetch_factor apply to worker processes; set num_workers > 0"
             )
+        # Its own generator: each iteration draws a base seed for worker processes, and from the global
+        # generator that draw would shift every later random number (dropout masks) by when iteration began,
+        # so a resumed run, whose iteration begins at its first step, would draw other masks.
+        generator = torch.Generator()
         if num_workers == 0:
             # Workers would tokenise ahead of the saved position; see _WorkerWindows for how they don't.
-            super().__init__(_Batches(dataset, batch_size), batch_size=None, num_workers=0)
+            super().__init__(
+                _Batches(dataset, batch_size), batch_size=None, num_workers=0, generator=generator
+            )
         else:
             super().__init__(
                 _WorkerWindows(dataset, num_workers),
@@ -101,6 +107,7 @@ class TokenLoader(StatefulDataLoader):
                 num_workers=num_workers,
                 persistent_workers=persistent_workers,
                 prefetch_factor=prefetch_factor,
+                generator=generator,
             )
         self.packed, self.local_batch_size, self.pin = dataset, batch_size, pin_memory
         self._consumed: dict[str, bytes] = {}  # stream -> state after its last window handed out

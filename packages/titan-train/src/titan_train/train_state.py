@@ -18,11 +18,9 @@ class TrainState(Stateful):
 
     Each rank also saves its random generators' states under its own keys (`rng_state_rank<r>`, and
     `cuda_rng_state_rank<r>` on a GPU) and sets them again on resume; a checkpoint without them (older, or
-    another world size) leaves the generators as seeded. A loaded state waits for `apply_saved_rng`,
-    called once the first batch is fetched: creating the data iterator draws a seed from the generator,
-    which the uninterrupted run did before its first step, not before the resumed one. This is not yet
-    enough for LoRA's dropout masks: a resumed run with dropout > 0 still draws other masks from its first
-    step (docs/lora.md, "Not yet")."""
+    another world size) leaves the generators as seeded. A loaded state is set by `apply_saved_rng`, called
+    just before the first step, so that LoRA's dropout masks after a resume are the uninterrupted run's.
+    (The data loader draws its workers' base seed from a generator of its own, `titan_data.TokenLoader`.)"""
 
     step: int = 0
     tokens_seen: int = 0

@@ -426,7 +426,7 @@ class Trainer:
                 self.guard.begin_step(self.state.step + 1)
                 with stop_on_data_outage(self.state.step, self.checkpointer, self.loader):
                     fetch_seconds = batches.fetch()
-                    self.state.apply_saved_rng()  # after the data iterator drew its seed (see TrainState)
+                    self.state.apply_saved_rng()  # a resumed run's generators, just before its first step
                     step = self.train_step(batches)
                 self.state.step += 1
                 self.state.tokens_seen += step.tokens * self.dims.dp_degree
