@@ -104,10 +104,6 @@ class MoEBalancing:
         if self.layers:
             set_aux_loss_scale(model_parts, 1.0 / losses_per_step)
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self.layers)
-
     def _reduce(self, counts: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
             dist.all_reduce(counts, group=self.group)
@@ -127,7 +123,8 @@ class MoEBalancing:
         without experts. Every rank of the data-parallel x context-parallel group calls it."""
         if not self.layers and self.stage_group is None:
             return None
-        aux = [m.last_aux_loss.item() for m in self.layers.values() if m.last_aux_loss is not None]
+        losses = [m.last_aux_loss for m in self.layers.values() if m.last_aux_loss is not None]
+        aux = torch.stack(losses).tolist() if losses else []  # one device sync, not one per layer
         counts = {}
         if self.layers:
             self._counts = None
