@@ -13,6 +13,9 @@ import torch.distributed as dist
 FLOOR_CHECK = (
     "tests/test_dependency_rule.py::test_library_installs_alone_on_the_floor_torch_and_passes_its_tests"
 )
+# Files whose test ids begin with a group ("[<group>-...]"), each group a unit of work of its own: the layout
+# matrix's groups each start their own launches (tests/test_train_layouts.py, LAUNCH).
+SPLIT_BY_GROUP = ("tests/test_train_layouts.py",)
 LONGEST_FIRST = (
     f"{FLOOR_CHECK}[models]",  # 473
     f"{FLOOR_CHECK}[parallel]",  # 357
@@ -62,15 +65,20 @@ def pytest_collection_modifyitems(items):
 
 @pytest.hookimpl(optionalhook=True)  # the floor check runs library suites where xdist is not installed
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile`, except that each library's floor check is a unit of its own: in one unit they held one
-    worker for 17 minutes, the suite's longest path."""
+    """`--dist loadfile`, except that each library's floor check is a unit of its own (in one unit they held one
+    worker for 17 minutes, the suite's longest path), and so is each group of a SPLIT_BY_GROUP file."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class FloorChecksApart(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return nodeid if nodeid.startswith(FLOOR_CHECK) else super()._split_scope(nodeid)
+            if nodeid.startswith(FLOOR_CHECK):
+                return nodeid
+            scope = super()._split_scope(nodeid)
+            if scope in SPLIT_BY_GROUP and "[" in nodeid:
+                return scope + "::" + nodeid.split("[", 1)[1].split("-", 1)[0]
+            return scope
 
     return FloorChecksApart(config, log)
 

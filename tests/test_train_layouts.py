@@ -1,7 +1,7 @@
 """Every layout titan-train offers trains the run of one process, through the trainer itself.
 
-One torchrun launch per world size (1, 2 and 4 ranks, real gloo groups) runs titan-train's Trainer
-once per layout in the same processes (tests/workers/layout_matrix.py): the debug model cut to 2
+Each torchrun launch (1, 2 or 4 ranks, real gloo groups; a few per world size, see LAUNCH) runs titan-train's
+Trainer once per layout in the same processes (tests/workers/layout_matrix.py): the debug model cut to 2
 layers (4 for schedules with two stages per pipeline rank), seq 64, a global batch of 4 sequences
 dealt from 4 streams so that the data does not depend on the layout, 5 steps. Each layout is
 compared with one process on the same global batch, step by step, by loss and by grad_norm (the norm
@@ -597,12 +597,62 @@ LAYOUTS = {
         reference="one_process_chat",
         weights_atol=CHAT_WEIGHTS_ATOL,
     ),
-    "chat_cp": Layout(2, (*CHAT, CP, "2"), refused="its ring attention is causal only"),
+    "chat_cp": Layout(
+        2, (*CHAT, CP, "2"), reference="one_process_chat", refused="its ring attention is causal only"
+    ),
 }
+
+# The rows run in launches of their own, one torchrun per (group, world size), at most LAUNCH_ROWS rows each. A
+# group holds the one-process references its rows are compared with, and the suite hands each group to its own
+# xdist worker (conftest.py reads the group off the test id: "<group>-<row>"), so the groups run side by side
+# and no launch nears the per-test timeout on a loaded machine (one launch of every 2-rank row took 318 s
+# on this machine and more than 600 s in CI).
+GROUP_OF_REFERENCE = {
+    "one_process_moe": "moe",
+    "one_process_gpt_oss": "moe",
+    "one_process_shared": "moe",
+    "one_process_lora": "finetune",
+    "one_process_lora_moe": "finetune",
+    "one_process_chat": "finetune",
+}
+LAUNCH_ROWS = 14
+
+
+def _root(name: str) -> str:
+    """The one-process run at the end of a row's chain of references."""
+    while LAYOUTS[name].reference != name:
+        name = LAYOUTS[name].reference
+    return name
+
+
+GROUP = {name: GROUP_OF_REFERENCE.get(_root(name), "dense") for name in LAYOUTS}
+
+
+def _launches() -> dict[str, str]:
+    """Each row's launch, "<group>-<n>ranks-<k>": the rows of one group and world size in LAYOUTS' order (a
+    resumed row after the row whose save it reads), cut into the fewest launches of at most LAUNCH_ROWS rows,
+    of even size."""
+    rows = {}
+    for name, layout in LAYOUTS.items():
+        rows.setdefault((GROUP[name], layout.nproc), []).append(name)
+    launch = {}
+    for (group, nproc), names in rows.items():
+        count = -(-len(names) // LAUNCH_ROWS)
+        for i, name in enumerate(names):
+            launch[name] = f"{group}-{nproc}ranks-{i * count // len(names)}"
+    return launch
+
+
+LAUNCH = _launches()
+
+
+def row(name: str):
+    """A row as a test parameter, its id led by its group."""
+    return pytest.param(name, id=f"{GROUP[name]}-{name}")
 
 
 class Matrix:
-    """Launches the worker once per world size, on first use, and reads what each layout wrote."""
+    """Starts each launch (see LAUNCH) on first use of one of its rows, and reads what each row wrote."""
 
     def __init__(self, folder: Path):
         self.folder, self.results = folder, {}
@@ -610,19 +660,20 @@ class Matrix:
     def _flags(self, layout: Layout) -> list[str]:
         if layout.resumed_at is None:
             return [*BASE, *layout.flags]
-        saved = self.folder / f"ranks_{LAYOUTS[layout.reference].nproc}" / layout.reference / "checkpoint"
+        saved = self.folder / LAUNCH[layout.reference] / layout.reference / "checkpoint"
         resume = ["--checkpoint.folder", str(saved), "--checkpoint.load_step", str(layout.resumed_at)]
         return [*BASE, *layout.flags, *resume, "--checkpoint.load_only"]
 
-    def _launch(self, nproc: int) -> None:
-        # A run resumed here from another launch's save needs that launch first (one from this launch
-        # comes after it in LAYOUTS).
-        for layout in LAYOUTS.values():
-            if layout.nproc == nproc and layout.resumed_at and LAYOUTS[layout.reference].nproc != nproc:
-                self[layout.reference]
-        out = self.folder / f"ranks_{nproc}"
+    def _launch(self, launch: str) -> None:
+        # A run resumed here from another launch's save needs that launch first.
+        names = [name for name in LAYOUTS if LAUNCH[name] == launch]
+        for name in names:
+            reference = LAYOUTS[name].reference
+            if LAYOUTS[name].resumed_at and LAUNCH[reference] != launch:
+                self[reference]
+        out = self.folder / launch
         out.mkdir()
-        layouts = {name: self._flags(layout) for name, layout in LAYOUTS.items() if layout.nproc == nproc}
+        layouts = {name: self._flags(LAYOUTS[name]) for name in names}
         (out / "layouts.json").write_text(json.dumps(layouts))
         # One thread per rank, and inductor compiling in the rank itself: worker pools on 2 cores cost
         # more than they save (the one-rank launch takes 10x longer with 2 threads on a busy machine).
@@ -630,7 +681,7 @@ class Matrix:
             str(WORKER),
             str(out / "layouts.json"),
             str(out),
-            nproc=nproc,
+            nproc=LAYOUTS[names[0]].nproc,
             timeout=900,
             env={"TORCHINDUCTOR_COMPILE_THREADS": "1"},
         )
@@ -640,7 +691,7 @@ class Matrix:
 
     def __getitem__(self, name: str) -> dict:
         if name not in self.results:
-            self._launch(LAYOUTS[name].nproc)
+            self._launch(LAUNCH[name])
         return self.results[name]
 
     def metrics(self, name: str) -> dict[str, list[float]]:
@@ -679,14 +730,14 @@ def matrix(tmp_path_factory):
 
 def _trained() -> list:
     return [
-        name
+        row(name)
         for name, layout in LAYOUTS.items()
         if layout.refused is None and name != layout.reference and layout.resumed_at is None
     ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["one_process", "one_process_4_layers"])
+@pytest.mark.parametrize("name", [row("one_process"), row("one_process_4_layers")])
 def test_one_process_reference_trains_five_distinct_clipped_steps(matrix, name):
     run = matrix.metrics(name)
     assert len(set(run["loss"])) == STEPS and len(set(run["grad_norm"])) == STEPS
@@ -733,7 +784,7 @@ def test_layout_trains_the_one_process_run_by_loss_grad_norm_and_weights(matrix,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name, layout in LAYOUTS.items() if layout.resumed_at])
+@pytest.mark.parametrize("name", [row(name) for name, layout in LAYOUTS.items() if layout.resumed_at])
 def test_run_resumed_with_loader_workers_continues_the_run_it_resumes(matrix, name):
     """Workers read ahead of the step, yet a save holds the position of the batches trained on."""
     saved_by = LAYOUTS[name].reference
@@ -747,7 +798,7 @@ def _validation_losses(matrix, name: str) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["pp_1F1B_validation", "pp_tp"])
+@pytest.mark.parametrize("name", [row("pp_1F1B_validation"), row("pp_tp")])
 def test_validation_under_pipeline_parallelism_measures_the_loss_of_one_process(matrix, name):
     """The schedule's forward-only path, on the pipeline's last stage, gives the validation loss of one process."""
     got, want = _validation_losses(matrix, name), _validation_losses(matrix, "one_process")
@@ -755,13 +806,13 @@ def test_validation_under_pipeline_parallelism_measures_the_loss_of_one_process(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name, layout in LAYOUTS.items() if layout.refused])
+@pytest.mark.parametrize("name", [row(name) for name, layout in LAYOUTS.items() if layout.refused])
 def test_layout_the_trainer_cannot_run_is_refused_with_the_reason(matrix, name):
     assert LAYOUTS[name].refused in matrix[name].get("refused", "accepted")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2, 4])
-def test_each_layout_leaves_no_process_group_behind(matrix, nproc):
-    names = [name for name, layout in LAYOUTS.items() if layout.nproc == nproc]
+@pytest.mark.parametrize("launch", sorted(set(LAUNCH.values())))
+def test_each_layout_leaves_no_process_group_behind(matrix, launch):
+    names = [name for name in LAYOUTS if LAUNCH[name] == launch]
     assert [matrix[name]["groups_after"] for name in names] == [1] * len(names)
