@@ -85,3 +85,18 @@ def test_float8_block_quantised_hf_files_load_dequantised_into_fsdp_and_tensor_p
     # Each rank keeps exactly the rows (FSDP, column-wise TP) or columns (row-wise TP) of fp8 * scale.
     assert report["hf_fp8_max_diff"] == {"fsdp": 0.0, "tp": 0.0}
     assert report["hf_fp8_quantisation_error"] > 1e-3  # the files are float8, not the originals
+
+
+@pytest.mark.slow
+def test_mxfp4_expert_weights_load_decoded_into_every_split_of_an_expert_tensor(report):
+    """gpt-oss's published MXFP4 experts into a tensor whole, split by expert (FSDP, EP), by column across a
+    32-value group (48 of 96) and by row: each rank's part equals the values the codes and exponents mean,
+    decoded element by element in the worker from the E2M1 table. Planted: a column part read from its first
+    group's start instead of its offset in it failed the columns split."""
+    assert report["hf_mxfp4_max_diff"] == {"whole": 0.0, "experts": 0.0, "columns": 0.0, "rows": 0.0}
+    assert report["hf_mxfp4_local_shapes"] == {
+        "whole": [4, 96, 6],
+        "experts": [2, 96, 6],
+        "columns": [4, 48, 6],
+        "rows": [4, 96, 3],
+    }

@@ -2,8 +2,9 @@
 
 Saves with FSDP on 2 ranks, then loads into 1 rank and into tensor parallel 2; also covers async
 saves across ranks, a rank failing mid-write, a key missing on one rank only, Hugging Face
-export from FSDP imported into TP, and float8 block-quantised Hugging Face files into FSDP and TP. Uses raw torch parallelism (this package may not import
-titan-parallel).
+export from FSDP imported into TP, float8 block-quantised Hugging Face files into FSDP and TP, and gpt-oss's
+MXFP4 expert weights into each way of splitting a (experts, rows, columns) tensor. Uses raw torch parallelism
+(this package may not import titan-parallel).
 """
 
 import json
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from titan_ckpt import (
@@ -112,6 +113,33 @@ def quantized_files(tensors: dict, block: int) -> tuple[dict, dict]:
                 back[i * block : (i + 1) * block, j * block : (j + 1) * block] *= scale[i, j]
         dequantised[name] = back
     return files, dequantised
+
+
+# FP4 E2M1 magnitudes by the code's low three bits (bit 3 is the sign), as the OCP MX specification lists them.
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def mxfp4_meaning(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What MXFP4 `blocks` (E, rows, groups, 16) and `scales` (E, rows, groups) mean, value by value: each
+    byte holds two codes (low nibble first), each group of 32 values shares 2 ** (scale - 127)."""
+    e, rows, groups, _ = blocks.shape
+    out = torch.empty(e, rows, groups * 32, dtype=torch.float64)
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in blocks.shape)).tolist():
+        i, r, g, b = index
+        byte = int(blocks[i, r, g, b])
+        for half, code in enumerate((byte & 0x0F, byte >> 4)):
+            sign = -1.0 if code & 8 else 1.0
+            out[i, r, g * 32 + 2 * b + half] = sign * E2M1[code & 7] * 2.0 ** (int(scales[i, r, g]) - 127)
+    return out
+
+
+class Experts(nn.Module):
+    """One expert weight in transformers' layout (experts, columns, rows), split by `placement` or whole."""
+
+    def __init__(self, mesh, shape, placement):
+        super().__init__()
+        whole = torch.zeros(shape)
+        self.w = nn.Parameter(whole if placement is None else distribute_tensor(whole, mesh, [placement]))
 
 
 def fsdp_model(mesh, seed=0):
@@ -288,6 +316,40 @@ def main(out_path: str) -> None:
         ).load()
         report["hf_fp8_max_diff"][layout] = max_diff(get_model_state_dict(fp8_model, options=FULL), expected)
     report["hf_fp8_quantisation_error"] = max_diff(dequantised, reference)
+
+    # I: gpt-oss's MXFP4 expert weights (4 experts, 6 rows, 3 groups of 32 columns), every code and a range of
+    # exponents, into the whole tensor, experts split (FSDP, expert parallelism), columns split mid-group
+    # (48 of 96) and rows split (expert tensor parallelism): each rank keeps its part of the decoded values.
+    mx_folder = root / "i"
+    gen = torch.Generator().manual_seed(11)
+    blocks = torch.randint(0, 256, (4, 6, 3, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(117, 137, (4, 6, 3), dtype=torch.uint8, generator=gen)
+    if rank == 0:
+        mx_folder.mkdir()
+        save_file({"model.w_blocks": blocks, "model.w_scales": scales}, str(mx_folder / "model.safetensors"))
+        (mx_folder / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "mxfp4"}}))
+    dist.barrier()
+    meant = mxfp4_meaning(blocks, scales).transpose(
+        1, 2
+    )  # stored (E, rows, cols); transformers' (E, cols, rows)
+    report["hf_mxfp4_max_diff"] = {}
+    for layout, placement in (
+        ("whole", None),
+        ("experts", Shard(0)),
+        ("columns", Shard(1)),
+        ("rows", Shard(2)),
+    ):
+        experts = Experts(mesh, meant.shape, placement)
+        Checkpointer(
+            root / f"i_{layout}",
+            {"model": ModelState([experts])},
+            loading=LoadPolicy(initial_load_path=mx_folder, initial_load_in_hf=True),
+            hf_adapter=RenameAdapter(),
+        ).load()
+        got = experts.w.full_tensor() if isinstance(experts.w, DTensor) else experts.w.detach()
+        local = experts.w.to_local() if isinstance(experts.w, DTensor) else experts.w
+        report["hf_mxfp4_max_diff"][layout] = (got.double() - meant).abs().max().item()
+        report.setdefault("hf_mxfp4_local_shapes", {})[layout] = list(local.shape)
 
     if rank == 0:
         Path(out_path).write_text(json.dumps(report, indent=1))
