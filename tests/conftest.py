@@ -12,10 +12,13 @@ REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = REPO / "apps" / "configs" / "debug_model.toml"
 
 
-def run_train(dump: Path, *overrides: str, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run titan-train on the debug config (via apps/run_train.sh when nproc > 1)."""
+def run_train(
+    dump: Path, *overrides: str, nproc: int = 1, timeout: int = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run titan-train on the debug config (via apps/run_train.sh when nproc > 1), `env` added to this
+    process's environment."""
     args = ["--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if nproc > 1:
         cmd = [str(REPO / "apps" / "run_train.sh"), *args]
         env.update(

@@ -159,6 +159,15 @@ def tasks(tmp_path_factory) -> Path:
     return write_tasks(tmp_path_factory.mktemp("tasks"))
 
 
+@pytest.fixture(scope="module")
+def task_manager(tasks):
+    """One lm-eval task index of the local tasks alone, for both backends: indexing lm-eval's own thousands
+    of task YAML files took most of a CPU-minute per index and none of them runs here."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(tasks), include_defaults=False)
+
+
 def write_tasks(folder: Path) -> Path:
     """Three lm-eval tasks over JSON files of the bundled corpus: multiple choice, rolling perplexity,
     and generation until a stop string."""
@@ -198,20 +207,21 @@ def write_tasks(folder: Path) -> Path:
 TASK_NAMES = ["titan_local_mc", "titan_local_ppl", "titan_local_gen"]
 
 
-def _evaluate(model, tasks: Path) -> dict:
+def _evaluate(model, task_manager) -> dict:
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     return lm_eval.simple_evaluate(
         model=model,
         tasks=TASK_NAMES,
-        task_manager=TaskManager(include_path=str(tasks)),
+        task_manager=task_manager,
         log_samples=True,
         bootstrap_iters=0,
     )
 
 
-def test_lm_eval_hf_backend_on_the_export_and_titan_on_the_dcp_files_score_the_same(runs, tasks, monkeypatch):
+def test_lm_eval_hf_backend_on_the_export_and_titan_on_the_dcp_files_score_the_same(
+    runs, task_manager, monkeypatch
+):
     from lm_eval.models.huggingface import HFLM
 
     from titan_train.commands.lm_eval_model import TitanLM
@@ -223,11 +233,12 @@ def test_lm_eval_hf_backend_on_the_export_and_titan_on_the_dcp_files_score_the_s
         _config(), step, device=torch.device("cpu"), weights="dcp", max_seq_len=256
     )
     titan = _evaluate(
-        TitanLM(loaded.model, loaded.tokenizer, batch_size=4, max_length=loaded.max_seq_len), tasks
+        TitanLM(loaded.model, loaded.tokenizer, batch_size=4, max_length=loaded.max_seq_len), task_manager
     )
     try:
         hf = _evaluate(
-            HFLM(pretrained=str(step), max_length=256, batch_size=4, device="cpu", dtype="float32"), tasks
+            HFLM(pretrained=str(step), max_length=256, batch_size=4, device="cpu", dtype="float32"),
+            task_manager,
         )
     finally:
         # lm-eval's HF backend (through accelerate) left a default process group initialized in CI, which
