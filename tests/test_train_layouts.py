@@ -198,6 +198,7 @@ EP, ETP = f"{P}expert_parallel_degree", f"{P}expert_tensor_parallel_degree"
 GPT_OSS = ("--model.name", "gpt_oss", "--model.flavor", "tiny")
 GPT_OSS_WEIGHTS_REL = 2e-4
 LORA = ("--model.converters", "lora", "--lora.target_modules", "all-linear", "--lora.rank", "4")
+QLORA = (*LORA, "--lora.quantize_base", "nf4")
 # Chat rows (the bundled arithmetic conversations, 40-90 tokens), packed two or three to a row of 128 with
 # positions restarting per conversation, loss on the assistant turns: every row trains on another share of
 # its tokens, so each layout must weigh its micro-batches by their trained tokens to match one process.
@@ -514,6 +515,14 @@ LAYOUTS = {
     "one_process_lora": Layout(1, LORA, {"degrees": {}, "fsdp": False}, reference="one_process_lora"),
     "lora_fsdp": Layout(
         2, (*LORA, *local_batch(2)), {"degrees": {"dp_shard": 2}, "fsdp": True}, reference="one_process_lora"
+    ),
+    # QLoRA (the adapted layers' frozen base in NF4) under FSDP 2 against QLoRA in one process: the same NF4 codes.
+    "one_process_qlora": Layout(1, QLORA, {"degrees": {}, "fsdp": False}, reference="one_process_qlora"),
+    "qlora_fsdp": Layout(
+        2,
+        (*QLORA, *local_batch(2)),
+        {"degrees": {"dp_shard": 2}, "fsdp": True, "wq_local_type": "NF4Tensor"},
+        reference="one_process_qlora",
     ),
     "lora_pp_1F1B": Layout(
         2,
