@@ -77,9 +77,8 @@ def quantize_sharded_weight(
             f"qlora: FSDP holds {name}.weight as {fsdp_param.fsdp_placement}, resharded after forward onto another "
             "mesh; an NF4 base needs FSDP's default dim-0 shards"
         )
-    whole = weight.full_tensor().to(
-        fsdp_param.device
-    )  # a collective: every rank of the weight's mesh quantises the same values
+    # A collective: every rank of the weight's mesh quantises the same values.
+    whole = weight.full_tensor().to(fsdp_param.device)
     frozen = nn.Parameter(quantize(whole), requires_grad=False)
     del whole
     fsdp_param._init_sharded_param(frozen, fsdp_param.device, None, fsdp_param.mesh_info)
