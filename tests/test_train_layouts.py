@@ -524,6 +524,12 @@ LAYOUTS = {
         {"degrees": {"dp_shard": 2}, "fsdp": True, "wq_local_type": "NF4Tensor"},
         reference="one_process_qlora",
     ),
+    "qlora_hsdp": Layout(
+        4,
+        (*QLORA, REPLICATE, "2", *local_batch(1)),
+        {"degrees": {"dp_replicate": 2, "dp_shard": 2}, "wq_local_type": "NF4Tensor"},
+        reference="one_process_qlora",
+    ),
     "lora_pp_1F1B": Layout(
         2,
         (*LORA, *pp("1F1B")),

@@ -237,8 +237,9 @@ def test_qlora_split_other_than_fsdp_stops_at_start_in_one_line(split, small_con
     with pytest.raises(ConfigError) as err:
         resolve(config, 2, "cpu")
     assert (
-        f'config: lora.quantize_base = "nf4" runs in one process or under FSDP 2 (dp_shard); this run also splits '
-        f"the model by {{'{QLORA_SPLITS[split]}': 2}}, which no test covers for an NF4 base"
+        'config: lora.quantize_base = "nf4" runs in one process or under FSDP 2 (dp_shard, or HSDP with '
+        f"dp_replicate); this run also splits the model by {{'{QLORA_SPLITS[split]}': 2}}, which no test covers for "
+        "an NF4 base"
     ) in str(err.value)
     assert "set those degrees to 1 and shard with dp_shard, or train LoRA without quantize_base" in str(
         err.value

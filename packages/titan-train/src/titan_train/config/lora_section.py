@@ -41,8 +41,8 @@ class LoRA:
         "",
         "(torchtitan's name) QLoRA: \"nf4\" stores the frozen weights of the adapted layers in torchao's 4-bit "
         "NormalFloat once the base is loaded (about 0.52 bytes a parameter), the adapters in training.dtype; "
-        '"" keeps the base as it is. One process or FSDP 2 (dp_shard, the NF4 base sharded); refused with tp, cp, '
-        "pp, ep, dp_replicate, float8/mx converters or compile",
+        '"" keeps the base as it is. One process or FSDP 2 (dp_shard, the NF4 base sharded; HSDP too); refused with '
+        "tp, cp, pp, ep, dp_replicate without dp_shard, float8/mx converters or compile",
         choices=("", "nf4"),
     )
     nf4_scaler_block_size: int = opt(

@@ -1,6 +1,6 @@
 """QLoRA from `[lora] quantize_base = "nf4"`: the refusals at start, the quantisation after the base is loaded,
 and the model state that saves and exports the base dequantised. It runs in one process or under FSDP 2
-(dp_shard), where each weight is quantised whole after the load and FSDP shards the NF4 tensor
+(dp_shard, and HSDP), where each weight is quantised whole after the load and FSDP shards the NF4 tensor
 (`titan_parallel.nf4_fsdp` says why not shard by shard); every other split is refused at start.
 
 The base is quantised once it holds its final values: after the initial load or the resume (whose frozen base
@@ -67,10 +67,11 @@ def qlora_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) -> l
             f'config: lora.quantize_base = "nf4" with model.converters {float8}: a linear layer holds either an '
             "NF4 base or a float8/MXFP8 one; drop one of them"
         )
+    # dp_replicate with dp_shard is HSDP, which runs: FSDP's shards, replicated.
     split = {
         name: degree
         for name, degree in (
-            ("dp_replicate", dims.dp_replicate),
+            ("dp_replicate", dims.dp_replicate if dims.dp_shard == 1 else 1),
             ("tp", dims.tp),
             ("cp", dims.cp),
             ("pp", dims.pp),
@@ -80,10 +81,10 @@ def qlora_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) -> l
     }
     if split:
         problems.append(
-            f'config: lora.quantize_base = "nf4" runs in one process or under FSDP 2 (dp_shard); this run also '
-            f"splits the model by {split}, which no test covers for an NF4 base (tensor, context, expert and "
-            "pipeline splits, and replicas, are not wired for NF4 weights): set those degrees to 1 and shard "
-            "with dp_shard, or train LoRA without quantize_base"
+            'config: lora.quantize_base = "nf4" runs in one process or under FSDP 2 (dp_shard, or HSDP with '
+            f"dp_replicate); this run also splits the model by {split}, which no test covers for an NF4 base "
+            "(tensor, context, expert and pipeline splits, and replicas without dp_shard, are not wired for NF4 "
+            "weights): set those degrees to 1 and shard with dp_shard, or train LoRA without quantize_base"
         )
     if config.compile.enable and "model" in config.compile.components:
         problems.append(
