@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from titan_parallel import moe_layers_of
+from titan_parallel import dequantized, moe_layers_of
 from titan_train.cli import USER_ERRORS, plan_run, train_joined
 from titan_train.config import load_job_config
 from titan_train.distributed import init_distributed, shutdown
@@ -66,7 +66,8 @@ def write_weights(trainer: Trainer, path: Path) -> None:
     mesh = trainer.dims.mesh
     coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True))
     if all(c == 0 for name, c in coordinate.items() if name != "pp"):
-        torch.save({k: v.detach().cpu() for k, v in state.items()}, path)
+        # A QLoRA base is written as the values it trains against (torch.load takes no NF4 tensors).
+        torch.save({k: dequantized(v.detach()).cpu() for k, v in state.items()}, path)
 
 
 def release_groups_since(groups_before: set) -> None:

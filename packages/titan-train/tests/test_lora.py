@@ -221,16 +221,47 @@ def test_bad_lora_settings_stop_at_start_in_one_line(case, tmp_path, caplog):
     assert line == says
 
 
-@pytest.mark.parametrize("split", ["data_parallel_shard_degree", "tensor_parallel_degree"])
-def test_qlora_split_across_ranks_stops_at_start_in_one_line(split, small_config, tmp_path):
+QLORA_SPLITS = {
+    "tensor_parallel_degree": "tp",
+    "context_parallel_degree": "cp",
+    "pipeline_parallel_degree": "pp",
+    "data_parallel_replicate_degree": "dp_replicate",
+}
+
+
+@pytest.mark.parametrize("split", list(QLORA_SPLITS))
+def test_qlora_split_other_than_fsdp_stops_at_start_in_one_line(split, small_config, tmp_path):
     config = small_config(
         tmp_path, "--model.converters", "lora", "--lora.quantize_base", "nf4", f"--parallelism.{split}", "2"
     )
     with pytest.raises(ConfigError) as err:
         resolve(config, 2, "cpu")
-    name = {"data_parallel_shard_degree": "dp_shard", "tensor_parallel_degree": "tp"}[split]
-    assert str(err.value).startswith(
-        f"config: lora.quantize_base = \"nf4\" runs in one process; this run splits the model ({{'{name}': 2}})"
+    assert (
+        'config: lora.quantize_base = "nf4" runs in one process or under FSDP 2 (dp_shard, or HSDP with '
+        f"dp_replicate); this run also splits the model by {{'{QLORA_SPLITS[split]}': 2}}, which no test covers for "
+        "an NF4 base"
+    ) in str(err.value)
+    assert "set those degrees to 1 and shard with dp_shard, or train LoRA without quantize_base" in str(
+        err.value
+    )
+
+
+def test_qlora_under_fsdp_needs_whole_nf4_groups_in_each_shard(small_config, tmp_path):
+    """FSDP 2 is accepted; a shard that would cut a group of NF4 blocks (here 65536 values over 2 ranks) is not."""
+    flags = (
+        "--model.converters",
+        "lora",
+        "--lora.quantize_base",
+        "nf4",
+        "--parallelism.data_parallel_shard_degree",
+    )
+    assert resolve(small_config(tmp_path, *flags, "2"), 2, "cpu").dims.dp_shard == 2
+    with pytest.raises(ConfigError) as err:
+        resolve(small_config(tmp_path, *flags, "2", "--lora.nf4_scaler_block_size", "1024"), 2, "cpu")
+    assert str(err.value) == (
+        "config: qlora: layers.0.attention.wq.weight [256, 256] cannot be split into 2 NF4 shards: its dim 0 must "
+        "divide by 2 and each shard's values by 65536 (64 x lora.nf4_scaler_block_size); choose a smaller "
+        "nf4_scaler_block_size or fewer dp_shard ranks"
     )
 
 
@@ -241,3 +272,24 @@ def test_qlora_with_a_torchao_too_old_stops_at_start_in_one_line(tmp_path, caplo
         assert run([*argv, "--model.converters", "lora", "--lora.quantize_base", "nf4"]) == 2
     (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert line == "config: qlora: torchao 0.16.0 is too old for NF4 (to_nf4); install torchao>=0.17"
+
+
+def test_qlora_under_fsdp_on_a_torch_older_than_2_15_stops_at_start_in_one_line(
+    small_config, tmp_path, monkeypatch
+):
+    """The NF4 re-sharding calls FSDP internals as torch 2.15 has them (2.11's take other arguments)."""
+    monkeypatch.setattr("torch.__version__", "2.11.0")
+    flags = (
+        "--model.converters",
+        "lora",
+        "--lora.quantize_base",
+        "nf4",
+        "--parallelism.data_parallel_shard_degree",
+    )
+    with pytest.raises(ConfigError) as err:
+        resolve(small_config(tmp_path, *flags, "2"), 2, "cpu")
+    assert str(err.value) == (
+        "config: qlora: an NF4 base under FSDP needs torch >= 2.15 (this is torch 2.11.0; Titan re-shards the "
+        "quantised weights through FSDP internals as 2.15 has them); upgrade torch, or train QLoRA on one process"
+    )
+    assert resolve(small_config(tmp_path, *flags, "1"), 1, "cpu").dims.dp_shard == 1  # one process still runs

@@ -3,7 +3,7 @@ the adapters, their optimizer state and the run's state, not the base; a run kil
 from one (the base read again from its Hugging Face files) with the losses of an uninterrupted run (the
 killed run's own, logged before it died: one run fewer, for CI's time); a
 resume whose base is gone is refused at start in one line. The same holds for QLoRA (`lora.quantize_base =
-"nf4"`): the resume reads the base again and quantises it into the same NF4 codes."""
+"nf4"`): the resume reads the base again and quantises it into the same NF4 codes, also under FSDP 2 (2 ranks)."""
 
 import json
 import os
@@ -161,3 +161,64 @@ def test_adapter_only_checkpoints_resume_after_sigkill_with_the_uninterrupted_lo
     errors = [line for line in (refused.stdout + refused.stderr).splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "step-3 holds the trained weights only" in errors[0], errors
     assert f"frozen base comes from {base.resolve()}" in errors[0] and "does not exist" in errors[0]
+
+
+@pytest.mark.slow
+def test_qlora_under_fsdp_resumes_an_adapter_only_save_with_the_uninterrupted_losses(tmp_path):
+    """QLoRA on 2 ranks with FSDP 2: periodic saves hold only the adapters, the last one the NF4 base dequantised
+    (torchao's round trip of the imported weight, gathered from FSDP's NF4 shards), and a run resumed from step 3
+    (the base read again, quantised whole and re-sharded) logs the uninterrupted run's losses bit for bit."""
+    from safetensors.torch import load_file
+    from torchao.quantization import to_nf4
+
+    from titan_train.torchrun import run_torchrun
+
+    hf, base = tmp_path / "hf", tmp_path / "base"
+    _save_hf_model(hf, FAMILIES["llama3"]())
+    shutil.copytree(hf, base)
+    fsdp = (
+        "--lora.quantize_base",
+        "nf4",
+        "--lora.nf4_scaler_block_size",
+        "8",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+    )
+
+    def launch(dump: Path, *more: str) -> str:
+        command = _command(dump, hf, base, *fsdp, *more)[1:]  # "-m titan_train.cli ..." under torchrun
+        done = run_torchrun(*command, nproc=2, timeout=900, cwd=REPO, env={"PYTHONUNBUFFERED": "1"})
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        return done.stdout + done.stderr
+
+    whole = tmp_path / "uninterrupted"
+    launch(whole)
+    expected = _losses(whole)
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    keys = FileSystemReader(str(whole / "checkpoint" / "step-3")).read_metadata().state_dict_metadata
+    model_keys = [
+        k
+        for k in keys
+        if k.split(".", 1)[0] not in ("optimizer", "lr_scheduler", "dataloader", "train_state")
+    ]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
+
+    resumed = tmp_path / "resumed"
+    log = launch(
+        resumed,
+        "--checkpoint.folder",
+        str(whole / "checkpoint"),
+        "--checkpoint.load_step",
+        "3",
+        "--checkpoint.load_only",
+    )
+    assert "resuming from step-3" in log and f"reading the frozen base from {base.resolve()}" in log
+    got = _losses(resumed)
+    assert [got[s] for s in (4, 5, 6)] == [expected[s] for s in (4, 5, 6)]
+
+    down = load_file(next(base.glob("*.safetensors")))["model.layers.1.mlp.down_proj.weight"]
+    state = {"layers.1.feed_forward.w2.weight": torch.empty(down.shape)}
+    torch.distributed.checkpoint.load(
+        state, checkpoint_id=str(whole / "checkpoint" / f"step-{STEPS}"), no_dist=True
+    )
+    assert torch.equal(state["layers.1.feed_forward.w2.weight"], to_nf4(down, 64, 8).get_original_weight())

@@ -29,6 +29,7 @@ from titan_parallel.lora import (
     target_linears,
 )
 from titan_parallel.mx import MXTraining, apply_mx
+from titan_parallel.nf4_fsdp import nf4_fsdp_torch_problem, nf4_shard_problem
 from titan_parallel.options import ParallelOptions
 from titan_parallel.parallel_dims import ParallelDims
 from titan_parallel.parallelize import parallelize, training_context
@@ -46,6 +47,7 @@ from titan_parallel.protocols import (
     TrainableModel,
 )
 from titan_parallel.qlora import (
+    NF4_BLOCK_SIZE,
     dequantized,
     is_nf4,
     nf4_size_problem,
@@ -115,6 +117,9 @@ __all__ = [
     "dequantized",
     "is_nf4",
     "nf4_size_problem",
+    "nf4_fsdp_torch_problem",
+    "nf4_shard_problem",
+    "NF4_BLOCK_SIZE",
     "torchao_nf4_problem",
     "pipeline_stages",
     "precompute_float8_scales",

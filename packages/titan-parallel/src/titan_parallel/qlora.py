@@ -4,7 +4,8 @@ An adapted layer's weight never trains, so it can be kept in torchao's `NF4Tenso
 one 8-bit scale per `block_size` values and one float32 scale per `scaler_block_size` of those (about
 0.52 bytes a parameter with torchao's defaults). Its matmul dequantises to the original dtype on the fly;
 the adapters stay in that dtype and train as in LoRA. Call it once the base holds its final values (after
-the initial load): quantisation is lossy and one-way.
+the initial load): quantisation is lossy and one-way. Under FSDP 2 the base is quantised whole and FSDP shards
+the NF4 tensor (`titan_parallel.nf4_fsdp`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_parallel.errors import ParallelConfigError
 from titan_parallel.lora import adapter_names
+from titan_parallel.nf4_fsdp import fsdp_params_by_weight, quantize_sharded_weight
 
 logger = logging.getLogger(__name__)
 
@@ -62,32 +64,49 @@ def is_nf4(tensor: torch.Tensor) -> bool:
 
 
 def dequantized(tensor: torch.Tensor) -> torch.Tensor:
-    """An NF4 tensor's values in its original dtype (what its matmuls compute with); other tensors as they are."""
+    """An NF4 tensor's values in its original dtype (what its matmuls compute with), an FSDP shard of one as a
+    shard of those values; other tensors as they are."""
+    if isinstance(tensor, DTensor) and is_nf4(tensor._local_tensor):
+        return DTensor.from_local(
+            tensor._local_tensor.get_original_weight(),
+            tensor.device_mesh,
+            tensor.placements,
+            run_check=False,
+            shape=tensor.shape,
+            stride=tensor.stride(),
+        )
     return tensor.get_original_weight() if is_nf4(tensor) else tensor
 
 
 def quantize_base_to_nf4(model: nn.Module, scaler_block_size: int = 256) -> int:
     """Replace the weight of every LoRA-adapted linear of `model` by its NF4 copy (frozen); return how many.
 
-    Refuses a weight split across ranks (NF4 here works on whole, unsharded tensors) and a weight whose
-    size NF4's blocks do not divide, naming the layer."""
+    A weight FSDP 2 shards is quantised whole and re-sharded by FSDP (`titan_parallel.nf4_fsdp`, a
+    collective: every rank calls this); any other split (tensor parallelism) is refused, as is a weight
+    whose size NF4's blocks do not divide, naming the layer."""
     to_nf4 = nf4_quantizer()
+
+    def quantize(weight: torch.Tensor) -> torch.Tensor:
+        return to_nf4(weight.detach(), NF4_BLOCK_SIZE, scaler_block_size)
 
     modules = dict(model.named_modules())
     adapted = {name: modules[name] for name in adapter_names(model)}
+    sharded = fsdp_params_by_weight(model)
     for name, module in adapted.items():
         weight = module.weight
-        if isinstance(weight, DTensor):
-            raise ParallelConfigError(
-                f"qlora: {name}.weight is split across ranks ({weight.placements}); an NF4 base needs whole weights "
-                "(one process, no FSDP or tensor parallelism)"
-            )
         problem = nf4_size_problem(name, weight.numel(), scaler_block_size)
         if problem:
             raise ParallelConfigError(problem)
-        module.weight = nn.Parameter(
-            to_nf4(weight.detach(), NF4_BLOCK_SIZE, scaler_block_size), requires_grad=False
-        )
+        fsdp_param = sharded.get((id(module), "weight"))
+        if fsdp_param is not None:
+            quantize_sharded_weight(name, module, fsdp_param, quantize)
+            continue
+        if isinstance(weight, DTensor):
+            raise ParallelConfigError(
+                f"qlora: {name}.weight is split across ranks ({weight.placements}); an NF4 base needs whole weights "
+                "or FSDP's shards (no tensor parallelism)"
+            )
+        module.weight = nn.Parameter(quantize(weight), requires_grad=False)
     logger.info("qlora: %d adapted linear layers hold their frozen weight in NF4", len(adapted))
     return len(adapted)
 

@@ -41,13 +41,15 @@ class LoRA:
         "",
         "(torchtitan's name) QLoRA: \"nf4\" stores the frozen weights of the adapted layers in torchao's 4-bit "
         "NormalFloat once the base is loaded (about 0.52 bytes a parameter), the adapters in training.dtype; "
-        '"" keeps the base as it is. One process only; not with float8/mx converters or compile',
+        '"" keeps the base as it is. One process or FSDP 2 (dp_shard, the NF4 base sharded; HSDP too); refused with '
+        "tp, cp, pp, ep, dp_replicate without dp_shard, float8/mx converters or compile",
         choices=("", "nf4"),
     )
     nf4_scaler_block_size: int = opt(
         256,
         '(torchtitan\'s name) With quantize_base = "nf4": NF4 scales each block of 64 values, and quantises '
-        "those scales in groups of this many; every adapted weight's size must be a multiple of 64 x this",
+        "those scales in groups of this many; every adapted weight's size must be a multiple of 64 x this (under "
+        "FSDP, each dp_shard rank's shard of it)",
         minimum=1,
         maximum=65536,
     )

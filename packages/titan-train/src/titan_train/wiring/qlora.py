@@ -1,5 +1,7 @@
 """QLoRA from `[lora] quantize_base = "nf4"`: the refusals at start, the quantisation after the base is loaded,
-and the model state that saves and exports the base dequantised.
+and the model state that saves and exports the base dequantised. It runs in one process or under FSDP 2
+(dp_shard, and HSDP), where each weight is quantised whole after the load and FSDP shards the NF4 tensor
+(`titan_parallel.nf4_fsdp` says why not shard by shard); every other split is refused at start.
 
 The base is quantised once it holds its final values: after the initial load or the resume (whose frozen base
 is read again from its source, then the adapters over it), so a resumed run quantises the same weights into
@@ -18,8 +20,11 @@ from torch import nn
 
 from titan_ckpt import ModelState
 from titan_parallel import (
+    NF4_BLOCK_SIZE,
     ParallelDims,
     dequantized,
+    nf4_fsdp_torch_problem,
+    nf4_shard_problem,
     nf4_size_problem,
     quantize_base_to_nf4,
     target_linears,
@@ -63,11 +68,15 @@ def qlora_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) -> l
             f'config: lora.quantize_base = "nf4" with model.converters {float8}: a linear layer holds either an '
             "NF4 base or a float8/MXFP8 one; drop one of them"
         )
+    if dims.dp_shard > 1:
+        too_old = nf4_fsdp_torch_problem()
+        if too_old:
+            problems.append(f"config: {too_old}")
+    # dp_replicate with dp_shard is HSDP, which runs: FSDP's shards, replicated.
     split = {
         name: degree
         for name, degree in (
-            ("dp_shard", dims.dp_shard),
-            ("dp_replicate", dims.dp_replicate),
+            ("dp_replicate", dims.dp_replicate if dims.dp_shard == 1 else 1),
             ("tp", dims.tp),
             ("cp", dims.cp),
             ("pp", dims.pp),
@@ -77,10 +86,10 @@ def qlora_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) -> l
     }
     if split:
         problems.append(
-            f'config: lora.quantize_base = "nf4" runs in one process; this run splits the model ({split}): '
-            "Titan quantises the base after it is loaded, when FSDP already holds its own shards of it "
-            "(sharding an NF4 base needs it loaded before FSDP wraps it, not done yet); train QLoRA on one "
-            "process, or LoRA without quantize_base"
+            'config: lora.quantize_base = "nf4" runs in one process or under FSDP 2 (dp_shard, or HSDP with '
+            f"dp_replicate); this run also splits the model by {split}, which no test covers for an NF4 base "
+            "(tensor, context, expert and pipeline splits, and replicas without dp_shard, are not wired for NF4 "
+            "weights): set those degrees to 1 and shard with dp_shard, or train LoRA without quantize_base"
         )
     if config.compile.enable and "model" in config.compile.components:
         problems.append(
@@ -88,8 +97,11 @@ def qlora_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) -> l
             "compile.enable = false"
         )
     targets = tuple(HF_TO_TITAN.get(t, t) for t in config.lora.target_modules)
+    group = NF4_BLOCK_SIZE * config.lora.nf4_scaler_block_size
     for name, linear in target_linears(model, targets).items():
         problem = nf4_size_problem(name, linear.weight.numel(), config.lora.nf4_scaler_block_size)
+        if problem is None and dims.dp_shard > 1:
+            problem = nf4_shard_problem(name, tuple(linear.weight.shape), dims.dp_shard, group)
         if problem:
             problems.append(f"config: {problem}")
             break
