@@ -30,6 +30,8 @@ run_train.sh's torchrun and builds rank 0's model on a fake process group of the
 `test_moe_debug_config_is_accepted` checks the debug configs.
 """
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -49,6 +51,7 @@ import torch.distributed as dist  # noqa: E402
 from torchtitan_features.cases import BASE_CONFIG, ENABLED, GENERATE, REPO  # noqa: E402
 from torchtitan_features.model_cases import MODEL_ENABLED  # noqa: E402
 
+from titan_train import cli  # noqa: E402
 from titan_train.commands.check import check_launch  # noqa: E402
 from titan_train.config import load_job_config  # noqa: E402
 from titan_train.reporting.traced_memory import fake_world  # noqa: E402
@@ -103,10 +106,10 @@ def _steps_asked(argv: list[str]) -> int:
 
 def _generate(train_argv: list[str], dump: Path) -> None:
     """torchtitan's generation step, by `titan-train generate`: the training run's last checkpoint,
-    loaded with that run's config and overrides, must give new tokens for torchtitan's prompt."""
+    loaded with that run's config and overrides, must give new tokens for torchtitan's prompt. It runs
+    through the command's own entry point in this process (a fresh interpreter only imported torch again)."""
     checkpoint = dump / "checkpoint" / f"step-{_steps_asked(train_argv)}"
-    cmd = [
-        str(Path(sys.executable).parent / "titan-train"),
+    argv = [
         "generate",
         "--checkpoint",
         str(checkpoint),
@@ -114,10 +117,12 @@ def _generate(train_argv: list[str], dump: Path) -> None:
         "What is the meaning of life?",
         *train_argv,
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert result.returncode == 0, "generation: " + (result.stdout + result.stderr)[-4000:]
-    generated = re.search(r"generated (\d+) tokens for 1 prompts", result.stdout)
-    assert generated and int(generated[1]) > 0, result.stdout[-2000:]
+    out = io.StringIO()
+    with contextlib.chdir(REPO), contextlib.redirect_stdout(out):
+        status = cli.run(argv)
+    assert status == 0, "generation: " + out.getvalue()[-4000:]
+    generated = re.search(r"generated (\d+) tokens for 1 prompts", out.getvalue())
+    assert generated and int(generated[1]) > 0, out.getvalue()[-2000:]
 
 
 @pytest.fixture(scope="module")

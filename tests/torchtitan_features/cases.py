@@ -12,7 +12,7 @@ tests run `titan-train generate` in its place, on the checkpoint the first run w
 The base config is `base_config.toml` beside this file. CUT shrinks it for CPU: sequences of 64
 tokens, 2 per data-parallel rank, Titan's bundled tokenizer. `pp_custom_csv` keeps torchtitan's 8
 sequences per rank: its CSV schedule (tests/assets/custom_schedule.csv, also torchtitan's) runs 8
-microbatches.
+microbatches. It and `gradient_accumulation` (8 sequences per rank, accumulated to 32) train 4 steps.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ CUT = (
     f"--model.hf_assets_path {TOKENIZER}",
 )
 CASE_CUT = {
-    "pp_custom_csv": ("--training.local_batch_size 8",),
+    # The two cases of 8-sequence batches, the longest of CI's 2-process cases, train 4 of the base config's
+    # 10 steps: every step runs the same schedule or accumulation, so steps 5 to 10 showed nothing new.
+    "pp_custom_csv": ("--training.local_batch_size 8", "--training.steps 4"),
+    "gradient_accumulation": ("--training.steps 4",),
     # model_cases.py: DualPipeV runs at least one microbatch per stage (4 stages on 2 pipeline ranks).
     "pp_dualpipev": ("--training.local_batch_size 4",),
 }

@@ -123,7 +123,14 @@ def refused(change: tuple[str, ...], refusal: str, **kwargs) -> Probe:
     return Probe(change, None, refusal, **kwargs)
 
 
-# What to look at. Each returns something comparable between two launches.
+# What to look at. Each returns something comparable between two launches. Most only read, so every such
+# observer of one launch looks at it once it is made (`_launch`); one that changes what it looks at (reads
+# a loader, runs backward, feeds a monitor) is marked `alters` and gets a launch of its own.
+
+
+def alters(observe: Callable[[Seen], Any]) -> Callable[[Seen], Any]:
+    observe.alters = True
+    return observe
 
 
 def options(path: str) -> Callable[[Seen], Any]:
@@ -163,7 +170,7 @@ def spike_reported(losses: list[float]) -> Callable[[Seen], Any]:
             logging.getLogger(numerics_module.__name__).removeHandler(handler)
         return [r.getMessage() for r in reports]
 
-    return observe
+    return alters(observe)
 
 
 def group(key: str) -> Callable[[Seen], Any]:
@@ -174,6 +181,7 @@ def lr_curve(s: Seen) -> list[float]:
     return [round(s.trainer.optimizers.schedules[0].lr_lambdas[0](k), 6) for k in range(16)]
 
 
+@alters
 def first_batch(s: Seen) -> Any:
     with contextlib.chdir(s.root):  # where relative dataset paths point
         return s.outcome or next(iter(s.trainer.loader))[0].tolist()
@@ -188,15 +196,17 @@ def _first_batches(loader, passes: int) -> None:
 
 def training_workers(passes: int) -> Callable[[Seen], Any]:
     """Worker processes the training loader starts (and windows it asks them for) over `passes` passes."""
-    return lambda s: s.outcome or worker_counts(s, lambda: _first_batches(s.trainer.loader, passes))
+    return alters(lambda s: s.outcome or worker_counts(s, lambda: _first_batches(s.trainer.loader, passes)))
 
 
 def validation_workers(validations: int) -> Callable[[Seen], Any]:
     """The same over `validations` validations, each as the trainer runs it."""
-    return lambda s: (
-        s.outcome
-        or worker_counts(
-            s, lambda: [s.trainer.validator.validate(s.trainer.model_parts) for _ in range(validations)]
+    return alters(
+        lambda s: (
+            s.outcome
+            or worker_counts(
+                s, lambda: [s.trainer.validator.validate(s.trainer.model_parts) for _ in range(validations)]
+            )
         )
     )
 
@@ -328,6 +338,7 @@ class _CountMatmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@alters
 def backward_matmuls(s: Seen) -> int:
     """Matmuls backward runs: those of the gradients plus those recomputation repeats."""
     loss = s.trainer.model_parts[0](torch.zeros(1, 32, dtype=torch.long)).sum()
@@ -466,6 +477,7 @@ def chat_files(root: Path) -> None:
     )
 
 
+@alters
 def chat_batch(s: Seen) -> Any:
     """The first batch of chat rows: inputs, labels and positions."""
     with contextlib.chdir(s.root):
@@ -1186,21 +1198,59 @@ def saved(tmp_path_factory):
 _launches: dict[tuple, tuple[int, list[str], Any]] = {}
 
 
+def _key(probe: Probe, flags: tuple[str, ...], observe: Callable[[Seen], Any] | None) -> tuple:
+    return ((*probe.base, *flags), probe.world, probe.train, probe.prepare, observe)
+
+
+def _readers(launch: tuple) -> list[tuple[Callable[[Seen], Any], bool]]:
+    """Every observer that only reads, with whether its probe may stop at start, of the probes that make
+    `launch` (flags, layout and files, observer left out), as base or as change."""
+    found = {}
+    for probe in PROBES.values():
+        if probe.observe is None or getattr(probe.observe, "alters", False):
+            continue
+        for flags in ((), probe.change):
+            if _key(probe, flags, None) == launch:
+                found[probe.observe] = found.get(probe.observe, False) or probe.may_stop
+    return list(found.items())
+
+
+class _Raised:
+    """What an observer raised on a launch another probe asked for: raised again in its own test."""
+
+    def __init__(self, err: BaseException):
+        self.err = err
+
+
 def _launch(
     tmp: Path, probe: Probe, flags: tuple[str, ...], monkeypatch, capfd
 ) -> tuple[int, list[str], Any]:
     """Launch with the probe's base and `flags`, and observe it; a launch some probe already made with the
-    same flags, layout and files, observed the same way (its base or its change), is not made again."""
-    key = ((*probe.base, *flags), probe.world, probe.train, probe.prepare, probe.observe)
-    if key not in _launches:
+    same flags, layout and files, observed the same way (its base or its change), is not made again. Each
+    launch is observed at once by every observer that only reads it (`_readers`); one that `alters` what
+    it looks at observes a launch of its own."""
+    observe = probe.observe
+    own = observe is not None and getattr(observe, "alters", False)
+    key = _key(probe, flags, observe if own else None)
+    if (*key[:-1], observe) not in _launches:
         if probe.prepare is not None:
             tmp.mkdir(parents=True)
             probe.prepare(tmp)
         seen = launch(tmp, [*BASE, *probe.base, *flags], monkeypatch, world=probe.world, train=probe.train)
         seen.lines += capfd.readouterr().out.splitlines()  # what child processes (the memory trace) printed
-        observed = probe.observe(seen) if probe.observe and (seen.status != 2 or probe.may_stop) else None
-        _launches[key] = (seen.status, seen.errors, observed)
-    return _launches[key]
+        readers = [(observe, probe.may_stop)] if own else [(None, False), *_readers(key)]
+        for reader, may_stop in readers:
+            observed = None
+            if reader is not None and (seen.status != 2 or may_stop):
+                try:
+                    observed = reader(seen)
+                except Exception as err:  # noqa: BLE001 - raised in the test of the probe that asked
+                    observed = _Raised(err)
+            _launches[(*key[:-1], reader)] = (seen.status, seen.errors, observed)
+    status, errors, observed = _launches[(*key[:-1], observe)]
+    if isinstance(observed, _Raised):
+        raise observed.err
+    return status, errors, observed
 
 
 @pytest.mark.parametrize("name", sorted(PROBES))
