@@ -246,15 +246,18 @@ def test_qlora_split_other_than_fsdp_stops_at_start_in_one_line(split, small_con
     )
 
 
+QLORA_SHARDED = (
+    "--model.converters",
+    "lora",
+    "--lora.quantize_base",
+    "nf4",
+    "--parallelism.data_parallel_shard_degree",
+)
+
+
 def test_qlora_under_fsdp_needs_whole_nf4_groups_in_each_shard(small_config, tmp_path):
     """FSDP 2 is accepted; a shard that would cut a group of NF4 blocks (here 65536 values over 2 ranks) is not."""
-    flags = (
-        "--model.converters",
-        "lora",
-        "--lora.quantize_base",
-        "nf4",
-        "--parallelism.data_parallel_shard_degree",
-    )
+    flags = QLORA_SHARDED  # then the dp_shard degree
     assert resolve(small_config(tmp_path, *flags, "2"), 2, "cpu").dims.dp_shard == 2
     with pytest.raises(ConfigError) as err:
         resolve(small_config(tmp_path, *flags, "2", "--lora.nf4_scaler_block_size", "1024"), 2, "cpu")
@@ -279,13 +282,7 @@ def test_qlora_under_fsdp_on_a_torch_older_than_2_15_stops_at_start_in_one_line(
 ):
     """The NF4 re-sharding calls FSDP internals as torch 2.15 has them (2.11's take other arguments)."""
     monkeypatch.setattr("torch.__version__", "2.11.0")
-    flags = (
-        "--model.converters",
-        "lora",
-        "--lora.quantize_base",
-        "nf4",
-        "--parallelism.data_parallel_shard_degree",
-    )
+    flags = QLORA_SHARDED  # then the dp_shard degree
     with pytest.raises(ConfigError) as err:
         resolve(small_config(tmp_path, *flags, "2"), 2, "cpu")
     assert str(err.value) == (
