@@ -7,8 +7,10 @@ import pytest
 
 from titan_train.config import load_job_config
 from titan_train.plan import resolve
+from titan_train.registry import get_model_family, register_flavor
 from titan_train.reporting.traced_memory import trace_rank
 
+register_flavor("llama3", "debug_4_layers", get_model_family("llama3").args_for("debugmodel", n_layers=4))
 REPLAY_SMALL = [
     "--model.flavor",
     "debugmodel",
@@ -64,6 +66,20 @@ REPLAY_CASES = {
             "selective",
             "--activation_checkpoint.selective_ac_option",
             "2",
+        ],
+    ),
+    # One block per stage (4 layers over 4 stages): the last stage's loss of a replayed micro-batch follows
+    # another stage's backward, so the loss must replay under its own label (it was labelled under the backward's).
+    "interleaved-one-block": (
+        4,
+        [2],
+        [
+            "--model.flavor",
+            "debug_4_layers",
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--activation_checkpoint.mode",
+            "none",
         ],
     ),
     "tp2-interleaved-full": (

@@ -134,7 +134,10 @@ class MemoryTrace(TorchDispatchMode):
         if label not in self._label_index:
             self._label_index[label] = len(self._labels)
             self._labels.append(label)
-        self._switch(self._label_index[label])
+        # A change of label even when `label` is current: what a captured span labels itself (the loss) it
+        # replays under its own label, not under the one current where it is replayed.
+        self._switches.append(len(self._events))
+        self._current = self._label_index[label]
 
     @contextmanager
     def labelled(self, label: Label):
