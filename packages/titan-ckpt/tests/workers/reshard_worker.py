@@ -142,6 +142,16 @@ class Experts(nn.Module):
         self.w = nn.Parameter(whole if placement is None else distribute_tensor(whole, mesh, [placement]))
 
 
+def load_hf(model: nn.Module, folder: Path, run_folder: Path) -> None:
+    """Start a run of `model` from the Hugging Face files in `folder` (the toy's names, `RenameAdapter`)."""
+    Checkpointer(
+        run_folder,
+        {"model": ModelState([model])},
+        loading=LoadPolicy(initial_load_path=folder, initial_load_in_hf=True),
+        hf_adapter=RenameAdapter(),
+    ).load()
+
+
 def fsdp_model(mesh, seed=0):
     torch.manual_seed(seed)
     model = Toy()
@@ -308,12 +318,7 @@ def main(out_path: str) -> None:
     expected = {k.removeprefix("model."): v for k, v in dequantised.items()}
     report["hf_fp8_max_diff"] = {}
     for layout, fp8_model in (("fsdp", fsdp_model(mesh, seed=7)), ("tp", tp_model(mesh, seed=8))):
-        Checkpointer(
-            root / f"h_{layout}",
-            {"model": ModelState([fp8_model])},
-            loading=LoadPolicy(initial_load_path=fp8_folder, initial_load_in_hf=True),
-            hf_adapter=RenameAdapter(),
-        ).load()
+        load_hf(fp8_model, fp8_folder, root / f"h_{layout}")
         report["hf_fp8_max_diff"][layout] = max_diff(get_model_state_dict(fp8_model, options=FULL), expected)
     report["hf_fp8_quantisation_error"] = max_diff(dequantised, reference)
 
@@ -329,9 +334,8 @@ def main(out_path: str) -> None:
         save_file({"model.w_blocks": blocks, "model.w_scales": scales}, str(mx_folder / "model.safetensors"))
         (mx_folder / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "mxfp4"}}))
     dist.barrier()
-    meant = mxfp4_meaning(blocks, scales).transpose(
-        1, 2
-    )  # stored (E, rows, cols); transformers' (E, cols, rows)
+    # Stored (E, rows, cols); transformers' layout, which the import gives, is (E, cols, rows).
+    meant = mxfp4_meaning(blocks, scales).transpose(1, 2)
     report["hf_mxfp4_max_diff"] = {}
     for layout, placement in (
         ("whole", None),
@@ -340,12 +344,7 @@ def main(out_path: str) -> None:
         ("rows", Shard(2)),
     ):
         experts = Experts(mesh, meant.shape, placement)
-        Checkpointer(
-            root / f"i_{layout}",
-            {"model": ModelState([experts])},
-            loading=LoadPolicy(initial_load_path=mx_folder, initial_load_in_hf=True),
-            hf_adapter=RenameAdapter(),
-        ).load()
+        load_hf(experts, mx_folder, root / f"i_{layout}")
         got = experts.w.full_tensor() if isinstance(experts.w, DTensor) else experts.w.detach()
         local = experts.w.to_local() if isinstance(experts.w, DTensor) else experts.w
         report["hf_mxfp4_max_diff"][layout] = (got.double() - meant).abs().max().item()
