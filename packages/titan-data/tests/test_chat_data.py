@@ -1,4 +1,4 @@
-"""Chat rows through titan-data alone: row layouts and bad rows, turn masks by prefix rendering, and the
+"""Chat rows through titan-data alone: row layouts and bad rows, turn masks from the whole render, and the
 packed loader's exact resume (at another number of ranks and with worker processes)."""
 
 import json
@@ -89,12 +89,20 @@ def test_a_bad_row_is_named_in_one_line_or_skipped_and_counted(
     assert len(load_examples(path, template, llama3_tokenizer, 64, ChatOptions(bad_rows="skip"))) == 1
 
 
-def test_a_template_whose_prefixes_are_not_token_prefixes_is_refused(tmp_path, llama3_tokenizer):
-    # the last turn is written differently from the same turn followed by more: prefixes do not hold
+def test_a_template_whose_messages_start_with_no_control_token_is_refused(tmp_path, llama3_tokenizer):
+    # nothing in the render says where the assistant's text starts: refused in one line, not guessed
     source = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}{% endfor %}"
     path = _write(tmp_path / "c.jsonl", _conversations(1))
-    with pytest.raises(DataError, match="is not a token prefix of the whole"):
+    with pytest.raises(DataError, match="does not start a message with a control token.*generation"):
         load_examples(path, ChatTemplate(source, {}, "t.jinja"), llama3_tokenizer, 64, ChatOptions())
+    # with {% generation %} blocks the same plain-text layout trains exactly the marked answers
+    marked = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}A: {% generation %}{{ m.content }}."
+        "{% endgeneration %}{% else %}Q: {{ m.content }}{% endif %}\n{% endfor %}"
+    )
+    (example,) = load_examples(path, ChatTemplate(marked, {}, "m.jinja"), llama3_tokenizer, 64, ChatOptions())
+    trained = [t for t in example.labels.tolist() if t != -100]
+    assert llama3_tokenizer.decode(trained) == " answer 0 0 ."  # " answer" is one token: it holds the span
 
 
 def test_a_tokenizer_without_a_template_is_refused_naming_where_it_looked(tmp_path):

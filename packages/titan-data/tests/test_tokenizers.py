@@ -106,12 +106,58 @@ def test_hub_llama3_layout_prefers_original_tokenizer_model(tmp_path):
     assert isinstance(build_tokenizer(tmp_path), TikTokenTokenizer)
 
 
-def test_tokenizer_json_without_bos_eos_names_the_files_it_looked_in(tmp_path):
+def test_tokenizer_json_without_eos_names_the_files_it_looked_in(tmp_path):
     shutil.copy(LLAMA3 / "tokenizer.json", tmp_path)
     with pytest.raises(
-        DataError, match=r"no BOS or EOS token declared .*tokenizer_config.json, special_tokens_map.json"
+        DataError, match=r"no EOS token declared .*tokenizer_config.json, special_tokens_map.json"
     ):
         build_tokenizer(tmp_path)
+
+
+def _tokenizer_folder(folder, post_processor: bool, **config) -> None:
+    """The bundled tokenizer.json, its post-processor (which puts BOS in front, as Llama 3's) kept or
+    removed (as Qwen's, which adds nothing), with `config` as its tokenizer_config.json."""
+    data = json.loads((LLAMA3 / "tokenizer.json").read_text())
+    if not post_processor:
+        data["post_processor"] = None
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+END = "<|end_of_text|>"
+
+
+@pytest.mark.parametrize(
+    "post_processor, config, adds_bos",
+    [
+        (False, {"bos_token": None, "eos_token": END}, False),  # Qwen2.5/Qwen3 as published
+        (False, {"bos_token": "<|begin_of_text|>", "eos_token": END}, False),  # gpt-oss: declared, not added
+        (True, {"bos_token": "<|begin_of_text|>", "eos_token": END}, True),  # Llama 3: the file adds it
+    ],
+    ids=["bos-null", "declared-not-added", "post-processor"],
+)
+def test_bos_is_optional_and_added_as_transformers_adds_it(tmp_path, post_processor, config, adds_bos):
+    transformers = pytest.importorskip("transformers")
+    _tokenizer_folder(tmp_path, post_processor, **config)
+    tok = build_tokenizer(tmp_path)
+    assert tok.add_bos is adds_bos and tok.bos_id == (None if config["bos_token"] is None else 1792)
+    ids = tok.encode(TEXT, bos=True, eos=True)
+    assert ids[-1] == tok.eos_id and (ids[0] == 1792) is adds_bos
+    assert tok.encode_array(TEXT, bos=True, eos=True).tolist() == ids
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    # transformers frames a text with what its special tokens add: BOS here exactly when Titan adds it
+    assert theirs(TEXT)["input_ids"] == ids[:-1]
+    assert tok.special_ids == set(range(1792, 2048))
+
+
+@pytest.mark.parametrize("written", [True, False])
+def test_add_bos_token_in_the_config_decides_over_the_file(tmp_path, written):
+    # torchtitan's rule: a tokenizer_config.json that says add_bos_token is obeyed (DeepSeek-V3 says true)
+    _tokenizer_folder(
+        tmp_path, not written, bos_token="<|begin_of_text|>", eos_token=END, add_bos_token=written
+    )
+    tok = build_tokenizer(tmp_path)
+    assert tok.add_bos is written and (tok.encode(TEXT, bos=True)[0] == 1792) is written
 
 
 def test_config_naming_a_token_the_vocabulary_lacks_is_refused(tmp_path):

@@ -69,7 +69,9 @@ def load_examples(
         try:
             if isinstance(row, DataError):
                 raise row
-            conv = tokenize_conversation(row.messages, template, tokenizer, options.loss_on, row.where)
+            conv = tokenize_conversation(
+                row.messages, template, tokenizer, options.loss_on, row.where, tools=row.tools
+            )
         except DataError as err:
             if options.bad_rows == "stop":
                 raise

@@ -1,18 +1,29 @@
-"""Which tokens of a rendered conversation are trained: its assistant turns, found by prefix rendering.
+"""Which tokens of a rendered conversation are trained: the assistant blocks as the whole render shows them.
 
-Turn k's trained span starts where the conversation up to turn k, rendered with the generation prompt
-(the assistant header), ends, and stops where the conversation up to and including turn k ends, cut
-after its last control token (the end-of-turn marker), so what a template writes after the marker
-(a newline) stays masked. That only holds when each rendered prefix tokenises to a token prefix of
-the whole; a template that breaks it is refused in one line rather than masked wrongly. One break is
-understood: a template that ends a conversation's last turn with another control token than the same
-turn followed by more (harmony, gpt-oss's format: <|return|> against <|end|>); an earlier turn is then
-trained up to the marker the whole conversation has there.
+The conversation is rendered once, whole, and tokenised once; trained spans are found in that text and
+mapped to tokens by their character offsets (a token is trained when it holds a character of a span, as
+transformers' `return_assistant_tokens_mask` decides). Nothing is rendered piecewise, so a template may
+render a turn differently depending on what follows it (Qwen3 drops the reasoning of answers before the
+last question; harmony ends the last answer with <|return|>, earlier ones with <|end|>).
+
+Where the template marks them with `{% generation %}` blocks, those are the spans. Otherwise the spans
+are the assistant blocks: the template's generation prompt (what it appends for the model to answer)
+names the assistant header, and its first control token starts every message (<|im_start|>,
+<|start_header_id|>, <|start|>). A message whose text starts with that header is the assistant's;
+consecutive ones (harmony's reasoning, tool call and answer) form one block. A block is trained from the
+end of its header (as much of the generation prompt as the text repeats there, so Qwen3's empty think
+block under `enable_thinking = false` is prompt, not target) to its last control token (the end-of-turn
+marker; the newline a template writes after it stays masked). Tool replies and every other role are not
+trained; an assistant's tool calls are, being its own text.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +32,7 @@ from titan_data.errors import DataError
 from titan_data.tokenizers.base import Tokenizer
 
 LOSS_ON = ("assistant", "last", "all")
+_PROBE = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"})
 
 
 @dataclass(frozen=True)
@@ -31,49 +43,118 @@ class Conversation:
     trained: np.ndarray  # bool, same length
 
 
-def _prefix_length(
-    tokenizer: Tokenizer, text: str, whole: list[int], template: ChatTemplate, where: str
-) -> int:
-    ids = tokenizer.encode_chat(text)
-    # A template may close a conversation's last turn with another control token than the same turn
-    # followed by more (harmony: <|return|> at the end, <|end|> before the next message); the turn
-    # then ends where the whole has its own marker.
-    specials = tokenizer.special_ids
-    closed_otherwise = (
-        len(ids) <= len(whole) and ids[-1:] and ids[-1] in specials and whole[len(ids) - 1] in specials
+@dataclass(frozen=True)
+class _Header:
+    """How a template starts messages: the text every message starts with (a control token), the
+    assistant's header, and the generation prompt (the header and what a prompt adds after it)."""
+
+    message_start: str
+    assistant: str
+    prompt: str
+
+
+@lru_cache(maxsize=64)
+def _control_texts(tokenizer: Tokenizer) -> re.Pattern:
+    """A pattern matching the text of any control token, longest first."""
+    texts = sorted({tokenizer.decode([i]) for i in tokenizer.special_ids} - {""}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, texts)) or r"(?!)")
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@lru_cache(maxsize=64)
+def _header(template: ChatTemplate, tokenizer: Tokenizer, tools_json: str) -> _Header:
+    """The assistant header of `template`, from probe renders made with the row's tools."""
+    tools = json.loads(tools_json)
+    user, answer = list(_PROBE[:1]), list(_PROBE)
+    base = template.render(user, tools=tools)
+    prompt = template.render(user, add_generation_prompt=True, tools=tools)
+    # An answer followed by more: the header as any assistant turn has it, not only the last one.
+    longer = template.render([*answer, {"role": "user", "content": "Bye"}, _PROBE[1]], tools=tools)
+    refusal = (
+        f"chat template {template.origin}: its generation prompt does not start a message with a control "
+        "token, so assistant turns cannot be found in the render; use sft.loss_on = 'all', or a template "
+        "that marks answers with {% generation %}"
     )
-    if whole[: len(ids)] != ids and not (closed_otherwise and whole[: len(ids) - 1] == ids[:-1]):
-        raise DataError(
-            f"chat template {template.origin}: at {where} a rendered prefix of the conversation is not a token "
-            "prefix of the whole, so turn boundaries cannot be found; use sft.loss_on = 'all' or another template"
-        )
-    return len(ids)
+    if not (prompt.startswith(base) and longer.startswith(base)):
+        raise DataError(refusal)
+    prompt = prompt[len(base) :]
+    assistant = prompt[: _common_prefix(prompt, longer[len(base) :])]
+    start = _control_texts(tokenizer).match(assistant)
+    if start is None or start.end() == len(assistant):
+        raise DataError(refusal)
+    return _Header(start.group(), assistant, prompt)
+
+
+def _assistant_spans(text: str, header: _Header, controls: re.Pattern) -> list[tuple[int, int]]:
+    """(start, end) character spans of the assistant blocks of a rendered conversation."""
+    starts = [m.start() for m in re.finditer(re.escape(header.message_start), text)] + [len(text)]
+    spans: list[tuple[int, int]] = []
+    block_start = None
+    for here, after in zip(starts, starts[1:], strict=False):
+        is_assistant = text.startswith(header.assistant, here)
+        if is_assistant and block_start is None:
+            block_start = here + _common_prefix(header.prompt, text[here:after])
+        if block_start is not None and (not is_assistant or after == len(text)):
+            end = here if not is_assistant else after
+            marker_ends = [m.end() for m in controls.finditer(text, block_start, end)]
+            spans.append((block_start, marker_ends[-1] if marker_ends else end))
+            block_start = None
+    return spans
+
+
+def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """True for each token that holds a character of a span."""
+    starts = np.array([s for s, _ in offsets], dtype=np.int64).reshape(-1)
+    ends = np.maximum(np.array([e for _, e in offsets], dtype=np.int64).reshape(-1), starts + 1)
+    trained = np.zeros(len(offsets), dtype=bool)
+    for a, b in spans:
+        trained |= (starts < b) & (ends > a)
+    return trained
+
+
+def trained_spans(
+    messages: list[dict[str, Any]], template: ChatTemplate, tokenizer: Tokenizer, tools: list | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """The whole conversation's text and the character spans of its trained blocks, in order."""
+    text, spans = template.render_marked(messages, tools=tools)
+    if template.has_generation_blocks:
+        return text, spans
+    header = _header(template, tokenizer, json.dumps(tools, sort_keys=True))
+    return text, _assistant_spans(text, header, _control_texts(tokenizer))
 
 
 def tokenize_conversation(
-    messages: list[dict[str, str]], template: ChatTemplate, tokenizer: Tokenizer, loss_on: str, where: str
+    messages: list[dict[str, Any]],
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    loss_on: str,
+    where: str,
+    *,
+    tools: list | None = None,
 ) -> Conversation:
-    """Tokens of `messages` as `template` renders them, and the targets `loss_on` trains on."""
+    """Tokens of `messages` as `template` renders them (with the row's `tools`), and the targets
+    `loss_on` trains on: every assistant block, the last one, or all tokens."""
     if loss_on not in LOSS_ON:
         raise DataError(f"sft: loss_on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
-    whole = tokenizer.encode_chat(template.render(messages))
-    trained = np.zeros(len(whole), dtype=bool)
     if loss_on == "all":
-        trained[:] = True
-        return Conversation(np.asarray(whole, dtype=np.int64), trained)
-    assistant_turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-    if not assistant_turns:
+        whole = tokenizer.encode_chat(template.render(messages, tools=tools))
+        return Conversation(np.asarray(whole, dtype=np.int64), np.ones(len(whole), dtype=bool))
+    if not any(m.get("role") == "assistant" for m in messages):
         raise DataError(f"dataset: {where}: the conversation has no assistant turn to train on")
-    if loss_on == "last":
-        assistant_turns = assistant_turns[-1:]
-    specials = tokenizer.special_ids
-    for k in assistant_turns:
-        start = _prefix_length(
-            tokenizer, template.render(messages[:k], add_generation_prompt=True), whole, template, where
+    text, spans = trained_spans(messages, template, tokenizer, tools)
+    if not spans:
+        raise DataError(
+            f"dataset: {where}: chat template {template.origin} rendered no assistant block to train on"
         )
-        end = _prefix_length(tokenizer, template.render(messages[: k + 1]), whole, template, where)
-        markers = [i for i in range(start, end) if whole[i] in specials]
-        if markers:
-            end = markers[-1] + 1
-        trained[start:end] = True
-    return Conversation(np.asarray(whole, dtype=np.int64), trained)
+    if loss_on == "last":
+        spans = spans[-1:]
+    whole, offsets = tokenizer.encode_chat_with_offsets(text)
+    return Conversation(np.asarray(whole, dtype=np.int64), _token_mask(offsets, spans))

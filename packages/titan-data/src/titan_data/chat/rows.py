@@ -1,10 +1,12 @@
 """Chat rows from local files or a Hugging Face dataset, as lists of messages.
 
 Three row layouts are understood: OpenAI-style `messages` (role/content turns), prompt/completion
-pairs and alpaca (instruction/input/output). Each becomes the same list of `{"role", "content"}`
-turns (an assistant turn keeps a string `thinking`, the reasoning gpt-oss's harmony template renders),
-so the template and the masks see one shape whatever the file held. A bad row is reported in
-one line naming the file, the row and the field.
+pairs and alpaca (instruction/input/output). Each becomes a list of turns with a `role` and a
+`content`, so the template and the masks see one shape whatever the file held. A `messages` turn
+reaches the template with every field it has, as transformers passes it (`reasoning_content` for
+Qwen3, `thinking` for gpt-oss, `tool_calls`, `name`, `tool_call_id`, ...), and a row's `tools` list
+goes to the template beside the messages. An assistant turn that calls tools may have no content
+(OpenAI's `null`). A bad row is reported in one line naming the file, the row and the field.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 
 from titan_data.errors import DataError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+TOOLS_FIELD = "tools"
 ROW_FORMATS = ("auto", "messages", "prompt_completion", "alpaca")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -36,26 +39,47 @@ class RowFields:
 class ChatRow:
     """One conversation and where it came from (for error messages)."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     where: str
+    tools: list[Any] | None = None
 
 
-def _check_message(turn: Any, where: str, field: str) -> dict[str, str]:
+def _check_message(turn: Any, where: str, field: str) -> dict[str, Any]:
+    """The turn itself, every field kept (the template decides what it renders), once its role,
+    content and tool calls have the shapes templates read."""
     if not isinstance(turn, dict):
         raise DataError(
             f"dataset: {where}: '{field}' holds a {type(turn).__name__}, not a {{role, content}} turn"
         )
-    role, content = turn.get("role"), turn.get("content")
+    role, content, calls = turn.get("role"), turn.get("content"), turn.get("tool_calls")
     if role not in ROLES:
         raise DataError(f"dataset: {where}: '{field}' has role {role!r}; roles are {', '.join(ROLES)}")
-    if not isinstance(content, str):
+    if calls is not None and not (
+        role == "assistant" and isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
+    ):
+        raise DataError(
+            f"dataset: {where}: '{field}' {role} turn has tool_calls that are not an assistant's list of "
+            "{function: {name, arguments}} objects"
+        )
+    if not isinstance(content, str) and not (content is None and calls):
         raise DataError(
             f"dataset: {where}: '{field}' {role} turn content is {type(content).__name__}, not a string"
         )
-    thinking = turn.get("thinking")
-    if role == "assistant" and isinstance(thinking, str):  # gpt-oss's reasoning, rendered by its template
-        return {"role": role, "content": content, "thinking": thinking}
-    return {"role": role, "content": content}
+    return dict(turn)
+
+
+def _row_tools(row: dict, where: str) -> list[Any] | None:
+    tools = row.get(TOOLS_FIELD)
+    if tools is None:
+        return None
+    if isinstance(tools, str):  # datasets often keep the schemas as one JSON string
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise DataError(f"dataset: {where}: '{TOOLS_FIELD}' is a string but not JSON") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"dataset: {where}: '{TOOLS_FIELD}' must be a list of tool schemas (objects)")
+    return tools
 
 
 def _text(row: dict, field: str, where: str, *, required: bool = True) -> str:
@@ -80,7 +104,7 @@ def _layout(row: dict, fields: RowFields) -> str:
     return "messages"  # reported as a missing messages field
 
 
-def row_to_messages(row: Any, fields: RowFields, where: str) -> list[dict[str, str]]:
+def row_to_messages(row: Any, fields: RowFields, where: str) -> list[dict[str, Any]]:
     """The turns of one row in any of the three layouts; DataError naming `where` and the field."""
     if not isinstance(row, dict):
         raise DataError(f"dataset: {where} is a {type(row).__name__}, not an object with fields")
@@ -177,6 +201,7 @@ def read_chat_rows(path: str | Path, fields: RowFields) -> Iterator[ChatRow | Da
                 yield row
                 continue
             try:
-                yield ChatRow(row_to_messages(row, fields, where), where)
+                messages = row_to_messages(row, fields, where)
+                yield ChatRow(messages, where, _row_tools(row, where))
             except DataError as err:
                 yield err

@@ -1,4 +1,10 @@
-"""A Hugging Face `tokenizer.json` (the `tokenizers` library), with BOS/EOS named by its config files."""
+"""A Hugging Face `tokenizer.json` (the `tokenizers` library), with BOS/EOS named by its config files.
+
+EOS is required (it ends documents and pads rows). BOS is optional, as transformers has it: Qwen's
+folders declare `"bos_token": null`. Whether a document starts with BOS follows what transformers and
+torchtitan decide for the folder: `add_bos_token` in `tokenizer_config.json` where it is written, else
+whether the file's own post-processor puts the declared BOS in front (Llama 3's does, Qwen's does not).
+"""
 
 from __future__ import annotations
 
@@ -52,6 +58,17 @@ def find_marker_id(model: HFTokenizer, folder: Path, marker: str) -> int | None:
     return None
 
 
+def _adds_bos(model: HFTokenizer, folder: Path, bos_id: int) -> bool:
+    """Whether a document starts with BOS: the config's `add_bos_token` where written, else the file's
+    post-processor (what `encode(text)` with special tokens gives in transformers and torchtitan)."""
+    config = folder / TOKEN_NAME_FILES[0]
+    if config.is_file():
+        written = _read_json(config).get("add_bos_token")
+        if isinstance(written, bool):
+            return written
+    return model.encode("", add_special_tokens=True).ids[:1] == [bos_id]
+
+
 class HuggingFaceTokenizer(Tokenizer):
     """Any tokenizer saved as `tokenizer.json`; BOS/EOS come from `tokenizer_config.json` (or
     `special_tokens_map.json`, `generation_config.json`, `config.json`) beside it."""
@@ -66,15 +83,16 @@ class HuggingFaceTokenizer(Tokenizer):
             ) from err
         # Text like "<|end_of_text|>" inside a document stays text, as with the other tokenizers.
         self._model.encode_special_tokens = True
-        ids = {m: find_marker_id(self._model, path.parent, m) for m in ("bos", "eos")}
-        missing = [m for m, i in ids.items() if i is None]
-        if missing:
+        self.bos_id = find_marker_id(self._model, path.parent, "bos")
+        eos_id = find_marker_id(self._model, path.parent, "eos")
+        if eos_id is None:
             raise DataError(
-                f"tokenizer: no {' or '.join(m.upper() for m in missing)} token declared for {path}; looked in "
+                f"tokenizer: no EOS token declared for {path}; looked in "
                 f"{', '.join(TOKEN_NAME_FILES + TOKEN_ID_FILES)} beside it. Add a tokenizer_config.json with "
-                '"bos_token" and "eos_token"'
+                '"eos_token"'
             )
-        self.bos_id, self.eos_id = ids["bos"], ids["eos"]
+        self.eos_id = eos_id
+        self.add_bos = self.bos_id is not None and _adds_bos(self._model, path.parent, self.bos_id)
         self.path = path
 
     @property
@@ -84,19 +102,21 @@ class HuggingFaceTokenizer(Tokenizer):
     @property
     def special_ids(self) -> frozenset[int]:
         added = self._model.get_added_tokens_decoder()
-        return frozenset({i for i, token in added.items() if token.special} | {self.bos_id, self.eos_id})
+        markers = {i for i in (self.bos_id, self.eos_id) if i is not None}
+        return frozenset({i for i, token in added.items() if token.special} | markers)
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         # add_special_tokens=False: the file's post-processor may prepend BOS; framing is ours to decide.
         ids = self._model.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+        return ([self.bos_id] if bos and self.add_bos else []) + ids + ([self.eos_id] if eos else [])
 
-    def encode_chat(self, text: str) -> list[int]:
+    def encode_chat_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         self._model.encode_special_tokens = False  # the template's markers are control tokens here
         try:
-            return self._model.encode(text, add_special_tokens=False).ids
+            encoding = self._model.encode(text, add_special_tokens=False)
         finally:
             self._model.encode_special_tokens = True
+        return encoding.ids, [tuple(span) for span in encoding.offsets]
 
     def decode(self, ids: list[int]) -> str:
         return self._model.decode(list(ids), skip_special_tokens=False)

@@ -115,8 +115,10 @@ class TikTokenTokenizer(Tokenizer):
             framed[-1] = self.eos_id
         return framed
 
-    def encode_chat(self, text: str) -> list[int]:
-        return self._model.encode(text, allowed_special="all")
+    def encode_chat_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids = self._model.encode(text, allowed_special="all")
+        _, starts = self._model.decode_with_offsets(ids)
+        return ids, list(zip(starts, [*starts[1:], len(text)], strict=True))
 
     def decode(self, ids: list[int]) -> str:
         return self._model.decode(list(ids))

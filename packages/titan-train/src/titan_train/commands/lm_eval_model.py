@@ -70,7 +70,8 @@ class TitanLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
         self._special = tokenizer.special_ids
-        self._bos_text = tokenizer.decode([tokenizer.bos_id])
+        # No BOS (Qwen's tokenizers): no text stands for it, and contexts start without it.
+        self._bos_text = None if tokenizer.bos_id is None else tokenizer.decode([tokenizer.bos_id])
 
     @staticmethod
     def _from_checkpoint(checkpoint, config_file, device, dtype) -> tuple[nn.Module, Tokenizer, int]:
@@ -96,7 +97,9 @@ class TitanLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        return self.titan_tokenizer.bos_id
+        # lm-eval's hf backend: BOS, or the end-of-text id for a tokenizer without one
+        bos = self.titan_tokenizer.bos_id
+        return self.titan_tokenizer.eos_id if bos is None else bos
 
     @property
     def max_length(self) -> int:
@@ -113,7 +116,7 @@ class TitanLM(TemplateLM):
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         """Token ids of `string`, with BOS in front unless told otherwise (or the text starts with BOS's)."""
         bos = self.add_bos_token if add_special_tokens is None else add_special_tokens
-        if add_special_tokens is None and string.startswith(self._bos_text):
+        if add_special_tokens is None and self._bos_text and string.startswith(self._bos_text):
             string, bos = string[len(self._bos_text) :], True  # the BOS text is the BOS token
         return self.titan_tokenizer.encode(string, bos=bos)
 
