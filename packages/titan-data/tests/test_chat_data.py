@@ -89,11 +89,14 @@ def test_a_bad_row_is_named_in_one_line_or_skipped_and_counted(
     assert len(load_examples(path, template, llama3_tokenizer, 64, ChatOptions(bad_rows="skip"))) == 1
 
 
-def test_a_template_whose_messages_start_with_no_control_token_is_refused(tmp_path, llama3_tokenizer):
-    # nothing in the render says where the assistant's text starts: refused in one line, not guessed
+def test_a_plain_template_whose_prefixes_are_not_prefixes_is_refused(tmp_path, llama3_tokenizer):
+    # no control token starts a message and the last turn is written differently from the same turn
+    # followed by more: nothing says where the assistant's text is, so it is refused, not guessed
     source = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}{% endfor %}"
     path = _write(tmp_path / "c.jsonl", _conversations(1))
-    with pytest.raises(DataError, match="does not start a message with a control token.*generation"):
+    with pytest.raises(
+        DataError, match="start with no control token .*not a prefix of the whole.*generation"
+    ):
         load_examples(path, ChatTemplate(source, {}, "t.jinja"), llama3_tokenizer, 64, ChatOptions())
     # with {% generation %} blocks the same plain-text layout trains exactly the marked answers
     marked = (

@@ -1146,6 +1146,10 @@ PROBES: dict[str, Probe] = {
     "sft.chat_template": Probe(
         ("--sft.chat_template", "other_template.jinja"), chat_batch, base=CHAT, prepare=chat_files
     ),
+    # the bundled template writes {{ bos_token }} first: a variable the user passes replaces it, as in transformers
+    "sft.template_variables": Probe(
+        ("--sft.template_variables", '{"bos_token": "<|eot_id|>"}'), chat_batch, base=CHAT, prepare=chat_files
+    ),
 }
 
 

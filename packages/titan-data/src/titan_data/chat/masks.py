@@ -15,6 +15,11 @@ end of its header (as much of the generation prompt as the text repeats there, s
 block under `enable_thinking = false` is prompt, not target) to its last control token (the end-of-turn
 marker; the newline a template writes after it stays masked). Tool replies and every other role are not
 trained; an assistant's tool calls are, being its own text.
+
+A template whose messages start with no control token (plain `role: text` layouts) falls back to
+rendering prefixes: turn k is trained from the end of the conversation up to k with the generation
+prompt to the end of the conversation up to and including k, where each such render is a prefix of the
+whole text; one that is not is refused in one line rather than masked wrongly.
 """
 
 from __future__ import annotations
@@ -70,26 +75,22 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 @lru_cache(maxsize=64)
-def _header(template: ChatTemplate, tokenizer: Tokenizer, tools_json: str) -> _Header:
-    """The assistant header of `template`, from probe renders made with the row's tools."""
+def _header(template: ChatTemplate, tokenizer: Tokenizer, tools_json: str) -> _Header | None:
+    """The assistant header of `template`, from probe renders made with the row's tools; None when its
+    messages do not start with a control token."""
     tools = json.loads(tools_json)
     user, answer = list(_PROBE[:1]), list(_PROBE)
     base = template.render(user, tools=tools)
     prompt = template.render(user, add_generation_prompt=True, tools=tools)
     # An answer followed by more: the header as any assistant turn has it, not only the last one.
     longer = template.render([*answer, {"role": "user", "content": "Bye"}, _PROBE[1]], tools=tools)
-    refusal = (
-        f"chat template {template.origin}: its generation prompt does not start a message with a control "
-        "token, so assistant turns cannot be found in the render; use sft.loss_on = 'all', or a template "
-        "that marks answers with {% generation %}"
-    )
     if not (prompt.startswith(base) and longer.startswith(base)):
-        raise DataError(refusal)
+        return None
     prompt = prompt[len(base) :]
     assistant = prompt[: _common_prefix(prompt, longer[len(base) :])]
     start = _control_texts(tokenizer).match(assistant)
     if start is None or start.end() == len(assistant):
-        raise DataError(refusal)
+        return None
     return _Header(start.group(), assistant, prompt)
 
 
@@ -110,6 +111,32 @@ def _assistant_spans(text: str, header: _Header, controls: re.Pattern) -> list[t
     return spans
 
 
+def _prefix_spans(
+    messages: list[dict[str, Any]],
+    template: ChatTemplate,
+    text: str,
+    controls: re.Pattern,
+    tools: list | None,
+    where: str,
+) -> list[tuple[int, int]]:
+    """Spans of the assistant turns by prefix rendering, for templates without control-token headers."""
+    spans = []
+    for k, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        head = template.render(messages[:k], add_generation_prompt=True, tools=tools)
+        upto = template.render(messages[: k + 1], tools=tools)
+        if not (text.startswith(head) and text.startswith(upto)):
+            raise DataError(
+                f"chat template {template.origin}: at {where} its messages start with no control token and "
+                "a rendered prefix of the conversation is not a prefix of the whole, so turn boundaries "
+                "cannot be found; use sft.loss_on = 'all', or mark answers with {% generation %}"
+            )
+        marker_ends = [m.end() for m in controls.finditer(text, len(head), len(upto))]
+        spans.append((len(head), marker_ends[-1] if marker_ends else len(upto)))
+    return spans
+
+
 def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
     """True for each token that holds a character of a span."""
     starts = np.array([s for s, _ in offsets], dtype=np.int64).reshape(-1)
@@ -121,14 +148,21 @@ def _token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) ->
 
 
 def trained_spans(
-    messages: list[dict[str, Any]], template: ChatTemplate, tokenizer: Tokenizer, tools: list | None = None
+    messages: list[dict[str, Any]],
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    tools: list | None = None,
+    where: str = "a conversation",
 ) -> tuple[str, list[tuple[int, int]]]:
     """The whole conversation's text and the character spans of its trained blocks, in order."""
     text, spans = template.render_marked(messages, tools=tools)
     if template.has_generation_blocks:
         return text, spans
     header = _header(template, tokenizer, json.dumps(tools, sort_keys=True))
-    return text, _assistant_spans(text, header, _control_texts(tokenizer))
+    controls = _control_texts(tokenizer)
+    if header is None:
+        return text, _prefix_spans(messages, template, text, controls, tools, where)
+    return text, _assistant_spans(text, header, controls)
 
 
 def tokenize_conversation(
@@ -149,7 +183,7 @@ def tokenize_conversation(
         return Conversation(np.asarray(whole, dtype=np.int64), np.ones(len(whole), dtype=bool))
     if not any(m.get("role") == "assistant" for m in messages):
         raise DataError(f"dataset: {where}: the conversation has no assistant turn to train on")
-    text, spans = trained_spans(messages, template, tokenizer, tools)
+    text, spans = trained_spans(messages, template, tokenizer, tools, where)
     if not spans:
         raise DataError(
             f"dataset: {where}: chat template {template.origin} rendered no assistant block to train on"

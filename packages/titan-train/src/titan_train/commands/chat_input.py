@@ -11,6 +11,7 @@ from pathlib import Path
 
 from titan_data import DataError, RowFields, Tokenizer, chat_prompt, load_chat_template
 from titan_data.chat.rows import row_to_messages
+from titan_train.config.sft_section import template_variables
 from titan_train.errors import ConfigError
 from titan_train.wiring.data import BUNDLED_TOKENIZER
 
@@ -44,7 +45,9 @@ def chat_prompts(
     """Each conversation's prompt ids (ending with the assistant header) and the template's end-of-turn id."""
     try:
         template = load_chat_template(
-            config.model.hf_assets_path or BUNDLED_TOKENIZER, config.sft.chat_template
+            config.model.hf_assets_path or BUNDLED_TOKENIZER,
+            config.sft.chat_template,
+            template_variables(config.sft.template_variables),  # as training rendered (enable_thinking, ...)
         )
         prompts = [chat_prompt(messages, template, tokenizer) for messages in conversations]
     except DataError as err:

@@ -6,11 +6,30 @@ fields are Titan's own. They apply to training and validation alike, so both use
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from titan_train.config.fields import opt
+from titan_train.errors import ConfigError
 
 FIELD_NAME = (r"[^\s]+", "a field name without spaces")
+
+
+def template_variables(text: str) -> dict[str, Any]:
+    """`sft.template_variables` as the dict the chat template is rendered with; ConfigError if not a JSON object."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as err:
+        raise ConfigError(
+            f"config: sft.template_variables is not JSON ({err.msg}); write an object such as "
+            '\'{"enable_thinking": false, "date_string": "26 Jul 2024"}\''
+        ) from None
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"config: sft.template_variables must be a JSON object of name: value, got {type(value).__name__}"
+        )
+    return value
 
 
 @dataclass
@@ -56,4 +75,11 @@ class Sft:
         "(Titan) Jinja chat template file overriding the tokenizer's (chat_template.jinja or "
         "tokenizer_config.json in model.hf_assets_path)",
         path="a jinja file",
+    )
+    template_variables: str = opt(
+        "",
+        "(Titan) JSON object of variables the chat template is rendered with, as transformers' "
+        "apply_chat_template(**kwargs) passes them: enable_thinking, date_string, reasoning_effort, ... "
+        "and tools (for rows without a 'tools' field); empty: none",
+        check=template_variables,
     )

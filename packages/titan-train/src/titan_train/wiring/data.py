@@ -22,6 +22,7 @@ from titan_data import (
     load_examples,
 )
 from titan_train.config.schema import JobConfig
+from titan_train.config.sft_section import template_variables
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,11 @@ def chat_options(config: JobConfig) -> ChatOptions:
 
 def _chat_dataset(config: JobConfig, section, tokenizer: Tokenizer, streams: StreamLayout, *, infinite: bool):
     """Conversations rendered with the model's chat template and masked by turn (`[sft]`)."""
-    template = load_chat_template(config.model.hf_assets_path or BUNDLED_TOKENIZER, config.sft.chat_template)
+    template = load_chat_template(
+        config.model.hf_assets_path or BUNDLED_TOKENIZER,
+        config.sft.chat_template,
+        template_variables(config.sft.template_variables),
+    )
     options = chat_options(config)
     examples = load_examples(section.dataset_path, template, tokenizer, section.seq_len, options)
     return ChatDataset(
