@@ -152,3 +152,30 @@ def test_packed_chat_resumes_exactly_on_another_number_of_ranks_and_with_workers
 
     assert rows(first[0] + first[1]) == rows(whole[:3])
     assert rows(rest) == rows(whole[3:])
+
+
+def test_generation_blocks_are_the_trained_tokens_as_transformers_return_assistant_tokens_mask():
+    transformers = pytest.importorskip("transformers")
+    from titan_data import build_tokenizer
+    from titan_data.chat.masks import tokenize_conversation
+    from titan_data.datasets.registry import ASSETS
+
+    # only the answer's text is marked (not its header, not its end-of-turn token): what the header rule
+    # would train differs, so the blocks decide
+    marked = (
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}<|eot_id|>"
+        "{% else %}{{ m.content }}<|eot_id|>{% endif %}{% endfor %}"
+    )
+    theirs = transformers.AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+    tokenizer = build_tokenizer(ASSETS / "tokenizer" / "tokenizer.json")
+    template = ChatTemplate(marked, {"bos_token": "<|begin_of_text|>"}, "marked.jinja")
+    for row in _conversations(6):
+        messages = row["messages"]
+        expected = theirs.apply_chat_template(
+            messages, chat_template=marked, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ours = tokenize_conversation(messages, template, tokenizer, "assistant", "test")
+        assert ours.tokens.tolist() == list(expected["input_ids"])
+        assert ours.trained.astype(int).tolist() == list(expected["assistant_masks"])
+        assert ours.trained.sum() > 0

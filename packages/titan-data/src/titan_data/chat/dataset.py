@@ -111,6 +111,8 @@ class ChatDataset(WindowDataset):
     Conversation i goes to stream i % num_streams. With `packing`, a row takes whole conversations in
     order while they fit; otherwise one conversation per row. The rest of a row is padding: label
     IGNORE, positions counting on (so it joins the last conversation's document, after its tokens).
+    Unpacked rows are yielded without positions: theirs are 0..seq_len-1, what a model assumes when
+    given none, so a family that builds its own masks (gpt-oss) trains on them too.
     """
 
     def __init__(
@@ -164,14 +166,16 @@ class ChatDataset(WindowDataset):
         row[2, filled:] = np.arange(row[2, filled - 1] + 1, row[2, filled - 1] + 1 + self.seq_len - filled)
         return row
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        parts = 3 if self.packing else 2
         for window in self.windows():
-            rows = torch.from_numpy(window)
-            yield rows[0], rows[1], rows[2]
+            yield tuple(torch.from_numpy(window)[:parts])
 
-    def batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(inputs, labels, positions) batches of `batch_size` rows (the last may be short when finite)."""
+    def batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, ...]]:
+        """(inputs, labels, positions) batches of `batch_size` rows (the last may be short when finite);
+        (inputs, labels) when unpacked."""
+        parts = 3 if self.packing else 2
         windows = self.windows()
         while rows := list(islice(windows, batch_size)):
             stacked = torch.from_numpy(np.stack(rows))
-            yield stacked[:, 0], stacked[:, 1], stacked[:, 2]
+            yield tuple(stacked[:, i] for i in range(parts))
