@@ -235,3 +235,27 @@ def test_more_ranks_than_streams_is_refused(llama3_tokenizer):
         DataError, match="num_streams \\(2\\) is smaller than the data-parallel degree \\(4\\)"
     ):
         _loader(llama3_tokenizer, rank=0, world=4, streams=2)
+
+
+def test_a_tokenizer_without_bos_packs_documents_as_transformers_encodes_them(tmp_path, corpus):
+    """Qwen's tokenizer folders declare no BOS (`"bos_token": null`) and add none: pretraining documents
+    are transformers' ids of each text, each followed by EOS, back to back."""
+    transformers = pytest.importorskip("transformers")
+    from titan_data import build_tokenizer
+    from titan_data.datasets.registry import ASSETS
+
+    data = json.loads((ASSETS / "tokenizer" / "tokenizer.json").read_text())
+    data["post_processor"] = None  # as Qwen's tokenizer.json: nothing put in front
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"bos_token": None, "eos_token": "<|end_of_text|>", "tokenizer_class": "PreTrainedTokenizerFast"}
+        )
+    )
+    tokenizer = build_tokenizer(tmp_path)
+    assert tokenizer.bos_id is None and not tokenizer.add_bos
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    inputs, labels = next(iter(_loader(tokenizer, seq_len=256, batch=4, infinite=False)))
+    stream = [i for text in corpus[:40] for i in [*theirs(text)["input_ids"], theirs.eos_token_id]]
+    assert torch.cat([inputs, labels[:, -1:]], dim=1)[0].tolist() == stream[:257]
+    assert 1792 not in inputs.unique().tolist()  # no <|begin_of_text|> anywhere
