@@ -31,6 +31,7 @@ from transformers import (
 
 from titan_data import build_tokenizer, load_chat_template
 from titan_data.chat.masks import tokenize_conversation
+from titan_data.chat.prompt import end_of_turn_id
 from titan_train.config import load_job_config
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
@@ -61,6 +62,7 @@ class Family:
     """A published layout: its template file, control tokens, tokenizer_config and model."""
 
     model_name: str
+    end_of_turn: str  # where `generate --chat` stops: what closes the last answer
     template: str
     special: tuple[str, ...]
     plain: tuple[str, ...]  # added tokens that are not special (Qwen3's think and tool tags)
@@ -73,6 +75,7 @@ class Family:
 
 QWEN3 = Family(
     model_name="qwen3",
+    end_of_turn="<|im_end|>",
     template="Qwen-Qwen3-0.6B.jinja",
     special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
     plain=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"),
@@ -125,6 +128,7 @@ QWEN3 = Family(
 
 LLAMA31 = Family(
     model_name="llama3",
+    end_of_turn="<|eot_id|>",
     template="meta-llama-Llama-3.1-8B-Instruct.jinja",
     special=(
         "<|begin_of_text|>",
@@ -164,6 +168,7 @@ LLAMA31 = Family(
 
 GPT_OSS = Family(
     model_name="gpt_oss",
+    end_of_turn="<|return|>",
     template="openai-gpt-oss-120b.jinja",
     special=(
         "<|startoftext|>",
@@ -291,6 +296,7 @@ def test_assistant_masks_equal_the_blocks_of_transformers_render_of_the_whole_co
         assert (last.get("reasoning_content") or last.get("thinking") or "") in text
         assert ("get_weather" in text) is ("tools" in conversation)
         assert "temp=18C" not in text and "Weather in Paris?" not in text
+    assert end_of_turn_id(template, tokenizer) == theirs.convert_tokens_to_ids(family.end_of_turn)
 
 
 def _hf_model(family: Family, theirs) -> torch.nn.Module:
