@@ -77,6 +77,21 @@ def test_the_three_layouts_give_the_same_conversation(tmp_path, template, llama3
             "line 1: 'messages' user turn content is int, not a string",
         ),
         ({"messages": [{"role": "user", "content": "hi"}]}, "line 1: the conversation has no assistant turn"),
+        (
+            {"messages": [{"role": "user", "content": "hi", "tool_calls": [{"function": {"name": "f"}}]}]},
+            "line 1: 'messages' user turn has tool_calls that are not an assistant's list",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]},
+            "line 1: 'messages' assistant turn content is NoneType, not a string",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}],
+                "tools": 5,
+            },
+            "line 1: 'tools' must be a list of tool schemas",
+        ),
     ],
 )
 def test_a_bad_row_is_named_in_one_line_or_skipped_and_counted(
@@ -152,6 +167,29 @@ def test_packed_chat_resumes_exactly_on_another_number_of_ranks_and_with_workers
 
     assert rows(first[0] + first[1]) == rows(whole[:3])
     assert rows(rest) == rows(whole[3:])
+
+
+def test_every_field_of_a_turn_and_the_row_tools_reach_the_template(tmp_path, llama3_tokenizer):
+    # a template that prints what it is given: nothing a row holds is dropped on the way
+    source = (
+        "{{ tools | tojson }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>"
+        "{{ m | tojson }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}"
+    )
+    call = {"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    turns = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "think"},
+        {"role": "tool", "content": "1", "name": "f", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "done", "thinking": "t"},
+    ]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    path = _write(tmp_path / "c.jsonl", [{"messages": turns, "tools": json.dumps(tools)}])
+    (example,) = load_examples(
+        path, ChatTemplate(source, {}, "show.jinja"), llama3_tokenizer, 256, ChatOptions()
+    )
+    text = llama3_tokenizer.decode(example.inputs.tolist())
+    assert all(json.dumps(t) in text for t in turns) and text.startswith(json.dumps(tools))
 
 
 def test_generation_blocks_are_the_trained_tokens_as_transformers_return_assistant_tokens_mask():
