@@ -384,3 +384,18 @@ def test_step_one_loss_equals_transformers_masked_loss_on_the_same_model(family_
     trainer = Trainer(resolve(load_job_config(list(flags)), 1, "cpu"), one_rank)
     (loss,) = trainer.train()
     assert loss == pytest.approx(_expected_loss(model, references), abs=1e-5)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_qwen3_without_thinking_trains_the_answer_after_the_empty_think_block_its_prompt_holds(
+    tmp_path, thinking
+):
+    """With `enable_thinking = false` Qwen3's generation prompt ends with an empty think block, so the
+    model never writes it: the last answer trains from after it. With thinking on, the model writes it."""
+    folder = _write_folder(tmp_path, QWEN3)
+    tokenizer = build_tokenizer(folder)
+    template = load_chat_template(folder, variables={"enable_thinking": thinking})
+    messages = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]
+    ours = tokenize_conversation(messages, template, tokenizer, "last", "test")
+    trained = tokenizer.decode(ours.tokens[ours.trained].tolist())
+    assert trained == ("<think>\n\n</think>\n\n" if thinking else "") + "Hi!<|im_end|>"
