@@ -50,7 +50,7 @@ def test_an_epoch_s_steps_are_logged_and_epochs_set_the_steps(tmp_path, monkeypa
     seen = launch(tmp_path / "logged", [*BASE, *CHAT], monkeypatch)
     assert seen.status == 0, seen.errors
     assert seen.log(
-        f"is {_conversations()} sequences over 1 streams, {per_epoch} steps of a global batch of 8"
+        f"is {_conversations()} sequences, {per_epoch} steps of a global batch of 8"
     )
     assert seen.trainer.config.training.steps == 10000  # logged only: training.steps still decides
     seen = launch(tmp_path / "epochs", [*BASE, *CHAT, "--training.epochs", "3"], monkeypatch)

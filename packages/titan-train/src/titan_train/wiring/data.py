@@ -113,7 +113,7 @@ def _dataset(config: JobConfig, section, tokenizer: Tokenizer, streams: StreamLa
     )
 
 
-def _plan_epochs(config: JobConfig, section, make, num_streams: int, dp_degree: int) -> None:
+def _plan_epochs(config: JobConfig, section, make, dp_degree: int) -> None:
     """Logs the steps an epoch of chat rows takes (they are in memory: cheap); with training.epochs, counts
     them for any dataset (a pass over it) and sets training.steps, before the schedule is built from it; a
     training.steps given as another number is refused."""
@@ -122,7 +122,7 @@ def _plan_epochs(config: JobConfig, section, make, num_streams: int, dp_degree: 
         return
     global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
     what = ", ".join(map(str, section_paths(t)))
-    steps = epoch_steps(lambda layout: make(layout, finite=True), num_streams, global_batch, what)
+    steps = epoch_steps(lambda layout: make(layout, finite=True), global_batch, what)
     if t.epochs:
         if t.steps not in (default_steps(config), t.epochs * steps):
             raise ConfigError(
@@ -139,7 +139,7 @@ def _token_loader(
     """A loader for `[training]` or `[validation]`: both name dataset, path, seq_len, batch size and streams."""
     streams = StreamLayout(dp_rank, dp_degree, section.dataloader.num_streams)
     make = _dataset(config, section, tokenizer, streams, infinite=infinite)
-    _plan_epochs(config, section, make, streams.num_streams, dp_degree)
+    _plan_epochs(config, section, make, dp_degree)
     dataset = make(streams)
     d = section.dataloader
     return TokenLoader(

@@ -56,21 +56,17 @@ def row_filter(part: str | None, share: float) -> Callable[[int], bool] | None:
     return None if part is None else keep_row(share, part)
 
 
-def epoch_steps(
-    make: Callable[[StreamLayout], Any],
-    num_streams: int,
-    global_batch: int,
-    what: str,
-) -> int:
-    """Steps one pass over a finite dataset takes: its windows over every stream (a finite copy read once,
-    as one rank holding all `num_streams`), over the global batch, rounded up."""
-    windows = sum(1 for _ in make(StreamLayout(0, 1, num_streams)).windows())
+def epoch_steps(make: Callable[[StreamLayout], Any], global_batch: int, what: str) -> int:
+    """Steps one pass over a finite dataset takes: its sequences as one stream packs them (a finite copy
+    read once), over the global batch, rounded up. Counted over one stream, the number is the same at any
+    num_streams (more streams each end on a part-filled sequence, so they add at most one per stream), and
+    a resume that adopts a checkpoint's number of streams plans the same steps."""
+    windows = sum(1 for _ in make(StreamLayout(0, 1, 1)).windows())
     steps = max(1, math.ceil(windows / global_batch))
     logger.info(
-        "data: one epoch of %s is %d sequences over %d streams, %d steps of a global batch of %d",
+        "data: one epoch of %s is %d sequences, %d steps of a global batch of %d",
         what,
         windows,
-        num_streams,
         steps,
         global_batch,
     )
