@@ -66,8 +66,12 @@ def test_weights_must_match_the_sources(two_sources):
         MixtureSource(two_sources, [1.0, 0.0])
 
 
-def test_one_pass_of_a_mixture_reads_every_source_whole(two_sources):
+def test_one_pass_of_a_mixture_reads_every_source_whole(two_sources, caplog):
+    caplog.set_level("INFO")
     rows = list(MixtureSource(two_sources, [0.5, 0.5]).read())
+    # each source's rows are logged when it first ends
+    assert "ended after 90 of the mixture's 181 documents (weight 0.5)" in caplog.text
+    assert "ended after 800 of the mixture's 1600 documents (weight 0.5)" in caplog.text
     # b (90 documents) ends first and starts again; the pass ends when a's 800 are read
     assert Counter(t[0] for t in rows) == {"a": 800, "b": 800}
 

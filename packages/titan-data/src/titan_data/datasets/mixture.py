@@ -64,10 +64,19 @@ class _MixtureReader(DocumentReader):
         reader = self.readers[i]
         item = next(reader, None) if decode else (reader.skip() or None)
         if item is None:
+            source = self.mixture.sources[i]
+            if not self.ended[i]:  # its length is known now: said once a pass
+                logger.info(
+                    "mixture: %s at %s ended after %d of the mixture's %d documents (weight %.4g)",
+                    source.name,
+                    source.location,
+                    self.taken[i],
+                    sum(self.taken),
+                    self.mixture.shares[i],
+                )
             self.ended[i] = True
             if all(self.ended):
                 return None
-            source = self.mixture.sources[i]
             self.readers[i] = reader = source.open(None)  # this source starts again; the others go on
             item = next(reader, None) if decode else (reader.skip() or None)
             if item is None:
