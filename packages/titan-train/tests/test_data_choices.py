@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -49,9 +50,7 @@ def test_an_epoch_s_steps_are_logged_and_epochs_set_the_steps(tmp_path, monkeypa
     per_epoch = math.ceil(_conversations() / 8)
     seen = launch(tmp_path / "logged", [*BASE, *CHAT], monkeypatch)
     assert seen.status == 0, seen.errors
-    assert seen.log(
-        f"is {_conversations()} sequences, {per_epoch} steps of a global batch of 8"
-    )
+    assert seen.log(f"is {_conversations()} sequences, {per_epoch} steps of a global batch of 8")
     assert seen.trainer.config.training.steps == 10000  # logged only: training.steps still decides
     seen = launch(tmp_path / "epochs", [*BASE, *CHAT, "--training.epochs", "3"], monkeypatch)
     assert seen.status == 0, seen.errors
@@ -136,3 +135,47 @@ def test_data_combinations_are_refused_in_one_line(settings, message):
     with pytest.raises(ConfigError, match=message) as err:
         validate_config(config, check_paths=False)
     assert "\n" not in str(err.value)
+
+
+def _mixture_files(root: Path) -> tuple[str, ...]:
+    """Two text files and two chat files, each source's rows its own."""
+    root.mkdir(parents=True, exist_ok=True)
+    words = ["river", "stone", "light", "paper", "garden", "signal", "winter", "orbit"]
+    for name, offset in (("a", 0), ("b", 3)):
+        texts = [" ".join(words[(i * 7 + k + offset) % 8] for k in range(30 + i % 5)) for i in range(40)]
+        (root / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        chats = [
+            {
+                "messages": [
+                    {"role": "user", "content": f"{name}: what is {i} plus {offset}?"},
+                    {"role": "assistant", "content": f"{i + offset}."},
+                ]
+            }
+            for i in range(30)
+        ]
+        (root / f"{name}_chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        ("--training.dataset", "json", "--training.dataset_mixture", "a.jsonl,b.jsonl"),
+        ("--training.dataset", "chat", "--training.dataset_mixture", "a_chat.jsonl,b_chat.jsonl"),
+    ],
+    ids=["text", "chat"],
+)
+def test_a_mixture_resumed_from_a_checkpoint_trains_as_the_uninterrupted_run(tmp_path, monkeypatch, data):
+    flags = [*BASE, *data, "--training.dataset_weights", "0.7,0.3", "--training.seq_len", "64"]
+    flags += ["--training.local_batch_size", "2", "--training.steps", "3", "--metrics.log_freq", "1"]
+    flags += ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"]
+    flags += ["--training.dataloader.num_streams", "2"]
+    _mixture_files(tmp_path / "full")
+    full = launch(tmp_path / "full", flags, monkeypatch, train=True)
+    assert full.status == 0, full.errors
+    _mixture_files(tmp_path / "resumed")
+    shutil.copytree(tmp_path / "full/out/checkpoint/step-2", tmp_path / "resumed/out/checkpoint/step-2")
+    resumed = launch(tmp_path / "resumed", flags, monkeypatch, train=True)
+    assert resumed.status == 0, resumed.errors
+    losses = [(r["step"], r["loss"]) for r in full.jsonl("metrics.jsonl")]
+    assert len(losses) == 3
+    assert [(r["step"], r["loss"]) for r in resumed.jsonl("metrics.jsonl")][-1:] == losses[2:]
