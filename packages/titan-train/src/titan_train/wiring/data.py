@@ -83,9 +83,10 @@ def _chat_examples(config: JobConfig, section, tokenizer: Tokenizer) -> tuple[li
     return mix_rows(parts, weights, [str(p) for p in paths]), f"mixture({paths}, weights {weights})"
 
 
-def _dataset(config: JobConfig, section, tokenizer: Tokenizer, streams: StreamLayout, *, infinite: bool):
-    """The section's windows for this rank's `streams`: chat rows, or documents packed (`token_shards`
-    memory-mapped); under a held-out share, the training data's part (see `data_sources`)."""
+def _dataset(config: JobConfig, section, tokenizer: Tokenizer, *, infinite: bool):
+    """`make(layout, finite=False)`: the section's windows for the streams of `layout`: chat rows, or
+    documents packed (`token_shards` memory-mapped); under a held-out share, the training data's part (see
+    `data_sources`). The data is read once; `make` deals it (the epoch count makes a finite copy)."""
     data, part = data_section(config, section)
     if data.dataset == CHAT:
         examples, name = _chat_examples(config, section, tokenizer)
@@ -138,7 +139,7 @@ def _token_loader(
 ) -> TokenLoader:
     """A loader for `[training]` or `[validation]`: both name dataset, path, seq_len, batch size and streams."""
     streams = StreamLayout(dp_rank, dp_degree, section.dataloader.num_streams)
-    make = _dataset(config, section, tokenizer, streams, infinite=infinite)
+    make = _dataset(config, section, tokenizer, infinite=infinite)
     _plan_epochs(config, section, make, dp_degree)
     dataset = make(streams)
     d = section.dataloader
