@@ -225,3 +225,18 @@ def test_held_out_rows_are_the_same_on_every_rank(two_sources, llama3_tokenizer)
             pass
     assert not set(read) & held
     assert len(read) == len(set(read)) and len(read) + len(held) == 800
+
+
+def test_c4_reads_the_split_named(tmp_path, write_c4_layout, corpus):
+    write_c4_layout(tmp_path, corpus[:16], 8, split="validation")
+    assert sorted(get_source("c4", tmp_path, "validation").read()) == sorted(corpus[:16])
+    with pytest.raises(DataError, match="'c4' has the splits train, validation, not 'test'"):
+        get_source("c4", tmp_path, "test")
+
+
+def test_mixtures_and_held_out_parts_pickle_for_worker_processes(two_sources):
+    import pickle
+
+    for source in (MixtureSource(two_sources, [0.7, 0.3]), HoldoutSource(two_sources[0], 0.1, "train")):
+        copy = pickle.loads(pickle.dumps(source))
+        assert list(islice(copy.read(), 50)) == list(islice(source.read(), 50))

@@ -9,7 +9,8 @@ rank, every resume and the validation loader decide a row the same way from its 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any, TypeVar
 
 from titan_data.datasets.sources import DocumentReader, OneShardSource, TextSource
@@ -30,13 +31,17 @@ def check_share(share: float) -> None:
         raise DataError(f"dataset: holdout_share must be above 0 and below 1, got {share}")
 
 
-def keep_row(share: float, part: str):
-    """A test of row numbers: True for the rows of `part` ("train" or "holdout") of a `share` split."""
+def _in_part(index: int, share: float, held: bool) -> bool:
+    return is_held_out(index, share) == held
+
+
+def keep_row(share: float, part: str) -> Callable[[int], bool]:
+    """A test of row numbers: True for the rows of `part` ("train" or "holdout") of a `share` split
+    (picklable, so loader worker processes started by spawn get it too)."""
     check_share(share)
     if part not in PARTS:
         raise DataError(f"dataset: a held-out split's part is one of {', '.join(PARTS)}, not {part!r}")
-    held = part == "holdout"
-    return lambda index: is_held_out(index, share) == held
+    return partial(_in_part, share=share, held=part == "holdout")
 
 
 def split_rows(rows: Iterable[Row], share: float, part: str) -> Iterator[Row]:
