@@ -61,8 +61,16 @@ def _set(config: Any, dotted: str, value: Any) -> None:
     setattr(get_value(config, ".".join(path)) if path else config, leaf, value)
 
 
-def _declares_what_it_accepts(tp: Any, rule: Any) -> bool:
+def _numbers_of(tp: Any) -> Any:
+    """A list of numbers is checked item by item: the item type, else the type itself."""
     inner, _ = unwrap_optional(tp)
+    if typing.get_origin(inner) is list and typing.get_args(inner)[0] in (int, float):
+        return typing.get_args(inner)[0]
+    return inner
+
+
+def _declares_what_it_accepts(tp: Any, rule: Any) -> bool:
+    inner = _numbers_of(tp)
     if inner is bool:
         return True  # true or false, nothing else
     if inner in (int, float):
@@ -98,9 +106,11 @@ def _wrong_types(tp: Any) -> list[Any]:
 
 
 def _out_of_range(tp: Any, rule: Any) -> list[Any]:
-    inner, _ = unwrap_optional(tp)
+    inner = _numbers_of(tp)
     if inner not in (int, float):
         return []
+    if inner is not unwrap_optional(tp)[0]:  # a list of numbers: each bad number as an item
+        return [[1, value] for value in _out_of_range(inner, rule)]
     candidates: list[Any] = [-1, 0, -(10**30)] if inner is int else [-1.0, 0.0, -1e300, math.nan, -math.inf]
     candidates += [10**30] if inner is int else [1e300, math.inf]
     for key, _, _ in BOUNDS:

@@ -68,6 +68,10 @@ VALIDATION = (
 )
 CHAT = ("--training.dataset", "chat", "--training.dataset_path", "chat.jsonl", "--training.seq_len", "64")
 JSON_DATA = ("--training.dataset", "json", "--training.dataset_path", "docs.jsonl")
+SPLITS = ("--training.dataset", "json", "--training.dataset_path", "splits")  # a saved DatasetDict
+# Eight windows hold about four documents: the weights decide whose they are.
+MIXTURE = ("--training.dataset", "json", "--training.dataset_mixture", "docs.jsonl,docs2.jsonl")
+MIXTURE += ("--training.local_batch_size", "8")
 DRILL = ("--health.drill_step", "1", "--health.drill", "nan")
 TRAINING_WORKERS = ("--training.dataloader.num_workers", "2")
 FLOAT8 = ("--model.converters", "float8")
@@ -185,6 +189,21 @@ def lr_curve(s: Seen) -> list[float]:
 def first_batch(s: Seen) -> Any:
     with contextlib.chdir(s.root):  # where relative dataset paths point
         return s.outcome or next(iter(s.trainer.loader))[0].tolist()
+
+
+def first_validation_batch(s: Seen) -> Any:
+    """The first batch of a validation loader built as the trainer builds one."""
+    from titan_train.wiring.data import build_validation_loader
+
+    with contextlib.chdir(s.root):
+        if s.outcome:
+            return s.outcome
+        loader = build_validation_loader(s.trainer.config, s.trainer.tokenizer, 0, 1)
+        return next(iter(loader))[0].tolist()
+
+
+def planned_steps(s: Seen) -> Any:
+    return s.outcome or s.trainer.config.training.steps
 
 
 def _first_batches(loader, passes: int) -> None:
@@ -454,6 +473,19 @@ def data_files(root: Path) -> None:
     )
 
 
+def split_files(root: Path) -> None:
+    """data_files, and `splits/`: a `DatasetDict.save_to_disk` folder whose train and test splits differ."""
+    import datasets
+
+    data_files(root)
+    texts = [json.loads(line)["text"] for line in (root / "docs.jsonl").read_text().splitlines()]
+    others = [json.loads(line)["text"] for line in (root / "docs2.jsonl").read_text().splitlines()]
+    splits = {"train": texts, "test": others}
+    datasets.DatasetDict(
+        {k: datasets.Dataset.from_dict({"text": v}) for k, v in splits.items()}
+    ).save_to_disk(root / "splits")
+
+
 def chat_files(root: Path) -> None:
     """Chat rows holding every layout at once (so the [sft] fields choose what is read), the first one
     longer than 64 tokens; a file with a bad row; another chat template."""
@@ -607,6 +639,24 @@ PROBES: dict[str, Probe] = {
     ),
     "training.dataset_path": Probe(
         ("--training.dataset_path", "docs2.jsonl"), first_batch, base=JSON_DATA, prepare=data_files
+    ),
+    "training.dataset_split": Probe(
+        ("--training.dataset_split", "test"), first_batch, base=SPLITS, prepare=split_files
+    ),
+    "training.dataset_mixture": Probe(  # from one file mixed with itself to two files
+        ("--training.dataset_mixture", "docs.jsonl,docs2.jsonl"),
+        first_batch,
+        base=(*MIXTURE, "--training.dataset_mixture", "docs.jsonl,docs.jsonl"),
+        prepare=data_files,
+    ),
+    "training.dataset_weights": Probe(
+        ("--training.dataset_weights", "0.9,0.1"), first_batch, base=MIXTURE, prepare=data_files
+    ),
+    "training.epochs": Probe(  # 10000 is training.steps' default: not given, so epochs set the steps
+        ("--training.epochs", "3"),
+        planned_steps,
+        base=(*CHAT, "--training.steps", "10000"),
+        prepare=chat_files,
     ),
     "training.local_batch_size": Probe(("--training.local_batch_size", "3"), first_batch),
     "training.global_batch_size": Probe(
@@ -1024,6 +1074,15 @@ PROBES: dict[str, Probe] = {
         base=(*VALIDATION, "--validation.dataset", "json", "--validation.dataset_path", "docs.jsonl"),
         train=True,
         prepare=data_files,
+    ),
+    "validation.dataset_split": Probe(
+        ("--validation.dataset_split", "test"),
+        first_validation_batch,
+        base=(*VALIDATION, "--validation.dataset", "json", "--validation.dataset_path", "splits"),
+        prepare=split_files,
+    ),
+    "validation.holdout_share": Probe(  # the training rows lose the held-out half
+        ("--validation.holdout_share", "0.5"), first_batch, base=(*VALIDATION, *JSON_DATA), prepare=data_files
     ),
     "validation.local_batch_size": Probe(
         ("--validation.local_batch_size", "3"), validation, base=VALIDATION, train=True

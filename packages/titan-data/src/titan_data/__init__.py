@@ -18,11 +18,15 @@ _HOME = {
     "DataError": "titan_data.errors",
     "DocumentReader": "titan_data.datasets.sources",
     "FileSource": "titan_data.datasets.file_formats",
+    "HoldoutSource": "titan_data.datasets.holdout",
     "IterableSource": "titan_data.datasets.sources",
     "MemmapTokenDataset": "titan_data.datasets.memmap",
+    "MixtureSource": "titan_data.datasets.mixture",
+    "OneShardSource": "titan_data.datasets.sources",
     "PackedTokenDataset": "titan_data.datasets.packed",
     "RetryPolicy": "titan_data.datasets.http_files",
     "RowFields": "titan_data.chat.rows",
+    "RowsSource": "titan_data.datasets.hf_datasets",
     "ShardIndex": "titan_data.shards.index",
     "SourceUnavailable": "titan_data.errors",
     "StreamLayout": "titan_data.datasets.windows",
@@ -31,12 +35,17 @@ _HOME = {
     "Tokenizer": "titan_data.tokenizers.base",
     "build_dataset": "titan_data.datasets.build",
     "build_tokenizer": "titan_data.tokenizers.build",
-    "check_dataset": "titan_data.datasets.registry",
     "chat_prompt": "titan_data.chat.prompt",
+    "check_dataset": "titan_data.datasets.registry",
     "get_source": "titan_data.datasets.registry",
+    "is_saved_dataset": "titan_data.datasets.hf_datasets",
+    "keep_row": "titan_data.datasets.holdout",
     "load_chat_template": "titan_data.chat.template",
     "load_examples": "titan_data.chat.dataset",
+    "load_rows": "titan_data.datasets.hf_datasets",
+    "mix_rows": "titan_data.datasets.mixture",
     "register_dataset": "titan_data.datasets.registry",
+    "split_rows": "titan_data.datasets.holdout",
     "tokenize_conversation": "titan_data.chat.masks",
     "tokenize_to_shards": "titan_data.shards.tokenize_job",
 }
@@ -50,11 +59,15 @@ __all__ = [
     "DataError",
     "DocumentReader",
     "FileSource",
+    "HoldoutSource",
     "IterableSource",
     "MemmapTokenDataset",
+    "MixtureSource",
+    "OneShardSource",
     "PackedTokenDataset",
     "RetryPolicy",
     "RowFields",
+    "RowsSource",
     "ShardIndex",
     "SourceUnavailable",
     "StreamLayout",
@@ -66,9 +79,14 @@ __all__ = [
     "chat_prompt",
     "check_dataset",
     "get_source",
+    "is_saved_dataset",
+    "keep_row",
     "load_chat_template",
     "load_examples",
+    "load_rows",
+    "mix_rows",
     "register_dataset",
+    "split_rows",
     "tokenize_conversation",
     "tokenize_to_shards",
 ]
@@ -90,11 +108,14 @@ if TYPE_CHECKING:
     from titan_data.chat.template import ChatTemplate, load_chat_template
     from titan_data.datasets.build import build_dataset
     from titan_data.datasets.file_formats import FileSource
+    from titan_data.datasets.hf_datasets import RowsSource, is_saved_dataset, load_rows
+    from titan_data.datasets.holdout import HoldoutSource, keep_row, split_rows
     from titan_data.datasets.http_files import RetryPolicy
     from titan_data.datasets.memmap import MemmapTokenDataset
+    from titan_data.datasets.mixture import MixtureSource, mix_rows
     from titan_data.datasets.packed import PackedTokenDataset
     from titan_data.datasets.registry import CHAT, DATASETS, check_dataset, get_source, register_dataset
-    from titan_data.datasets.sources import DocumentReader, IterableSource, TextSource
+    from titan_data.datasets.sources import DocumentReader, IterableSource, OneShardSource, TextSource
     from titan_data.datasets.windows import StreamLayout
     from titan_data.errors import DataError, SourceUnavailable
     from titan_data.loader import TokenLoader

@@ -9,7 +9,7 @@ conversation starts (document-masked attention). Rows are emitted whole, so a st
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from titan_data.chat.dataset_rows import read_rows
 from titan_data.chat.masks import LOSS_ON, tokenize_conversation
-from titan_data.chat.rows import RowFields, read_chat_rows
+from titan_data.chat.rows import RowFields
 from titan_data.chat.template import ChatTemplate
 from titan_data.datasets.windows import ONE_RANK, StreamLayout, WindowDataset
 from titan_data.errors import DataError
@@ -60,12 +61,23 @@ class Example:
 
 
 def load_examples(
-    path: str | Path, template: ChatTemplate, tokenizer: Tokenizer, seq_len: int, options: ChatOptions
+    path: str | Path,
+    template: ChatTemplate,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    options: ChatOptions,
+    *,
+    split: str = "",
+    keep_row: Callable[[int], bool] | None = None,
 ) -> list[Example]:
-    """Every conversation at `path`, tokenised and masked, over-long ones truncated or dropped; counts logged."""
+    """Every conversation at `path` (its `split`, where it has splits), tokenised and masked, over-long ones
+    truncated or dropped; counts logged. `keep_row(i)` chooses rows by their number in the source, before
+    any is dropped (a held-out share: see `datasets.holdout`)."""
     examples: list[Example] = []
     truncated = dropped = skipped = 0
-    for row in read_chat_rows(path, options.fields):
+    for number, row in enumerate(read_rows(path, options.fields, split)):
+        if keep_row is not None and not keep_row(number):
+            continue
         try:
             if isinstance(row, DataError):
                 raise row

@@ -7,6 +7,7 @@ from pathlib import Path
 from titan_data.datasets.memmap import MemmapTokenDataset
 from titan_data.datasets.packed import PackedTokenDataset
 from titan_data.datasets.registry import TOKEN_SHARDS, get_source
+from titan_data.datasets.sources import TextSource
 from titan_data.datasets.windows import ONE_RANK, StreamLayout
 from titan_data.errors import DataError
 from titan_data.tokenizers.base import Tokenizer
@@ -20,14 +21,19 @@ def build_dataset(
     *,
     streams: StreamLayout = ONE_RANK,
     infinite: bool = True,
+    split: str = "",
+    source: TextSource | None = None,
 ) -> PackedTokenDataset | MemmapTokenDataset:
-    """Dataset `name` (see `DATASETS`) read from `path`, this rank's `streams` of it; `token_shards`
+    """Dataset `name` (see `DATASETS`) read from `path` (its `split`, where it has splits), this rank's
+    `streams` of it; `source`, when given, is read instead (a mixture, a held-out part). `token_shards`
     memory-maps a folder that `titan-data tokenize` wrote, after checking it was tokenised like
     `tokenizer` tokenises."""
     if name != TOKEN_SHARDS:
         return PackedTokenDataset(
-            get_source(name, path), tokenizer, seq_len, streams=streams, infinite=infinite
+            source or get_source(name, path, split), tokenizer, seq_len, streams=streams, infinite=infinite
         )
+    if split:
+        raise DataError(f"dataset: '{TOKEN_SHARDS}' has no splits; leave dataset_split empty")
     if path is None:
         raise DataError(
             f"dataset: '{TOKEN_SHARDS}' needs dataset_path: the folder `titan-data tokenize` wrote"

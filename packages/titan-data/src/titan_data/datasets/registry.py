@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from titan_data.datasets.c4 import c4_source
+from titan_data.datasets.c4 import C4_NUM_FILES, c4_source
 from titan_data.datasets.file_formats import FileSource
+from titan_data.datasets.hf_datasets import is_saved_dataset, rows_source
 from titan_data.datasets.sources import TextSource
 from titan_data.errors import DataError
 
@@ -19,45 +20,64 @@ CHAT = "chat"  # conversations for fine-tuning: see titan_data.chat, not a text 
 
 @dataclass(frozen=True)
 class DatasetEntry:
-    """How to open a dataset: `open_source(path)` gives its text; None marks pre-tokenised shards."""
+    """How to open a dataset: `open_source(path)` gives its text; None marks pre-tokenised shards.
+    `open_split(path, split)`, where the dataset has splits, opens a named one."""
 
     help: str
     open_source: Callable[[str | Path | None], TextSource] | None
+    open_split: Callable[[str | Path | None, str], TextSource] | None = None
 
 
 def _local(
-    name: str, formats: tuple[str, ...] | None, default: Path | None, path: str | Path | None
+    name: str, formats: tuple[str, ...] | None, default: Path | None, path: str | Path | None, split: str = ""
 ) -> TextSource:
+    """Local files; a `save_to_disk` folder, or a split of a folder whose files are named by split, is read
+    through `datasets` (see hf_datasets)."""
     path = path or default
     if path is None:
         raise DataError(f"dataset: '{name}' reads local files; set dataset_path to a file or folder")
     if not Path(path).exists():
         raise DataError(f"dataset: '{name}' expects its files at {path}, which does not exist")
+    if split or is_saved_dataset(path):
+        return rows_source(name, path, split)
     return FileSource.from_path(name, path, **({"formats": formats} if formats else {}))
+
+
+def _c4_split(name: str, path: str | Path | None, split: str) -> TextSource:
+    if split not in C4_NUM_FILES:
+        raise DataError(f"dataset: '{name}' has the splits {', '.join(C4_NUM_FILES)}, not '{split}'")
+    return c4_source(name, split, path)
 
 
 DATASETS: dict[str, DatasetEntry] = {
     "c4": DatasetEntry(
         "C4 English train split (allenai/c4), streamed from the hub; dataset_path: a copy `titan-data prepare` wrote",
         partial(c4_source, "c4", "train"),
+        partial(_c4_split, "c4"),
     ),
     "c4_validation": DatasetEntry(
         "C4 English validation split, streamed; dataset_path: a copy `titan-data prepare c4_validation` wrote",
         partial(c4_source, "c4_validation", "validation"),
+        partial(_c4_split, "c4_validation"),
     ),
     "c4_test": DatasetEntry(
         "2000 C4-style documents bundled with titan-data, for tests and debug runs",
+        partial(_local, "c4_test", ("json",), ASSETS / "c4_test"),
         partial(_local, "c4_test", ("json",), ASSETS / "c4_test"),
     ),
     "json": DatasetEntry(
         "JSON lines (.jsonl, .json, .gz) with a 'text' field at dataset_path",
         partial(_local, "json", ("json",), None),
+        partial(_local, "json", ("json",), None),
     ),
     "parquet": DatasetEntry(
-        "parquet files with a 'text' column at dataset_path", partial(_local, "parquet", ("parquet",), None)
+        "parquet files with a 'text' column at dataset_path",
+        partial(_local, "parquet", ("parquet",), None),
+        partial(_local, "parquet", ("parquet",), None),
     ),
     "text": DatasetEntry(
         "text files (.txt, .txt.gz) at dataset_path, one document per line",
+        partial(_local, "text", ("text",), None),
         partial(_local, "text", ("text",), None),
     ),
     CHAT: DatasetEntry(
@@ -84,8 +104,9 @@ def register_dataset(
     DATASETS[name] = DatasetEntry(help or name, open_source)
 
 
-def get_source(name: str, path: str | Path | None = None) -> TextSource:
-    """The text of registered dataset `name`, read from `path` when given instead of its default location."""
+def get_source(name: str, path: str | Path | None = None, split: str = "") -> TextSource:
+    """The text of registered dataset `name`, read from `path` when given instead of its default location;
+    `split` names one of its splits (a hub dataset's, a `DatasetDict`'s); empty: its default."""
     if name not in DATASETS:
         raise DataError(f"dataset: unknown dataset '{name}'; registered: {', '.join(sorted(DATASETS))}")
     entry = DATASETS[name]
@@ -93,10 +114,14 @@ def get_source(name: str, path: str | Path | None = None) -> TextSource:
         raise DataError(f"dataset: '{CHAT}' holds conversations, not text; build it with ChatDataset")
     if entry.open_source is None:
         raise DataError(f"dataset: '{name}' holds tokens, not text; build it with build_dataset()")
+    if split:
+        if entry.open_split is None:
+            raise DataError(f"dataset: '{name}' has no splits to choose; leave dataset_split empty")
+        return entry.open_split(path, split)
     return entry.open_source(path)
 
 
-def check_dataset(name: str, path: str | Path | None = None) -> None:
+def check_dataset(name: str, path: str | Path | None = None, split: str = "") -> None:
     """Raise DataError, with the fix, unless dataset `name` can be read from `path` now: its files
     exist, or its remote source answers. A trainer calls it before any work."""
     if name == CHAT:
@@ -109,4 +134,4 @@ def check_dataset(name: str, path: str | Path | None = None) -> None:
         if path is None:
             raise DataError(f"dataset: '{name}' needs dataset_path: the folder `titan-data tokenize` wrote")
         return  # local shards: opening them (build_dataset) checks the folder and says what is wrong
-    get_source(name, path).check()
+    get_source(name, path, split).check()

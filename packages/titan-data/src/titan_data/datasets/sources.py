@@ -81,15 +81,9 @@ class TextSource(ABC):
         return None  # nothing to ask: a local source found its files when it was made
 
 
-class IterableSource(TextSource):
-    """A source over any re-iterable collection of texts (a user's own reader); one shard.
-
-    Resuming skips the documents already read, so it costs a read up to the position.
-    """
-
-    def __init__(self, name: str, documents: Callable[[], Iterable[str]], location: str = ""):
-        self.name, self.location = name, location or name
-        self._documents = documents
+class OneShardSource(TextSource):
+    """A source read as one part (its positions count over the whole of it), so ranks deal its documents
+    one by one."""
 
     @property
     def num_shards(self) -> int:
@@ -99,6 +93,17 @@ class IterableSource(TextSource):
         if num_shards != 1:
             raise ValueError(f"{self.name} has one shard; it cannot be split {num_shards} ways")
         return self
+
+
+class IterableSource(OneShardSource):
+    """A source over any re-iterable collection of texts (a user's own reader); one shard.
+
+    Resuming skips the documents already read, so it costs a read up to the position.
+    """
+
+    def __init__(self, name: str, documents: Callable[[], Iterable[str]], location: str = ""):
+        self.name, self.location = name, location or name
+        self._documents = documents
 
     def open(self, position: Any = None) -> DocumentReader:
         count = [position or 0]

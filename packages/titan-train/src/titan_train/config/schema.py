@@ -16,6 +16,7 @@ from titan_train.config.fields import (
     MAX_SEQUENCES,
     MAX_STEPS,
     MODULE_NAME,
+    SPLIT_NAME,
     opt,
 )
 from titan_train.config.health_section import Health
@@ -177,6 +178,34 @@ class Training:
     dataset: str = opt("c4_test", "Dataset name (see titan_data.DATASETS)", nonempty=True)
     dataset_path: str | None = opt(
         None, "Read the dataset from this local path instead of its default", path="a dataset file or folder"
+    )
+    dataset_split: str = opt(
+        "",
+        "(Titan) Split to read: of a hub dataset, a save_to_disk DatasetDict, or a folder whose files are named "
+        "by split (train-*.parquet, test/...); c4: train or validation; empty: train (or the only split)",
+        pattern=SPLIT_NAME,
+        sentinels=("",),
+    )
+    dataset_mixture: list[str] = opt(
+        [],
+        "(Titan) Several paths of `dataset`, mixed by dataset_weights instead of one dataset_path; each "
+        "source's share and rows are logged, and the mixture resumes exactly",
+        nonempty=True,
+    )
+    dataset_weights: list[float] = opt(
+        [],
+        "(Titan) One weight per dataset_mixture path: its share of the documents (rows), normalised to sum 1; "
+        "empty: equal shares",
+        above=0,
+        maximum=1e9,
+    )
+    epochs: int = opt(
+        0,
+        "(Titan) Passes over a finite dataset; sets training.steps from the steps an epoch takes (logged at "
+        "start); 0: train training.steps",
+        minimum=1,
+        maximum=MAX_STEPS,
+        sentinels=(0,),
     )
     local_batch_size: int = opt(
         8, "Sequences per data-parallel rank per micro-batch", minimum=1, maximum=MAX_SEQUENCES
@@ -367,6 +396,20 @@ class Validation:
         "Read the validation dataset from this local path",
         path="a dataset file or folder",
         needed_if="validation.enable",
+    )
+    dataset_split: str = opt(
+        "",
+        "(Titan) Split of the validation dataset to read (see training.dataset_split); empty: its default",
+        pattern=SPLIT_NAME,
+        sentinels=("",),
+    )
+    holdout_share: float = opt(
+        0.0,
+        "(Titan) Hold out this share of the training rows for validation instead of reading validation.dataset: "
+        "rows split by number, never in both, the same on every rank and resume; 0: off",
+        above=0,
+        below=1,
+        sentinels=(0.0,),
     )
     local_batch_size: int = opt(
         8, "Validation sequences per data-parallel rank per batch", minimum=1, maximum=MAX_SEQUENCES

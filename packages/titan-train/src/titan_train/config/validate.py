@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from titan_data import DATASETS
+from titan_train.config.data_rules import data_choices_fit
 from titan_train.config.fields import BOUNDS, get_value, iter_fields, number, unwrap_optional
 from titan_train.errors import ConfigError
 from titan_train.registry import FROM_HF, get_model_family
@@ -218,7 +219,9 @@ def _chat_data_fits_the_layout(config: Any) -> None:
         if section.dataset == "chat"
     ]
     for section, name in zip(sections, ("training", "validation"), strict=False):
-        if section.dataset == "chat" and not section.dataset_path:
+        if section.dataset == "chat" and not (
+            section.dataset_path or getattr(section, "dataset_mixture", None)
+        ):
             raise ConfigError(
                 f"config: {name}.dataset = 'chat' needs {name}.dataset_path: a .jsonl/.json/.parquet file or "
                 "folder of chat rows, or a Hugging Face dataset id"
@@ -243,6 +246,7 @@ def _chat_data_fits_the_layout(config: Any) -> None:
 
 COMBINATIONS: tuple[Callable[[Any], None], ...] = (
     _chat_data_fits_the_layout,
+    data_choices_fit,
     _profiler_window_fits,
     _schedule_covers_training,
     _validation_fits_the_layout,

@@ -20,9 +20,13 @@ from titan_data import (
     check_dataset,
     load_chat_template,
     load_examples,
+    mix_rows,
 )
+from titan_train.config.data_rules import default_steps
 from titan_train.config.schema import JobConfig
 from titan_train.config.sft_section import template_variables
+from titan_train.errors import ConfigError
+from titan_train.wiring.data_sources import data_section, epoch_steps, row_filter, section_paths, text_source
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +41,12 @@ def build_loader(config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degre
     """The training loader, after checking that the training and (if enabled) validation data can be read
     now: a hub that does not answer or a dataset_path without the files stops the run here, in one line,
     rather than at the first batch or the first validation."""
-    check_dataset(config.training.dataset, config.training.dataset_path)
-    if config.validation.enable:
-        check_dataset(config.validation.dataset, config.validation.dataset_path)
-    return _token_loader(config, config.training, tokenizer, dp_rank, dp_degree, infinite=True)
+    t, v = config.training, config.validation
+    for path in section_paths(t):
+        check_dataset(t.dataset, path, t.dataset_split)
+    if v.enable and not v.holdout_share:
+        check_dataset(v.dataset, v.dataset_path, v.dataset_split)
+    return _token_loader(config, t, tokenizer, dp_rank, dp_degree, infinite=True)
 
 
 def build_validation_loader(
@@ -57,24 +63,80 @@ def chat_options(config: JobConfig) -> ChatOptions:
     return ChatOptions(fields, s.loss_on, s.packing, s.overlong, s.bad_rows)
 
 
-def _chat_dataset(config: JobConfig, section, tokenizer: Tokenizer, streams: StreamLayout, *, infinite: bool):
-    """Conversations rendered with the model's chat template and masked by turn (`[sft]`)."""
+def _chat_examples(config: JobConfig, section, tokenizer: Tokenizer) -> tuple[list, str]:
+    """Conversations rendered with the model's chat template and masked by turn (`[sft]`): one path's, or a
+    weighted mixture's, the train or held-out part; and a name that says which (a resume checks it)."""
     template = load_chat_template(
         config.model.hf_assets_path or BUNDLED_TOKENIZER,
         config.sft.chat_template,
         template_variables(config.sft.template_variables),
     )
     options = chat_options(config)
-    examples = load_examples(section.dataset_path, template, tokenizer, section.seq_len, options)
-    return ChatDataset(
-        examples,
+    data, part = data_section(config, section)
+    keep = row_filter(part, config.validation.holdout_share)
+    paths = section_paths(data)
+    parts = [
+        load_examples(
+            path, template, tokenizer, section.seq_len, options, split=data.dataset_split, keep_row=keep
+        )
+        for path in paths
+    ]
+    name = str(paths[0]) + (f"[{part}]" if part else "")
+    if len(parts) == 1:
+        return parts[0], name
+    weights = list(data.dataset_weights)
+    return mix_rows(parts, weights, [str(p) for p in paths]), f"mixture({paths}, weights {weights})"
+
+
+def _dataset(config: JobConfig, section, tokenizer: Tokenizer, *, infinite: bool):
+    """`make(layout, finite=False)`: the section's windows for the streams of `layout`: chat rows, or
+    documents packed (`token_shards` memory-mapped); under a held-out share, the training data's part (see
+    `data_sources`). The data is read once; `make` deals it (the epoch count makes a finite copy)."""
+    data, part = data_section(config, section)
+    if data.dataset == CHAT:
+        examples, name = _chat_examples(config, section, tokenizer)
+        return lambda layout, finite=False: ChatDataset(
+            examples,
+            section.seq_len,
+            packing=config.sft.packing,
+            pad_id=tokenizer.eos_id,
+            streams=layout,
+            infinite=infinite and not finite,
+            name=name,
+        )
+    source = None
+    if part is not None or len(section_paths(data)) > 1:
+        source = text_source(data, part, config.validation.holdout_share)
+    return lambda layout, finite=False: build_dataset(
+        data.dataset,
+        data.dataset_path,
+        tokenizer,
         section.seq_len,
-        packing=options.packing,
-        pad_id=tokenizer.eos_id,
-        streams=streams,
-        infinite=infinite,
-        name=str(section.dataset_path),
+        streams=layout,
+        infinite=infinite and not finite,
+        split=data.dataset_split,
+        source=source,
     )
+
+
+def _plan_epochs(config: JobConfig, section, make, dp_degree: int) -> None:
+    """Logs the steps an epoch of chat rows takes (they are in memory: cheap); with training.epochs, counts
+    them for any dataset (a pass over it) and sets training.steps, before the schedule is built from it; a
+    training.steps given as another number is refused."""
+    t = config.training
+    if section is not t or not (t.epochs or t.dataset == CHAT):
+        return
+    global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
+    what = ", ".join(map(str, section_paths(t)))
+    steps = epoch_steps(lambda layout: make(layout, finite=True), global_batch, what)
+    if t.epochs:
+        if t.steps not in (default_steps(config), t.epochs * steps):
+            raise ConfigError(
+                f"config: training.epochs ({t.epochs}) is {t.epochs * steps} steps, and training.steps is "
+                f"{t.steps}; remove training.steps or set it to {t.epochs * steps}"
+            )
+        t.steps = t.epochs * steps
+        logger.info("data: training.epochs %d: training.steps = %d", t.epochs, t.steps)
 
 
 def _token_loader(
@@ -82,17 +144,9 @@ def _token_loader(
 ) -> TokenLoader:
     """A loader for `[training]` or `[validation]`: both name dataset, path, seq_len, batch size and streams."""
     streams = StreamLayout(dp_rank, dp_degree, section.dataloader.num_streams)
-    if section.dataset == CHAT:
-        dataset = _chat_dataset(config, section, tokenizer, streams, infinite=infinite)
-    else:
-        dataset = build_dataset(
-            section.dataset,
-            section.dataset_path,
-            tokenizer,
-            section.seq_len,
-            streams=streams,
-            infinite=infinite,
-        )
+    make = _dataset(config, section, tokenizer, infinite=infinite)
+    _plan_epochs(config, section, make, dp_degree)
+    dataset = make(streams)
     d = section.dataloader
     return TokenLoader(
         dataset,

@@ -1,0 +1,58 @@
+"""Rules across the data fields: a mixture, its weights, epochs and a held-out share, each refused in one
+line where it cannot apply."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from titan_train.errors import ConfigError
+
+TOKEN_SHARDS = "token_shards"
+
+
+def default_steps(config: Any) -> int:
+    """training.steps as the schema leaves it: a value other than this one was given."""
+    return next(f.default for f in fields(type(config.training)) if f.name == "steps")
+
+
+def data_choices_fit(config: Any) -> None:
+    t, v = config.training, config.validation
+    if t.dataset_mixture:
+        if t.dataset_path:
+            raise ConfigError(
+                "config: training.dataset_mixture and training.dataset_path both name the data; put every path "
+                "in dataset_mixture and leave dataset_path unset"
+            )
+        if len(t.dataset_mixture) < 2:
+            raise ConfigError(
+                "config: training.dataset_mixture needs at least two paths; for one, set training.dataset_path"
+            )
+        if t.dataset == TOKEN_SHARDS:
+            raise ConfigError(
+                "config: training.dataset_mixture mixes documents, and training.dataset = 'token_shards' holds "
+                "packed tokens; mix the text sources, or tokenize the mixture into one shard folder"
+            )
+    if t.dataset_weights and len(t.dataset_weights) != len(t.dataset_mixture):
+        raise ConfigError(
+            f"config: training.dataset_weights has {len(t.dataset_weights)} weights for the "
+            f"{len(t.dataset_mixture)} paths of training.dataset_mixture; give one weight per path"
+        )
+    if t.epochs and t.dataset == "c4" and not t.dataset_path:
+        raise ConfigError(
+            "config: training.epochs needs a finite local dataset, and training.dataset = 'c4' streams 1,024 "
+            "files from the hub; set training.steps instead"
+        )
+    if v.holdout_share:
+        if not v.enable:
+            raise ConfigError("config: validation.holdout_share needs validation.enable = true")
+        if v.dataset_path or v.dataset_split:
+            raise ConfigError(
+                "config: validation.holdout_share validates on held-out training rows, and validation.dataset_path "
+                "or validation.dataset_split names other data; leave them unset"
+            )
+        if t.dataset == TOKEN_SHARDS or t.dataset_mixture:
+            raise ConfigError(
+                "config: validation.holdout_share splits one text or chat source by row; it does not apply to "
+                "training.dataset = 'token_shards' or to a training.dataset_mixture"
+            )
