@@ -265,7 +265,10 @@ class Checkpoint:
         "tokenizer files, in step-N beside the DCP files (needs last_save_model_only)",
     )
     export_dtype: str = opt(
-        "float32", "Dtype of the model-only export", choices=("float16", "bfloat16", "float32")
+        "auto",
+        "Dtype of the model-only export; auto: the dtype of the Hugging Face folder the run started from "
+        "(its config.json's), else float32",
+        choices=("auto", "float16", "bfloat16", "float32"),
     )
     hf_export_lossy: bool = opt(
         False,
