@@ -66,7 +66,10 @@ class Profiling:
 class Metrics:
     log_freq: int = opt(10, "Log metrics every this many steps", minimum=1, maximum=MAX_STEPS)
     enable_tensorboard: bool = opt(False, "Write TensorBoard scalars")
-    disable_color_printing: bool = opt(False, "Plain log lines without ANSI colours")
+    disable_color_printing: bool = opt(
+        False,
+        "Plain log lines without ANSI colours (plain anyway when stdout is not a terminal, unless FORCE_COLOR)",
+    )
     save_tb_folder: str = opt("tb", "TensorBoard folder, under dump_folder", nonempty=True)
     save_for_all_ranks: bool = opt(
         False, "Every rank writes its own TensorBoard/W&B metrics, not only rank 0"
