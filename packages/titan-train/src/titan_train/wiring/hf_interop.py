@@ -35,7 +35,15 @@ HARMLESS_FIELDS = frozenset({"rms_norm_eps", "latent_norm_eps"})
 _EPSILON_ARGS = ("norm_eps", "latent_norm_eps", "final_norm_eps")
 logger = logging.getLogger(__name__)
 # Files of a Hugging Face tokenizer folder that AutoTokenizer reads (those present are copied).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",  # BPE tokenizers' slow files (Qwen's folders ship them beside tokenizer.json)
+    "merges.txt",
+)
 CHAT_TEMPLATE = "chat_template.jinja"  # where transformers 5 writes a tokenizer's chat template
 GENERATION_CONFIG = "generation_config.json"
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
