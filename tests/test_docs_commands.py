@@ -1,6 +1,7 @@
 """The docs cannot rot: every shell command they show runs, and every file, module and link they name exists.
 
-Every fenced `bash`/`sh`/`shell`/`console` block of docs/*.md and README.md is read line by line, and
+Every fenced `bash`/`sh`/`shell`/`console` block of docs/*.md and README.md is read line by line (a
+command in a fence with no language is refused: `test_commands_are_in_shell_fences`), and
 each command must match one of the rules below, or `test_every_docs_command_has_a_rule` fails and names
 it:
 
@@ -297,6 +298,25 @@ def test_every_docs_command_has_a_rule():
     assert not uncovered, "fenced commands no rule in tests/test_docs_commands.py covers:\n" + "\n".join(
         uncovered
     )
+
+
+COMMAND_START = re.compile(
+    r"(uv run |titan-(train|data) [-a-z]|torchrun |sbatch |\.?/?apps/\S+\.(sh|py|slurm)\b)"
+)
+
+
+def test_commands_are_in_shell_fences():
+    """A command in a fence without a shell language would escape every rule above: it must be marked."""
+    unmarked = []
+    for page in PAGES:
+        fence = None
+        for number, raw in enumerate(page.read_text().splitlines(), 1):
+            stripped = raw.strip()
+            if stripped.startswith(("```", "~~~")):
+                fence = (stripped[3:].strip().split(" ")[0].lower() or "-") if fence is None else None
+            elif fence == "-" and COMMAND_START.match(stripped):
+                unmarked.append(f"{page.relative_to(REPO)}:{number}: {stripped}")
+    assert not unmarked, "commands in a fence with no language (mark it ```bash):\n" + "\n".join(unmarked)
 
 
 def test_docs_commands_for_gpus_clusters_and_the_network_are_checked():

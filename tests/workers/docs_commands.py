@@ -15,6 +15,7 @@ status, the seconds (wall and CPU of this process) and the end of its output.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import logging
@@ -63,13 +64,44 @@ STUB_EXTRA = {
 }
 
 
+# What the docs' commands name as the user's own files: the bundled chat file for a user's chat data, and a
+# tiny instruct model saved by transformers (tests/fixtures/hf_instruct.py) for a model downloaded from the hub.
+USER_FILES = {
+    "data/train.jsonl": REPO
+    / "packages"
+    / "titan-data"
+    / "src"
+    / "titan_data"
+    / "assets"
+    / "chat_test"
+    / "chat_test.jsonl",
+    "Llama-3.1-8B-Instruct": None,  # made once per run, in the scratch root
+}
+
+
+def _instruct_folder(root: Path) -> Path:
+    folder = root / "_hf_instruct"
+    if not folder.exists():
+        spec = importlib.util.spec_from_file_location(
+            "hf_instruct", REPO / "tests" / "fixtures" / "hf_instruct.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.write_instruct_folder(folder)
+    return folder
+
+
 def scratch(root: Path, key: str) -> Path:
-    """The page's folder: the repository's top-level entries linked, and the assets the configs name."""
+    """The page's folder: the repository's top-level entries linked, the assets the configs name, and
+    stand-ins for the user's own files the commands name."""
     folder = root / key
     if not folder.exists():
         folder.mkdir(parents=True)
         for name in LINKED:
             (folder / name).symlink_to(REPO / name)
+        for name, target in USER_FILES.items():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).symlink_to(target or _instruct_folder(root))
         # The real models' configs name the folder `apps/scripts/download_hf_assets.py` fills from the hub;
         # the tokenizer bundled with titan-data stands in for it (the commands here only check the configs).
         for config in sorted((REPO / "apps" / "configs").glob("*.toml")):

@@ -101,6 +101,8 @@ def launch(root: Path, argv: list[str], monkeypatch, *, world: int = 1, train: b
         patch.setenv("WORLD_SIZE", str(world))
         patch.setenv("WANDB_MODE", "offline")
         patch.setenv("WANDB_SILENT", "true")
+        # Colours as on a terminal (stdout here is a capture): metrics.disable_color_printing's probe sees them.
+        patch.setenv("FORCE_COLOR", "1")
         # No address: one rank forms its group on an in-process store (no port another process could
         # take first), and a fake group of `world` answers for the peers it does not have.
         patch.delenv("MASTER_ADDR", raising=False)

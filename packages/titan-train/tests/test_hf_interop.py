@@ -28,7 +28,10 @@ def hf_checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf")
     args = llama3_args("debugmodel")
     args = replace(args, rope_scaling=replace(args.rope_scaling, factor=32.0))
-    config = LlamaConfig(**{**to_hf_config(args), "max_position_embeddings": 4096})
+    # The token ids of the tokenizer saved beside it, as a published folder states them (an export keeps them).
+    config = LlamaConfig(
+        **{**to_hf_config(args), "max_position_embeddings": 4096, "bos_token_id": 1792, "eos_token_id": 1793}
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():

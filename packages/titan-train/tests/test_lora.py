@@ -197,6 +197,19 @@ BAD_INPUT = {
     ),
     "qlora_blocks": (
         ("--lora.quantize_base", "nf4", "--lora.nf4_scaler_block_size", "65536"),
+        # lora.target_modules' default names Hugging Face modules (q_proj, v_proj): so does the message
+        "config: qlora: q_proj in layers.0 (Titan's layers.0.attention.wq.weight) has 65536 values, not a multiple "
+        "of 64 x lora.nf4_scaler_block_size (65536); choose a smaller nf4_scaler_block_size",
+    ),
+    "qlora_blocks_titan_names": (  # Titan's names where the user wrote those
+        (
+            "--lora.target_modules",
+            "wv,wq",
+            "--lora.quantize_base",
+            "nf4",
+            "--lora.nf4_scaler_block_size",
+            "65536",
+        ),
         "config: qlora: layers.0.attention.wq.weight has 65536 values, not a multiple of 64 x "
         "lora.nf4_scaler_block_size (65536); choose a smaller nf4_scaler_block_size",
     ),
@@ -262,8 +275,8 @@ def test_qlora_under_fsdp_needs_whole_nf4_groups_in_each_shard(small_config, tmp
     with pytest.raises(ConfigError) as err:
         resolve(small_config(tmp_path, *flags, "2", "--lora.nf4_scaler_block_size", "1024"), 2, "cpu")
     assert str(err.value) == (
-        "config: qlora: layers.0.attention.wq.weight [256, 256] cannot be split into 2 NF4 shards: its dim 0 must "
-        "divide by 2 and each shard's values by 65536 (64 x lora.nf4_scaler_block_size); choose a smaller "
+        "config: qlora: q_proj in layers.0 (Titan's layers.0.attention.wq.weight) [256, 256] cannot be split into 2 "
+        "NF4 shards: its dim 0 must divide by 2 and each shard's values by 65536 (64 x lora.nf4_scaler_block_size); choose a smaller "
         "nf4_scaler_block_size or fewer dp_shard ranks"
     )
 

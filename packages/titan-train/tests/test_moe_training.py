@@ -184,6 +184,10 @@ def _hf_config(tmp_path, name, family_module, args, **changes):
     return folder
 
 
+# A from_hf model loads the folder's weights (a run that would not is refused first): the shape is refused before.
+FROM_HF_LOAD = ("--checkpoint.enable", "--checkpoint.initial_load_in_hf")
+
+
 @pytest.mark.parametrize(
     "case,field",
     [
@@ -200,7 +204,7 @@ def test_bad_moe_input_is_one_line_and_exit_2_before_any_work(tmp_path, caplog, 
         flags += ["--model.flavor", "nope"]
     elif case == "top_k_above_experts":
         folder = _hf_config(tmp_path, case, qwen3, q, num_experts_per_tok=9)
-        flags += ["--model.flavor", "from_hf", "--model.hf_assets_path", str(folder)]
+        flags += ["--model.flavor", "from_hf", "--model.hf_assets_path", str(folder), *FROM_HF_LOAD]
     elif case == "groups_not_dividing":
         folder = _hf_config(tmp_path, case, deepseek_v3, d, n_group=3, topk_group=1)
         flags = [
@@ -212,6 +216,7 @@ def test_bad_moe_input_is_one_line_and_exit_2_before_any_work(tmp_path, caplog, 
             str(folder),
             "--job.dump_folder",
             str(tmp_path / "out"),
+            *FROM_HF_LOAD,
         ]
     else:
         folder = _hf_config(tmp_path, case, qwen3, q, moe_intermediate_size=96)

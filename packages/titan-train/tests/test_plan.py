@@ -28,6 +28,9 @@ from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
 
 SEQ_LEN = 96
+# What a from_hf run needs on the command line (one that would not load the folder's weights is refused
+# first); these folders hold no weights: the trainer test below builds its model without a checkpointer.
+LOAD = ("--checkpoint.enable", "--checkpoint.initial_load_in_hf")
 
 
 def _hf_folder(folder, *, layers: int, context: int):
@@ -65,13 +68,13 @@ def _argv(folder, dump, *more):
 
 def test_check_dry_run_and_the_command_line_follow_config_json_s_context_and_depth(tmp_path):
     folder = _hf_folder(tmp_path / "hf", layers=2, context=64)
-    config = load_job_config(_argv(folder, tmp_path / "run"))
+    config = load_job_config(_argv(folder, tmp_path / "run", *LOAD))
     expected = f"training.seq_len = {SEQ_LEN} is beyond the 64-token context"
     with pytest.raises(ConfigError, match=expected):
         check_launch(config, 1)
     with pytest.raises(ConfigError, match=expected):
         dry_run(config, 1)
-    assert run(_argv(folder, tmp_path / "run")) == 2  # training stops before it joins a group
+    assert run(_argv(folder, tmp_path / "run", *LOAD)) == 2  # training stops before it joins a group
     for layers in (2, 3):  # the same run, the file changed: all of them go on, at its depth
         _hf_folder(folder, layers=layers, context=128)
         assert check_launch(config, 1).params.n_blocks == layers

@@ -415,14 +415,18 @@ class Checkpointer:
 
     def _write_hf(self, folder: Path) -> None:
         """The model as Hugging Face sharded safetensors in `export_dtype`, with `config.json` (its
-        `torch_dtype` the export dtype) and `hf_extra_files`, into `folder`."""
+        `torch_dtype` the export dtype, `hf_config_keys` over the adapter's) and `hf_extra_files`, into `folder`."""
         if self.hf_adapter is None:
             raise CheckpointError("checkpoint: saving in Hugging Face format needs an hf_adapter")
         write_hf_export(
             folder,
             self.states[MODEL].state_dict(),
             self.hf_adapter,
-            {**self.hf_adapter.hf_config(), "torch_dtype": self.last_save.export_dtype},
+            {
+                **self.hf_adapter.hf_config(),
+                **self.last_save.hf_config_keys,
+                "torch_dtype": self.last_save.export_dtype,
+            },
             dtype=self.last_save.dtype,
             lossy=self.last_save.hf_lossy,
             max_shard_bytes=self.last_save.max_shard_bytes,

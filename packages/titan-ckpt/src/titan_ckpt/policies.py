@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -81,13 +82,15 @@ class LoadPolicy:
 class LastSavePolicy:
     """The last step's save, always a full checkpoint, and the export published beside it: with
     `model_only`, the model in `export_dtype`, as DCP files or with `in_hf` as Hugging Face files
-    (with `hf_extra_files`, name -> bytes or a file to copy, in shards of at most `max_shard_bytes`;
+    (with `hf_extra_files`, name -> bytes or a file to copy, `hf_config_keys` set in its config.json over
+    the adapter's (a base model's token ids), in shards of at most `max_shard_bytes`;
     with `hf_lossy`, even where the format cannot hold trained state: see `titan_ckpt.hf_export`)."""
 
     model_only: bool = False
     in_hf: bool = False
     export_dtype: str = "float32"
     hf_extra_files: Mapping[str, bytes | Path] = field(default_factory=dict)
+    hf_config_keys: Mapping[str, Any] = field(default_factory=dict)
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     hf_lossy: bool = False
 
@@ -101,6 +104,7 @@ class LastSavePolicy:
                 f"checkpoint: export_dtype '{self.export_dtype}' is not one of {', '.join(EXPORT_DTYPES)}"
             )
         object.__setattr__(self, "hf_extra_files", dict(self.hf_extra_files))
+        object.__setattr__(self, "hf_config_keys", dict(self.hf_config_keys))
 
     @property
     def dtype(self) -> torch.dtype:

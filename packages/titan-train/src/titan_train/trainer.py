@@ -24,8 +24,9 @@ from titan_train.faults.step_guard import AgreedNumbers, StepGuard, StepNumbers
 from titan_train.plan import RunPlan
 from titan_train.reporting.device_peaks import peak_flops
 from titan_train.reporting.memory_estimate import log_estimate_in_child
-from titan_train.reporting.metrics import MetricsLogger, StepMetrics, device_memory
+from titan_train.reporting.metrics import MetricsLogger, StepMetrics, device_memory, wants_colour
 from titan_train.reporting.profiling import MemorySnapshots, maybe_profile
+from titan_train.reporting.trainable_params import count_trainable, log_trainable
 from titan_train.train_state import TrainState
 from titan_train.wiring.checkpointing import (
     build_checkpointer,
@@ -45,6 +46,7 @@ from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, bui
 from titan_train.wiring.precision import forward_context
 from titan_train.wiring.qlora import DequantizedModelState, qlora_enabled, quantize_parts
 from titan_train.wiring.stage_inputs import stage_inputs
+from titan_train.wiring.valid_token_loss import IGNORE_INDEX
 from titan_train.wiring.validation import Validator
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class _Window:
 
     steps: int = 0
     tokens: int = 0
+    trained_tokens: torch.Tensor | int = 0  # labels that count in the loss, summed on the device
     data_seconds: float = 0.0
     started: float = field(default_factory=time.perf_counter)
 
@@ -65,10 +68,11 @@ class _Window:
 @dataclass
 class StepResult:
     """One step as its log line reports it: the numbers every rank agreed on (loss, grad norm), the
-    tokens this rank trained on and the seconds it waited for them."""
+    tokens this rank read and those it trained on, and the seconds it waited for them."""
 
     numbers: StepNumbers
     tokens: int
+    trained_tokens: torch.Tensor  # this rank's labels that count in the loss (not -100), on the device
     data_seconds: float
     moe: MoEStepStats | None = None  # expert load and aux loss, for a model with experts
 
@@ -161,6 +165,9 @@ class Trainer:
             info.world_size,
             self.grad_accum_steps,
         )
+        pp = self.dims.submesh("pp")
+        total, trainable = count_trainable(self.model_parts, pp.get_group() if pp else None, self.device)
+        log_trainable(total, trainable)
         if config.memory_estimation.enable and info.rank == 0:
             how = "real" if config.memory_estimation.disable_fake_mode else "fake"
             logger.info("memory estimate: tracing one step on %s tensors in a child process", how)
@@ -186,7 +193,7 @@ class Trainer:
             log_freq=m.log_freq,
             dump=dump,
             rank=info.rank,
-            color=not m.disable_color_printing,
+            color=wants_colour(m.disable_color_printing),
             tb_folder=dump / m.save_tb_folder if m.enable_tensorboard else None,
             all_ranks=m.save_for_all_ranks,
             wandb_config=config_to_dict(config) if m.enable_wandb else None,
@@ -260,6 +267,7 @@ class Trainer:
         self.optimizers.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
         tokens, data_seconds = 0, 0.0
+        trained = torch.zeros((), dtype=torch.int64, device=self.device)
         if self.token_weights is not None:  # the step's trained tokens are counted before its first forward
             start = time.perf_counter()
             batches = iter(self._weigh_step([next(batches) for _ in range(self.grad_accum_steps)]))
@@ -272,6 +280,7 @@ class Trainer:
             inputs, labels, *positions = next(batches)
             data_seconds += time.perf_counter() - start
             tokens += labels.numel()  # counted before context parallelism keeps a slice of the sequence
+            trained += (labels != IGNORE_INDEX).sum()  # no host sync: read when the step is logged
             loss_sum += self._forward_backward(inputs, labels, *positions)
         parameters = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(
@@ -290,7 +299,7 @@ class Trainer:
                 for part in self.model_parts:
                     precompute_float8_scales(part)
         moe = self.moe.step(applied)  # expert biases from this step's routing, summed over dp x cp ranks
-        return StepResult(numbers, tokens, data_seconds, moe)
+        return StepResult(numbers, tokens, trained, data_seconds, moe)
 
     def _train_step_in_backward(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """`train_step` with the optimizer stepping in backward; with clipping, a first backward measures
@@ -318,7 +327,7 @@ class Trainer:
         moe = self.moe.step(applied=True)  # parameters moved in backward
         numbers = self.guard.agree(loss, grad_norm)
         self.guard.decide(self.state.step + 1, numbers)
-        return StepResult(numbers, labels.numel(), data_seconds, moe)
+        return StepResult(numbers, labels.numel(), (labels != IGNORE_INDEX).sum(), data_seconds, moe)
 
     def _weigh_step(self, step_batches: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
         """Count the step's trained tokens over the data-parallel ranks, so that each micro-batch's loss
@@ -391,6 +400,7 @@ class Trainer:
         with self.closing as closing:
             if self.restore():
                 return []
+            self.metrics.resume_from(self.state.step)
             c, rank, dump = self.config, self.info.rank, Path(self.config.job.dump_folder)
             # Remote data on several ranks: a step's batches are taken before its collectives, and the
             # ranks agree that all have them, so an outage on one rank stops all at a clean step.
@@ -432,6 +442,7 @@ class Trainer:
                 self.state.tokens_seen += step.tokens * self.dims.dp_degree
                 window.steps += 1
                 window.tokens += step.tokens
+                window.trained_tokens += step.trained_tokens
                 window.data_seconds += step.data_seconds + fetch_seconds
                 if self.metrics.should_log(self.state.step):
                     losses.append(self._log(step.numbers.read(), window, step.moe))
@@ -471,6 +482,7 @@ class Trainer:
         as `StepGuard.agree` gathered them: the log line runs no collective of its own."""
         seconds = time.perf_counter() - window.started
         tps = window.tokens / seconds / self.devices_per_replica
+        trained_tps = float(window.trained_tokens) / seconds / self.devices_per_replica
         tflops = self.flops_per_token * tps / 1e12
         memory_gib, memory_pct, memory_active_gib = device_memory(self.device)
         self.metrics.log(
@@ -482,6 +494,7 @@ class Trainer:
                 lr=self.step_lr,
                 tokens_seen=self.state.tokens_seen,
                 tps=tps,
+                trained_tps=trained_tps,
                 tflops=tflops,
                 mfu=100 * tflops * 1e12 / self.peak_flops if self.peak_flops else None,
                 memory_gib=memory_gib,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from titan_train.config.schema import JobConfig
 from titan_train.config.unsupported import refuse_unsupported
 from titan_train.errors import ConfigError
+from titan_train.registry import FROM_HF
 
 
 def check_run(config: JobConfig, *, world_size: int, device_type: str) -> None:
@@ -27,7 +28,9 @@ def check_checkpoint_config(config: JobConfig, world_size: int) -> None:
 
     A switch that would be silently ignored is refused: an `initial_load_path` (or `load_step`,
     `load_only`, `create_seed_checkpoint`) with `checkpoint.enable = false` would load nothing, and a
-    week-long run would quietly start from scratch; a `last_save_in_hf` would export nothing.
+    week-long run would quietly start from scratch; a `last_save_in_hf` would export nothing. So is
+    `model.flavor = "from_hf"` with nothing to load its weights from (the trainer refuses the same when
+    checkpointing is on but no checkpoint or initial load is found).
     """
     c = config.checkpoint
     if not c.enable:
@@ -35,6 +38,7 @@ def check_checkpoint_config(config: JobConfig, world_size: int) -> None:
             name
             for name, is_set in (
                 ("initial_load_path", bool(c.initial_load_path)),
+                ("initial_load_in_hf", c.initial_load_in_hf),  # the trainer's checkpointer does the load
                 ("load_step", c.load_step >= 0),
                 ("load_only", c.load_only),
                 ("create_seed_checkpoint", c.create_seed_checkpoint),
@@ -47,6 +51,12 @@ def check_checkpoint_config(config: JobConfig, world_size: int) -> None:
             raise ConfigError(
                 f"config: checkpoint.{ignored[0]} is set but checkpoint.enable is false, so it would be ignored; "
                 "add --checkpoint.enable true (with --checkpoint.load_only true to load without saving)"
+            )
+        if config.model.flavor == FROM_HF:
+            raise ConfigError(
+                f"config: model.flavor = '{FROM_HF}' with checkpoint.enable false would train the Hugging Face "
+                "shape from random weights; add --checkpoint.enable --checkpoint.initial_load_in_hf to load the "
+                "folder's weights, or name a flavor to train from scratch"
             )
         return
     if c.create_seed_checkpoint and world_size != 1:

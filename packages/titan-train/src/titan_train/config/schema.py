@@ -67,7 +67,10 @@ class Profiling:
 class Metrics:
     log_freq: int = opt(10, "Log metrics every this many steps", minimum=1, maximum=MAX_STEPS)
     enable_tensorboard: bool = opt(False, "Write TensorBoard scalars")
-    disable_color_printing: bool = opt(False, "Plain log lines without ANSI colours")
+    disable_color_printing: bool = opt(
+        False,
+        "Plain log lines without ANSI colours (plain anyway when stdout is not a terminal, unless FORCE_COLOR)",
+    )
     save_tb_folder: str = opt("tb", "TensorBoard folder, under dump_folder", nonempty=True)
     save_for_all_ranks: bool = opt(
         False, "Every rank writes its own TensorBoard/W&B metrics, not only rank 0"
@@ -294,7 +297,10 @@ class Checkpoint:
         "tokenizer files, in step-N beside the DCP files (needs last_save_model_only)",
     )
     export_dtype: str = opt(
-        "float32", "Dtype of the model-only export", choices=("float16", "bfloat16", "float32")
+        "auto",
+        "Dtype of the model-only export; auto: the dtype of the Hugging Face folder the run started from "
+        "(its config.json's), else float32",
+        choices=("auto", "float16", "bfloat16", "float32"),
     )
     hf_export_lossy: bool = opt(
         False,

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import resource
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,9 @@ class StepMetrics:
     lr: float
     tokens_seen: int
     tps: float  # tokens per second per device
+    trained_tps: (
+        float  # of those, the tokens whose labels count in the loss (not -100: padding, masked turns)
+    )
     tflops: float
     mfu: float | None  # percent; None where the device's peak is unknown
     memory_gib: float  # peak reserved by the caching allocator (what must fit), or peak host RSS on CPU
@@ -47,6 +51,7 @@ TB_TAGS = {
     "lr": "lr",
     "tokens_seen": "n_tokens_seen",
     "tps": "throughput(tps)",
+    "trained_tps": "throughput(trained_tps)",
     "tflops": "tflops",
     "mfu": "mfu(%)",
     "memory_gib": "memory/max_reserved(GiB)",
@@ -74,6 +79,13 @@ def device_memory(device: torch.device) -> tuple[float, float, float | None]:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         active = None
     return used / 2**30, 100.0 * used / total, active
+
+
+def wants_colour(disabled: bool) -> bool:
+    """Whether log lines get ANSI colours: not with `metrics.disable_color_printing`, and not when stdout
+    (the log's stream: `titan_train.cli.setup_logging`) is a pipe or a file, where the codes would land
+    as text, unless the environment sets FORCE_COLOR (the common convention for a terminal behind a pipe)."""
+    return not disabled and (bool(os.environ.get("FORCE_COLOR")) or sys.stdout.isatty())
 
 
 class MetricsLogger:
@@ -117,6 +129,21 @@ class MetricsLogger:
                 name=name,
             )
 
+    def resume_from(self, step: int) -> None:
+        """Start the records after `step`, where training goes on: lines a killed run wrote past its last
+        checkpoint (or a finished run in the same folder, from a fresh start) are dropped, so each
+        step has one line in metrics.jsonl and validation.jsonl across resumes."""
+        if self.rank != 0:
+            return
+        for name in ("jsonl", "validation_jsonl"):
+            sink = getattr(self, name)
+            path = self.dump / ("metrics.jsonl" if name == "jsonl" else "validation.jsonl")
+            if sink is not None:
+                sink.close()
+            if path.is_file():
+                _drop_records_after(path, step)
+            setattr(self, name, open(path, "a", encoding="utf-8") if sink is not None else None)
+
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.log_freq == 0
 
@@ -127,6 +154,7 @@ class MetricsLogger:
         logger.info(
             f"{c.red}step: {m.step:2}  {c.green}loss: {m.loss:7.4f}  {c.yellow}grad_norm: {m.grad_norm:7.4f}  "
             f"{c.turquoise}memory: {m.memory_gib:5.2f}GiB({m.memory_pct:.2f}%)  {c.blue}tps: {round(m.tps):,}  "
+            f"trained_tps: {round(m.trained_tps):,}  "
             f"{c.cyan}tflops: {m.tflops:,.2f}{mfu}{c.reset}"
         )
         # A dense model's records keep their fields: the MoE ones appear only for a model with experts.
@@ -166,6 +194,28 @@ class MetricsLogger:
                 sink.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Rewrite a JSON-lines file without the records of steps after `step` (and a torn last line)."""
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record_step = json.loads(line).get("step", 0)
+        except ValueError:
+            dropped += 1  # a line a killed run left half-written
+            continue
+        if record_step > step:
+            dropped += 1
+        else:
+            kept.append(line + "\n")
+    if dropped:
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text("".join(kept), encoding="utf-8")
+        partial.replace(path)
+        logger.info(
+            "metrics: %s: dropped %d records after step %d, which this run writes again", path, dropped, step
+        )
 
 
 def _moe_summary(m: StepMetrics) -> str:

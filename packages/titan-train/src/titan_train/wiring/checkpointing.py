@@ -29,11 +29,12 @@ from titan_ckpt import (
     SavePolicy,
 )
 from titan_train.config.schema import JobConfig
+from titan_train.errors import ConfigError
 from titan_train.plan import RunPlan
-from titan_train.registry import ModelFamily
+from titan_train.registry import FROM_HF, ModelFamily
 from titan_train.train_state import TrainState
 from titan_train.wiring.data import build_tokenizer_for
-from titan_train.wiring.hf_interop import hf_export_files, hf_mapping
+from titan_train.wiring.hf_interop import export_dtype, export_token_ids, hf_export_files, hf_mapping
 from titan_train.wiring.lora import lora_enabled
 from titan_train.wiring.lora_export import LoRAStateDictAdapter
 
@@ -103,8 +104,9 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
         last_save=LastSavePolicy(
             model_only=c.last_save_model_only,
             in_hf=c.last_save_in_hf,
-            export_dtype=c.export_dtype,
+            export_dtype=export_dtype(config),
             hf_extra_files=hf_files,
+            hf_config_keys=export_token_ids(config) if c.last_save_in_hf else {},
             max_shard_bytes=c.hf_max_shard_bytes,
             hf_lossy=c.hf_export_lossy,
         ),
@@ -187,6 +189,13 @@ def write_seed_checkpoint(checkpointer: Checkpointer) -> None:
 def find_checkpoint(checkpointer: Checkpointer, config: JobConfig) -> FoundCheckpoint:
     """What the run would resume or start from, as found on disk; nothing is loaded or changed."""
     plan = checkpointer.plan_load()
+    if plan.kind == "fresh" and config.model.flavor == FROM_HF:
+        raise ConfigError(
+            f"config: model.flavor = '{FROM_HF}', but {checkpointer.folder} holds no checkpoint and nothing "
+            "else is loaded, so the Hugging Face shape would train from random weights; add "
+            "--checkpoint.initial_load_in_hf to load the weights of model.hf_assets_path (or of "
+            "checkpoint.initial_load_path), or name a flavor to train from scratch"
+        )
     saved = _saved_streams(checkpointer, config, plan)
     if saved is None:
         return FoundCheckpoint(plan)

@@ -37,7 +37,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         logits, targets, keep, lse, count = ctx.saved_tensors
         out = torch.empty_like(logits)
-        scale = grad / count
+        # No trained label (a row whose trained turn was truncated away): every gradient is 0, as
+        # F.cross_entropy's, not 0 * (1/0) = NaN.
+        scale = grad / count.clamp_min(1)
         for s in range(0, targets.numel(), ctx.chunk):
             p = torch.exp(logits[s : s + ctx.chunk].float() - lse[s : s + ctx.chunk, None])
             p.scatter_add_(1, targets[s : s + ctx.chunk, None], -torch.ones_like(p[:, :1]))

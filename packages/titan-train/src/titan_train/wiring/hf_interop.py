@@ -6,9 +6,11 @@ compared with the flavor before any work, and every differing field is named; a 
 differs only in its norm epsilon lends the run its own, with one log line. The flavor `from_hf`
 takes the shape from that `config.json` instead.
 
-Export: besides the weights and `config.json`, the folder gets `generation_config.json` and the
-tokenizer files of `model.hf_assets_path`, so `AutoModelForCausalLM` and `AutoTokenizer` load it as
-it is.
+Export: a drop-in for the folder the run started from. Besides the weights (in the base's dtype unless
+`checkpoint.export_dtype` names one) and `config.json` (keeping the base's token ids, an `eos_token_id`
+list included), the folder gets the base's `generation_config.json`, the tokenizer files of
+`model.hf_assets_path` and the chat template the run trained with, so `AutoModelForCausalLM`,
+`AutoTokenizer` (with `apply_chat_template`) and `generate` use it as they used the base.
 """
 
 from __future__ import annotations
@@ -33,7 +35,20 @@ HARMLESS_FIELDS = frozenset({"rms_norm_eps", "latent_norm_eps"})
 _EPSILON_ARGS = ("norm_eps", "latent_norm_eps", "final_norm_eps")
 logger = logging.getLogger(__name__)
 # Files of a Hugging Face tokenizer folder that AutoTokenizer reads (those present are copied).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",  # BPE tokenizers' slow files (Qwen's folders ship them beside tokenizer.json)
+    "merges.txt",
+)
+CHAT_TEMPLATE = "chat_template.jinja"  # where transformers 5 writes a tokenizer's chat template
+GENERATION_CONFIG = "generation_config.json"
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+AUTO_DTYPE = "auto"  # checkpoint.export_dtype: the base's dtype
+EXPORT_DTYPES = ("float16", "bfloat16", "float32")
 
 
 def hf_checkpoint_folder(config: JobConfig) -> Path | None:
@@ -153,14 +168,65 @@ def _with_checkpoint_epsilons(args: Any, checkpoint: Any, differences: list[str]
     return replace(args, **taken)
 
 
+def export_base_folder(config: JobConfig) -> Path | None:
+    """The Hugging Face folder an export descends from: the one the run loaded its weights from, else
+    `model.hf_assets_path` (None with neither)."""
+    folder = hf_checkpoint_folder(config)
+    if folder is None and config.model.hf_assets_path:
+        folder = Path(config.model.hf_assets_path)
+    return folder
+
+
+def _base_config(config: JobConfig) -> dict:
+    """The base folder's config.json, or {} where there is none (a run from the bundled tokenizer)."""
+    folder = export_base_folder(config)
+    if folder is None or not (folder / HF_CONFIG).is_file():
+        return {}
+    return _read_hf_config(folder, "the Hugging Face export keeps the base's token ids and dtype")
+
+
+def export_dtype(config: JobConfig) -> str:
+    """`checkpoint.export_dtype`, with `auto` read as the dtype the base's config.json states (transformers
+    5 writes `dtype`, older versions `torch_dtype`), else float32 (the training dtype)."""
+    chosen = config.checkpoint.export_dtype
+    if chosen != AUTO_DTYPE:
+        return chosen
+    base = _base_config(config)
+    stated = base.get("dtype") or base.get("torch_dtype")
+    return stated if stated in EXPORT_DTYPES else "float32"
+
+
+def export_token_ids(config: JobConfig) -> dict[str, Any]:
+    """The token ids an export's config.json keeps from the base's (an `eos_token_id` list stays a list:
+    transformers' `generate` stops at any of them)."""
+    base = _base_config(config)
+    return {k: base[k] for k in TOKEN_ID_KEYS if base.get(k) is not None}
+
+
 def hf_export_files(config: JobConfig, bos_id: int, eos_id: int) -> dict[str, bytes | Path]:
-    """`generation_config.json` and the tokenizer files of `model.hf_assets_path`, for an export folder."""
-    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False}
-    files: dict[str, bytes | Path] = {"generation_config.json": json.dumps(generation, indent=2).encode()}
-    assets = Path(config.model.hf_assets_path) if config.model.hf_assets_path else None
-    if assets is None:
-        assets = BUNDLED_TOKENIZER
-    for name in TOKENIZER_FILES:
-        if (assets / name).is_file():
-            files[name] = assets / name
+    """The files beside an export's weights: the base's `generation_config.json` (else one with the
+    base's or the tokenizer's token ids), the tokenizer files of `model.hf_assets_path` (or the bundled
+    tokenizer) and the chat template the run trained with (`sft.chat_template`, else the tokenizer's), so
+    transformers, PEFT and vLLM load the folder as it is."""
+    files: dict[str, bytes | Path] = tokenizer_files(config)
+    base = export_base_folder(config)
+    if base is not None and (base / GENERATION_CONFIG).is_file():
+        files[GENERATION_CONFIG] = base / GENERATION_CONFIG
+    else:
+        generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, **export_token_ids(config)}
+        generation["do_sample"] = False
+        files[GENERATION_CONFIG] = json.dumps(generation, indent=2).encode()
+    return files
+
+
+def tokenizer_files(config: JobConfig) -> dict[str, bytes | Path]:
+    """The tokenizer files and the chat template of the run, by name in an export (or PEFT) folder."""
+    assets = Path(config.model.hf_assets_path) if config.model.hf_assets_path else BUNDLED_TOKENIZER
+    files: dict[str, bytes | Path] = {
+        name: assets / name for name in TOKENIZER_FILES if (assets / name).is_file()
+    }
+    if config.sft.chat_template:
+        files[CHAT_TEMPLATE] = Path(config.sft.chat_template)
+    elif (assets / CHAT_TEMPLATE).is_file():
+        files[CHAT_TEMPLATE] = assets / CHAT_TEMPLATE
     return files

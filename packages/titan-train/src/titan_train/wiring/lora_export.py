@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from titan_ckpt import HFStateDictAdapter
 from titan_parallel import initial_lora_weight, is_adapter_parameter
 from titan_train.config import JobConfig
+from titan_train.wiring.hf_interop import export_dtype, tokenizer_files
 from titan_train.wiring.lora import EMBEDDING_MODULES
 
 logger = logging.getLogger(__name__)
@@ -165,7 +166,8 @@ def write_peft_adapter(
     config: JobConfig, model_state: dict[str, Any], base: HFStateDictAdapter, folder: Path
 ) -> Path | None:
     """Gather the adapters (every rank takes part) and write them on rank 0 as a PEFT folder,
-    `folder/peft_adapter`: `adapter_model.safetensors` and `adapter_config.json`. The Hugging Face base
+    `folder/peft_adapter`: `adapter_model.safetensors`, `adapter_config.json`, the tokenizer files and the
+    run's chat template. The Hugging Face base
     it names is the folder the run imported (`checkpoint.initial_load_path`, else `model.hf_assets_path`)."""
     embeddings = config.lora.train_embeddings
     adapters = gather_adapters(model_state, embeddings=embeddings)
@@ -183,10 +185,12 @@ def write_peft_adapter(
     out = folder / PEFT_FOLDER
     partial = folder / f"{PEFT_FOLDER}.partial"
     partial.mkdir(parents=True, exist_ok=True)
-    dtype = getattr(torch, c.export_dtype)
+    dtype = getattr(torch, export_dtype(config))
     save_file(
         {k: v.to(dtype) for k, v in tensors.items()}, str(partial / PEFT_WEIGHTS), metadata={"format": "pt"}
     )
+    for name, content in tokenizer_files(config).items():  # PEFT users load the tokenizer from here too
+        (partial / name).write_bytes(content.read_bytes() if isinstance(content, Path) else content)
     (partial / PEFT_CONFIG).write_text(
         json.dumps(peft_config(config, tensors, str(Path(source).resolve()) if source else ""), indent=2)
     )

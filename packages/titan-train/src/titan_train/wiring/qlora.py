@@ -103,9 +103,20 @@ def qlora_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) -> l
         if problem is None and dims.dp_shard > 1:
             problem = nf4_shard_problem(name, tuple(linear.weight.shape), dims.dp_shard, group)
         if problem:
-            problems.append(f"config: {problem}")
+            problems.append(f"config: {_as_written(problem, name, config.lora.target_modules)}")
             break
     return problems
+
+
+def _as_written(problem: str, name: str, target_modules: list[str]) -> str:
+    """`problem` naming the layer by the Hugging Face module name the user wrote in lora.target_modules
+    (`q_proj in layers.0`), with Titan's name beside it; as it is where the user wrote Titan's."""
+    leaf = name.rsplit(".", 1)[-1]
+    written = {HF_TO_TITAN.get(t, t): t for t in target_modules}.get(leaf, leaf)
+    if written == leaf:
+        return problem
+    block = ".".join(name.split(".")[:2])
+    return problem.replace(f"{name}.weight", f"{written} in {block} (Titan's {name}.weight)", 1)
 
 
 def quantize_parts(parts: list[nn.Module], config: JobConfig) -> None:
