@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from titan_parallel.errors import ParallelConfigError
+from titan_parallel.parameter_names import plain_name
 
 logger = logging.getLogger(__name__)
 
@@ -204,16 +205,9 @@ def init_lora(model: nn.Module, seed: int) -> None:
     for name, param in model.named_parameters():
         if not is_adapter_parameter(name):
             continue
-        full = initial_lora_weight(_plain_name(name), tuple(param.shape), seed)
+        full = initial_lora_weight(plain_name(name), tuple(param.shape), seed)
         if isinstance(param, DTensor):
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(local.to_local())
         else:
             param.copy_(full)
-
-
-def _plain_name(name: str) -> str:
-    """A parameter name without the wrappers activation checkpointing and compile insert."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name

@@ -90,7 +90,7 @@ class Trainer:
         self.device = info.device
         if self.device.type == "cpu":
             keep_freed_host_memory()  # activations live in host memory: no page faults every step
-        seed = 0 if config.debug.seed is None else config.debug.seed
+        seed = plan.seed
         torch.manual_seed(seed)
         if config.debug.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=config.debug.deterministic_warn_only)
@@ -104,7 +104,7 @@ class Trainer:
         self.tokenizer = build_tokenizer_for(config)
         check_vocabulary(plan, self.tokenizer)
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        self.loader = build_loader(config, self.tokenizer, dp_rank, dp_degree)
+        self.loader = build_loader(config, self.tokenizer, dp_rank, dp_degree, num_streams=plan.num_streams)
         self.closing.callback(self.loader.close)
         drills = FaultDrills(config.health, rank=info.rank, world_size=info.world_size)
         built = build_model(
@@ -216,8 +216,10 @@ class Trainer:
             return True
         found = find_checkpoint(self.checkpointer, self.config)
         if found.saved_streams is not None:
-            self.config.training.dataloader.num_streams = found.saved_streams
-            self.loader = build_loader(self.config, self.tokenizer, self.dp_rank, self.dp_degree)
+            self.plan = self.plan.with_streams(found.saved_streams)
+            self.loader = build_loader(
+                self.config, self.tokenizer, self.dp_rank, self.dp_degree, num_streams=self.plan.num_streams
+            )
             self.closing.callback(self.loader.close)
             self.checkpointer.states["dataloader"] = self.loader
         load_found(self.checkpointer, found, self.state, self.config.training.steps)
@@ -464,6 +466,7 @@ class Trainer:
             ckpt.states["model"].state_dict(),
             ckpt.hf_adapter.base,
             ckpt.step_folder(self.state.step),
+            lora=self.plan.options.lora,
         )
 
     def _log(self, numbers: AgreedNumbers, window: _Window, moe: MoEStepStats | None) -> float:

@@ -7,8 +7,17 @@ fields are Titan's own. They apply to training and validation alike, so both use
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from titan_data import CHAT
 from titan_train.config.fields import opt
+
+
+def is_chat(section: Any) -> bool:
+    """Whether a `[training]` or `[validation]` section reads chat rows (`dataset = "chat"`): the one place
+    that tells a fine-tuning run's data from text."""
+    return section.dataset == CHAT
+
 
 FIELD_NAME = (r"[^\s]+", "a field name without spaces")
 

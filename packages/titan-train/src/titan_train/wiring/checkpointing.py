@@ -28,9 +28,10 @@ from titan_ckpt import (
     LoadResult,
     SavePolicy,
 )
+from titan_parallel import plain_name
 from titan_train.config.schema import JobConfig
-from titan_train.plan import RunPlan
 from titan_train.registry import ModelFamily
+from titan_train.run_plan import RunPlan
 from titan_train.train_state import TrainState
 from titan_train.wiring.data import build_tokenizer_for
 from titan_train.wiring.hf_interop import hf_export_files, hf_mapping
@@ -138,8 +139,8 @@ def _frozen_base(plan: RunPlan, states: dict[str, Any]) -> FrozenBase:
     config = plan.config
     frozen: set[str] = set()
     for part in states["model"].model_parts:
-        frozen.update(_state_dict_name(n) for n, p in part.named_parameters() if not p.requires_grad)
-    seed = 0 if config.debug.seed is None else config.debug.seed  # the trainer's
+        frozen.update(plain_name(n) for n, p in part.named_parameters() if not p.requires_grad)
+    seed = plan.seed
     digest = hashlib.sha256(repr((plan.model_args, config.training.dtype)).encode()).hexdigest()[:12]
     origin = (
         f"{config.model.name} {config.model.flavor} initialised with seed {seed} (model arguments {digest})"
@@ -147,24 +148,14 @@ def _frozen_base(plan: RunPlan, states: dict[str, Any]) -> FrozenBase:
     return FrozenBase(frozenset(frozen), origin, trainable_only_saves=config.lora.save_adapter_only)
 
 
-def _state_dict_name(name: str) -> str:
-    """A parameter's name as the model's state dict spells it, without the wrappers that activation
-    checkpointing, compile and FSDP insert."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
-
-
 def _with_adapters(base: HFStateDictAdapter, plan: RunPlan, states: dict[str, Any]) -> HFStateDictAdapter:
     """The mapping of a LoRA run: merged weights out, the base in with the adapters' initial values."""
-    config = plan.config
     shapes = {
         name: tuple(t.shape)
         for name, t in states["model"].state_dict().items()
         if name.endswith((".lora_A.weight", ".lora_B.weight"))
     }
-    seed = 0 if config.debug.seed is None else config.debug.seed  # the trainer's
-    return LoRAStateDictAdapter(base, scale=plan.options.lora.scale, adapter_shapes=shapes, seed=seed)
+    return LoRAStateDictAdapter(base, scale=plan.options.lora.scale, adapter_shapes=shapes, seed=plan.seed)
 
 
 @dataclass(frozen=True)

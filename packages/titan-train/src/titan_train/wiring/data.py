@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from titan_data import (
-    CHAT,
     ChatDataset,
     ChatOptions,
     RowFields,
@@ -22,6 +21,7 @@ from titan_data import (
     load_examples,
 )
 from titan_train.config.schema import JobConfig
+from titan_train.config.sft_section import is_chat
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +32,19 @@ def build_tokenizer_for(config: JobConfig) -> Tokenizer:
     return build_tokenizer(config.model.hf_assets_path or BUNDLED_TOKENIZER)
 
 
-def build_loader(config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> TokenLoader:
+def build_loader(
+    config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, *, num_streams: int | None = None
+) -> TokenLoader:
     """The training loader, after checking that the training and (if enabled) validation data can be read
     now: a hub that does not answer or a dataset_path without the files stops the run here, in one line,
-    rather than at the first batch or the first validation."""
+    rather than at the first batch or the first validation. `num_streams` is the run's (`RunPlan.num_streams`,
+    which a resumed position may have set), else `training.dataloader.num_streams`."""
     check_dataset(config.training.dataset, config.training.dataset_path)
     if config.validation.enable:
         check_dataset(config.validation.dataset, config.validation.dataset_path)
-    return _token_loader(config, config.training, tokenizer, dp_rank, dp_degree, infinite=True)
+    return _token_loader(
+        config, config.training, tokenizer, dp_rank, dp_degree, infinite=True, num_streams=num_streams
+    )
 
 
 def build_validation_loader(
@@ -73,11 +78,20 @@ def _chat_dataset(config: JobConfig, section, tokenizer: Tokenizer, streams: Str
 
 
 def _token_loader(
-    config: JobConfig, section, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, *, infinite: bool
+    config: JobConfig,
+    section,
+    tokenizer: Tokenizer,
+    dp_rank: int,
+    dp_degree: int,
+    *,
+    infinite: bool,
+    num_streams: int | None = None,
 ) -> TokenLoader:
     """A loader for `[training]` or `[validation]`: both name dataset, path, seq_len, batch size and streams."""
-    streams = StreamLayout(dp_rank, dp_degree, section.dataloader.num_streams)
-    if section.dataset == CHAT:
+    streams = StreamLayout(
+        dp_rank, dp_degree, section.dataloader.num_streams if num_streams is None else num_streams
+    )
+    if is_chat(section):
         dataset = _chat_dataset(config, section, tokenizer, streams, infinite=infinite)
     else:
         dataset = build_dataset(
