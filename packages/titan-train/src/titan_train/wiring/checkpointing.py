@@ -28,13 +28,13 @@ from titan_ckpt import (
     LoadResult,
     SavePolicy,
 )
-from titan_parallel import plain_name
+from titan_parallel import moe_layers_of, plain_name
 from titan_train.config.schema import JobConfig
 from titan_train.registry import ModelFamily
 from titan_train.run_plan import RunPlan
 from titan_train.train_state import TrainState
 from titan_train.wiring.data import build_tokenizer_for
-from titan_train.wiring.hf_interop import hf_export_files, hf_mapping
+from titan_train.wiring.hf_interop import hf_checkpoint_folder, hf_export_files, hf_mapping
 from titan_train.wiring.lora import lora_enabled
 from titan_train.wiring.lora_export import LoRAStateDictAdapter
 
@@ -71,9 +71,9 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
     c = config.checkpoint
     if not c.enable:
         return None
-    initial_load_path = c.initial_load_path
-    if c.initial_load_in_hf and not initial_load_path:
-        initial_load_path = config.model.hf_assets_path
+    hf_folder = hf_checkpoint_folder(config)
+    initial_load_path = c.initial_load_path or hf_folder
+    if hf_folder is not None and not c.initial_load_path:
         logger.info(
             "checkpoint: initial_load_in_hf with no initial_load_path: using model.hf_assets_path %s",
             initial_load_path,
@@ -118,9 +118,7 @@ def _measure_unheld_effect(adapter: HFStateDictAdapter, model_parts: list) -> No
     """Have the MoE layers count, on each training batch, the tokens whose experts the expert bias
     changes, and the adapter report the last batch's count: the export's warning (or refusal) then says
     how much of the routing the Hugging Face model, which has no place for the bias, would change."""
-    layers = [
-        m for part in model_parts for m in part.modules() if getattr(m, "expert_bias", None) is not None
-    ]
+    layers = [m for part in model_parts for m in moe_layers_of(part).values() if m.expert_bias is not None]
     for layer in layers:
         layer.measure_bias_effect = True
 
