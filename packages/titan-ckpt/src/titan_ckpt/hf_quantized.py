@@ -42,44 +42,38 @@ def _folder_config(folder: Path) -> dict:
 @dataclass(frozen=True)
 class QuantisedFormat:
     """A published quantised format of Hugging Face weights: `dequantizer(config, stored, forced, folder)`
-    gives what turns the folder's tensors into `LazyWeight`s (and says so once), or None when the folder is
-    not in this format; `holds(stored)` tells files in this format, and `files` names them for the
+    gives what turns the folder's tensors into `LazyWeight`s and the line that says so, or None when the
+    folder is not in this format; `holds(stored)` tells files in this format, and `files` names them for the
     refusal of a folder whose config.json has no quantization_config."""
 
     name: str
-    dequantizer: Callable[[dict, Mapping[str, StoredTensor], bool, Path], Dequantizer | None]
+    dequantizer: Callable[[dict, Mapping[str, StoredTensor], bool, Path], tuple[Dequantizer, str] | None]
     holds: Callable[[Mapping[str, StoredTensor]], bool]
     files: str
 
 
 def _mxfp4(
     config: dict, stored: Mapping[str, StoredTensor], forced: bool, folder: Path
-) -> Dequantizer | None:
+) -> tuple[Dequantizer, str] | None:
     if not (is_mxfp4_config(config) or (forced and holds_mxfp4(stored))):
         return None
-    logger.info(
-        "checkpoint: dequantising %d MXFP4 weights (E2M1 in groups of 32, exponent bias 127) of %s as each "
-        "rank reads its experts",
-        sum(n.endswith(BLOCKS_SUFFIX) for n in stored),
-        folder,
-    )
-    return lambda tensors: dequantize_mxfp4_lazily(tensors, str(folder))
+    count = sum(n.endswith(BLOCKS_SUFFIX) for n in stored)
+    said = f"{count} MXFP4 weights (E2M1 in groups of 32, exponent bias 127) of {folder}"
+    said += " as each rank reads its experts"
+    return (lambda tensors: dequantize_mxfp4_lazily(tensors, str(folder))), said
 
 
 def _fp8_blocks(
     config: dict, stored: Mapping[str, StoredTensor], forced: bool, folder: Path
-) -> Dequantizer | None:
+) -> tuple[Dequantizer, str] | None:
     quantization = quantization_from_config(config, forced=forced, where=str(folder))
     if quantization is None:
         return None
-    logger.info(
-        "checkpoint: dequantising %d float8 weights (%dx%d blocks, weight = fp8 * scale_inv) of %s as each "
-        "rank reads its rows",
-        sum(n.endswith(SCALE_SUFFIX) for n in stored),
-        *quantization.block,
-        folder,
-    )
-    return lambda tensors: dequantize_lazily(_with_their_weights(tensors), quantization, str(folder))
+    rows, cols = quantization.block
+    count = sum(n.endswith(SCALE_SUFFIX) for n in stored)
+    said = f"{count} float8 weights ({rows}x{cols} blocks, weight = fp8 * scale_inv) of {folder}"
+    said += " as each rank reads its rows"
+    return (lambda tensors: dequantize_lazily(_with_their_weights(tensors), quantization, str(folder))), said
 
 
 # The formats, asked in this order (MXFP4 first: a forced float8 read takes any folder); a new format is
@@ -100,9 +94,10 @@ def folder_dequantizer(folder: Path, stored: Mapping[str, StoredTensor], forced:
     weights. Quantised files without a quantization_config are refused unless `forced`."""
     config = _folder_config(folder)
     for fmt in FORMATS:
-        dequantizer = fmt.dequantizer(config, stored, forced, folder)
-        if dequantizer is not None:
-            return dequantizer
+        found = fmt.dequantizer(config, stored, forced, folder)
+        if found is not None:
+            logger.info("checkpoint: dequantising %s", found[1])
+            return found[0]
     for fmt in FORMATS:
         if fmt.holds(stored):
             raise CheckpointError(
