@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from titan_parallel.errors import ParallelConfigError
+from titan_parallel.expert_parallel import moe_layers_of
 from titan_parallel.parameter_names import plain_name
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def _attach(model: nn.Module, lora: LoRA) -> nn.Module:
     for name in lora.trainable:
         if name in modules:  # a pipeline stage may not hold it
             modules[name].requires_grad_(True)
-    experts = [n for n, m in model.named_modules() if n.endswith(".experts") and not isinstance(m, nn.Linear)]
+    experts = moe_layers_of(model)  # their routed experts are no linear layers: no adapters there
     logger.info(
         "lora: rank %d, alpha %g (scale %g), dropout %g: %d linear layers adapted (%s)%s%s",
         lora.rank,

@@ -59,6 +59,14 @@ class RunPlan:
         return 0 if self.config.debug.seed is None else self.config.debug.seed
 
     @property
+    def losses_per_step(self) -> int:
+        """The losses one optimizer step backpropagates, each scaled by the inverse of their number:
+        gradient-accumulation steps, times a pipeline schedule's microbatches."""
+        t = self.config.training
+        microbatches = self.options.pipeline.microbatches(t.local_batch_size) if self.dims.pp > 1 else 1
+        return self.grad_accum_steps * microbatches
+
+    @property
     def is_chat(self) -> bool:
         """Whether training reads chat rows (`titan_train.config.sft_section.is_chat`)."""
         return is_chat(self.config.training)

@@ -127,11 +127,7 @@ class Trainer:
         )
         self.loss_fn, self.train_loss_fn = plan.loss_fn, built.train_loss_fn
         self.token_weights = built.token_weights
-        # Each micro-batch's loss (and each pipeline microbatch's) is divided by their number: the aux loss too.
-        microbatches = self.pipeline.n_microbatches if self.pipeline is not None else 1
-        self.moe = MoEBalancing(
-            self.model_parts, self.dims, self.grad_accum_steps * microbatches, has_experts(built.args)
-        )
+        self.moe = MoEBalancing(self.model_parts, self.dims, has_experts(built.args))
         if config.model.print_after_conversion:
             logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
         self.forward_context = forward_context(config, self.dims, self.device)

@@ -211,7 +211,7 @@ def load_checkpoint_model(
     fmt = _weights_format(path, weights)
     if dtype not in DTYPES:
         raise ConfigError(f"config: dtype '{dtype}' is not one of {', '.join(DTYPES)}")
-    device = device or default_device()
+    device = torch.device(device) if device is not None else default_device()  # a name such as "cpu" too
     if config.experimental.custom_import:
         importlib.import_module(config.experimental.custom_import)  # may register flavors
     # A LoRA run's DCP checkpoint holds its adapters beside the base (its Hugging Face export is merged).

@@ -15,6 +15,7 @@ from titan_train.errors import ConfigError
 from titan_train.registry import LossFn
 from titan_train.run_plan import RunPlan
 from titan_train.wiring.loss import micro_batch_loss
+from titan_train.wiring.moe import has_experts
 from titan_train.wiring.parallelism import split_and_wrap
 from titan_train.wiring.precision import cast_parameters, dtype_of
 from titan_train.wiring.valid_token_loss import ValidTokenWeights
@@ -69,6 +70,9 @@ def build_model(
     config = plan.config
     overrides = {"eos_id": eos_id} if n_layers is None else {"eos_id": eos_id, "n_layers": n_layers}
     args = replace(plan.model_args if args is None else args, **overrides)
+    if has_experts(args):
+        # Each of the step's losses is scaled by 1 / their number: the sequence-wise aux loss too.
+        args = replace(args, moe_args=replace(args.moe_args, aux_loss_scale=1.0 / plan.losses_per_step))
     with torch.device("meta"):
         model = plan.family.build(args)
     if config.training.dtype != "float32":
