@@ -31,7 +31,7 @@ from data_throughput import cl100k_path, measure_rounds
 
 from titan_data import MemmapTokenDataset, PackedTokenDataset, TokenLoader, build_tokenizer, get_source
 from titan_data.datasets.registry import ASSETS
-from titan_data.shards.tokenize_job import tokenize_to_shards
+from titan_data.tokenize_job import tokenize_to_shards
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -107,6 +107,57 @@ def test_no_module_of_the_five_packages_imports_itself_through_others():
     assert circles(import_graph()) == []
 
 
+def _room(module: str, package: str) -> str | None:
+    """The room of `package` that holds `module`: the child module or sub-package its name starts with
+    (None for the package's own `__init__` and for modules outside it)."""
+    if not module.startswith(package + "."):
+        return None
+    return f"{package}.{module[len(package) + 1 :].split('.')[0]}"
+
+
+def room_circles(graph: dict[str, set[str]]) -> list[str]:
+    """Inside every package, at every depth, the circles between its rooms (a child module, or a
+    sub-package taken whole), each with the module imports that tie it: a room importing a room that
+    stands above it closes one."""
+    packages = {name for name in graph if any(other.startswith(name + ".") for other in graph)}
+    found = []
+    for package in sorted(packages):
+        rooms: dict[str, set[str]] = {}
+        ties: dict[tuple[str, str], list[str]] = {}
+        for module, targets in graph.items():
+            here = _room(module, package)
+            if here is None:
+                continue
+            rooms.setdefault(here, set())
+            for target in targets:
+                there = _room(target, package)
+                if there is not None and there != here:
+                    rooms[here].add(there)
+                    ties.setdefault((here, there), []).append(f"{module} -> {target}")
+        for circle in circles(rooms):
+            why = [tie for a in circle for b in circle for tie in ties.get((a, b), [])]
+            found.append(f"{' <-> '.join(circle)}: {'; '.join(sorted(why))}")
+    return found
+
+
+def test_inside_each_package_no_room_imports_one_that_stands_above_it():
+    # A room is a package's child module or sub-package: titan_train's plan, wiring and config, titan-data's
+    # datasets and shards. They stack in floors (plan over wiring over run_plan; faults over config; the
+    # shard writer over datasets over the shard format), so each can be read with only those below it.
+    assert room_circles(import_graph()) == []
+
+
+def test_a_room_circle_is_found_and_named():
+    graph = {
+        "pkg": set(),
+        "pkg.low": set(),
+        "pkg.low.a": {"pkg.high.b"},
+        "pkg.high": set(),
+        "pkg.high.b": {"pkg.low.a"},
+    }
+    assert room_circles(graph) == ["pkg.high <-> pkg.low: pkg.high.b -> pkg.low.a; pkg.low.a -> pkg.high.b"]
+
+
 # Registries hold what their register_* functions put there: an assignment into one from a test or a
 # benchmark would bypass the function's checks (and, for model flavors, no longer reaches the registry).
 REGISTRY_DICTS = ("FLAVORS", "MODELS", "DATASETS", "FAMILIES", "ASSETS")

@@ -25,7 +25,7 @@ from titan_data import (
 )
 from titan_data.cli import main
 from titan_data.datasets.registry import ASSETS
-from titan_data.shards.tokenize_job import tokenize_documents
+from titan_data.tokenize_job import tokenize_documents
 from titan_data.tokenizers.tiktoken_bpe import save_tiktoken_ranks
 
 TOKENIZER = ASSETS / "tokenizer"

@@ -12,12 +12,12 @@ from torch import nn
 from titan_ckpt import Checkpointer, ModelState, SavePolicy
 from titan_models import llama2_args, llama3_args
 from titan_train.config import load_job_config
-from titan_train.config.health_section import Health
+from titan_train.config.health_section import Health, parse_signals
 from titan_train.errors import ConfigError
 from titan_train.faults.drills import FaultDrills
 from titan_train.faults.exit_status import NonFiniteError, Preempted
 from titan_train.faults.numerics import NumericsGuard, RankNumbers, describe
-from titan_train.faults.preemption import PreemptionSignals, parse_signals, save_and_stop
+from titan_train.faults.preemption import PreemptionSignals, save_and_stop
 from titan_train.faults.step_guard import StepGuard
 from titan_train.plan import resolve
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from titan_ckpt.errors import CheckpointError
+from titan_ckpt.lazy_weights import LazyWeight, materialised
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +55,11 @@ def _row_scales(scale_inv: torch.Tensor, start: int, stop: int, block: tuple[int
     return rows.repeat_interleave(block[1], dim=1)[:, :cols]
 
 
-class BlockDequantized:
+class BlockDequantized(LazyWeight):
     """A float8 weight and its block scales, dequantised to float32 only where indexed.
 
-    A tensor-like: `shape`, `dtype` and indexing with slices stay lazy; `torch.stack` of several gives
-    a lazy stack (stacked experts); any other torch function or tensor method dequantises it whole.
+    A `LazyWeight`: indexing with slices stays lazy; `torch.stack` of several gives a lazy stack (stacked
+    experts); any other torch function or tensor method dequantises it whole.
     """
 
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]):
@@ -67,8 +68,6 @@ class BlockDequantized:
     @property
     def shape(self) -> torch.Size:
         return self.weight.shape
-
-    dtype = torch.float32
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) dequantised."""
@@ -86,18 +85,15 @@ class BlockDequantized:
         start, stop, _ = first.indices(self.shape[0])
         return self.rows(start, max(start, stop))[(slice(None), *index[1:])]
 
-    def __getattr__(self, name: str) -> Any:  # a tensor method: dequantise whole
-        return getattr(self.full(), name)
-
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.stack and not kwargs.get("dim") and len(args) == 1:
             return LazyStack(list(args[0]))
-        return func(*_materialised(args), **_materialised(kwargs))
+        return super().__torch_function__(func, types, args, kwargs)
 
 
-class LazyStack:
+class LazyStack(LazyWeight):
     """`torch.stack` of tensor-likes along a new first dimension, each item read only where indexed."""
 
     def __init__(self, items: Sequence[Any]):
@@ -107,10 +103,8 @@ class LazyStack:
     def shape(self) -> torch.Size:
         return torch.Size([len(self.items), *self.items[0].shape])
 
-    dtype = torch.float32
-
     def full(self) -> torch.Tensor:
-        return torch.stack([_materialised(item) for item in self.items])
+        return torch.stack([materialised(item) for item in self.items])
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         index = index if isinstance(index, tuple) else (index,)
@@ -119,33 +113,10 @@ class LazyStack:
             return self.full()[index]
         start, stop, _ = first.indices(len(self.items))
         rest = index[1:] or (slice(None),)
-        picked = [_materialised(item[rest]) for item in self.items[start:stop]]
+        picked = [materialised(item[rest]) for item in self.items[start:stop]]
         if picked:
             return torch.stack(picked)
         return torch.empty((0, *self.items[0].shape), dtype=self.dtype)[(slice(None), *rest)]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.full(), name)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return func(*_materialised(args), **_materialised(kwargs or {}))
-
-
-def _materialised(value: Any) -> Any:
-    """`value` with every lazy weight in it dequantised (through lists, tuples and dicts)."""
-    if isinstance(value, (BlockDequantized, LazyStack)):
-        return value.full()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_materialised(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _materialised(v) for k, v in value.items()}
-    return value
-
-
-def is_lazy(value: Any) -> bool:
-    """Whether `value` is a weight dequantised only where read."""
-    return isinstance(value, (BlockDequantized, LazyStack))
 
 
 def dequantize_lazily(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from titan_ckpt.errors import CheckpointError
+from titan_ckpt.lazy_weights import LazyWeight
 
 BLOCKS_SUFFIX = "_blocks"
 SCALES_SUFFIX = "_scales"
@@ -59,15 +60,13 @@ def _powers_of_two(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(scales == 0, torch.tensor(1 << 22, dtype=torch.int32), bits).view(torch.float32)
 
 
-class Mxfp4Dequantized:
+class Mxfp4Dequantized(LazyWeight):
     """An MXFP4 weight (E, rows, cols) decoded to float32 only for the part indexed.
 
     Indexing with slices reads only those experts and rows (and the groups covering the columns);
     `transpose(1, 2)` gives a lazy view in the other layout; any other tensor operation decodes it
     whole, correct but not streamed. `transposed` presents it as (E, cols, rows), transformers' layout.
     """
-
-    dtype = torch.float32
 
     def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, *, transposed: bool = False):
         self.blocks, self.scales, self.transposed = blocks, scales, transposed
@@ -111,20 +110,6 @@ class Mxfp4Dequantized:
         if self.transposed:  # (E, cols, rows) asked: read the stored rows b, columns a
             return self._stored(e, b, a).transpose(1, 2)
         return self._stored(e, a, b)
-
-    def __getattr__(self, name: str) -> Any:  # any other tensor method: decode whole
-        return getattr(self.full(), name)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        def whole(v: Any) -> Any:
-            if isinstance(v, Mxfp4Dequantized):
-                return v.full()
-            if isinstance(v, (list, tuple)):
-                return type(v)(whole(x) for x in v)
-            return v
-
-        return func(*whole(args), **{k: whole(v) for k, v in (kwargs or {}).items()})
 
 
 def holds_mxfp4(tensors: dict[str, torch.Tensor]) -> bool:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 _HOME = {
     "CHAT": "titan_data.datasets.registry",
     "ChatDataset": "titan_data.chat.dataset",
+    "IGNORE_INDEX": "titan_data.chat.dataset",
     "ChatOptions": "titan_data.chat.dataset",
     "ChatTemplate": "titan_data.chat.template",
     "DATASETS": "titan_data.datasets.registry",
@@ -47,12 +48,13 @@ _HOME = {
     "register_dataset": "titan_data.datasets.registry",
     "split_rows": "titan_data.datasets.holdout",
     "tokenize_conversation": "titan_data.chat.masks",
-    "tokenize_to_shards": "titan_data.shards.tokenize_job",
+    "tokenize_to_shards": "titan_data.tokenize_job",
 }
 
 __all__ = [
     "CHAT",
     "ChatDataset",
+    "IGNORE_INDEX",
     "ChatOptions",
     "ChatTemplate",
     "DATASETS",
@@ -101,7 +103,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from titan_data.chat.dataset import ChatDataset, ChatOptions, load_examples
+    from titan_data.chat.dataset import IGNORE_INDEX, ChatDataset, ChatOptions, load_examples
     from titan_data.chat.masks import tokenize_conversation
     from titan_data.chat.prompt import chat_prompt
     from titan_data.chat.rows import RowFields
@@ -120,6 +122,6 @@ if TYPE_CHECKING:
     from titan_data.errors import DataError, SourceUnavailable
     from titan_data.loader import TokenLoader
     from titan_data.shards.index import ShardIndex
-    from titan_data.shards.tokenize_job import tokenize_to_shards
+    from titan_data.tokenize_job import tokenize_to_shards
     from titan_data.tokenizers.base import Tokenizer
     from titan_data.tokenizers.build import build_tokenizer

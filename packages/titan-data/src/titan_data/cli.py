@@ -16,7 +16,7 @@ from titan_data.datasets.registry import DATASETS, get_source
 from titan_data.datasets.sources import TextSource
 from titan_data.errors import DataError, SourceUnavailable
 from titan_data.prepare import SPLITS, prepare_c4
-from titan_data.shards.tokenize_job import tokenize_to_shards
+from titan_data.tokenize_job import tokenize_to_shards
 
 logger = logging.getLogger("titan_data.cli")
 

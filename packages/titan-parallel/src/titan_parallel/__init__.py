@@ -33,6 +33,7 @@ from titan_parallel.nf4_fsdp import nf4_fsdp_torch_problem, nf4_shard_problem
 from titan_parallel.options import ParallelOptions
 from titan_parallel.parallel_dims import ParallelDims
 from titan_parallel.parallelize import parallelize, training_context
+from titan_parallel.parameter_names import plain_name
 from titan_parallel.pipeline import Pipeline, build_pipeline, pipeline_stages
 from titan_parallel.pipeline_options import PipelineOptions
 from titan_parallel.protocols import (
@@ -108,6 +109,7 @@ __all__ = [
     "init_lora",
     "initial_lora_weight",
     "is_adapter_parameter",
+    "plain_name",
     "linear_names",
     "loss_parallel_ctx",
     "moe_layers_of",

@@ -21,6 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from titan_parallel.errors import ParallelConfigError
+from titan_parallel.expert_parallel import moe_layers_of
+from titan_parallel.parameter_names import plain_name
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +162,7 @@ def _attach(model: nn.Module, lora: LoRA) -> nn.Module:
     for name in lora.trainable:
         if name in modules:  # a pipeline stage may not hold it
             modules[name].requires_grad_(True)
-    experts = [n for n, m in model.named_modules() if n.endswith(".experts") and not isinstance(m, nn.Linear)]
+    experts = moe_layers_of(model)  # their routed experts are no linear layers: no adapters there
     logger.info(
         "lora: rank %d, alpha %g (scale %g), dropout %g: %d linear layers adapted (%s)%s%s",
         lora.rank,
@@ -204,16 +206,9 @@ def init_lora(model: nn.Module, seed: int) -> None:
     for name, param in model.named_parameters():
         if not is_adapter_parameter(name):
             continue
-        full = initial_lora_weight(_plain_name(name), tuple(param.shape), seed)
+        full = initial_lora_weight(plain_name(name), tuple(param.shape), seed)
         if isinstance(param, DTensor):
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.to_local().copy_(local.to_local())
         else:
             param.copy_(full)
-
-
-def _plain_name(name: str) -> str:
-    """A parameter name without the wrappers activation checkpointing and compile insert."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name

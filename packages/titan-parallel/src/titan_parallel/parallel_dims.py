@@ -278,6 +278,8 @@ class ParallelDims:
         known = (*MESH_ORDER, *FLAT_VIEWS, "fsdp", *EXPERT_VIEWS)
         if name not in known:
             raise ParallelConfigError(f"parallelism: unknown mesh name '{name}'; choose one of {list(known)}")
+        if self._mesh is None and self.world_size == 1:
+            return None  # one process: every degree is 1, with or without a mesh (generation needs none)
         if self._mesh is None:
             raise RuntimeError("ParallelDims.build_mesh() must be called before .submesh() is used")
         return self._views.get(name)

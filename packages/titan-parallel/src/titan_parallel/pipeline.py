@@ -219,7 +219,7 @@ def build_pipeline(
     stage_units = pipeline_stages(units, blocks, pp, settings)
     num_stages = len(stage_units)
     per_rank = num_stages // pp
-    n_microbatches = _microbatches(local_batch_size, settings.microbatch_size)
+    n_microbatches = settings.microbatches(local_batch_size)
     v_shape = settings.v_shape
     stages, parts = [], []
     for stage_id in stage_ids_of_rank(rank, pp, per_rank, v_shape):
@@ -268,12 +268,3 @@ def _schedule(
             f"{options.microbatch_size}) is refused by torch: {str(e).splitlines()[0]}"
         ) from e
     return schedule
-
-
-def _microbatches(local_batch_size: int, microbatch_size: int) -> int:
-    if local_batch_size % microbatch_size:
-        raise ParallelConfigError(
-            f"parallelism: local batch size ({local_batch_size}) is not divisible by pipeline.microbatch_size "
-            f"({microbatch_size}); choose a microbatch size that divides it"
-        )
-    return local_batch_size // microbatch_size

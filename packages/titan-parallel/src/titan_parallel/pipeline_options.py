@@ -65,6 +65,15 @@ class PipelineOptions:
                 "decide where stages begin"
             )
 
+    def microbatches(self, local_batch_size: int) -> int:
+        """Microbatches a schedule cuts each rank's batch of `local_batch_size` rows into."""
+        if local_batch_size % self.microbatch_size:
+            raise ParallelConfigError(
+                f"parallelism: local batch size ({local_batch_size}) is not divisible by pipeline.microbatch_size "
+                f"({self.microbatch_size}); choose a microbatch size that divides it"
+            )
+        return local_batch_size // self.microbatch_size
+
     @property
     def single_stage(self) -> bool:
         """Whether the schedule runs exactly one stage per rank."""

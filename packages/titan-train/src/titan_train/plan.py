@@ -14,7 +14,8 @@ every problem, before a process group is joined.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import copy
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,7 +26,6 @@ from titan_models import ModelError
 from titan_parallel import (
     ParallelConfigError,
     ParallelDims,
-    ParallelOptions,
     blocks_of,
     expert_sizes,
     moe_layers_of,
@@ -33,70 +33,15 @@ from titan_parallel import (
 )
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.registry import LossFn, ModelFamily, get_model_family
+from titan_train.registry import ModelFamily, get_model_family
+from titan_train.run_plan import ParamCounts, RunPlan
 from titan_train.wiring.hf_interop import check_hf_export, model_args
-from titan_train.wiring.lora import lora_target_problems
+from titan_train.wiring.lora import LORA_CONVERTER, lora_target_problems
 from titan_train.wiring.loss import build_loss_fn
 from titan_train.wiring.moe import moe_run_args
 from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps, parallel_options
 from titan_train.wiring.precision import compute_dtype, dtype_of
 from titan_train.wiring.qlora import qlora_problems
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameter counts of a model split into what pipeline stages hold."""
-
-    total: int
-    embedding: int
-    per_block: int
-    n_blocks: int
-
-    @classmethod
-    def of(cls, model: nn.Module, family: ModelFamily) -> ParamCounts:
-        """Counts read from a (meta-device) model: the family's totals and the size of its blocks."""
-        total, embedding = family.count_parameters(model)
-        sizes = [sum(p.numel() for p in block.parameters()) for block in blocks_of(model).values()]
-        return cls(total=total, embedding=embedding, per_block=max(sizes, default=0), n_blocks=len(sizes))
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """What a run is. `dims` is the layout's degrees (its mesh is built by whoever runs the layout)."""
-
-    config: JobConfig
-    world_size: int
-    device_type: str  # the device the run computes on, which picks its dtypes ("cuda" for a dry run)
-    family: ModelFamily
-    model_args: Any  # the family's args, with max_seq_len = seq_len (eos_id set by the builder)
-    seq_len: int  # positions the model is built for: the longer of training's and validation's
-    dims: ParallelDims
-    grad_accum_steps: int
-    loss_fn: LossFn  # the configured loss (compiled or chunked), unscaled: validation's
-    options: ParallelOptions
-    params: ParamCounts
-
-    @property
-    def train_seq_len(self) -> int:
-        """Tokens per training sequence (FLOPs and memory count these)."""
-        return self.config.training.seq_len
-
-    @property
-    def tokens_per_step(self) -> int:
-        t = self.config.training
-        return t.local_batch_size * t.seq_len * self.dims.dp_degree * self.grad_accum_steps
-
-    @property
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token, as the family counts them."""
-        p = self.params
-        return self.family.flops_per_token(self.model_args, p.total, p.embedding, self.train_seq_len)
-
-    def build_meta_model(self, **overrides) -> nn.Module:
-        """The model on the meta device, from the plan's args with `overrides`."""
-        args = replace(self.model_args, **overrides) if overrides else self.model_args
-        with torch.device("meta"):
-            return self.family.build(args)
 
 
 def model_seq_len(config: JobConfig) -> int:
@@ -177,7 +122,29 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
         loss_fn=build_loss_fn(config, family),
         options=options,
         params=ParamCounts.of(model, family),
+        num_streams=config.training.dataloader.num_streams,
     )
+
+
+def one_process_plan(config: JobConfig, device_type: str, *, adapters: bool = True) -> RunPlan:
+    """The plan of `config`'s model held whole by one process, for generation, evaluation and reading a
+    checkpoint back: the run's family, shape and LoRA options (without them where `adapters` is false: a
+    merged Hugging Face export holds none), every degree 1, and none of what changes how training computes
+    rather than what (compile, activation checkpointing, float8/MX layers, the training dtype)."""
+    one = copy.deepcopy(config)
+    p = one.parallelism
+    p.data_parallel_replicate_degree = p.data_parallel_shard_degree = p.context_parallel_degree = 1
+    p.tensor_parallel_degree = p.pipeline_parallel_degree = 1
+    p.expert_parallel_degree = p.expert_tensor_parallel_degree = 1
+    one.compile.enable = False
+    one.activation_checkpoint.mode = "none"
+    one.training.dtype = "float32"
+    one.training.enable_cpu_offload = False
+    lora = LORA_CONVERTER in config.model.converters and adapters
+    one.model.converters = [LORA_CONVERTER] if lora else []
+    if not lora:
+        one.lora.quantize_base = ""  # no adapters: nothing to quantise under
+    return resolve(one, 1, device_type)
 
 
 def counting_args(args: Any) -> Any:

@@ -94,7 +94,7 @@ class Trainer:
         self.device = info.device
         if self.device.type == "cpu":
             keep_freed_host_memory()  # activations live in host memory: no page faults every step
-        seed = 0 if config.debug.seed is None else config.debug.seed
+        seed = plan.seed
         torch.manual_seed(seed)
         if config.debug.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=config.debug.deterministic_warn_only)
@@ -108,7 +108,7 @@ class Trainer:
         self.tokenizer = build_tokenizer_for(config)
         check_vocabulary(plan, self.tokenizer)
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        self.loader = build_loader(config, self.tokenizer, dp_rank, dp_degree)
+        self.loader = build_loader(config, self.tokenizer, dp_rank, dp_degree, num_streams=plan.num_streams)
         self.closing.callback(self.loader.close)
         drills = FaultDrills(config.health, rank=info.rank, world_size=info.world_size)
         built = build_model(
@@ -131,11 +131,7 @@ class Trainer:
         )
         self.loss_fn, self.train_loss_fn = plan.loss_fn, built.train_loss_fn
         self.token_weights = built.token_weights
-        # Each micro-batch's loss (and each pipeline microbatch's) is divided by their number: the aux loss too.
-        microbatches = self.pipeline.n_microbatches if self.pipeline is not None else 1
-        self.moe = MoEBalancing(
-            self.model_parts, self.dims, self.grad_accum_steps * microbatches, has_experts(built.args)
-        )
+        self.moe = MoEBalancing(self.model_parts, self.dims, has_experts(built.args))
         if config.model.print_after_conversion:
             logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
         self.forward_context = forward_context(config, self.dims, self.device)
@@ -223,8 +219,10 @@ class Trainer:
             return True
         found = find_checkpoint(self.checkpointer, self.config)
         if found.saved_streams is not None:
-            self.config.training.dataloader.num_streams = found.saved_streams
-            self.loader = build_loader(self.config, self.tokenizer, self.dp_rank, self.dp_degree)
+            self.plan = self.plan.with_streams(found.saved_streams)
+            self.loader = build_loader(
+                self.config, self.tokenizer, self.dp_rank, self.dp_degree, num_streams=self.plan.num_streams
+            )
             self.closing.callback(self.loader.close)
             self.checkpointer.states["dataloader"] = self.loader
         load_found(self.checkpointer, found, self.state, self.config.training.steps)
@@ -475,6 +473,7 @@ class Trainer:
             ckpt.states["model"].state_dict(),
             ckpt.hf_adapter.base,
             ckpt.step_folder(self.state.step),
+            lora=self.plan.options.lora,
         )
 
     def _log(self, numbers: AgreedNumbers, window: _Window, moe: MoEStepStats | None) -> float:

@@ -27,7 +27,8 @@ from titan_data.tokenizers.base import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-IGNORE = -100
+IGNORE_INDEX = -100  # a label no loss trains on: F.cross_entropy's default ignore_index
+IGNORE = IGNORE_INDEX
 OVERLONG = ("truncate", "drop")
 BAD_ROWS = ("stop", "skip")
 

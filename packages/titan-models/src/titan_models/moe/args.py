@@ -40,6 +40,9 @@ class MoEArgs:
     update_bias: bool = True
     seq_aux_loss_coeff: float = 0.0
     debug_force_load_balance: bool = False
+    # Factor on the sequence-wise loss's gradient, fixed when the layer is built: 1 / the losses one optimizer
+    # step backpropagates (gradient accumulation times pipeline microbatches), as each of them is scaled.
+    aux_loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
         check_moe_args(self)

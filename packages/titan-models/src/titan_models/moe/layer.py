@@ -51,8 +51,8 @@ class MoE(nn.Module):
         else:
             self.expert_bias = None
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
-        # Factor on the sequence-wise loss's gradient: see load_balance.set_aux_loss_scale.
-        self.aux_loss_scale = 1.0
+        # Factor on the sequence-wise loss's gradient (`MoEArgs.aux_loss_scale`).
+        self.aux_loss_scale = args.aux_loss_scale
         # Set by a run whose Hugging Face export cannot hold the expert bias: each training forward then
         # counts its tokens whose top-k experts differ without the bias, (changed, tokens), for the export's
         # warning. Off by default: it costs a second top-k.

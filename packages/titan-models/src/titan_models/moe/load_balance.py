@@ -14,7 +14,8 @@ Rather than returning a second loss through every pipeline stage, the MoE layer 
 output with `attach_aux_loss`: the forward value is unchanged and backward adds `coeff * d aux` to the
 gradients, exactly as if `coeff * aux` had been added to this forward's loss. A trainer that divides
 each micro-batch's loss by the number of micro-batches (and a pipeline schedule each microbatch's by
-their number) sets the same factor with `set_aux_loss_scale`.
+their number) builds the layers with the same factor (`MoEArgs.aux_loss_scale`); `set_aux_loss_scale`
+changes it on a built model.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def update_expert_bias(
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     *,
     step_applied: bool = True,
-) -> None:
-    """Move each MoE layer's expert bias towards balance from the counts since the last call; reset them.
+) -> torch.Tensor:
+    """Move each MoE layer's expert bias towards balance from the counts since the last call; reset them;
+    return the counts it used, (layers, experts) float, reduced (empty for a model without MoE layers).
 
     Call once per optimizer step, after it (torchtitan moves the bias in the optimizer's step pre-hook,
     so a step not taken moves nothing): `step_applied=False` for a step the trainer skipped leaves the
@@ -58,7 +60,7 @@ def update_expert_bias(
         m for part in (model if isinstance(model, list) else [model]) for m in moe_modules(part).values()
     ]
     if not layers:
-        return
+        return torch.zeros(0, 0)
     counts = torch.stack([m.tokens_per_expert.float() for m in layers])
     if reduce is not None:
         counts = reduce(counts)
@@ -67,6 +69,7 @@ def update_expert_bias(
             delta = moe.load_balance_coeff * torch.sign(count.mean() - count)
             moe.expert_bias.add_(delta - delta.mean())
         moe.tokens_per_expert.zero_()
+    return counts
 
 
 @torch.no_grad()

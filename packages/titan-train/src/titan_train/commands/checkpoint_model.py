@@ -26,13 +26,13 @@ from titan_data import Tokenizer
 from titan_parallel import adapter_names, dequantized, quantize_base_to_nf4
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.plan import run_model_args, with_positions
-from titan_train.registry import FROM_HF, ModelFamily, get_model_family
+from titan_train.plan import RunPlan, one_process_plan, with_positions
+from titan_train.registry import FROM_HF
 from titan_train.wiring.checkpointing import hf_adapter_for
 from titan_train.wiring.data import build_tokenizer_for
 from titan_train.wiring.hf_interop import hf_mapping
-from titan_train.wiring.lora import lora_enabled, lora_options
 from titan_train.wiring.lora_export import LoRAStateDictAdapter
+from titan_train.wiring.model import build_model
 from titan_train.wiring.qlora import qlora_enabled
 
 logger = logging.getLogger(__name__)
@@ -93,14 +93,15 @@ def _weights_format(path: Path, wanted: str) -> str:
     )
 
 
-def _model_args(config: JobConfig, family: ModelFamily, path: Path, fmt: str, eos_id: int):
+def _model_args(plan: RunPlan, path: Path, fmt: str, eos_id: int):
     """The model shape: the run's flavor (a Hugging Face config.json must agree with it field by field),
     or with model.flavor = from_hf the shape a Hugging Face folder's config.json states."""
+    config, family = plan.config, plan.family
     config_file = path / "config.json"
     hf_config = json.loads(config_file.read_text()) if fmt == "hf" and config_file.is_file() else None
-    # The run's args, as training resolved them (titan_train.plan.resolve): a model whose function depends
-    # on the positions it was built for (DeepSeek's YaRN) computes here what it computed in training.
-    run_args = run_model_args(config, family, eos_id=eos_id)
+    # The run's args, as training resolved them: a model whose function depends on the positions it was
+    # built for (DeepSeek's YaRN) computes here what it computed in training.
+    run_args = replace(plan.model_args, eos_id=eos_id)
     if hf_config is None:
         return run_args
     hf = hf_mapping(family, f"{path} is a Hugging Face checkpoint")
@@ -146,9 +147,7 @@ def _warn_if_trained_state_is_missing(path: Path, adapter: Any, model: torch.nn.
         )
 
 
-def _load_frozen_base(
-    path: Path, model: nn.Module, family: ModelFamily, args: Any, config: JobConfig
-) -> None:
+def _load_frozen_base(path: Path, model: nn.Module, plan: RunPlan, args: Any) -> None:
     """Read the base of an adapter-only step folder from the Hugging Face folder its `frozen_base.json`
     names (the adapters are read over it after); refuse, in one line, a base that cannot be read again."""
     record = json.loads((path / FROZEN_BASE_FILE).read_text())
@@ -166,8 +165,8 @@ def _load_frozen_base(
         if n.endswith((".lora_A.weight", ".lora_B.weight"))
     }
     adapter = LoRAStateDictAdapter(
-        hf_adapter_for(family, args),
-        scale=config.lora.alpha / config.lora.rank,
+        hf_adapter_for(plan.family, args),
+        scale=plan.options.lora.scale,
         adapter_shapes=shapes,
         seed=0,
     )
@@ -182,11 +181,13 @@ def _load_frozen_base(
         ),
         hf_adapter=adapter,
     )
-    plan = base.plan_load()
-    base.load(replace(plan, message=f"{path} holds the adapters only: reading its frozen base from {source}"))
+    found = base.plan_load()
+    base.load(
+        replace(found, message=f"{path} holds the adapters only: reading its frozen base from {source}")
+    )
     base.close()
-    if qlora_enabled(config):  # the run trained over the NF4 base: its dequantised values
-        quantize_base_to_nf4(model, config.lora.nf4_scaler_block_size)
+    if qlora_enabled(plan.config):  # the run trained over the NF4 base: its dequantised values
+        quantize_base_to_nf4(model, plan.config.lora.nf4_scaler_block_size)
         for name in adapter_names(model):
             linear = model.get_submodule(name)
             linear.weight = nn.Parameter(dequantized(linear.weight), requires_grad=False)
@@ -210,23 +211,18 @@ def load_checkpoint_model(
     fmt = _weights_format(path, weights)
     if dtype not in DTYPES:
         raise ConfigError(f"config: dtype '{dtype}' is not one of {', '.join(DTYPES)}")
-    device = device or default_device()
+    device = torch.device(device) if device is not None else default_device()  # a name such as "cpu" too
     if config.experimental.custom_import:
         importlib.import_module(config.experimental.custom_import)  # may register flavors
-    family = get_model_family(config.model.name)
+    # A LoRA run's DCP checkpoint holds its adapters beside the base (its Hugging Face export is merged).
+    plan = one_process_plan(config, device.type, adapters=fmt == "dcp")
     tokenizer = build_tokenizer_for(config)
-    args = _model_args(config, family, path, fmt, tokenizer.eos_id)
+    args = _model_args(plan, path, fmt, tokenizer.eos_id)
     args = with_positions(args, max_seq_len or args.context_len)
-    with torch.device("meta"):
-        model = family.build(args)
-    if fmt == "dcp" and lora_enabled(config):
-        # A LoRA run's DCP checkpoint holds its adapters beside the base (its Hugging Face export is merged).
-        lora_options(config, ()).convert(model)
-    model.to_empty(device=device)
-    model.init_weights(
-        buffer_device=device, seed=0
-    )  # fills the rotary table; the weights come from the checkpoint
-    adapter = hf_adapter_for(family, args) if fmt == "hf" else None
+    # seed 0 fills the rotary table (and whatever the checkpoint lacks); the weights come from the checkpoint
+    built = build_model(plan, device, eos_id=tokenizer.eos_id, seed=0, args=args)
+    model, args = built.parts[0], built.args
+    adapter = hf_adapter_for(plan.family, args) if fmt == "hf" else None
     checkpointer = Checkpointer(
         path,
         {"model": ModelState([model])},
@@ -235,12 +231,12 @@ def load_checkpoint_model(
         hf_adapter=adapter,
     )
     if fmt == "dcp" and (path / FROZEN_BASE_FILE).is_file():
-        _load_frozen_base(path, model, family, args, config)
+        _load_frozen_base(path, model, plan, args)
     # The folder is the checkpoint itself, not a run's folder of step-N checkpoints: say what is loaded
     # instead of the run's "no checkpoint in X; loading initial weights from X".
-    plan = checkpointer.plan_load()
+    found = checkpointer.plan_load()
     what = "Hugging Face safetensors" if fmt == "hf" else "DCP checkpoint"
-    checkpointer.load(replace(plan, message=f"loading the model weights of {path} ({what})"))
+    checkpointer.load(replace(found, message=f"loading the model weights of {path} ({what})"))
     checkpointer.close()
     if adapter is not None:
         _warn_if_trained_state_is_missing(path, adapter, model)

@@ -6,10 +6,27 @@ a section of their own and no torchtitan name changes meaning.
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 from titan_train.config.fields import MAX_RANKS, MAX_STEPS, opt
-from titan_train.faults.preemption import parse_signals
+from titan_train.errors import ConfigError
+
+
+def parse_signals(names: list[str]) -> list[signal.Signals]:
+    """`["SIGTERM", "USR1"]` as signals, or a ConfigError naming the bad one."""
+    parsed = []
+    for name in names:
+        full = name.strip().upper()
+        full = full if full.startswith("SIG") else f"SIG{full}"
+        sig = getattr(signal.Signals, full, None)
+        if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(
+                f"config: health.preemption_signals has '{name}', which is not a signal a process can catch; "
+                "use names such as SIGTERM, SIGUSR1, SIGUSR2"
+            )
+        parsed.append(sig)
+    return parsed
 
 
 @dataclass

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from titan_train.config.converters import FLOAT8, MX, OLD_NAMES
+
 logger = logging.getLogger("titan_train.config")
 
 
@@ -42,8 +44,7 @@ def _implementation(fused: Any) -> str:
     return "fused" if fused else "foreach"
 
 
-_FLOAT8 = "quantize.linear.float8"
-_MX = "quantize.linear.mx"
+_FLOAT8, _MX = FLOAT8, MX
 
 MIGRATIONS: dict[str, _Rename | _Removed | _Converter] = {
     # [job]
@@ -130,7 +131,7 @@ MIGRATIONS: dict[str, _Rename | _Removed | _Converter] = {
 }
 
 # Old short names of model converters.
-CONVERTER_NAMES = {"float8": _FLOAT8, "mx": _MX}
+CONVERTER_NAMES = OLD_NAMES
 
 
 def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:

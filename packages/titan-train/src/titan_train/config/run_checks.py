@@ -11,6 +11,7 @@ the checkpoint in the folder) is checked where it is built, still before the fir
 
 from __future__ import annotations
 
+from titan_ckpt import CheckpointError, LoadPolicy
 from titan_train.config.schema import JobConfig
 from titan_train.config.unsupported import refuse_unsupported
 from titan_train.errors import ConfigError
@@ -64,11 +65,15 @@ def check_checkpoint_config(config: JobConfig, world_size: int) -> None:
             f"config: checkpoint.create_seed_checkpoint writes the unsharded model from one process, but "
             f"WORLD_SIZE is {world_size}; run it with NGPU=1 (one process, no parallelism)"
         )
-    if c.initial_load_in_hf_quantized and not c.initial_load_in_hf:
-        raise ConfigError(
-            "config: checkpoint.initial_load_in_hf_quantized describes Hugging Face files, but "
-            "checkpoint.initial_load_in_hf is false; add --checkpoint.initial_load_in_hf"
+    try:  # titan-ckpt's rules of what to load first (Hugging Face files: the model alone, a quantised format)
+        LoadPolicy(
+            load_step=c.load_step,
+            initial_load_model_only=c.initial_load_model_only,
+            initial_load_in_hf=c.initial_load_in_hf,
+            initial_load_in_hf_quantized=c.initial_load_in_hf_quantized,
         )
+    except CheckpointError as err:
+        raise ConfigError(f"config: {err}") from err
     if c.initial_load_in_hf and not (c.initial_load_path or config.model.hf_assets_path):
         raise ConfigError(
             "config: checkpoint.initial_load_in_hf needs the Hugging Face folder: set checkpoint.initial_load_path "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from titan_train.config.converters import CONVERTERS
 from titan_train.config.custom_module import import_user_module
 from titan_train.config.fields import (
     MAX_RANKS,
@@ -96,7 +97,7 @@ class Model:
         [],
         "Model transforms to apply, in order, e.g. quantize.linear.float8, quantize.linear.mx, lora "
         "(low-rank adapters on a frozen base, see [lora]; after any quantisation)",
-        choices=("quantize.linear.float8", "quantize.linear.mx", "lora"),
+        choices=CONVERTERS,
     )
     print_after_conversion: bool = opt(False, "Log the model after the converters ran")
     moe_load_balance_coeff: float | None = opt(

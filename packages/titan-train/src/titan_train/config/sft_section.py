@@ -10,8 +10,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from titan_data import CHAT
 from titan_train.config.fields import opt
 from titan_train.errors import ConfigError
+
+
+def is_chat(section: Any) -> bool:
+    """Whether a `[training]` or `[validation]` section reads chat rows (`dataset = "chat"`): the one place
+    that tells a fine-tuning run's data from text."""
+    return section.dataset == CHAT
+
 
 FIELD_NAME = (r"[^\s]+", "a field name without spaces")
 

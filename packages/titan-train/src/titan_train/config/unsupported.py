@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from titan_parallel.mx import missing_mx_matmuls, mx_recipe_is_emulated
+from titan_train.config.converters import MX
 from titan_train.errors import ConfigError
 
 
@@ -97,7 +98,7 @@ def refuse_unsupported(config: Any, device_type: str) -> None:
         if rule.applies(config):
             raise UnsupportedConfigError(f"config: {rule.setting(config)}: {rule.reason}; {rule.fix}")
     mx = config.quantize.linear.mx
-    if "quantize.linear.mx" in config.model.converters and not mx_recipe_is_emulated(mx.recipe_name):
+    if MX in config.model.converters and not mx_recipe_is_emulated(mx.recipe_name):
         missing = missing_mx_matmuls(device_type)
         if missing is not None:
             raise UnsupportedConfigError(

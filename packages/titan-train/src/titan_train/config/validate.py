@@ -21,6 +21,7 @@ from typing import Any
 from titan_data import DATASETS
 from titan_train.config.data_rules import data_choices_fit
 from titan_train.config.fields import BOUNDS, get_value, iter_fields, number, unwrap_optional
+from titan_train.config.sft_section import is_chat
 from titan_train.errors import ConfigError
 from titan_train.registry import FROM_HF, get_model_family
 
@@ -66,7 +67,7 @@ def _names_a_hub_chat_dataset(config: Any, dotted: str, value: Any) -> bool:
     """Whether a chat section's dataset_path is a Hugging Face dataset id (`owner/name`, fetched by the
     datasets library at start) rather than a local path, which must exist."""
     section, _, name = dotted.partition(".")
-    if name != "dataset_path" or get_value(config, f"{section}.dataset") != "chat":
+    if name != "dataset_path" or not is_chat(get_value(config, section)):
         return False
     text = str(value)
     return bool(HUB_ID.fullmatch(text)) and not text.endswith(CHAT_FILE_SUFFIXES) and not Path(text).exists()
@@ -214,14 +215,10 @@ def _chat_data_fits_the_layout(config: Any) -> None:
     conversations (pipeline stages are given the rows' positions, see stage_inputs)."""
     sections = [config.training] + ([config.validation] if config.validation.enable else [])
     chat = [
-        name
-        for section, name in zip(sections, ("training", "validation"), strict=False)
-        if section.dataset == "chat"
+        name for section, name in zip(sections, ("training", "validation"), strict=False) if is_chat(section)
     ]
     for section, name in zip(sections, ("training", "validation"), strict=False):
-        if section.dataset == "chat" and not (
-            section.dataset_path or getattr(section, "dataset_mixture", None)
-        ):
+        if is_chat(section) and not (section.dataset_path or getattr(section, "dataset_mixture", None)):
             raise ConfigError(
                 f"config: {name}.dataset = 'chat' needs {name}.dataset_path: a .jsonl/.json/.parquet file or "
                 "folder of chat rows, or a Hugging Face dataset id"

@@ -16,26 +16,9 @@ import time
 from types import FrameType
 from typing import Any
 
-from titan_train.errors import ConfigError
 from titan_train.faults.exit_status import Preempted
 
 logger = logging.getLogger(__name__)
-
-
-def parse_signals(names: list[str]) -> list[signal.Signals]:
-    """`["SIGTERM", "USR1"]` as signals, or a ConfigError naming the bad one."""
-    parsed = []
-    for name in names:
-        full = name.strip().upper()
-        full = full if full.startswith("SIG") else f"SIG{full}"
-        sig = getattr(signal.Signals, full, None)
-        if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ConfigError(
-                f"config: health.preemption_signals has '{name}', which is not a signal a process can catch; "
-                "use names such as SIGTERM, SIGUSR1, SIGUSR2"
-            )
-        parsed.append(sig)
-    return parsed
 
 
 class PreemptionSignals:

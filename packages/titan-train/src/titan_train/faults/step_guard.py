@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_train.config.health_section import Health
+from titan_train.config.health_section import Health, parse_signals
 from titan_train.faults.drills import FaultDrills
 from titan_train.faults.numerics import NumericsGuard, RankNumbers
-from titan_train.faults.preemption import PreemptionSignals, parse_signals, save_and_stop
+from titan_train.faults.preemption import PreemptionSignals, save_and_stop
 
 logger = logging.getLogger(__name__)
 

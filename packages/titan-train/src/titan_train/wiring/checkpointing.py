@@ -28,13 +28,20 @@ from titan_ckpt import (
     LoadResult,
     SavePolicy,
 )
+from titan_parallel import moe_layers_of, plain_name
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.plan import RunPlan
 from titan_train.registry import FROM_HF, ModelFamily
+from titan_train.run_plan import RunPlan
 from titan_train.train_state import TrainState
 from titan_train.wiring.data import build_tokenizer_for
-from titan_train.wiring.hf_interop import export_dtype, export_token_ids, hf_export_files, hf_mapping
+from titan_train.wiring.hf_interop import (
+    export_dtype,
+    export_token_ids,
+    hf_checkpoint_folder,
+    hf_export_files,
+    hf_mapping,
+)
 from titan_train.wiring.lora import lora_enabled
 from titan_train.wiring.lora_export import LoRAStateDictAdapter
 
@@ -71,9 +78,9 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
     c = config.checkpoint
     if not c.enable:
         return None
-    initial_load_path = c.initial_load_path
-    if c.initial_load_in_hf and not initial_load_path:
-        initial_load_path = config.model.hf_assets_path
+    hf_folder = hf_checkpoint_folder(config)
+    initial_load_path = c.initial_load_path or hf_folder
+    if hf_folder is not None and not c.initial_load_path:
         logger.info(
             "checkpoint: initial_load_in_hf with no initial_load_path: using model.hf_assets_path %s",
             initial_load_path,
@@ -119,9 +126,7 @@ def _measure_unheld_effect(adapter: HFStateDictAdapter, model_parts: list) -> No
     """Have the MoE layers count, on each training batch, the tokens whose experts the expert bias
     changes, and the adapter report the last batch's count: the export's warning (or refusal) then says
     how much of the routing the Hugging Face model, which has no place for the bias, would change."""
-    layers = [
-        m for part in model_parts for m in part.modules() if getattr(m, "expert_bias", None) is not None
-    ]
+    layers = [m for part in model_parts for m in moe_layers_of(part).values() if m.expert_bias is not None]
     for layer in layers:
         layer.measure_bias_effect = True
 
@@ -140,8 +145,8 @@ def _frozen_base(plan: RunPlan, states: dict[str, Any]) -> FrozenBase:
     config = plan.config
     frozen: set[str] = set()
     for part in states["model"].model_parts:
-        frozen.update(_state_dict_name(n) for n, p in part.named_parameters() if not p.requires_grad)
-    seed = 0 if config.debug.seed is None else config.debug.seed  # the trainer's
+        frozen.update(plain_name(n) for n, p in part.named_parameters() if not p.requires_grad)
+    seed = plan.seed
     digest = hashlib.sha256(repr((plan.model_args, config.training.dtype)).encode()).hexdigest()[:12]
     origin = (
         f"{config.model.name} {config.model.flavor} initialised with seed {seed} (model arguments {digest})"
@@ -149,24 +154,14 @@ def _frozen_base(plan: RunPlan, states: dict[str, Any]) -> FrozenBase:
     return FrozenBase(frozenset(frozen), origin, trainable_only_saves=config.lora.save_adapter_only)
 
 
-def _state_dict_name(name: str) -> str:
-    """A parameter's name as the model's state dict spells it, without the wrappers that activation
-    checkpointing, compile and FSDP insert."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
-
-
 def _with_adapters(base: HFStateDictAdapter, plan: RunPlan, states: dict[str, Any]) -> HFStateDictAdapter:
     """The mapping of a LoRA run: merged weights out, the base in with the adapters' initial values."""
-    config = plan.config
     shapes = {
         name: tuple(t.shape)
         for name, t in states["model"].state_dict().items()
         if name.endswith((".lora_A.weight", ".lora_B.weight"))
     }
-    seed = 0 if config.debug.seed is None else config.debug.seed  # the trainer's
-    return LoRAStateDictAdapter(base, scale=plan.options.lora.scale, adapter_shapes=shapes, seed=seed)
+    return LoRAStateDictAdapter(base, scale=plan.options.lora.scale, adapter_shapes=shapes, seed=plan.seed)
 
 
 @dataclass(frozen=True)

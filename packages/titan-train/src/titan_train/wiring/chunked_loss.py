@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from titan_data import IGNORE_INDEX
+
 CHUNK_TOKENS = 1024
-IGNORE_INDEX = -100  # F.cross_entropy's default, which the plain loss uses
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):

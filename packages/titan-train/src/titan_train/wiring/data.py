@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from titan_data import (
-    CHAT,
     ChatDataset,
     ChatOptions,
     RowFields,
@@ -24,7 +23,7 @@ from titan_data import (
 )
 from titan_train.config.data_rules import default_steps
 from titan_train.config.schema import JobConfig
-from titan_train.config.sft_section import template_variables
+from titan_train.config.sft_section import is_chat, template_variables
 from titan_train.errors import ConfigError
 from titan_train.wiring.data_sources import data_section, epoch_steps, row_filter, section_paths, text_source
 
@@ -37,16 +36,19 @@ def build_tokenizer_for(config: JobConfig) -> Tokenizer:
     return build_tokenizer(config.model.hf_assets_path or BUNDLED_TOKENIZER)
 
 
-def build_loader(config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int) -> TokenLoader:
+def build_loader(
+    config: JobConfig, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, *, num_streams: int | None = None
+) -> TokenLoader:
     """The training loader, after checking that the training and (if enabled) validation data can be read
     now: a hub that does not answer or a dataset_path without the files stops the run here, in one line,
-    rather than at the first batch or the first validation."""
+    rather than at the first batch or the first validation. `num_streams` is the run's (`RunPlan.num_streams`,
+    which a resumed position may have set), else `training.dataloader.num_streams`."""
     t, v = config.training, config.validation
     for path in section_paths(t):
         check_dataset(t.dataset, path, t.dataset_split)
     if v.enable and not v.holdout_share:
         check_dataset(v.dataset, v.dataset_path, v.dataset_split)
-    return _token_loader(config, t, tokenizer, dp_rank, dp_degree, infinite=True)
+    return _token_loader(config, t, tokenizer, dp_rank, dp_degree, infinite=True, num_streams=num_streams)
 
 
 def build_validation_loader(
@@ -93,7 +95,7 @@ def _dataset(config: JobConfig, section, tokenizer: Tokenizer, *, infinite: bool
     documents packed (`token_shards` memory-mapped); under a held-out share, the training data's part (see
     `data_sources`). The data is read once; `make` deals it (the epoch count makes a finite copy)."""
     data, part = data_section(config, section)
-    if data.dataset == CHAT:
+    if is_chat(data):
         examples, name = _chat_examples(config, section, tokenizer)
         return lambda layout, finite=False: ChatDataset(
             examples,
@@ -124,7 +126,7 @@ def _plan_epochs(config: JobConfig, section, make, dp_degree: int) -> None:
     them for any dataset (a pass over it) and sets training.steps, before the schedule is built from it; a
     training.steps given as another number is refused."""
     t = config.training
-    if section is not t or not (t.epochs or t.dataset == CHAT):
+    if section is not t or not (t.epochs or is_chat(t)):
         return
     global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
     what = ", ".join(map(str, section_paths(t)))
@@ -140,10 +142,19 @@ def _plan_epochs(config: JobConfig, section, make, dp_degree: int) -> None:
 
 
 def _token_loader(
-    config: JobConfig, section, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, *, infinite: bool
+    config: JobConfig,
+    section,
+    tokenizer: Tokenizer,
+    dp_rank: int,
+    dp_degree: int,
+    *,
+    infinite: bool,
+    num_streams: int | None = None,
 ) -> TokenLoader:
     """A loader for `[training]` or `[validation]`: both name dataset, path, seq_len, batch size and streams."""
-    streams = StreamLayout(dp_rank, dp_degree, section.dataloader.num_streams)
+    streams = StreamLayout(
+        dp_rank, dp_degree, section.dataloader.num_streams if num_streams is None else num_streams
+    )
     make = _dataset(config, section, tokenizer, infinite=infinite)
     _plan_epochs(config, section, make, dp_degree)
     dataset = make(streams)

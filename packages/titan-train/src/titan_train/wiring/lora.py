@@ -11,9 +11,10 @@ from torch import nn
 
 from titan_parallel import LoRA, linear_names
 from titan_train.config import JobConfig
+from titan_train.config.converters import LORA
 from titan_train.errors import ConfigError
 
-LORA_CONVERTER = "lora"
+LORA_CONVERTER = LORA
 # The Hugging Face (PEFT) name of each linear layer of Titan's families, and Titan's name for it.
 HF_TO_TITAN = {
     "q_proj": "wq",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from titan_ckpt import HFStateDictAdapter
-from titan_parallel import initial_lora_weight, is_adapter_parameter
+from titan_parallel import LoRA, initial_lora_weight, is_adapter_parameter, plain_name
 from titan_train.config import JobConfig
 from titan_train.wiring.hf_interop import export_dtype, tokenizer_files
 from titan_train.wiring.lora import EMBEDDING_MODULES
@@ -34,12 +33,11 @@ PEFT_FOLDER = "peft_adapter"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
-_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 _ROW_BITS = 1 << 24  # rows per layer in the code column (float64 holds the codes exactly)
 
 
 def _plain(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {_WRAPPERS.sub("", name): t for name, t in state.items()}
+    return {plain_name(name): t for name, t in state.items()}
 
 
 def adapted_layers(state: dict[str, Any]) -> list[str]:
@@ -107,29 +105,29 @@ def peft_tensors(state: dict[str, torch.Tensor], base: HFStateDictAdapter, *, em
     return out
 
 
-def peft_config(config: JobConfig, tensors: dict, base_model: str) -> dict:
-    """`adapter_config.json` for PEFT's LoraConfig: rank, alpha, dropout, the adapted module names."""
-    c = config.lora
+def peft_config(lora: LoRA, tensors: dict, base_model: str) -> dict:
+    """`adapter_config.json` for PEFT's LoraConfig: the run's rank, alpha and dropout (its `LoRA` options,
+    as the adapters were built with them), the adapted module names."""
     targets = sorted({name.split(".")[-3] for name in tensors if name.endswith(".lora_A.weight")})
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
-        "r": c.rank,
-        "lora_alpha": c.alpha,
-        "lora_dropout": c.dropout,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
         "target_modules": targets,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
         "use_dora": False,
         "inference_mode": True,
-        "modules_to_save": sorted(EMBEDDING_MODULES.values()) if c.train_embeddings else None,
+        "modules_to_save": sorted(EMBEDDING_MODULES[m] for m in lora.trainable) or None,
     }
 
 
 def _is_trained_embedding(name: str, embeddings: bool) -> bool:
-    return embeddings and _WRAPPERS.sub("", name).split(".", 1)[0] in EMBEDDING_MODULES
+    return embeddings and plain_name(name).split(".", 1)[0] in EMBEDDING_MODULES
 
 
 def gather_adapters(state: dict[str, Any], *, embeddings: bool) -> dict[str, torch.Tensor]:
@@ -140,7 +138,7 @@ def gather_adapters(state: dict[str, Any], *, embeddings: bool) -> dict[str, tor
         n
         for n, t in state.items()
         if isinstance(t, torch.Tensor)
-        and (is_adapter_parameter(_WRAPPERS.sub("", n)) or _is_trained_embedding(n, embeddings))
+        and (is_adapter_parameter(plain_name(n)) or _is_trained_embedding(n, embeddings))
     ]
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
@@ -163,13 +161,13 @@ def gather_adapters(state: dict[str, Any], *, embeddings: bool) -> dict[str, tor
 
 
 def write_peft_adapter(
-    config: JobConfig, model_state: dict[str, Any], base: HFStateDictAdapter, folder: Path
+    config: JobConfig, model_state: dict[str, Any], base: HFStateDictAdapter, folder: Path, *, lora: LoRA
 ) -> Path | None:
     """Gather the adapters (every rank takes part) and write them on rank 0 as a PEFT folder,
     `folder/peft_adapter`: `adapter_model.safetensors`, `adapter_config.json`, the tokenizer files and the
     run's chat template. The Hugging Face base
     it names is the folder the run imported (`checkpoint.initial_load_path`, else `model.hf_assets_path`)."""
-    embeddings = config.lora.train_embeddings
+    embeddings = bool(lora.trainable)
     adapters = gather_adapters(model_state, embeddings=embeddings)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
@@ -192,7 +190,7 @@ def write_peft_adapter(
     for name, content in tokenizer_files(config).items():  # PEFT users load the tokenizer from here too
         (partial / name).write_bytes(content.read_bytes() if isinstance(content, Path) else content)
     (partial / PEFT_CONFIG).write_text(
-        json.dumps(peft_config(config, tensors, str(Path(source).resolve()) if source else ""), indent=2)
+        json.dumps(peft_config(lora, tensors, str(Path(source).resolve()) if source else ""), indent=2)
     )
     partial.rename(out)
     logger.info("lora: PEFT adapter (%d tensors) written to %s", len(tensors), out)

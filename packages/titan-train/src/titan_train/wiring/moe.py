@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_models.moe import moe_modules, set_aux_loss_scale, update_expert_bias
-from titan_parallel import ParallelDims
+from titan_models.moe import update_expert_bias
+from titan_parallel import ParallelDims, moe_layers_of
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
 
@@ -88,26 +88,21 @@ class MoEStepStats:
 class MoEBalancing:
     """The trainer's two calls: construct once with the model parts, `step()` once per optimizer step."""
 
-    def __init__(
-        self, model_parts: list[nn.Module], dims: ParallelDims, losses_per_step: int, model_has_experts: bool
-    ):
-        """`losses_per_step`: the forwards whose losses one optimizer step sums, each scaled by its inverse;
-        `model_has_experts`: whether the whole model has MoE layers (a pipeline rank's stages may have none)."""
+    def __init__(self, model_parts: list[nn.Module], dims: ParallelDims, model_has_experts: bool):
+        """`model_has_experts`: whether the whole model has MoE layers (a pipeline rank's stages may have none).
+        The aux loss's scale was fixed when the layers were built (`RunPlan.losses_per_step`)."""
         self.parts = model_parts
-        self.layers = {name: m for part in model_parts for name, m in moe_modules(part).items()}
+        self.layers = {name: m for part in model_parts for name, m in moe_layers_of(part).items()}
         mesh = dims.submesh("dp_cp") if self.layers else None
         self.group = mesh.get_group() if mesh is not None else None
         # Under a pipeline each rank holds some stages' layers; the stats gather every stage's, so the
         # logging rank reports the whole model. Every pp rank joins, with or without layers of its own.
         pp = dims.submesh("pp") if model_has_experts else None
         self.stage_group = pp.get_group() if pp is not None else None
-        if self.layers:
-            set_aux_loss_scale(model_parts, 1.0 / losses_per_step)
 
     def _reduce(self, counts: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
             dist.all_reduce(counts, group=self.group)
-        self._counts = counts.clone()
         return counts
 
     @torch.no_grad()
@@ -127,9 +122,8 @@ class MoEBalancing:
         aux = torch.stack(losses).tolist() if losses else []  # one device sync, not one per layer
         counts = {}
         if self.layers:
-            self._counts = None
-            update_expert_bias(self.parts, reduce=self._reduce, step_applied=applied)
-            counts = dict(zip(self.layers, self._counts.tolist(), strict=True))
+            summed = update_expert_bias(self.parts, reduce=self._reduce, step_applied=applied)
+            counts = dict(zip(self.layers, summed.tolist(), strict=True))
         if self.stage_group is not None:
             stages: list[Any] = [None] * dist.get_world_size(self.stage_group)
             dist.all_gather_object(stages, (counts, aux), group=self.stage_group)

@@ -25,13 +25,11 @@ from titan_parallel import (
     parallelize,
 )
 from titan_train.config import JobConfig
+from titan_train.config.converters import FLOAT8_CONVERTERS, MX_CONVERTERS
 from titan_train.errors import ConfigError
 from titan_train.wiring.lora import LORA_CONVERTER, lora_options
 
 logger = logging.getLogger(__name__)
-
-FLOAT8_CONVERTERS = ("float8", "quantize.linear.float8")
-MX_CONVERTERS = ("mx", "quantize.linear.mx")
 
 
 def parallel_options(

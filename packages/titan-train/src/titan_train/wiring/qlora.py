@@ -31,10 +31,10 @@ from titan_parallel import (
     torchao_nf4_problem,
 )
 from titan_train.config import JobConfig
+from titan_train.config.converters import QUANTISED_CONVERTERS
 from titan_train.wiring.lora import HF_TO_TITAN, lora_enabled
 
 NF4 = "nf4"
-_QUANTISED_CONVERTERS = ("float8", "quantize.linear.float8", "mx", "quantize.linear.mx")
 
 
 def qlora_enabled(config: JobConfig) -> bool:
@@ -62,7 +62,7 @@ def qlora_problems(config: JobConfig, dims: ParallelDims, model: nn.Module) -> l
     too_old = torchao_nf4_problem(torchao_version())
     if too_old:
         problems.append(f"config: {too_old}")
-    float8 = [c for c in config.model.converters if c in _QUANTISED_CONVERTERS]
+    float8 = [c for c in config.model.converters if c in QUANTISED_CONVERTERS]
     if float8:
         problems.append(
             f'config: lora.quantize_base = "nf4" with model.converters {float8}: a linear layer holds either an '

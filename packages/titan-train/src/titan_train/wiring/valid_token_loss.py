@@ -15,9 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from titan_data import IGNORE_INDEX
 from titan_train.registry import LossFn
-
-IGNORE_INDEX = -100  # F.cross_entropy's default, which every loss here uses
 
 
 def _as(ref: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
