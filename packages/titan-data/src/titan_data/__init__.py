@@ -1,4 +1,4 @@
-"""Tokenizers, packed pretraining and chat datasets with exact resume, resumable loaders, and preprocessing.
+"""Tokenizers, packed pretraining, chat and preference datasets with exact resume, resumable loaders, and preprocessing.
 
 Names load on first use (PEP 562), so that preprocessing (`titan-data tokenize` and its worker
 processes) starts without importing torch.
@@ -20,6 +20,8 @@ _HOME = {
     "FileSource": "titan_data.datasets.file_formats",
     "IterableSource": "titan_data.datasets.sources",
     "MemmapTokenDataset": "titan_data.datasets.memmap",
+    "PREFERENCE": "titan_data.datasets.registry",
+    "PreferenceDataset": "titan_data.preference.dataset",
     "PackedTokenDataset": "titan_data.datasets.packed",
     "RetryPolicy": "titan_data.datasets.http_files",
     "RowFields": "titan_data.chat.rows",
@@ -36,6 +38,7 @@ _HOME = {
     "get_source": "titan_data.datasets.registry",
     "load_chat_template": "titan_data.chat.template",
     "load_examples": "titan_data.chat.dataset",
+    "load_pairs": "titan_data.preference.pairs",
     "register_dataset": "titan_data.datasets.registry",
     "tokenize_conversation": "titan_data.chat.masks",
     "tokenize_to_shards": "titan_data.shards.tokenize_job",
@@ -52,6 +55,8 @@ __all__ = [
     "FileSource",
     "IterableSource",
     "MemmapTokenDataset",
+    "PREFERENCE",
+    "PreferenceDataset",
     "PackedTokenDataset",
     "RetryPolicy",
     "RowFields",
@@ -68,6 +73,7 @@ __all__ = [
     "get_source",
     "load_chat_template",
     "load_examples",
+    "load_pairs",
     "register_dataset",
     "tokenize_conversation",
     "tokenize_to_shards",
@@ -93,11 +99,20 @@ if TYPE_CHECKING:
     from titan_data.datasets.http_files import RetryPolicy
     from titan_data.datasets.memmap import MemmapTokenDataset
     from titan_data.datasets.packed import PackedTokenDataset
-    from titan_data.datasets.registry import CHAT, DATASETS, check_dataset, get_source, register_dataset
+    from titan_data.datasets.registry import (
+        CHAT,
+        DATASETS,
+        PREFERENCE,
+        check_dataset,
+        get_source,
+        register_dataset,
+    )
     from titan_data.datasets.sources import DocumentReader, IterableSource, TextSource
     from titan_data.datasets.windows import StreamLayout
     from titan_data.errors import DataError, SourceUnavailable
     from titan_data.loader import TokenLoader
+    from titan_data.preference.dataset import PreferenceDataset
+    from titan_data.preference.pairs import load_pairs
     from titan_data.shards.index import ShardIndex
     from titan_data.shards.tokenize_job import tokenize_to_shards
     from titan_data.tokenizers.base import Tokenizer

@@ -18,6 +18,7 @@ from titan_ckpt import ModelState, OptimizerState
 from titan_parallel import clip_grad_norm_, precompute_float8_scales, training_context
 from titan_train.config import config_to_dict
 from titan_train.distributed import DistInfo
+from titan_train.errors import ConfigError
 from titan_train.faults.data_outage import StepBatches, stop_on_data_outage
 from titan_train.faults.drills import FaultDrills
 from titan_train.faults.step_guard import AgreedNumbers, StepGuard, StepNumbers
@@ -43,6 +44,12 @@ from titan_train.wiring.moe import MoEBalancing, MoEStepStats, has_experts
 from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
 from titan_train.wiring.precision import forward_context
+from titan_train.wiring.preference_step import (
+    PreferenceStep,
+    build_reference,
+    copy_starting_weights,
+    preference_problems,
+)
 from titan_train.wiring.qlora import DequantizedModelState, qlora_enabled, quantize_parts
 from titan_train.wiring.stage_inputs import stage_inputs
 from titan_train.wiring.validation import Validator
@@ -71,6 +78,7 @@ class StepResult:
     tokens: int
     data_seconds: float
     moe: MoEStepStats | None = None  # expert load and aux loss, for a model with experts
+    preference: dict[str, float] | None = None  # rewards and log-probs, for preference tuning
 
 
 class Trainer:
@@ -111,6 +119,26 @@ class Trainer:
             plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed, drill=drills.loss_with_drill
         )
         self.model_parts, self.pipeline, self.parallel_options = built.parts, built.pipeline, plan.options
+        self.preference, self.reference_parts = None, None
+        if config.training.dataset == "preference":
+            problems = preference_problems(config, self.dims, lora_enabled(config))
+            if problems:
+                raise ConfigError(problems[0])
+            self.reference_parts = build_reference(
+                config,
+                lora_enabled(config),
+                lambda: build_model(plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed).parts,
+            )
+            dp = self.dims.submesh("dp")
+            self.preference = PreferenceStep(
+                config,
+                self.model_parts,
+                self.reference_parts,
+                self._model_forward,
+                seq_len=config.training.seq_len,
+                dp_degree=self.dims.dp_degree,
+                group=dp.get_group() if dp is not None else None,
+            )
         self.guard = StepGuard(
             config.health,
             rank=info.rank,
@@ -176,6 +204,7 @@ class Trainer:
                 "lr_scheduler": self.optimizers.schedule_state(),
                 "dataloader": self.loader,
                 "train_state": self.state,
+                **({"reference": ModelState(self.reference_parts)} if self.reference_parts else {}),
             },
             model_args=built.args,
         )
@@ -210,6 +239,7 @@ class Trainer:
         self.state.training_steps = self.config.training.steps
         if self.checkpointer is None:
             self._quantize_base()
+            self._start_reference()
             return False
         if self.config.checkpoint.create_seed_checkpoint:
             write_seed_checkpoint(self.checkpointer)
@@ -222,7 +252,14 @@ class Trainer:
             self.checkpointer.states["dataloader"] = self.loader
         load_found(self.checkpointer, found, self.state, self.config.training.steps)
         self._quantize_base()
+        self._start_reference()
         return False
+
+    def _start_reference(self) -> None:
+        """Preference tuning from step 0: the reference takes the starting weights, now loaded (a resumed
+        run loaded the reference with the checkpoint)."""
+        if self.reference_parts is not None and self.state.step == 0:
+            copy_starting_weights(self.reference_parts, self.model_parts)
 
     def _quantize_base(self) -> None:
         """QLoRA: the base, now loaded, into NF4 (see `titan_train.wiring.qlora`)."""
@@ -260,7 +297,13 @@ class Trainer:
         self.optimizers.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
         tokens, data_seconds = 0, 0.0
-        if self.token_weights is not None:  # the step's trained tokens are counted before its first forward
+        if self.preference is not None:  # the step's pairs are counted before its first forward
+            start = time.perf_counter()
+            step_batches = [next(batches) for _ in range(self.grad_accum_steps)]
+            self.preference.begin_step(step_batches)
+            batches = iter(step_batches)
+            data_seconds += time.perf_counter() - start
+        elif self.token_weights is not None:  # the step's trained tokens are counted before its first forward
             start = time.perf_counter()
             batches = iter(self._weigh_step([next(batches) for _ in range(self.grad_accum_steps)]))
             data_seconds += time.perf_counter() - start
@@ -272,12 +315,16 @@ class Trainer:
             inputs, labels, *positions = next(batches)
             data_seconds += time.perf_counter() - start
             tokens += labels.numel()  # counted before context parallelism keeps a slice of the sequence
+            if self.preference is not None:
+                loss_sum += self.preference.forward_backward(inputs, labels, *positions, self.forward_context)
+                continue
             loss_sum += self._forward_backward(inputs, labels, *positions)
         parameters = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(
             parameters, self.config.training.max_norm, pp_mesh=self.dims.submesh("pp")
         )
         numbers = self.guard.agree(loss_sum, grad_norm)  # the step's one collective: loss, health, signals
+        preference = self.preference.end_step() if self.preference is not None else None
         if self.checkpointer is not None:
             self.checkpointer.wait_for_staging()  # a background save's copy must see the weights unchanged
         lr = self.optimizers.lr
@@ -290,7 +337,7 @@ class Trainer:
                 for part in self.model_parts:
                     precompute_float8_scales(part)
         moe = self.moe.step(applied)  # expert biases from this step's routing, summed over dp x cp ranks
-        return StepResult(numbers, tokens, data_seconds, moe)
+        return StepResult(numbers, tokens, data_seconds, moe, preference)
 
     def _train_step_in_backward(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """`train_step` with the optimizer stepping in backward; with clipping, a first backward measures
@@ -434,7 +481,7 @@ class Trainer:
                 window.tokens += step.tokens
                 window.data_seconds += step.data_seconds + fetch_seconds
                 if self.metrics.should_log(self.state.step):
-                    losses.append(self._log(step.numbers.read(), window, step.moe))
+                    losses.append(self._log(step.numbers.read(), window, step.moe, step.preference))
                     window = _Window()
                 if self.validator is not None and self.validator.should_validate(self.state.step):
                     with stop_on_data_outage(self.state.step, self.checkpointer):
@@ -466,7 +513,13 @@ class Trainer:
             ckpt.step_folder(self.state.step),
         )
 
-    def _log(self, numbers: AgreedNumbers, window: _Window, moe: MoEStepStats | None) -> float:
+    def _log(
+        self,
+        numbers: AgreedNumbers,
+        window: _Window,
+        moe: MoEStepStats | None,
+        preference: dict[str, float] | None = None,
+    ) -> float:
         """Log the step; return its loss. The loss is the mean over ranks, and loss_max the largest,
         as `StepGuard.agree` gathered them: the log line runs no collective of its own."""
         seconds = time.perf_counter() - window.started
@@ -493,6 +546,7 @@ class Trainer:
                 expert_load=moe.load() if moe is not None else None,
                 expert_counts=moe.counts if moe is not None else None,
                 aux_loss=moe.aux_loss if moe is not None else None,
+                preference=preference,
             )
         )
         return numbers.loss_mean

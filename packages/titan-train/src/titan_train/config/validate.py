@@ -59,13 +59,14 @@ def _check_field(config: Any, dotted: str, tp: Any, rule: Any, check_paths: bool
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 CHAT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+CHAT_DATASETS = ("chat", "preference")  # rows rendered with the chat template (see [sft] and [preference])
 
 
 def _names_a_hub_chat_dataset(config: Any, dotted: str, value: Any) -> bool:
     """Whether a chat section's dataset_path is a Hugging Face dataset id (`owner/name`, fetched by the
     datasets library at start) rather than a local path, which must exist."""
     section, _, name = dotted.partition(".")
-    if name != "dataset_path" or get_value(config, f"{section}.dataset") != "chat":
+    if name != "dataset_path" or get_value(config, f"{section}.dataset") not in CHAT_DATASETS:
         return False
     text = str(value)
     return bool(HUB_ID.fullmatch(text)) and not text.endswith(CHAT_FILE_SUFFIXES) and not Path(text).exists()
@@ -215,12 +216,12 @@ def _chat_data_fits_the_layout(config: Any) -> None:
     chat = [
         name
         for section, name in zip(sections, ("training", "validation"), strict=False)
-        if section.dataset == "chat"
+        if section.dataset in CHAT_DATASETS
     ]
     for section, name in zip(sections, ("training", "validation"), strict=False):
-        if section.dataset == "chat" and not section.dataset_path:
+        if section.dataset in CHAT_DATASETS and not section.dataset_path:
             raise ConfigError(
-                f"config: {name}.dataset = 'chat' needs {name}.dataset_path: a .jsonl/.json/.parquet file or "
+                f"config: {name}.dataset = '{section.dataset}' needs {name}.dataset_path: a .jsonl/.json/.parquet file or "
                 "folder of chat rows, or a Hugging Face dataset id"
             )
     # A packed row's conversations are kept apart by positions that restart (`Decoder.takes_positions`).

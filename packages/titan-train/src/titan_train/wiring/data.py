@@ -9,8 +9,10 @@ import torch
 
 from titan_data import (
     CHAT,
+    PREFERENCE,
     ChatDataset,
     ChatOptions,
+    PreferenceDataset,
     RowFields,
     StreamLayout,
     Tokenizer,
@@ -20,6 +22,7 @@ from titan_data import (
     check_dataset,
     load_chat_template,
     load_examples,
+    load_pairs,
 )
 from titan_train.config.schema import JobConfig
 
@@ -72,6 +75,33 @@ def _chat_dataset(config: JobConfig, section, tokenizer: Tokenizer, streams: Str
     )
 
 
+def _preference_dataset(
+    config: JobConfig, section, tokenizer: Tokenizer, streams: StreamLayout, *, infinite: bool
+) -> PreferenceDataset:
+    """Preference pairs rendered with the chat template as chat rows are ([sft]'s packing, overlong,
+    bad_rows and chat_template apply), a pair one unit of the stream."""
+    template = load_chat_template(config.model.hf_assets_path or BUNDLED_TOKENIZER, config.sft.chat_template)
+    s = config.sft
+    pairs = load_pairs(
+        section.dataset_path,
+        template,
+        tokenizer,
+        section.seq_len,
+        packing=s.packing,
+        overlong=s.overlong,
+        bad_rows=s.bad_rows,
+    )
+    return PreferenceDataset(
+        pairs,
+        section.seq_len,
+        packing=s.packing,
+        pad_id=tokenizer.eos_id,
+        streams=streams,
+        infinite=infinite,
+        name=str(section.dataset_path),
+    )
+
+
 def _token_loader(
     config: JobConfig, section, tokenizer: Tokenizer, dp_rank: int, dp_degree: int, *, infinite: bool
 ) -> TokenLoader:
@@ -79,6 +109,8 @@ def _token_loader(
     streams = StreamLayout(dp_rank, dp_degree, section.dataloader.num_streams)
     if section.dataset == CHAT:
         dataset = _chat_dataset(config, section, tokenizer, streams, infinite=infinite)
+    elif section.dataset == PREFERENCE:
+        dataset = _preference_dataset(config, section, tokenizer, streams, infinite=infinite)
     else:
         dataset = build_dataset(
             section.dataset,

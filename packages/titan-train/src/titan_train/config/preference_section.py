@@ -1,0 +1,52 @@
+"""(Titan) The [preference] section: the loss of preference tuning (`training.dataset = "preference"`).
+
+torchtitan has no preference tuning; the names follow TRL (`DPOConfig`, `CPOConfig`, `ORPOConfig`),
+whose definitions the losses equal (docs/preference.md). Rows are rendered and packed as chat rows
+are, so [sft]'s packing, overlong, bad_rows and chat_template apply to them too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_train.config.fields import opt
+
+LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+@dataclass
+class Preference:
+    loss: str = opt(
+        "sigmoid",
+        "(Titan) Preference loss as TRL defines it: sigmoid (DPO), ipo (log-probs averaged over completion "
+        "tokens), hinge, simpo (length-normalised, no reference), orpo (odds ratio plus the chosen NLL, "
+        "no reference)",
+        choices=LOSSES,
+    )
+    beta: float = opt(
+        0.1, "(Titan) Temperature of the implicit reward (TRL's beta; ORPO's lambda)", above=0, maximum=1e6
+    )
+    label_smoothing: float = opt(
+        0.0,
+        "(Titan) sigmoid and simpo: the chance a pair's labels are flipped (cDPO); 0 is plain DPO/SimPO",
+        minimum=0,
+        below=0.5,
+    )
+    simpo_gamma: float = opt(
+        0.5, "(Titan) simpo: the target reward margin gamma (TRL's simpo_gamma)", minimum=0, maximum=1e6
+    )
+    rpo_alpha: float = opt(
+        0.0,
+        "(Titan) Weight of an NLL term on the chosen completions (RPO; TRL's loss_type ['sigmoid', 'sft'] "
+        "with loss_weights [1, rpo_alpha]); 0: none. orpo always has its own NLL term",
+        minimum=0,
+        maximum=1e6,
+    )
+    reference: str = opt(
+        "auto",
+        "(Titan) Reference log-probs: auto (under LoRA/QLoRA the policy with its adapters switched off, else "
+        "a frozen copy of the starting weights built and sharded like the policy), copy (always the frozen "
+        "copy), precompute (not available yet: refused at start); simpo and orpo load none",
+        choices=("auto", "copy", "precompute"),
+    )
