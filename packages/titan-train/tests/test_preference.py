@@ -9,7 +9,7 @@ import json
 import shutil
 
 import pytest
-from tiny_llama import save_tiny_llama
+from tiny_llama import from_hf_flags, save_tiny_llama
 
 from titan_data import PreferenceDataset, build_tokenizer, load_chat_template, load_pairs
 from titan_train.config import load_job_config
@@ -41,22 +41,11 @@ def data(tmp_path_factory):
 
 def _flags(folder, data, dump, *more):
     return [
-        "--job.dump_folder", str(dump),
-        "--model.name", "llama3",
-        "--model.flavor", "from_hf",
-        "--model.hf_assets_path", str(folder),
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_in_hf",
-        "--checkpoint.initial_load_path", str(folder),
-        "--checkpoint.interval", "1000",
+        *from_hf_flags(folder, dump),
         "--training.dataset", "preference",
         "--training.dataset_path", str(data),
         "--training.seq_len", str(SEQ_LEN),
         "--training.steps", str(STEPS),
-        "--activation_checkpoint.mode", "none",
-        "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing",
-        "--lr_scheduler.warmup_steps", "0",
         "--lr_scheduler.decay_ratio", "0",
         "--optimizer.lr", "3e-3",
         "--preference.beta", "0.5",

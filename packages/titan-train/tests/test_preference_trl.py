@@ -1,7 +1,7 @@
 """Preference tuning against TRL step by step: a tiny Llama saved by transformers here (nothing
 downloaded), the bundled tokenizer with two reserved tokens renamed to ChatML's <|im_start|> and
 <|im_end|> and a ChatML template, six conversational pairs, full batch, constant lr, no weight decay.
-TRL's DPOTrainer (sigmoid, ipo, sigmoid + sft as RPO) trains the same model on the same rows; every
+TRL's DPOTrainer (sigmoid, ipo, hinge, sigmoid + sft as RPO) trains the same model on the same rows; every
 step's loss, grad_norm and reward metrics must agree within 1e-4 relative. SimPO and ORPO are checked
 against the loss methods of TRL's CPOTrainer and ORPOTrainer on the same log-probs (their trainers
 tokenise rows their own older way, adding an EOS the chat template does not write)."""
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_llama import save_tiny_llama
+from tiny_llama import from_hf_flags, save_tiny_llama
 
 from titan_train.config import load_job_config
 from titan_train.plan import resolve
@@ -71,24 +71,13 @@ def preference_rows(count=6, seed=1):
 
 def titan_flags(folder, data, dump, pairs, *more):
     return (
-        "--job.dump_folder", str(dump),
-        "--model.name", "llama3",
-        "--model.flavor", "from_hf",
-        "--model.hf_assets_path", str(folder),
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_in_hf",
-        "--checkpoint.initial_load_path", str(folder),
-        "--checkpoint.interval", "1000",
+        *from_hf_flags(folder, dump),
         "--training.dataset", "preference",
         "--training.dataset_path", str(data),
         "--training.seq_len", "64",
         "--training.local_batch_size", str(pairs),
         "--training.steps", str(STEPS),
         "--sft.packing", "false",
-        "--activation_checkpoint.mode", "none",
-        "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing",
-        "--lr_scheduler.warmup_steps", "0",
         "--lr_scheduler.decay_ratio", "0",
         "--optimizer.lr", str(LR),
         "--optimizer.weight_decay", "0",
@@ -168,6 +157,7 @@ def _close(a, b, rel=1e-4, floor=1e-6):
     [
         ("sigmoid", ["sigmoid"], None, ()),
         ("ipo", ["ipo"], None, ()),
+        ("hinge", ["hinge"], None, ()),
         ("rpo", ["sigmoid", "sft"], [1.0, 0.5], ("--preference.rpo_alpha", "0.5")),
     ],
 )

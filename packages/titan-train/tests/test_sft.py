@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
-from tiny_llama import save_tiny_llama
+from tiny_llama import from_hf_flags, save_tiny_llama
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from titan_train.cli import run
@@ -54,21 +54,10 @@ def _write(path, conversations):
 
 def _flags(folder, data, dump, *more):
     return (
-        "--job.dump_folder", str(dump),
-        "--model.name", "llama3",
-        "--model.flavor", "from_hf",
-        "--model.hf_assets_path", str(folder),
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_in_hf",
-        "--checkpoint.initial_load_path", str(folder),
-        "--checkpoint.interval", "1000",
+        *from_hf_flags(folder, dump),
         "--training.dataset", "chat",
         "--training.dataset_path", str(data),
         "--training.seq_len", "256",
-        "--activation_checkpoint.mode", "none",
-        "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing",
-        "--lr_scheduler.warmup_steps", "0",
         "--optimizer.lr", "1e-2",
         *more,
     )  # fmt: skip

@@ -32,3 +32,22 @@ def save_tiny_llama(folder: Path) -> LlamaForCausalLM:
             p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape))
     model.save_pretrained(folder)
     return model
+
+
+def from_hf_flags(folder: Path, dump: Path) -> list[str]:
+    """titan-train flags of a fine-tuning run starting from the model saved in `folder`: its weights and
+    tokenizer, every step logged, no warmup, no activation checkpointing."""
+    return [
+        "--job.dump_folder", str(dump),
+        "--model.name", "llama3",
+        "--model.flavor", "from_hf",
+        "--model.hf_assets_path", str(folder),
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path", str(folder),
+        "--checkpoint.interval", "1000",
+        "--activation_checkpoint.mode", "none",
+        "--metrics.log_freq", "1",
+        "--metrics.disable_color_printing",
+        "--lr_scheduler.warmup_steps", "0",
+    ]  # fmt: skip
