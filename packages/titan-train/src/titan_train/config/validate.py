@@ -222,7 +222,7 @@ def _chat_data_fits_the_layout(config: Any) -> None:
         if section.dataset in CHAT_DATASETS and not section.dataset_path:
             raise ConfigError(
                 f"config: {name}.dataset = '{section.dataset}' needs {name}.dataset_path: a .jsonl/.json/.parquet file or "
-                "folder of chat rows, or a Hugging Face dataset id"
+                f"folder of {section.dataset} rows, or a Hugging Face dataset id"
             )
     # A packed row's conversations are kept apart by positions that restart (`Decoder.takes_positions`).
     build = get_model_family(config.model.name).build if chat and config.sft.packing else None
