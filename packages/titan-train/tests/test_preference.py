@@ -1,6 +1,7 @@
 """Preference tuning through the trainer, one process: the same pairs give the same steps packed,
 padded and accumulated over micro-batches (the step's loss is the mean over its pairs whatever the
-layout); LoRA's reference (the base with adapters switched off) trains as an explicit frozen copy does;
+layout); LoRA's reference (the base with adapters switched off) trains as an explicit frozen copy does and
+the run ends in a PEFT adapter and a merged Hugging Face export, as SFT does;
 QLoRA DPO trains; a run killed after a checkpoint resumes with the same losses, its reference included.
 The tiny Llama is saved by transformers (tiny_llama.py) with the bundled Llama 3 tokenizer and template;
 the pairs are the first 8 of the bundled preference file (TRL's three layouts)."""
@@ -16,6 +17,7 @@ from titan_train.config import load_job_config
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
+from titan_train.wiring.lora_export import PEFT_FOLDER, PEFT_WEIGHTS
 from titan_train.wiring.preference_step import METRICS
 
 BUNDLED = BUNDLED_TOKENIZER.parent / "preference_test" / "preference_test.jsonl"
@@ -99,7 +101,10 @@ LORA = ("--model.converters", "lora", "--lora.target_modules", "all-linear", "--
 
 def test_lora_reference_with_adapters_off_trains_as_a_frozen_copy(tmp_path, model_folder, data, one_rank):
     batch = ("--sft.packing", "false", "--training.local_batch_size", str(PAIRS))
-    off = _run(model_folder, data, tmp_path / "off", one_rank, *LORA, *batch)
+    off = _run(model_folder, data, tmp_path / "off", one_rank, *LORA, *batch, "--checkpoint.last_save_in_hf")
+    exported = tmp_path / "off" / "checkpoint" / f"step-{STEPS}"
+    assert (exported / PEFT_FOLDER / PEFT_WEIGHTS).is_file()  # the adapters, as SFT exports them
+    assert (exported / "model.safetensors.index.json").is_file()  # the merged Hugging Face export
     copy = _run(
         model_folder, data, tmp_path / "copy", one_rank, *LORA, *batch, "--preference.reference", "copy"
     )
