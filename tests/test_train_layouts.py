@@ -652,7 +652,12 @@ LAYOUTS = {
         reference="one_process_dpo",
         weights_atol=CHAT_WEIGHTS_ATOL,
     ),
-    "dpo_tp": Layout(2, (*DPO, TP, "2"), reference="one_process_dpo", refused="trains with data parallelism"),
+    "dpo_tp": Layout(
+        2,
+        (*DPO, TP, "2"),
+        reference="one_process_dpo",
+        refused="preference tuning trains with data parallelism",
+    ),
 }
 
 # The rows run in launches of their own, one torchrun per (group, world size), at most LAUNCH_ROWS rows each. A

@@ -18,7 +18,6 @@ from titan_ckpt import ModelState, OptimizerState
 from titan_parallel import clip_grad_norm_, precompute_float8_scales, training_context
 from titan_train.config import config_to_dict
 from titan_train.distributed import DistInfo
-from titan_train.errors import ConfigError
 from titan_train.faults.data_outage import StepBatches, stop_on_data_outage
 from titan_train.faults.drills import FaultDrills
 from titan_train.faults.step_guard import AgreedNumbers, StepGuard, StepNumbers
@@ -48,7 +47,6 @@ from titan_train.wiring.preference_step import (
     PreferenceStep,
     build_reference,
     copy_starting_weights,
-    preference_problems,
 )
 from titan_train.wiring.qlora import DequantizedModelState, qlora_enabled, quantize_parts
 from titan_train.wiring.stage_inputs import stage_inputs
@@ -121,9 +119,6 @@ class Trainer:
         self.model_parts, self.pipeline, self.parallel_options = built.parts, built.pipeline, plan.options
         self.preference, self.reference_parts = None, None
         if config.training.dataset == "preference":
-            problems = preference_problems(config, self.dims, lora_enabled(config))
-            if problems:
-                raise ConfigError(problems[0])
             self.reference_parts = build_reference(
                 config,
                 lora_enabled(config),

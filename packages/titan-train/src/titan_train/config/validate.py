@@ -20,6 +20,7 @@ from typing import Any
 
 from titan_data import DATASETS
 from titan_train.config.fields import BOUNDS, get_value, iter_fields, number, unwrap_optional
+from titan_train.config.preference_section import check_preference
 from titan_train.errors import ConfigError
 from titan_train.registry import FROM_HF, get_model_family
 
@@ -244,6 +245,7 @@ def _chat_data_fits_the_layout(config: Any) -> None:
 
 COMBINATIONS: tuple[Callable[[Any], None], ...] = (
     _chat_data_fits_the_layout,
+    check_preference,
     _profiler_window_fits,
     _schedule_covers_training,
     _validation_fits_the_layout,

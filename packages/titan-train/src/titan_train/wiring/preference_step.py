@@ -35,35 +35,6 @@ METRICS = (
 )
 
 
-def preference_problems(config: JobConfig, dims, lora: bool) -> list[str]:
-    """What this first version cannot do, each in one line, checked before anything is built."""
-    p, problems = config.preference, []
-    if p.reference == "precompute":
-        problems.append(
-            "config: preference.reference = 'precompute' is not available yet; use 'auto' (a frozen copy, or "
-            "the base with adapters off under LoRA) or 'copy'"
-        )
-    if dims.pp > 1 or dims.tp > 1 or dims.cp > 1 or getattr(dims, "ep", 1) > 1:
-        problems.append(
-            f"config: training.dataset = 'preference' trains with data parallelism (FSDP/HSDP/DDP) and gradient "
-            f"accumulation only for now; got {dims.degrees}: set the pipeline, tensor, context and expert degrees to 1"
-        )
-    if config.validation.enable and config.validation.dataset == "preference":
-        problems.append(
-            "config: validation on preference data is not available yet; set validation.enable = false"
-        )
-    if config.optimizer.early_step_in_backward:
-        problems.append(
-            "config: optimizer.early_step_in_backward is not available with training.dataset = 'preference'"
-        )
-    if lora and p.reference == "auto" and config.lora.train_embeddings and p.loss not in REFERENCE_FREE:
-        problems.append(
-            "config: preference.reference = 'auto' under LoRA is the base with adapters off, but "
-            "lora.train_embeddings trains the embeddings in full; set preference.reference = 'copy'"
-        )
-    return problems
-
-
 def global_sequences(sequence: torch.Tensor) -> tuple[torch.Tensor, int]:
     """A batch's per-window sequence numbers (2k chosen, 2k+1 rejected) numbered across the batch, and
     its number of pairs."""
