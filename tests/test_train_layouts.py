@@ -40,6 +40,10 @@ with 2 accumulated micro-batches, TP 2 and PP 2 (1F1B) against one process: loss
 grad_norm 1.6e-7, weights 2.9e-5 (2026-11-27); without weighting each micro-batch by its trained tokens,
 FSDP's loss was 1.2% off and PP's grad_norm 5.6%. CP 2 is refused at start.
 
+Preference pairs (DPO, sigmoid, a frozen reference built and sharded like the policy; the bundled pairs packed
+into rows of 128) under FSDP 2 and FSDP 2 with 2 accumulated micro-batches against one process: loss within
+4.2e-7 relative, grad_norm 4.0e-7, weights 2.8e-6 (2026-11-28). TP 2 is refused at start (not yet supported).
+
 Measured on a 2-core CPU with torch 2.15 (float32): every exact layout within 2.4e-7 relative of one
 process on loss and grad_norm at every step, weights within 4.8e-6 (compile; 4.2e-6 for CP + FSDP);
 float8 drifts up to 7.8e-5 (loss, rowwise) and 1.8e-4 (grad_norm, tensorwise).
@@ -208,6 +212,21 @@ QLORA = (*LORA, "--lora.quantize_base", "nf4")
 CHAT_DATA = Path(__file__).parents[1] / "packages/titan-data/src/titan_data/assets/chat_test/chat_test.jsonl"
 CHAT = ("--training.dataset", "chat", "--training.dataset_path", str(CHAT_DATA), "--training.seq_len", "128")
 CHAT_WEIGHTS_ATOL = 1e-4  # 3.4x the largest measured (2.9e-5, pp and accumulation; loss and grad_norm 3.3e-7)
+# Preference pairs (the bundled file, TRL's three layouts) packed into rows of 128, DPO against a frozen
+# copy of the starting weights, sharded like the policy: a pair is never split between ranks or
+# micro-batches, and the step's loss is the mean over its pairs.
+DPO_DATA = (
+    Path(__file__).parents[1]
+    / "packages/titan-data/src/titan_data/assets/preference_test/preference_test.jsonl"
+)
+DPO = (
+    "--training.dataset",
+    "preference",
+    "--training.dataset_path",
+    str(DPO_DATA),
+    "--training.seq_len",
+    "128",
+)
 
 
 # DeepSeek-V3's MoE layer with a shared expert (tests/workers/tiny_moe_flavor.py), with the sequence-wise
@@ -618,6 +637,27 @@ LAYOUTS = {
     "chat_cp": Layout(
         2, (*CHAT, CP, "2"), reference="one_process_chat", refused="its ring attention is causal only"
     ),
+    "one_process_dpo": Layout(1, DPO, {"degrees": {}}, reference="one_process_dpo"),
+    "dpo_fsdp": Layout(
+        2,
+        (*DPO, *local_batch(2)),
+        {"degrees": {"dp_shard": 2}, "fsdp": True},
+        reference="one_process_dpo",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    "dpo_fsdp_accumulate_2": Layout(
+        2,
+        (*DPO, *local_batch(1), *ACCUMULATE_TO_4),
+        {"grad_accum_steps": 2, "fsdp": True},
+        reference="one_process_dpo",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    "dpo_tp": Layout(
+        2,
+        (*DPO, TP, "2"),
+        reference="one_process_dpo",
+        refused="preference tuning trains with data parallelism",
+    ),
 }
 
 # The rows run in launches of their own, one torchrun per (group, world size), at most LAUNCH_ROWS rows each. A
@@ -633,6 +673,7 @@ GROUP_OF_REFERENCE = {
     "one_process_qlora": "finetune",
     "one_process_lora_moe": "finetune",
     "one_process_chat": "finetune",
+    "one_process_dpo": "finetune",
 }
 LAUNCH_ROWS = 14
 

@@ -36,6 +36,7 @@ CHAT_ROWS = (
     REPO / "packages" / "titan-data" / "src" / "titan_data" / "assets" / "chat_test" / "chat_test.jsonl"
 )
 CHAT = {"training.dataset": "chat", "training.dataset_path": str(CHAT_ROWS)}
+PREFERENCE = {"training.dataset": "preference", "training.dataset_path": str(CHAT_ROWS)}  # any existing file
 
 # The only fields that accept any value of their type, each with the reason. A new field must declare
 # what it accepts (`opt(..., minimum=..., choices=..., path=...)`) or be listed here.
@@ -222,6 +223,19 @@ def test_every_bad_value_of_every_field_is_refused_in_one_line_naming_the_field(
         (
             {"model.name": "gpt_oss", "model.flavor": "debugmodel", **CHAT},
             r"training.dataset = 'chat' with sft.packing = true: model.name 'gpt_oss' builds its own attention",
+        ),
+        (
+            {**PREFERENCE, "parallelism.tensor_parallel_degree": 2},
+            r"training.dataset = 'preference' with parallelism.tensor_parallel_degree = 2: preference tuning",
+        ),
+        (
+            {
+                **PREFERENCE,
+                "validation.enable": True,
+                "validation.dataset": "preference",
+                "validation.dataset_path": str(CHAT_ROWS),
+            },
+            r"validation.dataset = 'preference' is not available yet",
         ),
     ],
 )

@@ -67,6 +67,14 @@ VALIDATION = (
     "1",
 )
 CHAT = ("--training.dataset", "chat", "--training.dataset_path", "chat.jsonl", "--training.seq_len", "64")
+PREFERENCE = (
+    "--training.dataset",
+    "preference",
+    "--training.dataset_path",
+    "pairs.jsonl",
+    "--training.seq_len",
+    "64",
+)
 JSON_DATA = ("--training.dataset", "json", "--training.dataset_path", "docs.jsonl")
 SPLITS = ("--training.dataset", "json", "--training.dataset_path", "splits")  # a saved DatasetDict
 # Eight windows hold about four documents: the weights decide whose they are.
@@ -516,6 +524,19 @@ def chat_files(root: Path) -> None:
 
 
 @alters
+def preference_files(root: Path) -> None:
+    """Four conversational preference pairs (prompt, chosen, rejected)."""
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}],
+            "chosen": [{"role": "assistant", "content": f"It is {a + b}."}],
+            "rejected": [{"role": "assistant", "content": f"Maybe {a * b + 1}, or not."}],
+        }
+        for a, b in ((1, 2), (2, 2), (3, 4), (5, 1))
+    ]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 def chat_batch(s: Seen) -> Any:
     """The first batch of chat rows: inputs, labels and positions."""
     with contextlib.chdir(s.root):
@@ -1171,6 +1192,35 @@ PROBES: dict[str, Probe] = {
         ("--health.drill_rank", "1"), lambda s: s.status, base=DRILL, world=2, train=True
     ),
     # [sft]
+    "preference.loss": Probe(
+        ("--preference.loss", "ipo"), metrics, base=PREFERENCE, train=True, prepare=preference_files
+    ),
+    "preference.beta": Probe(
+        ("--preference.beta", "0.5"), metrics, base=PREFERENCE, train=True, prepare=preference_files
+    ),
+    "preference.label_smoothing": Probe(
+        ("--preference.label_smoothing", "0.2"),
+        metrics,
+        base=PREFERENCE,
+        train=True,
+        prepare=preference_files,
+    ),
+    "preference.simpo_gamma": Probe(
+        ("--preference.simpo_gamma", "2.0"),
+        metrics,
+        base=(*PREFERENCE, "--preference.loss", "simpo"),
+        train=True,
+        prepare=preference_files,
+    ),
+    "preference.rpo_alpha": Probe(
+        ("--preference.rpo_alpha", "1.0"), metrics, base=PREFERENCE, train=True, prepare=preference_files
+    ),
+    "preference.reference": Probe(
+        ("--preference.reference", "precompute"),
+        refusal=r"preference\.reference = 'precompute' is not available yet",
+        base=PREFERENCE,
+        prepare=preference_files,
+    ),
     "sft.format": Probe(("--sft.format", "prompt_completion"), chat_batch, base=CHAT, prepare=chat_files),
     "sft.messages_field": Probe(("--sft.messages_field", "conv"), chat_batch, base=CHAT, prepare=chat_files),
     "sft.prompt_field": Probe(

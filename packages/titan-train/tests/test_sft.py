@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from tiny_llama import from_hf_flags, save_tiny_llama
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from titan_train.cli import run
 from titan_train.config import load_job_config
@@ -28,26 +29,7 @@ WORDS = "alpha river stone quick blue seven garden lamp north paper music cloud 
 def chat_model(tmp_path_factory):
     """A 2-layer Llama with random weights (norms too), saved with the bundled tokenizer and template."""
     folder = tmp_path_factory.mktemp("chat_model")
-    config = LlamaConfig(
-        vocab_size=2048,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=1792,
-        eos_token_id=1793,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape))
-    model.save_pretrained(folder)
+    model = save_tiny_llama(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(BUNDLED_TOKENIZER / name, folder / name)
     return folder, model, AutoTokenizer.from_pretrained(folder)
@@ -72,21 +54,10 @@ def _write(path, conversations):
 
 def _flags(folder, data, dump, *more):
     return (
-        "--job.dump_folder", str(dump),
-        "--model.name", "llama3",
-        "--model.flavor", "from_hf",
-        "--model.hf_assets_path", str(folder),
-        "--checkpoint.enable",
-        "--checkpoint.initial_load_in_hf",
-        "--checkpoint.initial_load_path", str(folder),
-        "--checkpoint.interval", "1000",
+        *from_hf_flags(folder, dump),
         "--training.dataset", "chat",
         "--training.dataset_path", str(data),
         "--training.seq_len", "256",
-        "--activation_checkpoint.mode", "none",
-        "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing",
-        "--lr_scheduler.warmup_steps", "0",
         "--optimizer.lr", "1e-2",
         *more,
     )  # fmt: skip

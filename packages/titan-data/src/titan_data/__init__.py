@@ -1,4 +1,4 @@
-"""Tokenizers, packed pretraining and chat datasets with exact resume, resumable loaders, and preprocessing.
+"""Tokenizers, packed pretraining, chat and preference datasets with exact resume, resumable loaders, and preprocessing.
 
 Names load on first use (PEP 562), so that preprocessing (`titan-data tokenize` and its worker
 processes) starts without importing torch.
@@ -24,6 +24,8 @@ _HOME = {
     "MemmapTokenDataset": "titan_data.datasets.memmap",
     "MixtureSource": "titan_data.datasets.mixture",
     "OneShardSource": "titan_data.datasets.sources",
+    "PREFERENCE": "titan_data.datasets.registry",
+    "PreferenceDataset": "titan_data.preference.dataset",
     "PackedTokenDataset": "titan_data.datasets.packed",
     "RetryPolicy": "titan_data.datasets.http_files",
     "RowFields": "titan_data.chat.rows",
@@ -43,6 +45,7 @@ _HOME = {
     "keep_row": "titan_data.datasets.holdout",
     "load_chat_template": "titan_data.chat.template",
     "load_examples": "titan_data.chat.dataset",
+    "load_pairs": "titan_data.preference.pairs",
     "load_rows": "titan_data.datasets.hf_datasets",
     "mix_rows": "titan_data.datasets.mixture",
     "register_dataset": "titan_data.datasets.registry",
@@ -66,6 +69,8 @@ __all__ = [
     "MemmapTokenDataset",
     "MixtureSource",
     "OneShardSource",
+    "PREFERENCE",
+    "PreferenceDataset",
     "PackedTokenDataset",
     "RetryPolicy",
     "RowFields",
@@ -85,6 +90,7 @@ __all__ = [
     "keep_row",
     "load_chat_template",
     "load_examples",
+    "load_pairs",
     "load_rows",
     "mix_rows",
     "register_dataset",
@@ -116,11 +122,20 @@ if TYPE_CHECKING:
     from titan_data.datasets.memmap import MemmapTokenDataset
     from titan_data.datasets.mixture import MixtureSource, mix_rows
     from titan_data.datasets.packed import PackedTokenDataset
-    from titan_data.datasets.registry import CHAT, DATASETS, check_dataset, get_source, register_dataset
+    from titan_data.datasets.registry import (
+        CHAT,
+        DATASETS,
+        PREFERENCE,
+        check_dataset,
+        get_source,
+        register_dataset,
+    )
     from titan_data.datasets.sources import DocumentReader, IterableSource, OneShardSource, TextSource
     from titan_data.datasets.windows import StreamLayout
     from titan_data.errors import DataError, SourceUnavailable
     from titan_data.loader import TokenLoader
+    from titan_data.preference.dataset import PreferenceDataset
+    from titan_data.preference.pairs import load_pairs
     from titan_data.shards.index import ShardIndex
     from titan_data.tokenize_job import tokenize_to_shards
     from titan_data.tokenizers.base import Tokenizer

@@ -20,6 +20,7 @@ from titan_parallel.load_balance import sum_tokens_per_expert
 from titan_parallel.lora import (
     LoRA,
     adapter_names,
+    adapters_off,
     apply_lora,
     check_targets,
     init_lora,
@@ -96,6 +97,7 @@ __all__ = [
     "apply_experts_fsdp",
     "apply_float8",
     "apply_fsdp",
+    "adapters_off",
     "apply_lora",
     "target_linears",
     "apply_mx",

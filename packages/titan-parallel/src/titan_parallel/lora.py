@@ -13,7 +13,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -137,10 +138,32 @@ class _AdapterHook:
 
     def __init__(self, rank: int, scale: float, dropout: float):
         self.rank, self.scale, self.dropout = rank, scale, dropout
+        self.off = False  # see `adapters_off`
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        if self.off:
+            return output
         x = args[0]
         return output + self.scale * module.lora_B(module.lora_A(module.lora_dropout(x)))
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Within the block, `model`'s adapted layers compute their frozen base alone (the adapters are
+    skipped, not zeroed): preference tuning's reference model is the base, with no second copy."""
+    hooks = {
+        id(hook): hook
+        for module in model.modules()
+        for hook in module._forward_hooks.values()
+        if isinstance(hook, _AdapterHook)
+    }
+    for hook in hooks.values():
+        hook.off = True
+    try:
+        yield
+    finally:
+        for hook in hooks.values():
+            hook.off = False
 
 
 def apply_lora(model: nn.Module, lora: LoRA) -> nn.Module:

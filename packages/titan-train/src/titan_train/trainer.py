@@ -44,6 +44,11 @@ from titan_train.wiring.moe import MoEBalancing, MoEStepStats, has_experts
 from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
 from titan_train.wiring.precision import forward_context
+from titan_train.wiring.preference_step import (
+    PreferenceStep,
+    build_reference,
+    copy_starting_weights,
+)
 from titan_train.wiring.qlora import DequantizedModelState, qlora_enabled, quantize_parts
 from titan_train.wiring.stage_inputs import stage_inputs
 from titan_train.wiring.valid_token_loss import IGNORE_INDEX
@@ -75,6 +80,7 @@ class StepResult:
     trained_tokens: torch.Tensor  # this rank's labels that count in the loss (not -100), on the device
     data_seconds: float
     moe: MoEStepStats | None = None  # expert load and aux loss, for a model with experts
+    preference: dict[str, float] | None = None  # rewards and log-probs, for preference tuning
 
 
 class Trainer:
@@ -115,6 +121,23 @@ class Trainer:
             plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed, drill=drills.loss_with_drill
         )
         self.model_parts, self.pipeline, self.parallel_options = built.parts, built.pipeline, plan.options
+        self.preference, self.reference_parts = None, None
+        if config.training.dataset == "preference":
+            self.reference_parts = build_reference(
+                config,
+                lora_enabled(config),
+                lambda: build_model(plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed).parts,
+            )
+            dp = self.dims.submesh("dp")
+            self.preference = PreferenceStep(
+                config,
+                self.model_parts,
+                self.reference_parts,
+                self._model_forward,
+                seq_len=config.training.seq_len,
+                dp_degree=self.dims.dp_degree,
+                group=dp.get_group() if dp is not None else None,
+            )
         self.guard = StepGuard(
             config.health,
             rank=info.rank,
@@ -179,6 +202,7 @@ class Trainer:
                 "lr_scheduler": self.optimizers.schedule_state(),
                 "dataloader": self.loader,
                 "train_state": self.state,
+                **({"reference": ModelState(self.reference_parts)} if self.reference_parts else {}),
             },
             model_args=built.args,
         )
@@ -213,6 +237,7 @@ class Trainer:
         self.state.training_steps = self.config.training.steps
         if self.checkpointer is None:
             self._quantize_base()
+            self._start_reference()
             return False
         if self.config.checkpoint.create_seed_checkpoint:
             write_seed_checkpoint(self.checkpointer)
@@ -227,7 +252,14 @@ class Trainer:
             self.checkpointer.states["dataloader"] = self.loader
         load_found(self.checkpointer, found, self.state, self.config.training.steps)
         self._quantize_base()
+        self._start_reference()
         return False
+
+    def _start_reference(self) -> None:
+        """Preference tuning from step 0: the reference takes the starting weights, now loaded (a resumed
+        run loaded the reference with the checkpoint)."""
+        if self.reference_parts is not None and self.state.step == 0:
+            copy_starting_weights(self.reference_parts, self.model_parts)
 
     def _quantize_base(self) -> None:
         """QLoRA: the base, now loaded, into NF4 (see `titan_train.wiring.qlora`)."""
@@ -266,7 +298,13 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         tokens, data_seconds = 0, 0.0
         trained = torch.zeros((), dtype=torch.int64, device=self.device)
-        if self.token_weights is not None:  # the step's trained tokens are counted before its first forward
+        if self.preference is not None:  # the step's pairs are counted before its first forward
+            start = time.perf_counter()
+            step_batches = [next(batches) for _ in range(self.grad_accum_steps)]
+            self.preference.begin_step(step_batches)
+            batches = iter(step_batches)
+            data_seconds += time.perf_counter() - start
+        elif self.token_weights is not None:  # the step's trained tokens are counted before its first forward
             start = time.perf_counter()
             batches = iter(self._weigh_step([next(batches) for _ in range(self.grad_accum_steps)]))
             data_seconds += time.perf_counter() - start
@@ -279,12 +317,16 @@ class Trainer:
             data_seconds += time.perf_counter() - start
             tokens += labels.numel()  # counted before context parallelism keeps a slice of the sequence
             trained += (labels != IGNORE_INDEX).sum()  # no host sync: read when the step is logged
+            if self.preference is not None:
+                loss_sum += self.preference.forward_backward(inputs, labels, *positions, self.forward_context)
+                continue
             loss_sum += self._forward_backward(inputs, labels, *positions)
         parameters = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(
             parameters, self.config.training.max_norm, pp_mesh=self.dims.submesh("pp")
         )
         numbers = self.guard.agree(loss_sum, grad_norm)  # the step's one collective: loss, health, signals
+        preference = self.preference.end_step() if self.preference is not None else None
         if self.checkpointer is not None:
             self.checkpointer.wait_for_staging()  # a background save's copy must see the weights unchanged
         lr = self.optimizers.lr
@@ -297,7 +339,7 @@ class Trainer:
                 for part in self.model_parts:
                     precompute_float8_scales(part)
         moe = self.moe.step(applied)  # expert biases from this step's routing, summed over dp x cp ranks
-        return StepResult(numbers, tokens, trained, data_seconds, moe)
+        return StepResult(numbers, tokens, trained, data_seconds, moe, preference)
 
     def _train_step_in_backward(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
         """`train_step` with the optimizer stepping in backward; with clipping, a first backward measures
@@ -443,7 +485,7 @@ class Trainer:
                 window.trained_tokens += step.trained_tokens
                 window.data_seconds += step.data_seconds + fetch_seconds
                 if self.metrics.should_log(self.state.step):
-                    losses.append(self._log(step.numbers.read(), window, step.moe))
+                    losses.append(self._log(step.numbers.read(), window, step.moe, step.preference))
                     window = _Window()
                 if self.validator is not None and self.validator.should_validate(self.state.step):
                     with stop_on_data_outage(self.state.step, self.checkpointer):
@@ -476,7 +518,13 @@ class Trainer:
             lora=self.plan.options.lora,
         )
 
-    def _log(self, numbers: AgreedNumbers, window: _Window, moe: MoEStepStats | None) -> float:
+    def _log(
+        self,
+        numbers: AgreedNumbers,
+        window: _Window,
+        moe: MoEStepStats | None,
+        preference: dict[str, float] | None = None,
+    ) -> float:
         """Log the step; return its loss. The loss is the mean over ranks, and loss_max the largest,
         as `StepGuard.agree` gathered them: the log line runs no collective of its own."""
         seconds = time.perf_counter() - window.started
@@ -505,6 +553,7 @@ class Trainer:
                 expert_load=moe.load() if moe is not None else None,
                 expert_counts=moe.counts if moe is not None else None,
                 aux_loss=moe.aux_loss if moe is not None else None,
+                preference=preference,
             )
         )
         return numbers.loss_mean

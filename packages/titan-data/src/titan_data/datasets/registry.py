@@ -16,6 +16,7 @@ from titan_data.errors import DataError
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TOKEN_SHARDS = "token_shards"
 CHAT = "chat"  # conversations for fine-tuning: see titan_data.chat, not a text source
+PREFERENCE = "preference"  # prompt, chosen and rejected for DPO and its family: see titan_data.preference
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,11 @@ DATASETS: dict[str, DatasetEntry] = {
         "dataset id; rendered with the model's chat template and masked by turn (see [sft])",
         None,
     ),
+    PREFERENCE: DatasetEntry(
+        "preference pairs (prompt/chosen/rejected, conversational, plain text or implicit prompt) at "
+        "dataset_path: .jsonl/.json/.parquet, or a hub dataset id; rendered with the model's chat template",
+        None,
+    ),
     TOKEN_SHARDS: DatasetEntry(
         "token shards written by `titan-data tokenize` at dataset_path, memory-mapped", None
     ),
@@ -110,8 +116,10 @@ def get_source(name: str, path: str | Path | None = None, split: str = "") -> Te
     if name not in DATASETS:
         raise DataError(f"dataset: unknown dataset '{name}'; registered: {', '.join(sorted(DATASETS))}")
     entry = DATASETS[name]
-    if name == CHAT:
-        raise DataError(f"dataset: '{CHAT}' holds conversations, not text; build it with ChatDataset")
+    if name in (CHAT, PREFERENCE):
+        raise DataError(
+            f"dataset: '{name}' holds conversations, not text; build it with ChatDataset or PreferenceDataset"
+        )
     if entry.open_source is None:
         raise DataError(f"dataset: '{name}' holds tokens, not text; build it with build_dataset()")
     if split:
@@ -124,10 +132,10 @@ def get_source(name: str, path: str | Path | None = None, split: str = "") -> Te
 def check_dataset(name: str, path: str | Path | None = None, split: str = "") -> None:
     """Raise DataError, with the fix, unless dataset `name` can be read from `path` now: its files
     exist, or its remote source answers. A trainer calls it before any work."""
-    if name == CHAT:
+    if name in (CHAT, PREFERENCE):
         if path is None:
             raise DataError(
-                f"dataset: '{CHAT}' needs dataset_path: a chat file or folder, or a hub dataset id"
+                f"dataset: '{name}' needs dataset_path: a {name} file or folder, or a hub dataset id"
             )
         return  # reading the rows (load_examples) checks them and names the bad one
     if DATASETS.get(name) is not None and DATASETS[name].open_source is None:

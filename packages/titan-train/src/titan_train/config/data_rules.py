@@ -9,6 +9,7 @@ from typing import Any
 from titan_train.errors import ConfigError
 
 TOKEN_SHARDS = "token_shards"
+PREFERENCE = "preference"
 
 
 def default_steps(config: Any) -> int:
@@ -18,6 +19,22 @@ def default_steps(config: Any) -> int:
 
 def data_choices_fit(config: Any) -> None:
     t, v = config.training, config.validation
+    if t.dataset == PREFERENCE:
+        given = [
+            name
+            for name, value in (
+                ("training.dataset_mixture", t.dataset_mixture),
+                ("training.dataset_split", t.dataset_split),
+                ("training.epochs", t.epochs),
+                ("validation.holdout_share", v.holdout_share),
+            )
+            if value
+        ]
+        if given:
+            raise ConfigError(
+                f"config: {', '.join(given)} not supported with training.dataset = 'preference' yet: give the pairs "
+                "as one training.dataset_path (a file or folder of the split you want) and set training.steps"
+            )
     if t.dataset_mixture:
         if t.dataset_path:
             raise ConfigError(

@@ -23,6 +23,7 @@ from titan_train.config.fields import (
 from titan_train.config.health_section import Health
 from titan_train.config.lora_section import LoRA
 from titan_train.config.parallel_sections import ActivationCheckpoint, Compile, Parallelism, Quantize
+from titan_train.config.preference_section import Preference
 from titan_train.config.sft_section import Sft
 
 
@@ -473,3 +474,4 @@ class JobConfig:
     health: Health = field(default_factory=Health)
     lora: LoRA = field(default_factory=LoRA)
     sft: Sft = field(default_factory=Sft)
+    preference: Preference = field(default_factory=Preference)

@@ -21,7 +21,7 @@ from typing import Any
 from titan_data import DATASETS
 from titan_train.config.data_rules import data_choices_fit
 from titan_train.config.fields import BOUNDS, get_value, iter_fields, number, unwrap_optional
-from titan_train.config.sft_section import is_chat
+from titan_train.config.preference_section import check_preference
 from titan_train.errors import ConfigError
 from titan_train.registry import FROM_HF, get_model_family
 
@@ -61,13 +61,14 @@ def _check_field(config: Any, dotted: str, tp: Any, rule: Any, check_paths: bool
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 CHAT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+CHAT_DATASETS = ("chat", "preference")  # rows rendered with the chat template (see [sft] and [preference])
 
 
 def _names_a_hub_chat_dataset(config: Any, dotted: str, value: Any) -> bool:
     """Whether a chat section's dataset_path is a Hugging Face dataset id (`owner/name`, fetched by the
     datasets library at start) rather than a local path, which must exist."""
     section, _, name = dotted.partition(".")
-    if name != "dataset_path" or not is_chat(get_value(config, section)):
+    if name != "dataset_path" or get_value(config, f"{section}.dataset") not in CHAT_DATASETS:
         return False
     text = str(value)
     return bool(HUB_ID.fullmatch(text)) and not text.endswith(CHAT_FILE_SUFFIXES) and not Path(text).exists()
@@ -215,13 +216,17 @@ def _chat_data_fits_the_layout(config: Any) -> None:
     conversations (pipeline stages are given the rows' positions, see stage_inputs)."""
     sections = [config.training] + ([config.validation] if config.validation.enable else [])
     chat = [
-        name for section, name in zip(sections, ("training", "validation"), strict=False) if is_chat(section)
+        name
+        for section, name in zip(sections, ("training", "validation"), strict=False)
+        if section.dataset in CHAT_DATASETS
     ]
     for section, name in zip(sections, ("training", "validation"), strict=False):
-        if is_chat(section) and not (section.dataset_path or getattr(section, "dataset_mixture", None)):
+        if section.dataset in CHAT_DATASETS and not (
+            section.dataset_path or getattr(section, "dataset_mixture", None)
+        ):
             raise ConfigError(
-                f"config: {name}.dataset = 'chat' needs {name}.dataset_path: a .jsonl/.json/.parquet file or "
-                "folder of chat rows, or a Hugging Face dataset id"
+                f"config: {name}.dataset = '{section.dataset}' needs {name}.dataset_path: a .jsonl/.json/.parquet file or "
+                f"folder of {section.dataset} rows, or a Hugging Face dataset id"
             )
     # A packed row's conversations are kept apart by positions that restart (`Decoder.takes_positions`).
     build = get_model_family(config.model.name).build if chat and config.sft.packing else None
@@ -244,6 +249,7 @@ def _chat_data_fits_the_layout(config: Any) -> None:
 COMBINATIONS: tuple[Callable[[Any], None], ...] = (
     _chat_data_fits_the_layout,
     data_choices_fit,
+    check_preference,
     _profiler_window_fits,
     _schedule_covers_training,
     _validation_fits_the_layout,

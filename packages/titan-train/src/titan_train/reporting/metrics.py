@@ -41,6 +41,8 @@ class StepMetrics:
     expert_load: dict[str, dict[str, float]] | None = None
     expert_counts: dict[str, list[float]] | None = None
     aux_loss: float | None = None
+    # Preference tuning: TRL's rewards/* and logps/* means over the step's pairs.
+    preference: dict[str, float] | None = None
 
 
 # torchtitan's TensorBoard tags, so existing dashboards keep working.
@@ -151,6 +153,8 @@ class MetricsLogger:
         c = _Colors(self.color)
         mfu = f"  {c.magenta}mfu: {m.mfu:.2f}%" if m.mfu is not None else ""
         mfu += _moe_summary(m)
+        if m.preference:
+            mfu += "  " + "  ".join(f"{k}: {v:.4f}" for k, v in m.preference.items())
         logger.info(
             f"{c.red}step: {m.step:2}  {c.green}loss: {m.loss:7.4f}  {c.yellow}grad_norm: {m.grad_norm:7.4f}  "
             f"{c.turquoise}memory: {m.memory_gib:5.2f}GiB({m.memory_pct:.2f}%)  {c.blue}tps: {round(m.tps):,}  "
@@ -159,9 +163,13 @@ class MetricsLogger:
         )
         # A dense model's records keep their fields: the MoE ones appear only for a model with experts.
         record = {
-            k: v for k, v in asdict(m).items() if v is not None or k not in (*PER_LAYER_FIELDS, "aux_loss")
+            k: v
+            for k, v in asdict(m).items()
+            if (v is not None or k not in (*PER_LAYER_FIELDS, "aux_loss")) and k != "preference"
         }
+        record.update(m.preference or {})  # under TRL's names, e.g. rewards/margins
         tags = {TB_TAGS[k]: v for k, v in record.items() if k in TB_TAGS and k != "step" and v is not None}
+        tags.update(m.preference or {})
         for layer, load in (m.expert_load or {}).items():
             tags[f"moe/expert_load_max_over_mean/{layer}"] = load["max_over_mean"]
         self._record(self.jsonl, m.step, record, tags)

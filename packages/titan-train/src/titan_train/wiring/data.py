@@ -8,8 +8,10 @@ from pathlib import Path
 import torch
 
 from titan_data import (
+    PREFERENCE,
     ChatDataset,
     ChatOptions,
+    PreferenceDataset,
     RowFields,
     StreamLayout,
     Tokenizer,
@@ -19,6 +21,7 @@ from titan_data import (
     check_dataset,
     load_chat_template,
     load_examples,
+    load_pairs,
     mix_rows,
 )
 from titan_train.config.data_rules import default_steps
@@ -95,6 +98,17 @@ def _dataset(config: JobConfig, section, tokenizer: Tokenizer, *, infinite: bool
     documents packed (`token_shards` memory-mapped); under a held-out share, the training data's part (see
     `data_sources`). The data is read once; `make` deals it (the epoch count makes a finite copy)."""
     data, part = data_section(config, section)
+    if data.dataset == PREFERENCE:
+        pairs = _preference_pairs(config, section, tokenizer)
+        return lambda layout, finite=False: PreferenceDataset(
+            pairs,
+            section.seq_len,
+            packing=config.sft.packing,
+            pad_id=tokenizer.eos_id,
+            streams=layout,
+            infinite=infinite and not finite,
+            name=str(section.dataset_path),
+        )
     if is_chat(data):
         examples, name = _chat_examples(config, section, tokenizer)
         return lambda layout, finite=False: ChatDataset(
@@ -118,6 +132,26 @@ def _dataset(config: JobConfig, section, tokenizer: Tokenizer, *, infinite: bool
         infinite=infinite and not finite,
         split=data.dataset_split,
         source=source,
+    )
+
+
+def _preference_pairs(config: JobConfig, section, tokenizer: Tokenizer) -> list:
+    """Preference pairs rendered with the chat template as chat rows are ([sft]'s packing, overlong,
+    bad_rows, chat_template and template_variables apply), a pair one unit of the stream."""
+    template = load_chat_template(
+        config.model.hf_assets_path or BUNDLED_TOKENIZER,
+        config.sft.chat_template,
+        template_variables(config.sft.template_variables),
+    )
+    s = config.sft
+    return load_pairs(
+        section.dataset_path,
+        template,
+        tokenizer,
+        section.seq_len,
+        packing=s.packing,
+        overlong=s.overlong,
+        bad_rows=s.bad_rows,
     )
 
 

@@ -1,0 +1,99 @@
+"""(Titan) The [preference] section: the loss of preference tuning (`training.dataset = "preference"`).
+
+torchtitan has no preference tuning; the names follow TRL (`DPOConfig`, `CPOConfig`, `ORPOConfig`),
+whose definitions the losses equal (docs/preference.md). Rows are rendered and packed as chat rows
+are, so [sft]'s packing, overlong, bad_rows and chat_template apply to them too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_train.config.fields import opt
+from titan_train.errors import ConfigError
+
+LOSSES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+@dataclass
+class Preference:
+    loss: str = opt(
+        "sigmoid",
+        "(Titan) Preference loss as TRL defines it: sigmoid (DPO), ipo (log-probs averaged over completion "
+        "tokens), hinge, simpo (length-normalised, no reference), orpo (odds ratio plus the chosen NLL, "
+        "no reference)",
+        choices=LOSSES,
+    )
+    beta: float = opt(
+        0.1, "(Titan) Temperature of the implicit reward (TRL's beta; ORPO's lambda)", above=0, maximum=1e6
+    )
+    label_smoothing: float = opt(
+        0.0,
+        "(Titan) sigmoid and simpo: the chance a pair's labels are flipped (cDPO); 0 is plain DPO/SimPO",
+        minimum=0,
+        below=0.5,
+    )
+    simpo_gamma: float = opt(
+        0.5, "(Titan) simpo: the target reward margin gamma (TRL's simpo_gamma)", minimum=0, maximum=1e6
+    )
+    rpo_alpha: float = opt(
+        0.0,
+        "(Titan) Weight of an NLL term on the chosen completions (RPO; TRL's loss_type ['sigmoid', 'sft'] "
+        "with loss_weights [1, rpo_alpha]); 0: none. orpo always has its own NLL term",
+        minimum=0,
+        maximum=1e6,
+    )
+    reference: str = opt(
+        "auto",
+        "(Titan) Reference log-probs: auto (under LoRA/QLoRA the policy with its adapters switched off, else "
+        "a frozen copy of the starting weights built and sharded like the policy), copy (always the frozen "
+        "copy), precompute (not available yet: refused at start); simpo and orpo load none",
+        choices=("auto", "copy", "precompute"),
+    )
+
+
+def check_preference(config) -> None:
+    """Refuse, at start and in one line, what preference tuning cannot do yet (checked with the other
+    rules across fields, so `titan-train check` and dry runs see it too)."""
+    p = config.preference
+    if config.training.dataset != "preference":
+        return
+    if p.reference == "precompute":
+        raise ConfigError(
+            "config: preference.reference = 'precompute' is not available yet; use 'auto' (a frozen copy, or "
+            "the base with adapters off under LoRA) or 'copy'"
+        )
+    par = config.parallelism
+    split = {
+        name: degree
+        for name, degree in (
+            ("tensor_parallel_degree", par.tensor_parallel_degree),
+            ("pipeline_parallel_degree", par.pipeline_parallel_degree),
+            ("context_parallel_degree", par.context_parallel_degree),
+            ("expert_parallel_degree", par.expert_parallel_degree),
+        )
+        if degree > 1
+    }
+    if split:
+        name, degree = next(iter(split.items()))
+        raise ConfigError(
+            f"config: training.dataset = 'preference' with parallelism.{name} = {degree}: preference tuning "
+            "trains with data parallelism (FSDP/HSDP/DDP) and gradient accumulation only for now; set it to 1"
+        )
+    if config.optimizer.early_step_in_backward:
+        raise ConfigError(
+            "config: optimizer.early_step_in_backward with training.dataset = 'preference' is not available; "
+            "set it to false"
+        )
+    if config.validation.enable and config.validation.dataset == "preference":
+        raise ConfigError(
+            "config: validation.dataset = 'preference' is not available yet; validate on chat data or set "
+            "validation.enable = false"
+        )
+    lora = "lora" in config.model.converters
+    if lora and p.reference == "auto" and config.lora.train_embeddings and p.loss not in REFERENCE_FREE:
+        raise ConfigError(
+            "config: preference.reference = 'auto' under LoRA is the base with adapters off, but "
+            "lora.train_embeddings trains the embeddings in full; set preference.reference = 'copy'"
+        )

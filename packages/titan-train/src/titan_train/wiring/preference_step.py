@@ -1,0 +1,155 @@
+"""One micro-batch of preference tuning: policy and reference log-probs per sequence, the pair loss,
+its backward, and the step's metrics under TRL's names.
+
+The step's loss is the mean over its pairs, whatever the layout: before the step the pairs (and, for
+the NLL terms, the chosen completion tokens) of all its micro-batches are counted over the
+data-parallel ranks, and each micro-batch backpropagates its pairs' sum times dp over that count, so
+that data parallelism's gradient average and gradient accumulation's sum give the gradient of the
+global mean, as one process computes it on the whole batch (the token loss does the same over tokens,
+see valid_token_loss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titan_data.preference.dataset import NO_SEQUENCE
+from titan_parallel import adapters_off
+from titan_train.config.preference_section import REFERENCE_FREE
+from titan_train.config.schema import JobConfig
+from titan_train.errors import ConfigError
+from titan_train.wiring.preference_loss import IGNORE_INDEX, pair_losses, sequence_logps
+
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def global_sequences(sequence: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A batch's per-window sequence numbers (2k chosen, 2k+1 rejected) numbered across the batch, and
+    its number of pairs."""
+    pairs = (sequence.amax(dim=1) + 1) // 2
+    offsets = torch.cumsum(pairs, 0) - pairs
+    numbered = torch.where(sequence >= 0, sequence + 2 * offsets[:, None], NO_SEQUENCE)
+    return numbered, int(pairs.sum())
+
+
+class PreferenceStep:
+    """The preference loss of a run: `begin_step` counts, `forward_backward` per micro-batch, `end_step`
+    gathers the metrics. `reference` is a frozen model built like the policy (None: adapters off, or a
+    reference-free loss)."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        parts: list[nn.Module],
+        reference: list[nn.Module] | None,
+        forward: Callable,
+        *,
+        seq_len: int,
+        dp_degree: int,
+        group: dist.ProcessGroup | None,
+    ):
+        self.p, self.parts, self.reference, self.forward = config.preference, parts, reference, forward
+        self.seq_len, self.dp_degree, self.group = seq_len, dp_degree, group
+        self.needs_reference = self.p.loss not in REFERENCE_FREE
+        self.nll_weight = 1.0 if self.p.loss == "orpo" else self.p.rpo_alpha
+        if len(parts) != 1:
+            raise ConfigError(
+                "config: training.dataset = 'preference' needs the model in one part (no pipeline)"
+            )
+
+    def begin_step(self, step_batches: list[tuple[torch.Tensor, ...]]) -> None:
+        pairs = sum(int(((seq.amax(dim=1) + 1) // 2).sum()) for *_, seq in step_batches)
+        chosen_tokens = 0
+        for _, labels, _, seq in step_batches:
+            chosen_tokens += int(((labels != IGNORE_INDEX) & (seq >= 0) & (seq % 2 == 0)).sum())
+        counts = torch.tensor([pairs, chosen_tokens], dtype=torch.float64, device=step_batches[0][0].device)
+        if self.group is not None:
+            dist.all_reduce(counts, group=self.group)
+        self.pairs, self.chosen_tokens = counts.clamp_min(1).tolist()
+        self.sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=counts.device)
+
+    def _reference_logps(self, inputs, labels, positions, sequence, n):
+        if not self.needs_reference:
+            return None
+        with torch.no_grad():
+            if self.reference is not None:
+                logits = self.reference[0](inputs, positions=positions)
+            else:
+                with contextlib.ExitStack() as stack:
+                    for part in self.parts:
+                        stack.enter_context(adapters_off(part))
+                    logits = self.forward(inputs, positions)
+            return sequence_logps(logits, labels, sequence, n)
+
+    def forward_backward(self, inputs, labels, positions, sequence, context) -> torch.Tensor:
+        """This micro-batch's share of the step's loss, backpropagated; returned detached."""
+        sequence, pairs = global_sequences(sequence)
+        rows = [t.reshape(-1, self.seq_len) for t in (inputs, labels, positions, sequence)]
+        inputs, labels, positions, sequence = rows
+        with context():
+            reference = self._reference_logps(inputs, labels, positions, sequence, 2 * pairs)
+            policy = sequence_logps(self.forward(inputs, positions), labels, sequence, 2 * pairs)
+            out = pair_losses(
+                self.p.loss,
+                policy,
+                reference,
+                beta=self.p.beta,
+                label_smoothing=self.p.label_smoothing,
+                simpo_gamma=self.p.simpo_gamma,
+            )
+            loss = out.losses.sum() * (self.dp_degree / self.pairs)
+            if self.nll_weight:
+                chosen_nll = -policy.sums[0::2].sum()
+                loss = loss + self.nll_weight * chosen_nll * (self.dp_degree / self.chosen_tokens)
+        loss.backward()
+        chosen, rejected, n_chosen, n_rejected = policy.pairs()
+        if self.p.loss in REFERENCE_FREE:  # TRL's CPO and ORPO report average log-probs
+            chosen, rejected = chosen / n_chosen.clamp_min(1), rejected / n_rejected.clamp_min(1)
+        cr, rr = out.chosen_rewards, out.rejected_rewards
+        values = (cr, rr, (cr > rr).float(), cr - rr, chosen.detach(), rejected.detach())
+        self.sums += torch.stack([v.sum().double() for v in values] + [cr.new_tensor(float(pairs)).double()])
+        return loss.detach()
+
+    def end_step(self) -> dict[str, float]:
+        """The step's metrics, means over all its pairs (one all-reduce over data parallelism)."""
+        if self.group is not None:
+            dist.all_reduce(self.sums, group=self.group)
+        *sums, count = self.sums.tolist()
+        return {name: value / max(count, 1) for name, value in zip(METRICS, sums, strict=True)}
+
+
+def build_reference(
+    config: JobConfig, lora: bool, build: Callable[[], list[nn.Module]]
+) -> list[nn.Module] | None:
+    """The frozen reference model's parts, built by `build` (the run's own model builder, so it is
+    sharded like the policy), or None where there is none to build: a reference-free loss, or LoRA with
+    `reference = "auto"` (the policy with adapters off). Its weights are the policy's starting weights,
+    copied in by `copy_starting_weights` once they are loaded."""
+    p = config.preference
+    if p.loss in REFERENCE_FREE or (lora and p.reference == "auto"):
+        return None
+    parts = build()
+    for part in parts:
+        part.requires_grad_(False)
+        part.eval()
+    return parts
+
+
+def copy_starting_weights(reference: list[nn.Module], parts: list[nn.Module]) -> None:
+    """The policy's weights, as loaded before step 1, into the reference (shard by shard: both are laid
+    out alike)."""
+    with torch.no_grad():
+        for ref, part in zip(reference, parts, strict=True):
+            ref.load_state_dict(part.state_dict())
