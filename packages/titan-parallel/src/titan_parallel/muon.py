@@ -23,10 +23,9 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adam import adam
-
-from torch import nn
 
 from titan_parallel.errors import ModelDescriptionError, ParallelConfigError
 from titan_parallel.protocols import HasHiddenMatrices
@@ -56,14 +55,18 @@ class MuonTiming:
         return self.newton_schulz_s / total, self.gather_s / total
 
 
-def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
+def newton_schulz(
+    g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
     """The approximate orthogonalisation of one matrix, in bfloat16, with torch.optim.Muon's arithmetic.
 
     X = G / max(||G||_F, eps), transposed to be wide; then `steps` times A = X X^T,
     X = a X + (b A + c A^2) X; transposed back.
     """
     if len(coefficients) != 3:
-        raise ParallelConfigError(f"muon: ns_coefficients must be three numbers (a, b, c), not {coefficients}")
+        raise ParallelConfigError(
+            f"muon: ns_coefficients must be three numbers (a, b, c), not {coefficients}"
+        )
     a, b, c = coefficients
     x = g.to(dtype=torch.bfloat16, copy=True)
     tall = g.size(0) > g.size(1)
@@ -85,7 +88,9 @@ def adjusted_lr(lr: float, adjust_lr_fn: str, rows: int, cols: int) -> float:
         return lr * math.sqrt(max(1.0, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, cols))
-    raise ParallelConfigError(f"muon: adjust_lr_fn={adjust_lr_fn!r} is unknown; choose one of {list(ADJUST_LR_FNS)}")
+    raise ParallelConfigError(
+        f"muon: adjust_lr_fn={adjust_lr_fn!r} is unknown; choose one of {list(ADJUST_LR_FNS)}"
+    )
 
 
 def _holds_whole_matrices(t: DTensor, stacked: int) -> bool:
@@ -169,7 +174,7 @@ class Muon(torch.optim.Optimizer):
         )
 
     def _muon_group(self, group: dict) -> None:
-        lr, momentum, stacked = group["lr"], group["momentum"], group["stacked"]
+        lr, momentum = group["lr"], group["momentum"]
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -210,7 +215,12 @@ class Muon(torch.optim.Optimizer):
             return out
         if local:
             result = DTensor.from_local(
-                out, update.device_mesh, update.placements, run_check=False, shape=update.shape, stride=update.stride()
+                out,
+                update.device_mesh,
+                update.placements,
+                run_check=False,
+                shape=update.shape,
+                stride=update.stride(),
             )
         else:
             replicated = DTensor.from_local(
