@@ -274,6 +274,24 @@ def cp(rotate_method: str) -> Layout:
     return Layout(2, flags, {"degrees": {"cp": 2}, "cp_rotate_method": rotate_method})
 
 
+# Muon's Newton-Schulz runs in bfloat16 (as torch.optim.Muon's): gradients that differ from one process's by
+# float noise (1e-7) round differently there, so the matrices land within a share of an update of one
+# process's, not within float32 rounding; losses and grad_norm stay within EXACT.
+MUON = ("--optimizer.name", "Muon")
+MUON_FACTS = {"optimizer": "Muon"}
+MUON_WEIGHTS_REL = 2e-3  # 2.9x the largest measured (7.0e-4, experts under ep 2; 3.4e-4 dense)
+
+
+def muon(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
+    kwargs = {
+        "reference": "one_process_muon",
+        "weights_atol": None,
+        "weights_rel": MUON_WEIGHTS_REL,
+        **kwargs,
+    }
+    return Layout(nproc, (*MUON, *flags), {**MUON_FACTS, **facts}, **kwargs)
+
+
 LAYOUTS = {
     "one_process": Layout(
         1, VALIDATION, {"degrees": {}, "fsdp": False, "checkpointed_blocks": 0, "compiled_blocks": 0}
@@ -618,6 +636,30 @@ LAYOUTS = {
     "chat_cp": Layout(
         2, (*CHAT, CP, "2"), reference="one_process_chat", refused="its ring attention is causal only"
     ),
+    # Muon (the blocks' matrices orthogonalised whole: gathered from their shards) against Muon in one process.
+    "one_process_muon": Layout(1, MUON, MUON_FACTS, reference="one_process_muon"),
+    "muon_fsdp": muon(2, (*local_batch(2), *SAVE_AT_3), {"degrees": {"dp_shard": 2}}),
+    "muon_tp": muon(2, (TP, "2"), {"degrees": {"tp": 2}}),
+    "muon_pp": muon(2, pp("1F1B"), {"stage_blocks": ONE_STAGE}),
+    "muon_hsdp": muon(4, (REPLICATE, "2", *local_batch(1)), {"degrees": {"dp_replicate": 2, "dp_shard": 2}}),
+    "muon_tp_fsdp": muon(4, (TP, "2", *local_batch(2)), {"degrees": {"dp_shard": 2, "tp": 2}}),
+    # Saved by muon_fsdp at step 3 (momentum sharded over 2 ranks), resumed over dp_shard 2 x tp 2.
+    "muon_fsdp_resumed_as_tp_fsdp": muon(
+        4,
+        (TP, "2", *local_batch(2), *SAVE_AT_3),
+        {"degrees": {"dp_shard": 2, "tp": 2}},
+        reference="muon_fsdp",
+        resumed_at=3,
+    ),
+    "one_process_muon_moe": Layout(1, (*MOE, *MUON), MUON_FACTS, reference="one_process_muon_moe"),
+    "muon_moe_ep2": Layout(
+        2,
+        (*MOE, *MUON, EP, "2", *local_batch(2)),
+        {**MUON_FACTS, **experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64])},
+        reference="one_process_muon_moe",
+        weights_atol=None,
+        weights_rel=MUON_WEIGHTS_REL,
+    ),
 }
 
 # The rows run in launches of their own, one torchrun per (group, world size), at most LAUNCH_ROWS rows each. A
@@ -633,6 +675,8 @@ GROUP_OF_REFERENCE = {
     "one_process_qlora": "finetune",
     "one_process_lora_moe": "finetune",
     "one_process_chat": "finetune",
+    "one_process_muon": "finetune",  # beside the fine-tuning rows: the dense launches are full
+    "one_process_muon_moe": "moe",
 }
 LAUNCH_ROWS = 14
 

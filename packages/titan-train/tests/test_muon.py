@@ -4,8 +4,11 @@ with `torch.optim.Muon` on the blocks' matrices and `torch.optim.AdamW` on the r
 torch.optim.Muon on each expert's matrix (views of the stacked weight); QK-clip against Kimi K2's rule
 computed by hand."""
 
+import logging
+import re
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +16,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from titan_models import llama3_args, to_hf_config
+from titan_models import Transformer, llama3_args, to_hf_config
 from titan_models.qwen3 import QWEN3_FLAVORS, Qwen3Model, qwen3_moe_args
-from titan_parallel import Muon, clip_grad_norm_, muon_param_groups
+from titan_parallel import Muon, clip_grad_norm_, clip_query_key, muon_param_groups
+from titan_train.cli import run
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
@@ -109,7 +113,10 @@ def test_titan_muon_steps_equal_torch_muon_on_a_transformers_checkpoint(
     trainer = Trainer(resolve(config, 1, "cpu"), one_rank)
     optimizer = trainer.optimizers.optimizers[0]
     assert isinstance(optimizer, Muon)
-    assert [len(g["params"]) for g in optimizer.param_groups] == [14, 7]  # 7 matrices a block; embed, 5 norms, head
+    assert [len(g["params"]) for g in optimizer.param_groups] == [
+        14,
+        7,
+    ]  # 7 matrices a block; embed, 5 norms, head
     losses = trainer.train()
 
     # The same loop twice: on the model Titan imported from the checkpoint, with Titan's loss and clipping
@@ -136,7 +143,9 @@ def test_titan_muon_steps_equal_torch_muon_on_a_transformers_checkpoint(
     ours = load_file(tmp_path / "run" / "checkpoint" / f"step-{STEPS}" / "model-00001-of-00001.safetensors")
     for name, weight in hf.state_dict().items():
         assert (ours[name] - weight).abs().max().item() <= 0.05 * LR * STEPS, name
-    moved = (ours["model.layers.0.self_attn.q_proj.weight"] - start["model.layers.0.self_attn.q_proj.weight"]).abs()
+    moved = (
+        ours["model.layers.0.self_attn.q_proj.weight"] - start["model.layers.0.self_attn.q_proj.weight"]
+    ).abs()
     assert moved.max().item() > 0.5 * LR  # the steps moved the matrices well beyond either tolerance
 
 
@@ -219,3 +228,78 @@ def test_each_expert_matrix_is_orthogonalised_on_its_own_as_torch_muon_does_it()
         assert (ours.state_dict()[name] - weight).abs().max().item() <= 1e-5, name
         moved = max(moved, (weight - start[name]).abs().max().item())
     assert moved > 0.5 * LR
+
+
+def test_the_dry_run_counts_one_momentum_for_muon_matrices_and_two_moments_for_the_rest(caplog):
+    """Llama 3 8B on 64 ranks with Muon: the traced optimizer state is one float32 buffer per element of
+    the blocks' matrices and two (AdamW's moments) per element of the embedding, head and norms, sharded
+    64 ways, where AdamW alone holds two for every element."""
+    config_file = str(Path(__file__).parent / "fixtures" / "torchtitan_0.2_llama3_8b.toml")
+    with caplog.at_level(logging.INFO, logger="titan_train.reporting.dry_run"):
+        assert (
+            run(["dry-run", "--ngpu", "64", "--job.config_file", config_file, "--optimizer.name", "Muon"])
+            == 0
+        )
+    text = "\n".join(r.getMessage() for r in caplog.records if r.name == "titan_train.reporting.dry_run")
+    rows = {name: float(gib) for name, gib in re.findall(r"^ +(\S[a-z ,]+?) +([\d.]+) GiB$", text, re.M)}
+    params, vocab, dim, layers = 8_030_261_248, 128_256, 4096, 32
+    elementwise = 2 * vocab * dim + (2 * layers + 1) * dim  # embedding, output, norms
+    matrices = params - elementwise
+    assert rows["optimizer state"] == round((matrices + 2 * elementwise) * 4 / 64 / 2**30, 2)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_qk_clip_scales_a_planted_head_to_tau_as_kimi_k2_defines_it(kv_heads):
+    """A query head planted 30x larger in block 0 exceeds tau; QK-clip (Kimi K2, section 2.1) scales
+    its rows so that its logits scale by gamma = tau / S_max: with one key head per query head, query
+    and key rows each by sqrt(gamma); with shared key heads, the key head by sqrt(min gamma of its
+    query heads) and each query head by gamma / sqrt(that). The logits are computed here by hand; on
+    the same batch the clipped head's largest logit is then tau, and the heads under tau keep theirs."""
+    args = replace(llama3_args("debugmodel"), dim=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads)
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    attention = model.layers["0"].attention
+    head_dim = args.dim // args.n_heads
+    with torch.no_grad():
+        attention.wq.weight[head_dim : 2 * head_dim] *= 30.0  # query head 1
+    inputs = {}
+    attention.register_forward_pre_hook(lambda m, a: inputs.update(x=a[0].detach()))
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def largest_logits() -> torch.Tensor:
+        q, k, _ = attention.project(inputs["x"], model.freqs_cis)
+        q, k = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(args.n_heads // kv_heads, dim=1)
+        scores = q @ k.transpose(-2, -1) / head_dim**0.5
+        causal = torch.ones(32, 32, dtype=torch.bool).tril()
+        return scores.masked_fill(~causal, -torch.inf).amax(dim=(0, 2, 3))
+
+    model.record_max_logits(True)
+    model(tokens)
+    with torch.no_grad():
+        peaks = largest_logits()
+    tau = float(peaks[1]) / 4  # only the planted head is above it
+    assert (peaks[[0, 2, 3]] < tau).all()
+    assert torch.allclose(attention.max_logits, peaks, rtol=1e-5)
+    wq, wk = attention.wq.weight.detach().clone(), attention.wk.weight.detach().clone()
+
+    clipped = clip_query_key(model, tau)
+
+    assert [(name, head) for name, head, _ in clipped] == [("layers.0.attention", 1)]
+    gamma = tau / float(peaks[1])
+    q_rows, k_rows = slice(head_dim, 2 * head_dim), slice(0, head_dim)  # head 1 reads key head 0 either way
+    expected_wq, expected_wk = wq.clone(), wk.clone()
+    if kv_heads == args.n_heads:  # K2's rule: sqrt(gamma) on each side
+        k_rows = q_rows
+        expected_wq[q_rows] *= gamma**0.5
+    else:  # key head 0 serves query heads 0 and 1: min gamma is head 1's, so query head 1 gets gamma / sqrt(gamma)
+        expected_wq[q_rows] *= gamma / gamma**0.5
+        expected_wq[0:head_dim] /= gamma**0.5  # head 0 keeps its logits: its key shrank by sqrt(gamma)
+    expected_wk[k_rows] *= gamma**0.5
+    assert torch.allclose(attention.wq.weight, expected_wq, rtol=1e-6, atol=0)
+    assert torch.allclose(attention.wk.weight, expected_wk, rtol=1e-6, atol=0)
+    with torch.no_grad():
+        after = largest_logits()
+    assert after[1].item() == pytest.approx(tau, rel=1e-5)
+    keep = [0, 2, 3]
+    assert torch.allclose(after[keep], peaks[keep], rtol=1e-5)
+    assert (attention.max_logits == -torch.inf).all()  # the record restarts for the next step

@@ -169,7 +169,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         bs, seq_len, _ = x.shape
         xq, xk, xv = self.project(x, freqs_cis)
-        if self.max_logits is not None:
+        if self.max_logits is not None and torch.is_grad_enabled():  # training passes, not validation
             self._keep_max_logits(xq, xk, mask)
         out = attend(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), self.backend, mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))

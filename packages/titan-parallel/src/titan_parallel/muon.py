@@ -95,7 +95,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str, rows: int, cols: int) -> float:
 
 def _holds_whole_matrices(t: DTensor, stacked: int) -> bool:
     """Whether every placement leaves the last two dims whole (it shards only stacking dims, or replicates)."""
-    return all(isinstance(p, Replicate) or (type(p) is Shard and p.dim < stacked) for p in t.placements)
+    return all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim < stacked) for p in t.placements)
 
 
 class Muon(torch.optim.Optimizer):

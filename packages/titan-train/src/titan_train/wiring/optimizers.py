@@ -134,8 +134,8 @@ def build_muon(config: JobConfig, model: nn.Module | list[nn.Parameter]) -> Muon
     single-tensor AdamW (`optimizer.implementation` does not apply to it)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(
-            "config: optimizer.name = 'Muon' needs the model to say which parameters are matrices; "
-            "this run hands the optimizer a bare parameter list, use optimizer.name = 'AdamW'"
+            "config: optimizer.name = 'Muon' orthogonalises whole matrices after the whole backward; "
+            "optimizer.early_step_in_backward steps each parameter alone: unset one of them"
         )
     o, m = config.optimizer, config.optimizer.muon
     muon = {
