@@ -1,0 +1,89 @@
+"""Muon against AdamW: step time, peak memory, and where Muon's optimizer step spends its time.
+
+Each row trains with `titan-train` (torchrun, gloo, CPU, one torch thread a rank) for a few steps and
+reads the run's own records: `metrics.jsonl` (step time of the steps after the first, peak resident
+memory of rank 0, `ru_maxrss`) and Muon's log line (`muon: to step N: optimizer steps ... s,
+Newton-Schulz X%, gathering matrices whole Y%`), which times the optimizer steps since the last log.
+Shapes: the llama3 debug model, and Llama 3.2 1B's blocks cut to 2 of its 16 (`1B_2layers`, registered
+by this script's flavor module: the whole 1B does not train in reasonable time on a 2-core CPU; a
+block's matrices, which Muon orthogonalises, are the 1B's own). Layouts: one process, and FSDP over 2
+ranks, where every matrix is gathered whole before Newton-Schulz.
+
+    uv run python bench/muon_vs_adamw.py [--steps 4] [--shapes debug,1B_2layers] [--layouts 1,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from titan_train.torchrun import run_torchrun
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+SHAPES = {
+    "debug": ("--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.local_batch_size", "4"),
+    "1B_2layers": ("--model.flavor", "1B_2layers", "--training.seq_len", "128", "--training.local_batch_size", "1"),
+}  # fmt: skip
+COMMON = (
+    "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1",
+    "--optimizer.implementation", "foreach", "--metrics.disable_color_printing",
+    "--experimental.custom_import", "muon_bench_flavors",
+)  # fmt: skip
+LOG = re.compile(r"muon: to step (\d+): optimizer steps ([\d.]+) s, Newton-Schulz (\d+)%, gathering matrices whole (\d+)%")
+
+
+def run(shape: str, optimizer: str, nproc: int, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["--job.dump_folder", tmp, *COMMON, *SHAPES[shape], "--training.steps", str(steps)]
+        flags += ["--optimizer.name", optimizer]
+        if nproc > 1:  # the same global batch as one process
+            per_rank = int(SHAPES[shape][-1]) // nproc
+            flags += ["--training.local_batch_size", str(max(per_rank, 1))]
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))}
+        done = run_torchrun("-m", "titan_train.cli", *flags, nproc=nproc, timeout=3600, env=env, cwd=REPO)
+        if done.returncode != 0:
+            raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
+        records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    later = records[1:] or records
+    row = {
+        "step_s": sum(r["step_time_s"] for r in later) / len(later),
+        "peak_gib": max(r["memory_gib"] for r in records),
+    }
+    timed = [m for m in LOG.finditer(done.stdout + done.stderr) if int(m.group(1)) > 1]
+    if timed:
+        row["optimizer_s"] = sum(float(m.group(2)) for m in timed) / len(timed)
+        row["ns_pct"] = sum(int(m.group(3)) for m in timed) / len(timed)
+        row["gather_pct"] = sum(int(m.group(4)) for m in timed) / len(timed)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--shapes", default="debug,1B_2layers")
+    parser.add_argument("--layouts", default="1,2", help="ranks: 1 (one process), 2 (FSDP 2)")
+    a = parser.parse_args()
+    print(f"| shape | layout | optimizer | step (s) | peak RSS rank 0 (GiB) | Muon step (s) | Newton-Schulz | gathers |")
+    print("|---|---|---|---|---|---|---|---|")
+    for shape in a.shapes.split(","):
+        for nproc in map(int, a.layouts.split(",")):
+            for optimizer in ("AdamW", "Muon"):
+                r = run(shape, optimizer, nproc, a.steps)
+                layout = "1 process" if nproc == 1 else f"FSDP {nproc}"
+                muon = (
+                    f"{r['optimizer_s']:.3f} | {r['ns_pct']:.0f}% | {r['gather_pct']:.0f}%"
+                    if "optimizer_s" in r
+                    else "- | - | -"
+                )
+                print(f"| {shape} | {layout} | {optimizer} | {r['step_s']:.2f} | {r['peak_gib']:.2f} | {muon} |")
+                sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
