@@ -7,9 +7,9 @@ Newton-Schulz X%, gathering matrices whole Y%`), which times the optimizer steps
 Shapes: the llama3 debug model, and Llama 3.2 1B's blocks cut to 2 of its 16 (`1B_2layers`, registered
 by this script's flavor module: the whole 1B does not train in reasonable time on a 2-core CPU; a
 block's matrices, which Muon orthogonalises, are the 1B's own). Layouts: one process, and FSDP over 2
-ranks, where every matrix is gathered whole before Newton-Schulz.
+ranks (debug shape), where every matrix is gathered whole before Newton-Schulz.
 
-    uv run python bench/muon_vs_adamw.py [--steps 4] [--shapes debug,1B_2layers] [--layouts 1,2]
+    uv run python bench/muon_vs_adamw.py [--steps 3] [--rows debug:1,debug:2,1B_2layers:1]
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ COMMON = (
     "--optimizer.implementation", "foreach", "--metrics.disable_color_printing",
     "--experimental.custom_import", "muon_bench_flavors",
 )  # fmt: skip
-LOG = re.compile(r"muon: to step (\d+): optimizer steps ([\d.]+) s, Newton-Schulz (\d+)%, gathering matrices whole (\d+)%")
+LOG = re.compile(
+    r"muon: to step (\d+): optimizer steps ([\d.]+) s, Newton-Schulz (\d+)%, gathering matrices whole (\d+)%"
+)
 
 
 def run(shape: str, optimizer: str, nproc: int, steps: int) -> dict:
@@ -45,7 +47,10 @@ def run(shape: str, optimizer: str, nproc: int, steps: int) -> dict:
         if nproc > 1:  # the same global batch as one process
             per_rank = int(SHAPES[shape][-1]) // nproc
             flags += ["--training.local_batch_size", str(max(per_rank, 1))]
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))}
+        env = {
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")])),
+            "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_FP16",  # Newton-Schulz's bfloat16 matmuls: no AMX kernel here
+        }
         done = run_torchrun("-m", "titan_train.cli", *flags, nproc=nproc, timeout=3600, env=env, cwd=REPO)
         if done.returncode != 0:
             raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
@@ -65,24 +70,28 @@ def run(shape: str, optimizer: str, nproc: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--shapes", default="debug,1B_2layers")
-    parser.add_argument("--layouts", default="1,2", help="ranks: 1 (one process), 2 (FSDP 2)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--rows",
+        default="debug:1,debug:2,1B_2layers:1",
+        help="shape:ranks, comma-separated (2 ranks: FSDP 2)",
+    )
     a = parser.parse_args()
-    print(f"| shape | layout | optimizer | step (s) | peak RSS rank 0 (GiB) | Muon step (s) | Newton-Schulz | gathers |")
+    print(
+        "| shape | layout | optimizer | step (s) | peak RSS rank 0 (GiB) | Muon step (s) | Newton-Schulz | gathers |"
+    )
     print("|---|---|---|---|---|---|---|---|")
-    for shape in a.shapes.split(","):
-        for nproc in map(int, a.layouts.split(",")):
-            for optimizer in ("AdamW", "Muon"):
-                r = run(shape, optimizer, nproc, a.steps)
-                layout = "1 process" if nproc == 1 else f"FSDP {nproc}"
-                muon = (
-                    f"{r['optimizer_s']:.3f} | {r['ns_pct']:.0f}% | {r['gather_pct']:.0f}%"
-                    if "optimizer_s" in r
-                    else "- | - | -"
-                )
-                print(f"| {shape} | {layout} | {optimizer} | {r['step_s']:.2f} | {r['peak_gib']:.2f} | {muon} |")
-                sys.stdout.flush()
+    for shape, nproc in (item.split(":") for item in a.rows.split(",")):
+        for optimizer in ("AdamW", "Muon"):
+            r = run(shape, optimizer, int(nproc), a.steps)
+            layout = "1 process" if nproc == "1" else f"FSDP {nproc}"
+            muon = (
+                f"{r['optimizer_s']:.3f} | {r['ns_pct']:.0f}% | {r['gather_pct']:.0f}%"
+                if "optimizer_s" in r
+                else "- | - | -"
+            )
+            print(f"| {shape} | {layout} | {optimizer} | {r['step_s']:.2f} | {r['peak_gib']:.2f} | {muon} |")
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":
