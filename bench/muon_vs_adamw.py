@@ -10,6 +10,10 @@ block's matrices, which Muon orthogonalises, are the 1B's own). Layouts: one pro
 ranks (debug shape), where every matrix is gathered whole before Newton-Schulz.
 
     uv run python bench/muon_vs_adamw.py [--steps 3] [--rows debug:1,debug:2,1B_2layers:1]
+
+Newton-Schulz runs in bfloat16 (as torch.optim.Muon's), which this CPU computes far slower than float32:
+the script first measures its rate and prints what a 1B block's matrices would take, which is why the
+1B cut is not among the default rows here.
 """
 
 from __future__ import annotations
@@ -66,6 +70,33 @@ def run(shape: str, optimizer: str, nproc: int, steps: int) -> dict:
         row["ns_pct"] = sum(int(m.group(3)) for m in timed) / len(timed)
         row["gather_pct"] = sum(int(m.group(4)) for m in timed) / len(timed)
     return row
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
+    """Multiply-adds x 2 of `steps` quintic iterations on a rows x cols matrix (made wide: n <= m)."""
+    n, m = sorted((rows, cols))
+    return steps * 2 * (n * n * m + n * n * n + n * n * m)
+
+
+def newton_schulz_rate() -> float:
+    """FLOP/s of Newton-Schulz (bfloat16, one thread) on a debug-model matrix, measured here."""
+    import time
+
+    import torch
+
+    from titan_parallel import newton_schulz
+
+    torch.set_num_threads(1)
+    g = torch.randn(768, 256)
+    newton_schulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7)
+    start = time.perf_counter()
+    for _ in range(3):
+        newton_schulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7)
+    return 3 * newton_schulz_flops(768, 256) / (time.perf_counter() - start)
+
+
+# Llama 3.2 1B's block matrices: wq, wo (2048 x 2048), wk, wv (512 x 2048), w1, w3 (8192 x 2048), w2.
+ONE_B_BLOCK = [(2048, 2048)] * 2 + [(512, 2048)] * 2 + [(8192, 2048)] * 3
 
 
 def main() -> None:
