@@ -139,10 +139,14 @@ def test_titan_muon_steps_equal_torch_muon_on_a_transformers_checkpoint(
     for name, weight in imported.state_dict().items():
         assert (trained[name] - weight).abs().max().item() <= 1e-5, name
     # Against the transformers model's loop: inputs that differ by float noise (1e-7) round differently
-    # in Newton-Schulz's bfloat16, so the matrices agree to a share of the lr, not to 1e-5.
+    # in Newton-Schulz's bfloat16, so the matrices agree to a share of the lr, not to 1e-5; and AdamW turns
+    # that noise in a near-zero gradient (a rare token's embedding row) into a whole lr-sized step, so
+    # its parameters agree but for a few elements.
     ours = load_file(tmp_path / "run" / "checkpoint" / f"step-{STEPS}" / "model-00001-of-00001.safetensors")
     for name, weight in hf.state_dict().items():
-        assert (ours[name] - weight).abs().max().item() <= 0.05 * LR * STEPS, name
+        difference = (ours[name] - weight).abs().flatten()
+        share = 1.0 if ".layers." in name and weight.ndim == 2 else 0.999
+        assert difference.quantile(share).item() <= 0.05 * LR * STEPS, name
     moved = (
         ours["model.layers.0.self_attn.q_proj.weight"] - start["model.layers.0.self_attn.q_proj.weight"]
     ).abs()
