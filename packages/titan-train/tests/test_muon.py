@@ -308,3 +308,23 @@ def test_qk_clip_scales_a_planted_head_to_tau_as_kimi_k2_defines_it(kv_heads):
     keep = [0, 2, 3]
     assert torch.allclose(after[keep], peaks[keep], rtol=1e-5)
     assert (attention.max_logits == -torch.inf).all()  # the record restarts for the next step
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [
+        (
+            ("--model.name", "qwen3", "--model.flavor", "debugmodel"),
+            "config: optimizer.muon.qk_clip_tau: qwen3's attention logits are not q.k of plain linear projections",
+        ),
+        (("--optimizer.name", "AdamW"), "config: optimizer.muon.qk_clip_tau is Muon's QK-clip (MuonClip)"),
+    ],
+    ids=["qk-norm-family", "not-muon"],
+)
+def test_qk_clip_where_it_cannot_act_is_refused_in_one_line(tmp_path, caplog, flags, says):
+    argv = ["--job.dump_folder", str(tmp_path), "--training.seq_len", "32", "--training.steps", "1"]
+    argv += ["--optimizer.name", "Muon", "--optimizer.muon.qk_clip_tau", "100", *flags]
+    with caplog.at_level(logging.ERROR):
+        assert run(argv) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line.startswith(says), line
