@@ -1,14 +1,11 @@
 """Muon in one process equals torch.optim.Muon: a checkpoint saved by transformers, trained 5 steps by
-Titan with optimizer.name = "Muon", against a loop written here that trains the transformers model itself
-with `torch.optim.Muon` on the blocks' matrices and `torch.optim.AdamW` on the rest; MoE experts against
+Titan with optimizer.name = "Muon", against a loop written here that trains the same weights with
+`torch.optim.Muon` on the blocks' matrices and `torch.optim.AdamW` on the rest; MoE experts against
 torch.optim.Muon on each expert's matrix (views of the stacked weight); QK-clip against Kimi K2's rule
-computed by hand."""
+computed by hand. The titan-train command's checks (dry run, refusals) are in test_muon_commands.py."""
 
-import logging
-import re
 import shutil
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +16,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from titan_models import Transformer, llama3_args, to_hf_config
 from titan_models.qwen3 import QWEN3_FLAVORS, Qwen3Model, qwen3_moe_args
 from titan_parallel import Muon, clip_grad_norm_, clip_query_key, muon_param_groups
-from titan_train.cli import run
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
@@ -234,25 +230,6 @@ def test_each_expert_matrix_is_orthogonalised_on_its_own_as_torch_muon_does_it()
     assert moved > 0.5 * LR
 
 
-@pytest.mark.slow  # about 2 minutes on this loaded 2-core machine: 224 matrices go through Newton-Schulz, faked
-def test_the_dry_run_counts_one_momentum_for_muon_matrices_and_two_moments_for_the_rest(caplog):
-    """Llama 3 8B on 64 ranks with Muon: the traced optimizer state is one float32 buffer per element of
-    the blocks' matrices and two (AdamW's moments) per element of the embedding, head and norms, sharded
-    64 ways, where AdamW alone holds two for every element."""
-    config_file = str(Path(__file__).parent / "fixtures" / "torchtitan_0.2_llama3_8b.toml")
-    with caplog.at_level(logging.INFO, logger="titan_train.reporting.dry_run"):
-        assert (
-            run(["dry-run", "--ngpu", "64", "--job.config_file", config_file, "--optimizer.name", "Muon"])
-            == 0
-        )
-    text = "\n".join(r.getMessage() for r in caplog.records if r.name == "titan_train.reporting.dry_run")
-    rows = {name: float(gib) for name, gib in re.findall(r"^ +(\S[a-z ,]+?) +([\d.]+) GiB$", text, re.M)}
-    params, vocab, dim, layers = 8_030_261_248, 128_256, 4096, 32
-    elementwise = 2 * vocab * dim + (2 * layers + 1) * dim  # embedding, output, norms
-    matrices = params - elementwise
-    assert rows["optimizer state"] == round((matrices + 2 * elementwise) * 4 / 64 / 2**30, 2)
-
-
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_qk_clip_scales_a_planted_head_to_tau_as_kimi_k2_defines_it(kv_heads):
     """A query head planted 30x larger in block 0 exceeds tau; QK-clip (Kimi K2, section 2.1) scales
@@ -308,23 +285,3 @@ def test_qk_clip_scales_a_planted_head_to_tau_as_kimi_k2_defines_it(kv_heads):
     keep = [0, 2, 3]
     assert torch.allclose(after[keep], peaks[keep], rtol=1e-5)
     assert (attention.max_logits == -torch.inf).all()  # the record restarts for the next step
-
-
-@pytest.mark.parametrize(
-    "flags,says",
-    [
-        (
-            ("--model.name", "qwen3", "--model.flavor", "debugmodel"),
-            "config: optimizer.muon.qk_clip_tau: qwen3's attention logits are not q.k of plain linear projections",
-        ),
-        (("--optimizer.name", "AdamW"), "config: optimizer.muon.qk_clip_tau is Muon's QK-clip (MuonClip)"),
-    ],
-    ids=["qk-norm-family", "not-muon"],
-)
-def test_qk_clip_where_it_cannot_act_is_refused_in_one_line(tmp_path, caplog, flags, says):
-    argv = ["--job.dump_folder", str(tmp_path), "--training.seq_len", "32", "--training.steps", "1"]
-    argv += ["--optimizer.name", "Muon", "--optimizer.muon.qk_clip_tau", "100", *flags]
-    with caplog.at_level(logging.ERROR):
-        assert run(argv) == 2
-    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert line.startswith(says), line
