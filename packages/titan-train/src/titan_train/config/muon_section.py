@@ -29,11 +29,16 @@ class MuonSettings:
     weight_decay: float | None = opt(
         None, "(Titan) Muon's decoupled weight decay; None: optimizer.weight_decay", minimum=0, maximum=10.0
     )
-    momentum: float = opt(0.95, "(Titan) Muon's momentum factor (torch.optim.Muon's momentum)", minimum=0, below=1)
-    nesterov: bool = opt(True, "(Titan) Orthogonalise the Nesterov look-ahead of the momentum, not the momentum")
+    momentum: float = opt(
+        0.95, "(Titan) Muon's momentum factor (torch.optim.Muon's momentum)", minimum=0, below=1
+    )
+    nesterov: bool = opt(
+        True, "(Titan) Orthogonalise the Nesterov look-ahead of the momentum, not the momentum"
+    )
     ns_steps: int = opt(5, "(Titan) Newton-Schulz iterations per matrix", minimum=1, maximum=99)
     ns_coefficients: list[float] = opt(
-        [3.4445, -4.775, 2.0315], "(Titan) Newton-Schulz polynomial coefficients (a, b, c): three numbers",
+        [3.4445, -4.775, 2.0315],
+        "(Titan) Newton-Schulz polynomial coefficients (a, b, c): three numbers",
         check=_three_numbers,
     )
     eps: float = opt(1e-7, "(Titan) Floor of the Frobenius norm a matrix is divided by", above=0, maximum=1.0)
