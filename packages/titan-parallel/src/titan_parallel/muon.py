@@ -49,11 +49,6 @@ class MuonTiming:
         self.step_s = self.newton_schulz_s = self.gather_s = 0.0
         self.matrices = self.gathered_bytes = 0
 
-    def share(self) -> tuple[float, float]:
-        """(Newton-Schulz, gathers) as shares of the step time."""
-        total = max(self.step_s, 1e-12)
-        return self.newton_schulz_s / total, self.gather_s / total
-
 
 def newton_schulz(
     g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
