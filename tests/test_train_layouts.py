@@ -44,6 +44,13 @@ Preference pairs (DPO, sigmoid, a frozen reference built and sharded like the po
 into rows of 128) under FSDP 2 and FSDP 2 with 2 accumulated micro-batches against one process: loss within
 4.2e-7 relative, grad_norm 4.0e-7, weights 2.8e-6 (2026-11-28). TP 2 is refused at start (not yet supported).
 
+Muon (`optimizer.name = "Muon"`) under FSDP 2, TP 2, PP 2 (1F1B), HSDP (2 x 2), FSDP 2 x TP 2 and, on the qwen3 MoE cut,
+EP 2, against Muon in one process: loss within 2.3e-7 relative, grad_norm 2.2e-7; weights within 7.0e-4 of their norm
+(experts; 3.4e-4 dense), not float32 rounding: Newton-Schulz runs in bfloat16 (as torch.optim.Muon's) and
+rounds gradients that differ by float noise differently (2026-11-28). Saved under FSDP 2 at step 3 and resumed
+under FSDP 2 x TP 2: the losses of steps 4 and 5 equal to the bit, grad_norm within 1.1e-7. These rows are a launch group of their own (muon);
+bfloat16 matmuls are slow on CPU, about 10 s a Muon step for the 2-layer cut.
+
 Measured on a 2-core CPU with torch 2.15 (float32): every exact layout within 2.4e-7 relative of one
 process on loss and grad_norm at every step, weights within 4.8e-6 (compile; 4.2e-6 for CP + FSDP);
 float8 drifts up to 7.8e-5 (loss, rowwise) and 1.8e-4 (grad_norm, tensorwise).
@@ -291,6 +298,24 @@ def pp_schedule(schedule: str, stages: list[list[str]], *flags: str, **kwargs) -
 def cp(rotate_method: str) -> Layout:
     flags = (CP, "2", f"{P}context_parallel_rotate_method", rotate_method)
     return Layout(2, flags, {"degrees": {"cp": 2}, "cp_rotate_method": rotate_method})
+
+
+# Muon's Newton-Schulz runs in bfloat16 (as torch.optim.Muon's): gradients that differ from one process's by
+# float noise (1e-7) round differently there, so the matrices land within a share of an update of one
+# process's, not within float32 rounding; losses and grad_norm stay within EXACT.
+MUON = ("--optimizer.name", "Muon")
+MUON_FACTS = {"optimizer": "Muon"}
+MUON_WEIGHTS_REL = 2e-3  # 2.9x the largest measured (7.0e-4, experts under ep 2; 3.4e-4 dense)
+
+
+def muon(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
+    kwargs = {
+        "reference": "one_process_muon",
+        "weights_atol": None,
+        "weights_rel": MUON_WEIGHTS_REL,
+        **kwargs,
+    }
+    return Layout(nproc, (*MUON, *flags), {**MUON_FACTS, **facts}, **kwargs)
 
 
 LAYOUTS = {
@@ -658,6 +683,30 @@ LAYOUTS = {
         reference="one_process_dpo",
         refused="preference tuning trains with data parallelism",
     ),
+    # Muon (the blocks' matrices orthogonalised whole: gathered from their shards) against Muon in one process.
+    "one_process_muon": Layout(1, MUON, MUON_FACTS, reference="one_process_muon"),
+    "muon_fsdp": muon(2, (*local_batch(2), *SAVE_AT_3), {"degrees": {"dp_shard": 2}}),
+    "muon_tp": muon(2, (TP, "2"), {"degrees": {"tp": 2}}),
+    "muon_pp": muon(2, pp("1F1B"), {"stage_blocks": ONE_STAGE}),
+    "muon_hsdp": muon(4, (REPLICATE, "2", *local_batch(1)), {"degrees": {"dp_replicate": 2, "dp_shard": 2}}),
+    "muon_tp_fsdp": muon(4, (TP, "2", *local_batch(2)), {"degrees": {"dp_shard": 2, "tp": 2}}),
+    # Saved by muon_fsdp at step 3 (momentum sharded over 2 ranks), resumed over dp_shard 2 x tp 2.
+    "muon_fsdp_resumed_as_tp_fsdp": muon(
+        4,
+        (TP, "2", *local_batch(2), *SAVE_AT_3),
+        {"degrees": {"dp_shard": 2, "tp": 2}},
+        reference="muon_fsdp",
+        resumed_at=3,
+    ),
+    "one_process_muon_moe": Layout(1, (*MOE, *MUON), MUON_FACTS, reference="one_process_muon_moe"),
+    "muon_moe_ep2": Layout(
+        2,
+        (*MOE, *MUON, EP, "2", *local_batch(2)),
+        {**MUON_FACTS, **experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64])},
+        reference="one_process_muon_moe",
+        weights_atol=None,
+        weights_rel=MUON_WEIGHTS_REL,
+    ),
 }
 
 # The rows run in launches of their own, one torchrun per (group, world size), at most LAUNCH_ROWS rows each. A
@@ -674,6 +723,8 @@ GROUP_OF_REFERENCE = {
     "one_process_lora_moe": "finetune",
     "one_process_chat": "finetune",
     "one_process_dpo": "finetune",
+    "one_process_muon": "muon",  # a group of its own: a unit of work beside the others (slow bf16 Newton-Schulz)
+    "one_process_muon_moe": "muon",
 }
 LAUNCH_ROWS = 14
 

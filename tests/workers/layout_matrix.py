@@ -120,6 +120,7 @@ def facts(trainer: Trainer) -> dict:
         "linear_types": sorted(linear_types),
         "attn_backend": trainer.model_parts[0].args.attn_backend,
         "optimizer_in_backward": type(trainer.optimizers).__name__ == "BackwardStepOptimizers",
+        "optimizer": type(trainer.optimizers.optimizers[0]).__name__,
         "loader_workers": trainer.loader.num_workers,
         "experts": expert_facts(trainer),
         "shared_experts": shared_expert_facts(trainer),

@@ -117,6 +117,7 @@ register_flavor(
 )
 MOE = ("--model.name", "qwen3", "--model.flavor", "probe_moe")
 LORA = ("--model.converters", "lora")
+MUON = ("--optimizer.name", "Muon")
 
 
 @dataclass(frozen=True)
@@ -631,6 +632,23 @@ PROBES: dict[str, Probe] = {
     "optimizer.weight_decay": Probe(("--optimizer.weight_decay", "0.5"), group("weight_decay")),
     "optimizer.implementation": Probe(
         ("--optimizer.implementation", "foreach"), lambda s: (group("fused")(s), group("foreach")(s))
+    ),
+    # [optimizer.muon]: each setting reaches the Muon group (the blocks' matrices, param_groups[0])
+    **{
+        f"optimizer.muon.{key}": Probe((f"--optimizer.muon.{key}", value), group(key), base=MUON)
+        for key, value in (
+            ("lr", "0.5"),
+            ("weight_decay", "0.5"),
+            ("momentum", "0.5"),
+            ("ns_steps", "3"),
+            ("ns_coefficients", "3,-4,2"),
+            ("eps", "0.5"),
+            ("adjust_lr_fn", "match_rms_adamw"),
+        )
+    },
+    "optimizer.muon.nesterov": Probe(("--optimizer.muon.no_nesterov",), group("nesterov"), base=MUON),
+    "optimizer.muon.qk_clip_tau": Probe(  # a tau every head exceeds: the first step clips and says so
+        ("--optimizer.muon.qk_clip_tau", "1e-6"), lambda s: s.log("qk-clip: step 1:"), base=MUON, train=True
     ),
     "optimizer.early_step_in_backward": Probe(  # each gradient is freed once its parameter stepped
         ("--optimizer.early_step_in_backward",), held_gradients, base=("--training.steps", "1"), train=True

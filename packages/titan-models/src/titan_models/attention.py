@@ -139,6 +139,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.n_heads = args.n_heads
+        # Largest pre-softmax logit per query head since last filled with -inf, while recording (QK-clip).
+        self.max_logits: torch.Tensor | None = None
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Unrotated queries, keys and values of `x`, each (batch, seq, heads, head_dim)."""
@@ -166,5 +169,27 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         bs, seq_len, _ = x.shape
         xq, xk, xv = self.project(x, freqs_cis)
+        if self.max_logits is not None and torch.is_grad_enabled():  # training passes, not validation
+            self._keep_max_logits(xq, xk, mask)
         out = attend(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), self.backend, mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
+
+    def record_max_logits(self, on: bool) -> None:
+        """Keep (or stop keeping) the largest logit per query head in `max_logits`."""
+        device = self.wq.weight.device
+        self.max_logits = torch.full((self.n_heads,), -torch.inf, device=device) if on else None
+
+    @torch.no_grad()
+    def _keep_max_logits(self, xq: torch.Tensor, xk: torch.Tensor, mask: AttentionMask) -> None:
+        """Fold this pass's largest q.k / sqrt(head_dim) per query head, over the positions the mask lets
+        attend (a boolean mask as given; any other mask counts as causal), into `max_logits`."""
+        q, k = xq.transpose(1, 2).float(), xk.transpose(1, 2).float()
+        k = _repeat_kv(k, q.shape[1] // k.shape[1])
+        scores = (q @ k.transpose(-2, -1)) / self.head_dim**0.5
+        seq = q.shape[2]
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            allowed = mask
+        else:
+            allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        peak = scores.masked_fill(~allowed, -torch.inf).amax(dim=(0, 2, 3))
+        torch.maximum(self.max_logits, peak, out=self.max_logits)

@@ -134,6 +134,22 @@ class Decoder(nn.Module):
             if getattr(block, "moe_enabled", False)
         }
 
+    def hidden_matrices(self) -> dict[str, int]:
+        """Parameter FQN -> stacked dims, for Muon: every 2-D weight of the blocks but the MoE routers,
+        and the experts' stacked [E, out, in] weights (their stacked biases are not matrices)."""
+        moe = self.moe_layers().values()
+        routers = {id(p) for layer in moe for p in layer.router.parameters()}
+        experts = {id(p) for layer in moe for p in layer.experts.parameters()}
+        in_blocks = {id(p) for block in self.parallel_blocks().values() for p in block.parameters()}
+        matrices = {}
+        for name, p in self.named_parameters():
+            if id(p) not in in_blocks or id(p) in routers:
+                continue
+            stacked = 1 if id(p) in experts else 0
+            if p.ndim == stacked + 2:
+                matrices[name] = stacked
+        return matrices
+
     def sequence_buffers(self) -> list[tuple[torch.Tensor, int]]:
         """The rotary table, indexed by position along dim 0: context parallelism shards it with the batch."""
         return [(self.freqs_cis, 0)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -32,3 +33,16 @@ class Transformer(Decoder):
 
     def attention_tp_entries(self) -> dict[str, ParallelStyle]:
         return gqa_tp_entries()
+
+    def record_max_logits(self, on: bool) -> None:
+        """Have every attention keep its largest logit per head (QK-clip reads it: `query_key_heads`)."""
+        for block in self.layers.values():
+            block.attention.record_max_logits(on)
+
+    def query_key_heads(self) -> dict[str, tuple[nn.Parameter, nn.Parameter, torch.Tensor]]:
+        """Attention FQN -> (wq weight, wk weight, max_logits): the logits are q.k / sqrt(head_dim) of
+        rotated linear projections, so scaling a head's rows scales its logits."""
+        return {
+            f"layers.{name}.attention": (b.attention.wq.weight, b.attention.wk.weight, b.attention.max_logits)
+            for name, b in self.layers.items()
+        }

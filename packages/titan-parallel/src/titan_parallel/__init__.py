@@ -29,6 +29,7 @@ from titan_parallel.lora import (
     linear_names,
     target_linears,
 )
+from titan_parallel.muon import Muon, MuonTiming, muon_param_groups, newton_schulz
 from titan_parallel.mx import MXTraining, apply_mx
 from titan_parallel.nf4_fsdp import nf4_fsdp_torch_problem, nf4_shard_problem
 from titan_parallel.options import ParallelOptions
@@ -38,16 +39,19 @@ from titan_parallel.parameter_names import plain_name
 from titan_parallel.pipeline import Pipeline, build_pipeline, pipeline_stages
 from titan_parallel.pipeline_options import PipelineOptions
 from titan_parallel.protocols import (
+    HasHiddenMatrices,
     HasInitWeights,
     HasMoELayers,
     HasParallelBlocks,
     HasPipelineUnits,
+    HasQueryKeyHeads,
     HasSequenceBuffers,
     HasShardedSequenceAttention,
     HasTensorParallelPlan,
     ParallelizableModel,
     TrainableModel,
 )
+from titan_parallel.qk_clip import clip_query_key
 from titan_parallel.qlora import (
     NF4_BLOCK_SIZE,
     dequantized,
@@ -68,15 +72,19 @@ __all__ = [
     "DataParallelOptions",
     "ExpertParallel",
     "Float8Training",
+    "HasHiddenMatrices",
     "HasInitWeights",
     "HasMoELayers",
     "HasParallelBlocks",
     "HasPipelineUnits",
+    "HasQueryKeyHeads",
     "HasSequenceBuffers",
     "HasShardedSequenceAttention",
     "HasTensorParallelPlan",
     "LoRA",
     "MXTraining",
+    "Muon",
+    "MuonTiming",
     "ModelDescriptionError",
     "ParallelConfigError",
     "ParallelDims",
@@ -106,6 +114,7 @@ __all__ = [
     "build_pipeline",
     "check_targets",
     "clip_grad_norm_",
+    "clip_query_key",
     "context_parallel_ctx",
     "float8_tp_plan",
     "init_lora",
@@ -115,6 +124,8 @@ __all__ = [
     "linear_names",
     "loss_parallel_ctx",
     "moe_layers_of",
+    "muon_param_groups",
+    "newton_schulz",
     "parallelize",
     "quantize_base_to_nf4",
     "stored_bytes",

@@ -107,6 +107,38 @@ class HasMoELayers(Protocol):
 
 
 @runtime_checkable
+class HasHiddenMatrices(Protocol):
+    """A model that names its hidden matrices: the weights Muon orthogonalises (`titan_parallel.muon`).
+
+    Hidden matrices are the 2-D weights inside the repeated blocks (attention and feed-forward
+    projections) and the stacked expert weights [E, out, in]; not the embedding, the output head,
+    norms, biases or MoE routers, which an element-wise optimizer (AdamW) trains.
+    """
+
+    def hidden_matrices(self) -> dict[str, int]:
+        """Parameter FQN (as `named_parameters()` spells it) -> how many leading dims stack matrices
+        (0 for a [out, in] weight, 1 for experts [E, out, in]); a pipeline stage lists only its own."""
+        ...
+
+
+@runtime_checkable
+class HasQueryKeyHeads(Protocol):
+    """A model whose attention logits are q_h . k_g / sqrt(head_dim) of linear projections, so scaling a
+    head's query and key rows scales its logits (QK-clip, `titan_parallel.qk_clip`): no norm or other
+    transform after the projections that would undo the scale."""
+
+    def record_max_logits(self, on: bool) -> None:
+        """Start (or stop) keeping each attention's largest pre-softmax logit per query head, over the
+        forward passes since its `max_logits` was last filled with -inf."""
+        ...
+
+    def query_key_heads(self) -> dict[str, tuple[nn.Parameter, nn.Parameter, torch.Tensor]]:
+        """Attention FQN -> (query weight [heads * head_dim, dim], key weight [kv_heads * head_dim, dim],
+        max_logits [heads], float32, kept while recording)."""
+        ...
+
+
+@runtime_checkable
 class HasSequenceBuffers(Protocol):
     """A model holding buffers indexed by sequence position, which context parallelism shards as it
     shards the batch."""

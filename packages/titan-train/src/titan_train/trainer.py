@@ -41,6 +41,7 @@ from titan_train.wiring.lora import lora_enabled
 from titan_train.wiring.lora_export import write_peft_adapter
 from titan_train.wiring.model import build_model, check_vocabulary
 from titan_train.wiring.moe import MoEBalancing, MoEStepStats, has_experts
+from titan_train.wiring.muon_after_step import MuonAfterStep
 from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
 from titan_train.wiring.precision import forward_context
@@ -167,6 +168,7 @@ class Trainer:
             lambda part: build_optimizer(config, part),
             lambda optimizer: build_lr_schedule(config, optimizer),
         )
+        self.muon = MuonAfterStep(config, self.model_parts, self.optimizers.optimizers, self.dims)
         self.state = TrainState(rank=info.rank)
         self.step_lr = config.optimizer.lr  # the lr of the last step taken, for its log line
         # A replica (one data-parallel rank's batch) spans tp * cp * pp devices.
@@ -333,6 +335,8 @@ class Trainer:
         applied = self.optimizers.step_unless(
             numbers.skip, lambda: self.guard.decide(self.state.step + 1, numbers)
         )
+        step = self.state.step + 1
+        self.muon.after_step(step, applied, log=self.metrics.should_log(step))
         if applied:
             self.step_lr = lr
             if self.float8_scales_each_step:

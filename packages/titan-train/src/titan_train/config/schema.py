@@ -22,6 +22,7 @@ from titan_train.config.fields import (
 )
 from titan_train.config.health_section import Health
 from titan_train.config.lora_section import LoRA
+from titan_train.config.muon_section import MuonSettings
 from titan_train.config.parallel_sections import ActivationCheckpoint, Compile, Parallelism, Quantize
 from titan_train.config.preference_section import Preference
 from titan_train.config.sft_section import Sft
@@ -118,7 +119,11 @@ class Model:
 
 @dataclass
 class Optimizer:
-    name: str = opt("AdamW", "Optimizer", choices=("Adam", "AdamW"))
+    name: str = opt(
+        "AdamW",
+        "Optimizer; Muon: Muon for the blocks' matrices ([optimizer.muon]), AdamW for the rest",
+        choices=("Adam", "AdamW", "Muon"),
+    )
     lr: float = opt(
         8e-4, "Peak learning rate (0 trains nothing: the weights stay as they are)", minimum=0, maximum=1.0
     )
@@ -136,6 +141,7 @@ class Optimizer:
     early_step_in_backward: bool = opt(
         False, "Step each parameter as soon as its gradient is ready (no clipping)"
     )
+    muon: MuonSettings = field(default_factory=MuonSettings)
 
 
 @dataclass

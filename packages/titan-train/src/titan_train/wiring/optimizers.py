@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from titan_parallel import ModelDescriptionError, Muon, muon_param_groups
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.wiring.lr_schedule import build_lr_scheduler
@@ -113,6 +114,8 @@ def build_optimizer(config: JobConfig, model: nn.Module | list[nn.Parameter]) ->
     """The configured optimizer over a model part's trainable parameters (or a list of them): a frozen
     parameter (the base of a LoRA run) gets no optimizer state."""
     o = config.optimizer
+    if o.name == "Muon":
+        return build_muon(config, model)
     cls = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}[o.name]
     impl = o.implementation
     kwargs = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
@@ -123,6 +126,33 @@ def build_optimizer(config: JobConfig, model: nn.Module | list[nn.Parameter]) ->
     if impl == "fused":
         _check_fused_kernel(o.name, {p.device.type for p in params})
     return cls(params, **kwargs)
+
+
+def build_muon(config: JobConfig, model: nn.Module | list[nn.Parameter]) -> Muon:
+    """Muon on the model part's hidden matrices (as the model names them), AdamW on the rest, in one
+    optimizer whose state DCP saves and reshards as it does AdamW's. The AdamW group runs torch's
+    single-tensor AdamW (`optimizer.implementation` does not apply to it)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            "config: optimizer.name = 'Muon' orthogonalises whole matrices after the whole backward; "
+            "optimizer.early_step_in_backward steps each parameter alone: unset one of them"
+        )
+    o, m = config.optimizer, config.optimizer.muon
+    muon = {
+        "lr": o.lr if m.lr is None else m.lr,
+        "weight_decay": o.weight_decay if m.weight_decay is None else m.weight_decay,
+        "momentum": m.momentum,
+        "nesterov": m.nesterov,
+        "ns_coefficients": tuple(m.ns_coefficients),
+        "ns_steps": m.ns_steps,
+        "eps": m.eps,
+        "adjust_lr_fn": m.adjust_lr_fn,
+    }
+    adamw = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay}
+    try:
+        return Muon(muon_param_groups(model, muon, adamw))
+    except ModelDescriptionError as err:
+        raise ConfigError(f"config: optimizer.name = 'Muon': {err}") from err
 
 
 def _check_fused_kernel(name: str, device_types: set[str]) -> None:

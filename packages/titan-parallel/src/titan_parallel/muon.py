@@ -1,0 +1,266 @@
+"""Muon for the hidden matrices of a (possibly sharded) model, AdamW for the rest, in one optimizer.
+
+Muon (Keller Jordan, 2024; `torch.optim.Muon`) replaces each matrix's momentum by its nearest
+semi-orthogonal matrix, found with a few Newton-Schulz iterations. The orthogonalisation is a
+function of the whole matrix: a row shard of FSDP, a column shard of tensor parallelism, or a slice
+of a 2-D mesh cannot be orthogonalised on its own. So each matrix's update is gathered whole
+(`DTensor.full_tensor`), orthogonalised as in one process, and this rank's part of the result taken
+back out with no further communication (a redistribution from Replicate to the parameter's own
+placements only slices). Stacked expert weights [E, out, in] are E matrices, each orthogonalised on
+its own; where every placement shards the expert dimension (expert parallelism, FSDP over experts)
+a rank already holds whole matrices and nothing is gathered.
+
+The momentum buffer is elementwise, so it stays sharded like its parameter and the optimizer state
+checkpoints and reshards exactly as AdamW's does (DCP sees a DTensor of the parameter's layout).
+Parameter groups carry `muon: True` (with `stacked`, the count of leading dims that index matrices)
+or `muon: False` (AdamW, with torch's AdamW state names `step`, `exp_avg`, `exp_avg_sq`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim.adam import adam
+
+from titan_parallel.errors import ModelDescriptionError, ParallelConfigError
+from titan_parallel.protocols import HasHiddenMatrices
+
+# Keller Jordan's quintic coefficients, torch.optim.Muon's defaults.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
+
+@dataclass
+class MuonTiming:
+    """Seconds an optimizer step spent in Newton-Schulz and in the gathers around it, since the last `reset`."""
+
+    step_s: float = 0.0
+    newton_schulz_s: float = 0.0
+    gather_s: float = 0.0
+    matrices: int = 0
+    gathered_bytes: int = 0
+
+    def reset(self) -> None:
+        self.step_s = self.newton_schulz_s = self.gather_s = 0.0
+        self.matrices = self.gathered_bytes = 0
+
+
+def newton_schulz(
+    g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """The approximate orthogonalisation of one matrix, in bfloat16, with torch.optim.Muon's arithmetic.
+
+    X = G / max(||G||_F, eps), transposed to be wide; then `steps` times A = X X^T,
+    X = a X + (b A + c A^2) X; transposed back.
+    """
+    if len(coefficients) != 3:
+        raise ParallelConfigError(
+            f"muon: ns_coefficients must be three numbers (a, b, c), not {coefficients}"
+        )
+    a, b, c = coefficients
+    x = g.to(dtype=torch.bfloat16, copy=True)
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str, rows: int, cols: int) -> float:
+    """The learning rate of one matrix's orthogonal update: `original` scales by sqrt(max(1, rows/cols))
+    (Keller Jordan), `match_rms_adamw` by 0.2 sqrt(max(rows, cols)) (Moonshot: the update's RMS then
+    matches AdamW's, so AdamW's lr and weight decay carry over)."""
+    if adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ParallelConfigError(
+        f"muon: adjust_lr_fn={adjust_lr_fn!r} is unknown; choose one of {list(ADJUST_LR_FNS)}"
+    )
+
+
+def _holds_whole_matrices(t: DTensor, stacked: int) -> bool:
+    """Whether every placement leaves the last two dims whole (it shards only stacking dims, or replicates)."""
+    return all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim < stacked) for p in t.placements)
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the groups marked `muon`, AdamW on the others; parameters may be DTensors of any layout.
+
+    Muon group keys (torch.optim.Muon's names): lr, weight_decay, momentum, nesterov, ns_coefficients,
+    ns_steps, eps, adjust_lr_fn, and `stacked`. AdamW group keys: lr, betas, eps, weight_decay.
+    `timing` holds the seconds of the last steps, for the trainer's log line.
+    """
+
+    def __init__(self, param_groups: list[dict]):
+        for group in param_groups:
+            if group.get("muon"):
+                stacked = group.get("stacked", 0)
+                for p in group["params"]:
+                    if p.ndim != stacked + 2:
+                        raise ParallelConfigError(
+                            f"muon: a parameter of shape {tuple(p.shape)} is in a group of matrices stacked "
+                            f"{stacked} deep; it must have {stacked + 2} dims"
+                        )
+                if group.get("adjust_lr_fn", "original") not in ADJUST_LR_FNS:
+                    raise ParallelConfigError(
+                        f"muon: adjust_lr_fn={group['adjust_lr_fn']!r} is unknown; choose one of {list(ADJUST_LR_FNS)}"
+                    )
+        super().__init__(param_groups, {})
+        self.timing = MuonTiming()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        start = time.perf_counter()
+        for group in self.param_groups:
+            if group["muon"]:
+                self._muon_group(group)
+            else:
+                self._adamw_group(group)
+        _sync(self.param_groups)
+        self.timing.step_s += time.perf_counter() - start
+        return loss
+
+    def _adamw_group(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=False,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+
+    def _muon_group(self, group: dict) -> None:
+        lr, momentum = group["lr"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - momentum)
+            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+            update = self._orthogonalised(update, group)
+            rows, cols = p.shape[-2:]
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
+
+    def _orthogonalised(self, update: torch.Tensor, group: dict) -> torch.Tensor:
+        """Newton-Schulz of every matrix of `update`, each whole, laid out as `update` is."""
+        stacked = group["stacked"]
+        local = not isinstance(update, DTensor) or _holds_whole_matrices(update, stacked)
+        start = time.perf_counter()
+        if local:
+            whole = update.to_local() if isinstance(update, DTensor) else update
+        else:
+            whole = update.full_tensor()
+            _sync_tensor(whole)
+            self.timing.gathered_bytes += whole.numel() * whole.element_size()
+        gathered = time.perf_counter()
+        matrices = whole.reshape(-1, *whole.shape[-2:])
+        out = torch.empty_like(matrices)
+        for i in range(matrices.shape[0]):
+            out[i] = newton_schulz(matrices[i], group["ns_coefficients"], group["ns_steps"], group["eps"])
+        out = out.view(whole.shape)
+        _sync_tensor(out)
+        done = time.perf_counter()
+        self.timing.matrices += matrices.shape[0]
+        self.timing.newton_schulz_s += done - gathered
+        if not isinstance(update, DTensor):
+            self.timing.gather_s += gathered - start
+            return out
+        if local:
+            result = DTensor.from_local(
+                out,
+                update.device_mesh,
+                update.placements,
+                run_check=False,
+                shape=update.shape,
+                stride=update.stride(),
+            )
+        else:
+            replicated = DTensor.from_local(
+                out, update.device_mesh, [Replicate()] * update.device_mesh.ndim, run_check=False
+            )
+            result = replicated.redistribute(update.device_mesh, update.placements)
+        self.timing.gather_s += (gathered - start) + (time.perf_counter() - done)
+        return result
+
+
+def _sync_tensor(t: torch.Tensor) -> None:
+    """Wait for `t`'s device, so the host's clock measures the work and not its queueing (CUDA only)."""
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
+
+
+def _sync(groups: list[dict]) -> None:
+    for group in groups:
+        for p in group["params"]:
+            _sync_tensor(p)
+            return
+
+
+def muon_param_groups(model: nn.Module, muon: dict, adamw: dict) -> list[dict]:
+    """Parameter groups for `Muon`: the model's hidden matrices (`HasHiddenMatrices`), grouped by how
+    deep they are stacked, with the `muon` settings; every other trainable parameter with the `adamw` ones.
+
+    Frozen parameters get no group. Names are those of `model.named_parameters()`.
+    """
+    if not isinstance(model, HasHiddenMatrices):
+        raise ModelDescriptionError(
+            f"muon: {type(model).__name__} does not say which of its parameters are hidden matrices "
+            "(hidden_matrices(), titan_parallel.HasHiddenMatrices); use optimizer.name = 'AdamW'"
+        )
+    matrices = model.hidden_matrices()
+    by_depth: dict[int, list[nn.Parameter]] = {}
+    rest: list[nn.Parameter] = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if name in matrices:
+            by_depth.setdefault(matrices[name], []).append(p)
+        else:
+            rest.append(p)
+    groups = [{"params": ps, "muon": True, "stacked": d, **muon} for d, ps in sorted(by_depth.items())]
+    if rest:
+        groups.append({"params": rest, "muon": False, **adamw})
+    return groups

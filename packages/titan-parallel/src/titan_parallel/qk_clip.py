@@ -1,0 +1,71 @@
+"""QK-clip (Kimi K2's MuonClip): after an optimizer step, shrink the query and key rows of every
+attention head whose largest pre-softmax logit in that step exceeded `tau`.
+
+For head h with S_h = max over the step's batch of q_h . k_h / sqrt(head_dim) and S_h > tau, Kimi K2
+(arXiv 2507.20534, section 2.1) sets gamma_h = tau / S_h and multiplies the head's query rows and key
+rows each by sqrt(gamma_h), so that its logits scale by gamma_h and the largest one, on that batch,
+becomes tau. Heads at or under tau are left alone. (For MLA, K2 scales the head-specific parts q_C, k_C
+by sqrt(gamma) and the rotary query q_R by gamma, leaving the shared rotary key k_R alone; models with
+MLA do not answer `HasQueryKeyHeads`, so they are refused.)
+
+With grouped-query attention a key head serves several query heads, so one key scale cannot give each
+its own gamma. Here the key head g scales by sqrt(min gamma over its query heads) and each query head h
+by gamma_h / sqrt(that minimum): every head's logits still scale by exactly its gamma_h, heads at or
+under tau keep theirs, and with one key head per query head it is K2's rule.
+
+The peaks are taken over every rank that saw other tokens (`group`, data and context parallel ranks);
+heads must be whole on each rank (no tensor parallelism), which the caller checks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from titan_parallel.protocols import HasQueryKeyHeads
+
+
+def clip_query_key(
+    model: HasQueryKeyHeads, tau: float, group: dist.ProcessGroup | None = None
+) -> list[tuple[str, int, float]]:
+    """Apply QK-clip to every attention of `model` from the logits recorded since the last call, then
+    restart the recording. Returns (attention FQN, head, its largest logit) for each head clipped."""
+    heads = model.query_key_heads()
+    if not heads:
+        return []
+    peaks = torch.cat([logits.float() for _, _, logits in heads.values()])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+    clipped = []
+    offset = 0
+    for name, (wq, wk, logits) in heads.items():
+        n = logits.numel()
+        peak = peaks[offset : offset + n]
+        offset += n
+        logits.fill_(-torch.inf)
+        over = peak > tau
+        if not bool(over.any()):
+            continue
+        gamma = torch.where(over, tau / peak, torch.ones_like(peak))
+        head_dim = wq.shape[0] // n
+        kv_heads = wk.shape[0] // head_dim
+        key_gamma = gamma.view(kv_heads, -1).amin(dim=1)
+        query_scale = gamma / key_gamma.repeat_interleave(n // kv_heads).sqrt()
+        _scale_rows(wq, query_scale.repeat_interleave(head_dim))
+        _scale_rows(wk, key_gamma.sqrt().repeat_interleave(head_dim))
+        clipped += [(name, int(h), float(peak[h])) for h in over.nonzero().flatten()]
+    return clipped
+
+
+@torch.no_grad()
+def _scale_rows(weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """weight[r, :] *= scale[r], for a plain tensor or a DTensor of any layout (the scale is whole on
+    every rank, so each takes its own part of it without communication)."""
+    factor = scale.to(weight.dtype)[:, None].expand(weight.shape).contiguous()
+    if isinstance(weight, DTensor):
+        mesh = weight.device_mesh
+        whole = DTensor.from_local(factor.to(weight.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
+        weight.mul_(whole.redistribute(mesh, weight.placements))
+    else:
+        weight.mul_(factor.to(weight.device))

@@ -1,0 +1,57 @@
+"""(Titan) The [optimizer.muon] section: the settings of Muon's group, read when optimizer.name = "Muon".
+
+Names follow `torch.optim.Muon`'s arguments; the parameters Muon does not train (embedding, output
+head, norms, biases, MoE routers) take AdamW's settings from [optimizer] (lr, beta1, beta2, eps,
+weight_decay). `qk_clip_tau` is Kimi K2's QK-clip threshold (MuonClip).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_train.config.fields import opt
+from titan_train.errors import ConfigError
+
+
+def _three_numbers(value: list[float]) -> None:
+    if len(value) != 3:
+        raise ConfigError(
+            f"config: optimizer.muon.ns_coefficients has {len(value)} numbers; give three (a, b, c), "
+            "e.g. 3.4445,-4.775,2.0315"
+        )
+
+
+@dataclass
+class MuonSettings:
+    lr: float | None = opt(
+        None, "(Titan) Muon's learning rate before adjust_lr_fn; None: optimizer.lr", minimum=0, maximum=1.0
+    )
+    weight_decay: float | None = opt(
+        None, "(Titan) Muon's decoupled weight decay; None: optimizer.weight_decay", minimum=0, maximum=10.0
+    )
+    momentum: float = opt(
+        0.95, "(Titan) Muon's momentum factor (torch.optim.Muon's momentum)", minimum=0, below=1
+    )
+    nesterov: bool = opt(
+        True, "(Titan) Orthogonalise the Nesterov look-ahead of the momentum, not the momentum"
+    )
+    ns_steps: int = opt(5, "(Titan) Newton-Schulz iterations per matrix", minimum=1, maximum=99)
+    ns_coefficients: list[float] = opt(
+        [3.4445, -4.775, 2.0315],
+        "(Titan) Newton-Schulz polynomial coefficients (a, b, c): three numbers",
+        check=_three_numbers,
+    )
+    eps: float = opt(1e-7, "(Titan) Floor of the Frobenius norm a matrix is divided by", above=0, maximum=1.0)
+    adjust_lr_fn: str = opt(
+        "original",
+        "(Titan) Learning rate per matrix: original (x sqrt(max(1, rows/cols))) or match_rms_adamw "
+        "(x 0.2 sqrt(max(rows, cols)), AdamW's lr and weight decay carry over)",
+        choices=("original", "match_rms_adamw"),
+    )
+    qk_clip_tau: float | None = opt(
+        None,
+        "(Titan) QK-clip (Kimi K2): after each step, scale the query and key rows of every attention head whose "
+        "largest logit exceeded this by sqrt(tau / logit); None: off. Llama-family attention, no tensor parallelism",
+        above=0,
+        maximum=1e6,
+    )

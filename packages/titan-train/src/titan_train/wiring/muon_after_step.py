@@ -1,0 +1,94 @@
+"""What follows a Muon step: Kimi K2's QK-clip (optimizer.muon.qk_clip_tau) and the log line of where the
+optimizer step's time went (Newton-Schulz, and gathering the sharded matrices whole for it).
+
+QK-clip reads the largest attention logit per head that the model kept during the step's forward
+passes (`titan_parallel.HasQueryKeyHeads`), the largest over the data-parallel ranks, and scales the
+query and key rows of the heads above tau (`titan_parallel.clip_query_key`). It needs every head whole
+on a rank and every key a query attends to in the rank's own forward: tensor and context parallelism
+split those, so they are refused at start, as are models whose logits are not plain q.k of linear
+projections (a norm after the projection, MLA).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from titan_parallel import HasQueryKeyHeads, Muon, ParallelDims, clip_query_key
+from titan_train.config import JobConfig
+from titan_train.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class MuonAfterStep:
+    """QK-clip after each applied step, where asked; Muon's time shares at each logged step."""
+
+    def __init__(self, config: JobConfig, parts: list[nn.Module], optimizers: list, dims: ParallelDims):
+        self.tau = config.optimizer.muon.qk_clip_tau
+        self.parts = parts
+        self.optimizers = [o for o in optimizers if isinstance(o, Muon)]
+        self.group = None
+        if self.tau is None:
+            return
+        where = "config: optimizer.muon.qk_clip_tau"
+        if config.optimizer.name != "Muon":
+            raise ConfigError(
+                f"{where} is Muon's QK-clip (MuonClip); set optimizer.name = 'Muon' or unset it"
+            )
+        for degree, name in ((dims.tp, "tensor"), (dims.cp, "context")):
+            if degree > 1:
+                raise ConfigError(
+                    f"{where}: QK-clip needs each attention head and its keys whole on a rank, and {name} "
+                    f"parallelism ({degree}) splits them; unset qk_clip_tau or train without {name} parallelism"
+                )
+        for part in parts:
+            if not isinstance(part, HasQueryKeyHeads):
+                raise ConfigError(
+                    f"{where}: {config.model.name}'s attention logits are not q.k of plain linear projections "
+                    "(a norm after them, or MLA), so scaling rows cannot clip them; QK-clip supports the "
+                    "Llama family; unset qk_clip_tau"
+                )
+            part.record_max_logits(True)
+        dp = dims.submesh("dp")
+        self.group = dp.get_group() if dp is not None else None
+
+    def after_step(self, step: int, applied: bool, log: bool) -> None:
+        """Clip after an applied step (else only restart the logits' record); log Muon's time at `log` steps."""
+        if self.tau is not None:
+            for part in self.parts:
+                if applied:
+                    self._log_clipped(step, clip_query_key(part, self.tau, self.group))
+                else:
+                    for _, _, logits in part.query_key_heads().values():
+                        logits.fill_(-torch.inf)
+        if log and self.optimizers:
+            self._log_time(step)
+
+    def _log_clipped(self, step: int, clipped: list[tuple[str, int, float]]) -> None:
+        if not clipped:
+            return
+        heads = ", ".join(f"{name} head {head} ({logit:.1f})" for name, head, logit in clipped)
+        logger.info(
+            "qk-clip: step %d: %d heads above tau %g scaled to it: %s", step, len(clipped), self.tau, heads
+        )
+
+    def _log_time(self, step: int) -> None:
+        step_s = sum(o.timing.step_s for o in self.optimizers)
+        ns_s = sum(o.timing.newton_schulz_s for o in self.optimizers)
+        gather_s = sum(o.timing.gather_s for o in self.optimizers)
+        gathered = sum(o.timing.gathered_bytes for o in self.optimizers)
+        total = max(step_s, 1e-12)
+        logger.info(
+            "muon: to step %d: optimizer steps %.3f s, Newton-Schulz %.0f%%, gathering matrices whole %.0f%% "
+            "(%.1f MB gathered)",
+            step,
+            step_s,
+            100 * ns_s / total,
+            100 * gather_s / total,
+            gathered / 1e6,
+        )
+        for optimizer in self.optimizers:
+            optimizer.timing.reset()
