@@ -12,6 +12,7 @@ import shutil
 import pytest
 from tiny_llama import from_hf_flags, save_tiny_llama
 
+import titan_train.trainer as trainer_module
 from titan_data import PreferenceDataset, build_tokenizer, load_chat_template, load_pairs
 from titan_train.config import load_job_config
 from titan_train.plan import resolve
@@ -135,6 +136,45 @@ def test_a_killed_run_resumes_with_the_same_losses_and_reference(tmp_path, model
         tmp_path / "straight" / "checkpoint" / "step-2", tmp_path / "killed" / "checkpoint" / "step-2"
     )
     resumed = _run(model_folder, data, tmp_path / "killed", one_rank, *flags)
+    assert [r["step"] for r in resumed] == [3, 4]
+    for got, want in zip(resumed, straight[2:], strict=True):
+        for key in KEYS:
+            assert got[key] == want[key], key
+
+
+def test_precomputed_reference_equals_the_frozen_copy_and_resumes_without_a_second_pass(
+    tmp_path, model_folder, data, one_rank, monkeypatch
+):
+    """`reference = "precompute"`: every pair's reference log-probs computed once before step 1 and read by
+    the pair's dataset index give the steps the frozen copy gives (2 pairs a micro-batch, two streams, so a
+    window's pairs are not the dataset's in order); no frozen copy is built; a run killed after step 2
+    resumes steps 3-4 bit for bit from the table in its checkpoint, with no second pass."""
+    passes = []
+    real_pass = trainer_module.precompute_reference
+    monkeypatch.setattr(
+        trainer_module, "precompute_reference", lambda *a, **k: passes.append(1) or real_pass(*a, **k)
+    )
+    built = []
+    real_build = trainer_module.build_reference
+    monkeypatch.setattr(
+        trainer_module, "build_reference", lambda *a: built.append(out := real_build(*a)) or out
+    )
+    flags = (
+        "--training.local_batch_size", "2", "--sft.packing", "false",
+        "--training.dataloader.num_streams", "2", "--checkpoint.interval", "2",
+    )  # fmt: skip
+    copy = _run(model_folder, data, tmp_path / "copy", one_rank, *flags, "--preference.reference", "copy")
+    assert passes == [] and built[-1] is not None
+    precompute = ("--preference.reference", "precompute")
+    straight = _run(model_folder, data, tmp_path / "straight", one_rank, *flags, *precompute)
+    assert passes == [1] and built[-1] is None  # one pass, no frozen copy
+    _assert_same_steps(straight, copy, rel=1e-6)
+    assert straight[-1]["rewards/margins"] > 0
+    shutil.copytree(
+        tmp_path / "straight" / "checkpoint" / "step-2", tmp_path / "killed" / "checkpoint" / "step-2"
+    )
+    resumed = _run(model_folder, data, tmp_path / "killed", one_rank, *flags, *precompute)
+    assert passes == [1]  # the table came back from the checkpoint
     assert [r["step"] for r in resumed] == [3, 4]
     for got, want in zip(resumed, straight[2:], strict=True):
         for key in KEYS:
