@@ -8,6 +8,7 @@ the pairs are the first 8 of the bundled preference file (TRL's three layouts)."
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from tiny_llama import from_hf_flags, save_tiny_llama
@@ -16,6 +17,7 @@ import titan_train.trainer as trainer_module
 from titan_data import PreferenceDataset, build_tokenizer, load_chat_template, load_pairs
 from titan_train.config import load_job_config
 from titan_train.plan import resolve
+from titan_train.torchrun import run_torchrun
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
 from titan_train.wiring.lora_export import PEFT_FOLDER, PEFT_WEIGHTS
@@ -179,3 +181,23 @@ def test_precomputed_reference_equals_the_frozen_copy_and_resumes_without_a_seco
     for got, want in zip(resumed, straight[2:], strict=True):
         for key in KEYS:
             assert got[key] == want[key], key
+
+
+@pytest.mark.slow
+def test_precomputed_reference_under_fsdp_2_equals_the_frozen_copy(tmp_path, model_folder, data):
+    """Two gloo ranks, FSDP 2: the pass over the 8 pairs in batches of 3 gives rank 0 two batches and rank
+    1 one (it repeats one, dropped, so the sharded layers' gathers meet); the summed table gives the
+    frozen copy's steps."""
+    worker = Path(__file__).parent / "workers" / "preference_precompute.py"
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    result = run_torchrun(
+        str(worker), str(model_folder), str(data), str(tmp_path), nproc=2, timeout=600, env=env
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    runs = json.loads((tmp_path / "result.json").read_text())
+    assert runs["copy"]["copy_built"] and not runs["precompute"]["copy_built"]
+    copy, precompute = ([json.loads(line) for line in runs[k]["metrics"].splitlines()] for k in runs)
+    assert len(copy) == 3 and copy[-1]["rewards/margins"] != 0
+    for got, want in zip(precompute, copy, strict=True):
+        for key in KEYS:
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
