@@ -113,6 +113,10 @@ def test_lora_reference_with_adapters_off_trains_as_a_frozen_copy(tmp_path, mode
     )
     _assert_same_steps(off, copy, rel=1e-6)
     assert off[-1]["rewards/margins"] > off[0]["rewards/margins"]
+    precompute = _run(
+        model_folder, data, tmp_path / "pre", one_rank, *LORA, *batch, "--preference.reference", "precompute"
+    )
+    _assert_same_steps(precompute, off, rel=1e-6)  # the pass ran the base with adapters off
     qlora = _run(
         model_folder,
         data,
