@@ -77,31 +77,38 @@ def precompute_reference(
         infinite=False,
         pair_index=True,
     )
-    batches = list(whole.batches(batch_size))
-    mine = batches[dp_rank::dp_degree]
-    rounds = math.ceil(len(batches) / dp_degree)
     device, seq_len = table.logps.device, dataset.seq_len
+
+    def run(batch, keep: bool) -> None:
+        numbered, pairs = global_sequences(batch[3])
+        inputs, labels, positions, numbered, pair = (
+            t.to(device).reshape(-1, seq_len) for t in (*batch[:3], numbered, batch[4])
+        )
+        with context():
+            logps = sequence_logps(forward(inputs, positions), labels, numbered, 2 * pairs)
+        if keep:
+            index = torch.zeros(pairs, dtype=torch.int64, device=device)
+            placed = numbered >= 0
+            index[numbered[placed] // 2] = pair[placed]
+            table.logps[index] = logps.sums.view(pairs, 2)
+
+    # Streamed, not listed: a whole padded dataset's windows would not fit in host memory.
+    first, total, taken = None, 0, 0
     with torch.no_grad(), contextlib.ExitStack() as stack:
         for part in parts:
             stack.enter_context(adapters_off(part))
-        for i in range(rounds):
-            batch = mine[i] if i < len(mine) else batches[0]
-            numbered, pairs = global_sequences(batch[3])
-            inputs, labels, positions, numbered, pair = (
-                t.to(device).reshape(-1, seq_len) for t in (*batch[:3], numbered, batch[4])
-            )
-            with context():
-                logps = sequence_logps(forward(inputs, positions), labels, numbered, 2 * pairs)
-            if i < len(mine):
-                index = torch.zeros(pairs, dtype=torch.int64, device=device)
-                placed = numbered >= 0
-                index[numbered[placed] // 2] = pair[placed]
-                table.logps[index] = logps.sums.view(pairs, 2)
+        for number, batch in enumerate(whole.batches(batch_size)):
+            first, total = first if first is not None else batch, total + 1
+            if number % dp_degree == dp_rank:
+                run(batch, keep=True)
+                taken += 1
+        for _ in range(math.ceil(total / dp_degree) - taken):
+            run(first, keep=False)  # dropped: this rank meets the others' last forward
     if group is not None:
         dist.all_reduce(table.logps, group=group)
     logger.info(
         "preference: reference log-probs of %d pairs computed in one pass (%d batches, %.1f s)",
         len(dataset.pairs),
-        len(batches),
+        total,
         time.perf_counter() - start,
     )
