@@ -15,6 +15,7 @@ from titan_train.registry import model_family_names
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "apps" / "configs").glob("*.toml"))
+PUBLISHED = REPO / "packages/titan-train/tests/published_configs"
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
@@ -192,3 +193,29 @@ def test_the_8b_sft_config_passes_the_start_checks_for_one_node_and_refuses_cont
     assert run(["check", "--ngpu", "8", *config, *paths, *cp]) == 2
     (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert "context_parallel_degree = 2" in line and "ring attention is causal only" in line
+
+
+@pytest.mark.parametrize(
+    ("config", "published", "lora"),
+    [("llama3_8b_dpo", "Llama-3.1-8B", False), ("llama3_70b_qlora_dpo", "Llama-3.1-70B", True)],
+)
+def test_the_dpo_configs_start_from_a_hugging_face_folder_and_pass_the_start_checks_on_8_gpus(
+    tmp_path, config, published, lora
+):
+    """The 8B DPO and 70B QLoRA DPO configs as a user launches them (a preference set named by its hub id,
+    the model's shape and weights from a Hugging Face folder: flavor from_hf, initial_load_in_hf):
+    `titan-train check --ngpu 8` passes every start-up check on a folder holding the published config.json;
+    so does the 8B with its reference precomputed."""
+    assets = tmp_path / published
+    assets.mkdir()
+    (assets / "config.json").write_text((PUBLISHED / f"{published}.json").read_text())
+    flags = ["--job.config_file", str(REPO / "apps/configs" / f"{config}.toml"), "--model.hf_assets_path"]
+    flags += [str(assets), "--checkpoint.initial_load_path", str(assets)]
+    assert run(["check", "--ngpu", "8", *flags]) == 0
+    c = load_job_config(flags)
+    assert (c.training.dataset, c.training.dataset_path) == ("preference", "trl-lib/ultrafeedback_binarized")
+    assert c.model.flavor == "from_hf" and c.checkpoint.enable and c.checkpoint.initial_load_in_hf
+    assert c.parallelism.data_parallel_shard_degree in (-1, 8)
+    assert (c.model.converters == ["lora"] and c.lora.quantize_base == "nf4") == lora
+    if not lora:
+        assert run(["check", "--ngpu", "8", *flags, "--preference.reference", "precompute"]) == 0

@@ -64,8 +64,9 @@ STUB_EXTRA = {
 }
 
 
-# What the docs' commands name as the user's own files: the bundled chat file for a user's chat data, and a
-# tiny instruct model saved by transformers (tests/fixtures/hf_instruct.py) for a model downloaded from the hub.
+# What the docs' commands name as the user's own files: the bundled chat and preference files for a user's
+# chat and preference data, and a tiny instruct model saved by transformers (tests/fixtures/hf_instruct.py)
+# for a model downloaded from the hub.
 USER_FILES = {
     "data/train.jsonl": REPO
     / "packages"
@@ -75,6 +76,14 @@ USER_FILES = {
     / "assets"
     / "chat_test"
     / "chat_test.jsonl",
+    "data/pairs.jsonl": REPO
+    / "packages"
+    / "titan-data"
+    / "src"
+    / "titan_data"
+    / "assets"
+    / "preference_test"
+    / "preference_test.jsonl",
     "Llama-3.1-8B-Instruct": None,  # made once per run, in the scratch root
 }
 

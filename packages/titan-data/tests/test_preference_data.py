@@ -146,3 +146,27 @@ def test_pairs_are_dealt_to_streams_and_resume_exactly(template, llama3_tokenize
     for a, b in zip(_windows(resumed, 3), after, strict=True):
         np.testing.assert_array_equal(a, b)
     assert len(first) == 5
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_fifth_row_keys_each_position_by_its_pairs_index_in_the_dataset(
+    template, llama3_tokenizer, packing
+):
+    """With pair_index, over 3 streams (pair i in stream i % 3, so windows do not follow the list's order),
+    every sequence's positions hold the index in `pairs` of the pair whose tokens they are, -1 on padding;
+    each pair appears once in a pass. The first four rows are the windows without it."""
+    pairs = load_pairs(BUNDLED, template, llama3_tokenizer, 128, packing=packing)
+    keyed = PreferenceDataset(pairs, 128, packing=packing, infinite=False, pair_index=True,
+                              streams=StreamLayout(0, 1, 3))  # fmt: skip
+    plain = PreferenceDataset(pairs, 128, packing=packing, infinite=False, streams=StreamLayout(0, 1, 3))
+    seen = []
+    for window, without in zip(keyed.windows(), plain.windows(), strict=True):
+        inputs, _, _, sequence, index = window
+        np.testing.assert_array_equal(window[:4], without)
+        assert ((index == -1) == (sequence == NO_SEQUENCE)).all()
+        for k in range(0, int(sequence.max()) + 1, 2):
+            (i,) = set(index[sequence == k].tolist()) | set(index[sequence == k + 1].tolist())
+            np.testing.assert_array_equal(inputs[sequence == k], pairs[i].chosen.inputs)
+            np.testing.assert_array_equal(inputs[sequence == k + 1], pairs[i].rejected.inputs)
+            seen.append(i)
+    assert sorted(seen) == list(range(len(pairs))) and (seen != sorted(seen)) == packing

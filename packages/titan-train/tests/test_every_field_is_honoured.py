@@ -1235,8 +1235,9 @@ PROBES: dict[str, Probe] = {
     ),
     "preference.reference": Probe(
         ("--preference.reference", "precompute"),
-        refusal=r"preference\.reference = 'precompute' is not available yet",
+        logged("reference log-probs of"),
         base=PREFERENCE,
+        train=True,
         prepare=preference_files,
     ),
     "sft.format": Probe(("--sft.format", "prompt_completion"), chat_batch, base=CHAT, prepare=chat_files),

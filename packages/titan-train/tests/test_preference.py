@@ -8,13 +8,16 @@ the pairs are the first 8 of the bundled preference file (TRL's three layouts)."
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from tiny_llama import from_hf_flags, save_tiny_llama
 
+import titan_train.trainer as trainer_module
 from titan_data import PreferenceDataset, build_tokenizer, load_chat_template, load_pairs
 from titan_train.config import load_job_config
 from titan_train.plan import resolve
+from titan_train.torchrun import run_torchrun
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
 from titan_train.wiring.lora_export import PEFT_FOLDER, PEFT_WEIGHTS
@@ -110,6 +113,10 @@ def test_lora_reference_with_adapters_off_trains_as_a_frozen_copy(tmp_path, mode
     )
     _assert_same_steps(off, copy, rel=1e-6)
     assert off[-1]["rewards/margins"] > off[0]["rewards/margins"]
+    precompute = _run(
+        model_folder, data, tmp_path / "pre", one_rank, *LORA, *batch, "--preference.reference", "precompute"
+    )
+    _assert_same_steps(precompute, off, rel=1e-6)  # the pass ran the base with adapters off
     qlora = _run(
         model_folder,
         data,
@@ -139,3 +146,62 @@ def test_a_killed_run_resumes_with_the_same_losses_and_reference(tmp_path, model
     for got, want in zip(resumed, straight[2:], strict=True):
         for key in KEYS:
             assert got[key] == want[key], key
+
+
+def test_precomputed_reference_equals_the_frozen_copy_and_resumes_without_a_second_pass(
+    tmp_path, model_folder, data, one_rank, monkeypatch
+):
+    """`reference = "precompute"`: every pair's reference log-probs computed once before step 1 and read by
+    the pair's dataset index give the steps the frozen copy gives (2 pairs a micro-batch, two streams, so a
+    window's pairs are not the dataset's in order); no frozen copy is built; a run killed after step 2
+    resumes steps 3-4 bit for bit from the table in its checkpoint, with no second pass."""
+    passes = []
+    real_pass = trainer_module.precompute_reference
+    monkeypatch.setattr(
+        trainer_module, "precompute_reference", lambda *a, **k: passes.append(1) or real_pass(*a, **k)
+    )
+    built = []
+    real_build = trainer_module.build_reference
+    monkeypatch.setattr(
+        trainer_module, "build_reference", lambda *a: built.append(out := real_build(*a)) or out
+    )
+    flags = (
+        "--training.local_batch_size", "2", "--sft.packing", "false",
+        "--training.dataloader.num_streams", "2", "--checkpoint.interval", "2",
+    )  # fmt: skip
+    copy = _run(model_folder, data, tmp_path / "copy", one_rank, *flags, "--preference.reference", "copy")
+    assert passes == [] and built[-1] is not None
+    precompute = ("--preference.reference", "precompute")
+    straight = _run(model_folder, data, tmp_path / "straight", one_rank, *flags, *precompute)
+    assert passes == [1] and built[-1] is None  # one pass, no frozen copy
+    _assert_same_steps(straight, copy, rel=1e-6)
+    assert straight[-1]["rewards/margins"] > 0
+    shutil.copytree(
+        tmp_path / "straight" / "checkpoint" / "step-2", tmp_path / "killed" / "checkpoint" / "step-2"
+    )
+    resumed = _run(model_folder, data, tmp_path / "killed", one_rank, *flags, *precompute)
+    assert passes == [1]  # the table came back from the checkpoint
+    assert [r["step"] for r in resumed] == [3, 4]
+    for got, want in zip(resumed, straight[2:], strict=True):
+        for key in KEYS:
+            assert got[key] == want[key], key
+
+
+@pytest.mark.slow
+def test_precomputed_reference_under_fsdp_2_equals_the_frozen_copy(tmp_path, model_folder, data):
+    """Two gloo ranks, FSDP 2: the pass over the 8 pairs in batches of 3 gives rank 0 two batches and rank
+    1 one (it repeats one, dropped, so the sharded layers' gathers meet); the summed table gives the
+    frozen copy's steps."""
+    worker = Path(__file__).parent / "workers" / "preference_precompute.py"
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    result = run_torchrun(
+        str(worker), str(model_folder), str(data), str(tmp_path), nproc=2, timeout=600, env=env
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    runs = json.loads((tmp_path / "result.json").read_text())
+    assert runs["copy"]["copy_built"] and not runs["precompute"]["copy_built"]
+    copy, precompute = ([json.loads(line) for line in runs[k]["metrics"].splitlines()] for k in runs)
+    assert len(copy) == 3 and copy[-1]["rewards/margins"] != 0
+    for got, want in zip(precompute, copy, strict=True):
+        for key in KEYS:
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from titan_ckpt import ModelState, OptimizerState
 from titan_parallel import clip_grad_norm_, precompute_float8_scales, training_context
 from titan_train.config import config_to_dict
+from titan_train.config.preference_section import REFERENCE_FREE
 from titan_train.distributed import DistInfo
 from titan_train.faults.data_outage import StepBatches, stop_on_data_outage
 from titan_train.faults.drills import FaultDrills
@@ -45,6 +46,7 @@ from titan_train.wiring.muon_after_step import MuonAfterStep
 from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
 from titan_train.wiring.precision import forward_context
+from titan_train.wiring.preference_reference import PrecomputedReference, precompute_reference
 from titan_train.wiring.preference_step import (
     PreferenceStep,
     build_reference,
@@ -122,8 +124,10 @@ class Trainer:
             plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed, drill=drills.loss_with_drill
         )
         self.model_parts, self.pipeline, self.parallel_options = built.parts, built.pipeline, plan.options
-        self.preference, self.reference_parts = None, None
+        self.preference, self.reference_parts, self.reference_logps = None, None, None
         if config.training.dataset == "preference":
+            if config.preference.reference == "precompute" and config.preference.loss not in REFERENCE_FREE:
+                self.reference_logps = PrecomputedReference(len(self.loader.packed.pairs), self.device)
             self.reference_parts = build_reference(
                 config,
                 lora_enabled(config),
@@ -138,6 +142,7 @@ class Trainer:
                 seq_len=config.training.seq_len,
                 dp_degree=self.dims.dp_degree,
                 group=dp.get_group() if dp is not None else None,
+                precomputed=self.reference_logps,
             )
         self.guard = StepGuard(
             config.health,
@@ -205,6 +210,7 @@ class Trainer:
                 "dataloader": self.loader,
                 "train_state": self.state,
                 **({"reference": ModelState(self.reference_parts)} if self.reference_parts else {}),
+                **({"reference_logps": self.reference_logps} if self.reference_logps else {}),
             },
             model_args=built.args,
         )
@@ -259,9 +265,24 @@ class Trainer:
 
     def _start_reference(self) -> None:
         """Preference tuning from step 0: the reference takes the starting weights, now loaded (a resumed
-        run loaded the reference with the checkpoint)."""
-        if self.reference_parts is not None and self.state.step == 0:
+        run loaded the reference with the checkpoint), or gives its log-probs of every pair, computed now."""
+        if self.state.step != 0:
+            return
+        if self.reference_parts is not None:
             copy_starting_weights(self.reference_parts, self.model_parts)
+        if self.reference_logps is not None:
+            dp = self.dims.submesh("dp")
+            precompute_reference(
+                self.reference_logps,
+                self.loader.packed,
+                self.model_parts,
+                self._model_forward,
+                self.forward_context,
+                batch_size=self.config.training.local_batch_size,
+                dp_rank=self.dp_rank,
+                dp_degree=self.dp_degree,
+                group=dp.get_group() if dp is not None else None,
+            )
 
     def _quantize_base(self) -> None:
         """QLoRA: the base, now loaded, into NF4 (see `titan_train.wiring.qlora`)."""
@@ -320,7 +341,9 @@ class Trainer:
             tokens += labels.numel()  # counted before context parallelism keeps a slice of the sequence
             trained += (labels != IGNORE_INDEX).sum()  # no host sync: read when the step is logged
             if self.preference is not None:
-                loss_sum += self.preference.forward_backward(inputs, labels, *positions, self.forward_context)
+                loss_sum += self.preference.forward_backward(
+                    inputs, labels, *positions, context=self.forward_context
+                )
                 continue
             loss_sum += self._forward_backward(inputs, labels, *positions)
         parameters = [p for part in self.model_parts for p in part.parameters()]

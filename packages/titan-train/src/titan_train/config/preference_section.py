@@ -48,7 +48,9 @@ class Preference:
         "auto",
         "(Titan) Reference log-probs: auto (under LoRA/QLoRA the policy with its adapters switched off, else "
         "a frozen copy of the starting weights built and sharded like the policy), copy (always the frozen "
-        "copy), precompute (not available yet: refused at start); simpo and orpo load none",
+        "copy), precompute (every pair's log-probs computed once before step 1 by the starting weights, "
+        "kept by pair and saved with the checkpoint: no reference model while training); simpo and orpo "
+        "load none",
         choices=("auto", "copy", "precompute"),
     )
 
@@ -59,11 +61,6 @@ def check_preference(config) -> None:
     p = config.preference
     if config.training.dataset != "preference":
         return
-    if p.reference == "precompute":
-        raise ConfigError(
-            "config: preference.reference = 'precompute' is not available yet; use 'auto' (a frozen copy, or "
-            "the base with adapters off under LoRA) or 'copy'"
-        )
     par = config.parallelism
     split = {
         name: degree

@@ -108,6 +108,7 @@ def _dataset(config: JobConfig, section, tokenizer: Tokenizer, *, infinite: bool
             streams=layout,
             infinite=infinite and not finite,
             name=str(section.dataset_path),
+            pair_index=config.preference.reference == "precompute",  # precomputed log-probs' key
         )
     if is_chat(data):
         examples, name = _chat_examples(config, section, tokenizer)

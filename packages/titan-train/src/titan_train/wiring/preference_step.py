@@ -46,8 +46,8 @@ def global_sequences(sequence: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 class PreferenceStep:
     """The preference loss of a run: `begin_step` counts, `forward_backward` per micro-batch, `end_step`
-    gathers the metrics. `reference` is a frozen model built like the policy (None: adapters off, or a
-    reference-free loss)."""
+    gathers the metrics. `reference` is a frozen model built like the policy (None: adapters off, log-probs
+    computed before step 1 into `precomputed`, or a reference-free loss)."""
 
     def __init__(
         self,
@@ -59,7 +59,9 @@ class PreferenceStep:
         seq_len: int,
         dp_degree: int,
         group: dist.ProcessGroup | None,
+        precomputed=None,
     ):
+        self.precomputed = precomputed  # a PrecomputedReference, read by each pair's dataset index
         self.p, self.parts, self.reference, self.forward = config.preference, parts, reference, forward
         self.seq_len, self.dp_degree, self.group = seq_len, dp_degree, group
         self.needs_reference = self.p.loss not in REFERENCE_FREE
@@ -70,9 +72,9 @@ class PreferenceStep:
             )
 
     def begin_step(self, step_batches: list[tuple[torch.Tensor, ...]]) -> None:
-        pairs = sum(int(((seq.amax(dim=1) + 1) // 2).sum()) for *_, seq in step_batches)
+        pairs = sum(int(((seq.amax(dim=1) + 1) // 2).sum()) for _, _, _, seq, *_ in step_batches)
         chosen_tokens = 0
-        for _, labels, _, seq in step_batches:
+        for _, labels, _, seq, *_ in step_batches:
             chosen_tokens += int(((labels != IGNORE_INDEX) & (seq >= 0) & (seq % 2 == 0)).sum())
         counts = torch.tensor([pairs, chosen_tokens], dtype=torch.float64, device=step_batches[0][0].device)
         if self.group is not None:
@@ -81,7 +83,7 @@ class PreferenceStep:
         self.sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=counts.device)
 
     def _reference_logps(self, inputs, labels, positions, sequence, n):
-        if not self.needs_reference:
+        if not self.needs_reference or self.precomputed is not None:
             return None
         with torch.no_grad():
             if self.reference is not None:
@@ -93,14 +95,17 @@ class PreferenceStep:
                     logits = self.forward(inputs, positions)
             return sequence_logps(logits, labels, sequence, n)
 
-    def forward_backward(self, inputs, labels, positions, sequence, context) -> torch.Tensor:
-        """This micro-batch's share of the step's loss, backpropagated; returned detached."""
+    def forward_backward(self, inputs, labels, positions, sequence, pair=None, *, context) -> torch.Tensor:
+        """This micro-batch's share of the step's loss, backpropagated; returned detached. `pair`: each
+        position's pair's index in the dataset, where the reference log-probs were precomputed."""
         sequence, pairs = global_sequences(sequence)
         rows = [t.reshape(-1, self.seq_len) for t in (inputs, labels, positions, sequence)]
         inputs, labels, positions, sequence = rows
         with context():
             reference = self._reference_logps(inputs, labels, positions, sequence, 2 * pairs)
             policy = sequence_logps(self.forward(inputs, positions), labels, sequence, 2 * pairs)
+            if self.needs_reference and self.precomputed is not None:
+                reference = self.precomputed.lookup(pair.reshape(sequence.shape), sequence, policy.counts)
             out = pair_losses(
                 self.p.loss,
                 policy,
@@ -135,10 +140,11 @@ def build_reference(
 ) -> list[nn.Module] | None:
     """The frozen reference model's parts, built by `build` (the run's own model builder, so it is
     sharded like the policy), or None where there is none to build: a reference-free loss, or LoRA with
-    `reference = "auto"` (the policy with adapters off). Its weights are the policy's starting weights,
+    `reference = "auto"` (the policy with adapters off), or `"precompute"` (log-probs computed before
+    step 1 by the policy itself, see preference_reference). Its weights are the policy's starting weights,
     copied in by `copy_starting_weights` once they are loaded."""
     p = config.preference
-    if p.loss in REFERENCE_FREE or (lora and p.reference == "auto"):
+    if p.loss in REFERENCE_FREE or (lora and p.reference == "auto") or p.reference == "precompute":
         return None
     parts = build()
     for part in parts:
