@@ -38,7 +38,9 @@ class MuonSettings:
     ns_steps: int = opt(5, "(Titan) Newton-Schulz iterations per matrix", minimum=1, maximum=99)
     ns_coefficients: list[float] = opt(
         [3.4445, -4.775, 2.0315],
-        "(Titan) Newton-Schulz polynomial coefficients (a, b, c): three numbers",
+        "(Titan) Newton-Schulz polynomial coefficients (a, b, c): three numbers, each within [-100, 100]",
+        minimum=-100.0,
+        maximum=100.0,
         check=_three_numbers,
     )
     eps: float = opt(1e-7, "(Titan) Floor of the Frobenius norm a matrix is divided by", above=0, maximum=1.0)
