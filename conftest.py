@@ -43,6 +43,13 @@ LONGEST_FIRST = (
     "packages/titan-train/tests/test_lora_checkpoints.py",  # 61
     "tests/test_hf_export_layouts.py",  # 59
     "tests/test_apps.py",  # 56
+    # new on 2026-11-28, estimated from single runs under load
+    "tests/test_start_from_hf.py",  # ~150
+    "packages/titan-train/tests/test_muon_commands.py",  # ~120
+    "tests/test_fine_tune_numbers.py",  # ~100
+    "packages/titan-train/tests/test_preference.py",  # ~100
+    "packages/titan-train/tests/test_data_choices.py",  # ~75
+    "tests/test_hf_export_drop_in.py",  # ~60
 )
 
 

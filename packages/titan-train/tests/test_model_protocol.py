@@ -3,7 +3,7 @@
 The scan reads titan_train's source and looks at every attribute taken of an expression that holds a
 model: a name `model`, `part` or `model_part`, an item of `parts` / `model_parts` (`built.parts[0]`),
 or `self.model` / `loaded.model`. Each attribute must be an `nn.Module` or FSDP method, or a member of
-the protocol; a model's own attributes (`freqs_cis`, `args`, `layers`) are reached for nowhere.
+the protocol or of an optional protocol beside it in titan_parallel.protocols; a model's own attributes (`freqs_cis`, `args`, `layers`) are reached for nowhere.
 """
 
 import ast
@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 
 import titan_train
 from titan_models import Transformer, llama3_args
-from titan_parallel import TrainableModel
+from titan_parallel import TrainableModel, protocols
 
 SOURCE = Path(titan_train.__file__).parent
 MODEL_NAMES = {"model", "part", "model_part"}
@@ -25,8 +25,15 @@ OWNERS_OF_A_MODEL = {"self", "loaded"}  # `self.model` (lm-eval's wrapper), `loa
 
 
 def _protocol_members() -> set[str]:
+    """TrainableModel's members, and those of the optional protocols a model may also answer (asked with
+    `isinstance` first: `HasQueryKeyHeads`, `HasMoELayers`, ...), all declared in titan_parallel.protocols."""
+    classes = set(TrainableModel.__mro__) | {
+        cls
+        for cls in vars(protocols).values()
+        if isinstance(cls, type) and getattr(cls, "_is_protocol", False)
+    }
     members = set()
-    for cls in TrainableModel.__mro__:
+    for cls in classes:
         members |= {name for name in vars(cls) if not name.startswith("_")}
     return members
 
