@@ -186,9 +186,10 @@ def chat_files(path: str | Path) -> list[Path]:
     raise DataError(f"dataset: chat data at {path} does not exist; set dataset_path to a file or folder")
 
 
-def read_chat_rows(path: str | Path, fields: RowFields) -> Iterator[ChatRow | DataError]:
-    """Every row of the chat data at `path` (local files, else a hub dataset id), in order; a bad row
-    comes as the DataError that names it, so the caller decides whether it stops the run."""
+def raw_rows(path: str | Path) -> Iterator[tuple[Any, str]]:
+    """Every row at `path` (local .jsonl/.json/.parquet files or a folder of them, else a hub dataset id) as
+    (row, where), in order; a row that cannot be read comes as the DataError that names it. Chat rows and
+    preference pairs both read their sources here."""
     local = Path(path).exists() or Path(path).suffix in FILE_SUFFIXES
     sources = (
         [(_parquet_rows if f.suffix == ".parquet" else _json_rows)(f) for f in chat_files(path)]
@@ -196,12 +197,18 @@ def read_chat_rows(path: str | Path, fields: RowFields) -> Iterator[ChatRow | Da
         else [_hub_rows(str(path))]
     )
     for rows in sources:
-        for row, where in rows:
-            if isinstance(row, DataError):
-                yield row
-                continue
-            try:
-                messages = row_to_messages(row, fields, where)
-                yield ChatRow(messages, where, _row_tools(row, where))
-            except DataError as err:
-                yield err
+        yield from rows
+
+
+def read_chat_rows(path: str | Path, fields: RowFields) -> Iterator[ChatRow | DataError]:
+    """Every row of the chat data at `path` (local files, else a hub dataset id), in order; a bad row
+    comes as the DataError that names it, so the caller decides whether it stops the run."""
+    for row, where in raw_rows(path):
+        if isinstance(row, DataError):
+            yield row
+            continue
+        try:
+            messages = row_to_messages(row, fields, where)
+            yield ChatRow(messages, where, _row_tools(row, where))
+        except DataError as err:
+            yield err

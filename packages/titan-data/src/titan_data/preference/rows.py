@@ -14,14 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from titan_data.chat.rows import (
-    FILE_SUFFIXES,
-    _check_message,
-    _hub_rows,
-    _json_rows,
-    _parquet_rows,
-    chat_files,
-)
+from titan_data.chat.rows import _check_message, raw_rows
 from titan_data.errors import DataError
 
 COMPLETIONS = ("chosen", "rejected")
@@ -110,18 +103,11 @@ def row_to_pair(row: Any, where: str) -> PreferenceRow:
 def read_preference_rows(path: str | Path) -> Iterator[PreferenceRow | DataError]:
     """Every pair at `path` (the sources chat data reads: local files or a hub dataset id), in order; a
     bad row comes as the DataError that names it, so the caller decides whether it stops the run."""
-    local = Path(path).exists() or Path(path).suffix in FILE_SUFFIXES
-    sources = (
-        [(_parquet_rows if f.suffix == ".parquet" else _json_rows)(f) for f in chat_files(path)]
-        if local
-        else [_hub_rows(str(path))]
-    )
-    for rows in sources:
-        for row, where in rows:
-            if isinstance(row, DataError):
-                yield row
-                continue
-            try:
-                yield row_to_pair(row, where)
-            except DataError as err:
-                yield err
+    for row, where in raw_rows(path):
+        if isinstance(row, DataError):
+            yield row
+            continue
+        try:
+            yield row_to_pair(row, where)
+        except DataError as err:
+            yield err
