@@ -143,6 +143,19 @@ def train(argv: list[str], world_size: int | None = None, device: tuple = ("H100
                 watching_peers(info.rank, info.world_size, traces, c.save_traces_file_prefix, exit_status)
             )
             train_joined(plan, info, closing, watch)
+    except EarlyStop as stop:
+        if isinstance(stop, CollectiveHang):  # a peer may never arrive: leave at once
+            shutdown(wait_for_peers=False)
+            raise
+        # A stop every rank reaches at the same step (preemption, non-finite numbers, an agreed data
+        # outage) leaves as a finished run does: the trainer, held by the traceback's frames, is freed
+        # first, so its process groups close with it, and then the ranks leave together. A rank that
+        # left early, or kept gloo's connections open into the interpreter's exit, made its peer abort
+        # (SIGABRT, seen once in CI) instead of exiting with the stop's status.
+        stop.__traceback__ = stop.__context__ = stop.__cause__ = None
+        gc.collect()
+        shutdown()
+        raise stop from None
     except BaseException:
         shutdown(wait_for_peers=False)
         raise
