@@ -198,16 +198,13 @@ def test_the_bias_effect_counts_the_tokens_whose_experts_the_bias_changes(groups
     x = torch.randn(2, 32, DIM, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         moe.expert_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(2)) * 0.3)
-    moe(x)
-    assert moe.bias_effect is None  # not measured unless a run asks
-    moe.measure_bias_effect = True
-    moe(x)
-    changed, total = moe.bias_effect
+        _, indices, scores = moe.router(x.reshape(-1, DIM), moe.expert_bias)
+        changed = moe.router.changed_by_bias(scores, indices)
     expected = sum(
         set(_choose(moe, t, moe.expert_bias)[1].tolist()) != set(_choose(moe, t, None)[1].tolist())
         for t in x.reshape(-1, DIM)
     )
-    assert 0 < expected < 64 and (int(changed), total) == (expected, 64)
+    assert 0 < expected < 64 and int(changed) == expected
 
 
 def test_expert_bias_evens_out_a_skewed_router():
