@@ -92,11 +92,12 @@ def test_with_the_opt_in_transformers_loads_it_and_titan_s_reimport_is_exact(
     layers = ", ".join(k.split(".")[1] for k in sorted(biases))  # qwen3: both blocks; llama4: every other
     (warning,) = [r.getMessage() for r in caplog.records if "cannot hold" in r.getMessage()]
     assert f"moe.expert_bias of layers {layers} (largest |value| {largest:.3g}" in warning
-    # With the share of the last batch's routings the bias changes, as each MoE layer counted it
-    # (the count itself: test_moe.py's test_the_bias_effect_counts_the_tokens_whose_experts_the_bias_changes).
-    effects = [m.bias_effect for m in model.modules() if getattr(m, "bias_effect", None) is not None]
-    changed, total = sum(int(c) for c, _ in effects), sum(t for _, t in effects)
-    assert len(effects) == len(biases) and 0 < changed < total
+    # With the share of the last batch's routings the bias changes, as titan_train.wiring.hf_unheld.BiasEffect
+    # counted it on every MoE layer with a bias (the count itself: test_moe.py's
+    # test_the_bias_effect_counts_the_tokens_whose_experts_the_bias_changes).
+    effect = trained.checkpointer.hf_unheld_effect
+    changed, total = effect()
+    assert len(effect._last) == len(biases) and 0 < changed < total
     assert (
         f"({100 * changed / total:.1f}% of the last training batch's token routings pick other experts)"
         in warning

@@ -123,3 +123,29 @@ def test_few_blocks_scaled_equal_the_full_trace(world_size, flags, depths, ranks
         assert scaled.peak == pytest.approx(full.peak, rel=1e-6)
         for category, size in full.breakdown.items():
             assert scaled.breakdown[category] == pytest.approx(size, rel=1e-6, abs=1024), category
+
+
+def test_float32_grouped_experts_trace_on_fake_tensors_as_they_run():
+    """The memory trace, not the experts' forward, carries what fake tensors need (the grouped matmul's shape
+    rule in float32): a float32 forward and backward of the grouped experts traced on fake tensors peaks
+    at the bytes the same step allocates on real tensors."""
+    import contextlib
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan_models.moe import GroupedExperts
+    from titan_parallel.memory_trace import MemoryTrace
+
+    def peak(fake: bool) -> int:
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            experts = GroupedExperts(64, 32, num_experts=4)
+            for w in (experts.w1, experts.w2, experts.w3):
+                torch.nn.init.normal_(w)
+            x, counts = torch.randn(16, 64, requires_grad=True), torch.tensor([5, 3, 0, 8])
+            with MemoryTrace() as trace:
+                trace.track([experts.w1, experts.w2, experts.w3, x, counts])
+                experts(x, counts).sum().backward()
+            return trace.result().peak
+
+    assert peak(fake=True) == peak(fake=False) > 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -80,7 +80,8 @@ class Checkpointer:
     `states` maps names to DCP Statefuls; the entry named "model" is the model (see the module
     docstring). The policies (`titan_ckpt.policies`; their defaults where not given) check their own
     values; the Checkpointer checks them against the states. `hf_adapter` is needed only for Hugging
-    Face loads and exports. A state may list `optional_keys`: keys of its state dict that a checkpoint
+    Face loads and exports; `hf_unheld_effect` (see `titan_ckpt.hf_export.write_hf_export`) only for the
+    export's warning about state the format cannot hold. A state may list `optional_keys`: keys of its state dict that a checkpoint
     may lack (its load_state_dict then gets the dict without them), and `older_keys`: {key: the name
     it had in older checkpoints}, read under the old name where a checkpoint holds only that. All ranks must construct the
     Checkpointer and call `load`, `maybe_save` and `close` together. Before each optimizer step, call
@@ -96,6 +97,7 @@ class Checkpointer:
         loading: LoadPolicy | None = None,
         last_save: LastSavePolicy | None = None,
         hf_adapter: HFStateDictAdapter | None = None,
+        hf_unheld_effect: Callable[[], tuple[int, int] | None] | None = None,
         frozen_base: FrozenBase | None = None,
         process_group: dist.ProcessGroup | None = None,
     ):
@@ -126,7 +128,7 @@ class Checkpointer:
         self.folder = Path(folder)
         self.states = dict(states)
         self.saving, self.loading, self.last_save = saving, loading, last_save
-        self.hf_adapter = hf_adapter
+        self.hf_adapter, self.hf_unheld_effect = hf_adapter, hf_unheld_effect
         self.frozen_base = frozen_base
         self.timings: list[SaveTiming] = []
         # A gloo group of our own: async writes run collectives from a background thread, which must
@@ -429,6 +431,7 @@ class Checkpointer:
             },
             dtype=self.last_save.dtype,
             lossy=self.last_save.hf_lossy,
+            unheld_effect=self.hf_unheld_effect,
             max_shard_bytes=self.last_save.max_shard_bytes,
             extra_files=self.last_save.hf_extra_files,
             group=self._group,

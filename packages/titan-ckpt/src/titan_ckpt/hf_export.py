@@ -140,6 +140,7 @@ def write_hf_export(
     *,
     dtype: torch.dtype,
     lossy: bool = False,
+    unheld_effect: Callable[[], tuple[int, int] | None] | None = None,
     max_shard_bytes: int,
     extra_files: Mapping[str, bytes | Path] | None = None,
     group: dist.ProcessGroup | None = None,
@@ -147,7 +148,9 @@ def write_hf_export(
     """Write the model `state` (this rank's tensors, sharded or not) as a Hugging Face folder, from
     every rank of `group` together. Tensors are cast to `dtype`, except those the adapter's
     `hf_keep_dtype` names. State the adapter's `hf_unheld_state` names is written under
-    `TITAN_ONLY_PREFIX`; where it is not neutral (zero) the export stops saying so, unless `lossy`."""
+    `TITAN_ONLY_PREFIX`; where it is not neutral (zero) the export stops saying so, unless `lossy`.
+    `unheld_effect` gives this rank's (changed, total) count of what that state changes on a sample
+    (routings of the last training batch), or None, for that message."""
     if max_shard_bytes < 1:
         raise CheckpointError(f"checkpoint: max_shard_bytes must be >= 1, got {max_shard_bytes}")
     rank = group_rank(group)
@@ -155,7 +158,7 @@ def write_hf_export(
     owners = assign_owners(specs)
     owned = _gather_owned(state, owners, rank)
     unheld = {k: v for k, v in owned.items() if k.endswith(tuple(getattr(adapter, "hf_unheld_state", ())))}
-    _refuse_unheld_state(unheld, lossy, group, getattr(adapter, "hf_unheld_effect", None))
+    _refuse_unheld_state(unheld, lossy, group, unheld_effect)
     keep = tuple(getattr(adapter, "hf_keep_dtype", ()))
     problem, mine = None, {}
     try:
@@ -207,7 +210,7 @@ def _refuse_unheld_state(
     effect: Callable[[], tuple[int, int] | None] | None = None,
 ) -> None:
     """Stop the export (every rank) where state the format cannot hold is not zero, naming the layers,
-    the largest value and, where the adapter's `hf_unheld_effect` measured it on the last training batch,
+    the largest value and, where `effect` measured it on the last training batch,
     the share of routings it changes; with `lossy`, say it once and go on."""
     measured = _all_gather(effect() if effect is not None else None, group)
     found = {}

@@ -28,8 +28,7 @@ class HFStateDictAdapter(Protocol):
 
     Optional attributes: `hf_unheld_state`, suffixes of the model's names for state the Hugging Face
     format cannot hold (its neutral value is zero); `hf_keep_dtype`, suffixes of Hugging Face names
-    transformers keeps in their own precision whatever the export dtype. `hf_unheld_effect`, a callable giving this rank's (changed, total) count of what that state changes
-    on a sample (routings of the last training batch), or None, for the export's warning.
+    transformers keeps in their own precision whatever the export dtype.
     """
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...

@@ -11,7 +11,9 @@ expert dim (Shard(0)) over the ep mesh, and with etp = tp also on the hidden dim
 
 from __future__ import annotations
 
+import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,23 @@ def expert_sizes(experts: nn.Module) -> tuple[int, int]:
     return weight.shape[0], hidden
 
 
+@dataclass(frozen=True)
+class Dispatched:
+    """What a dispatch hands its combine: how to send the experts' output rows back where they came from.
+
+    `order` put the received rows in expert-major order; `send` and `recv` are the all-to-all's split
+    sizes (per ep rank) of the dispatch; `total` and `bounds` place this tp rank's slice of the rows
+    (`bounds` None: the rows were not sliced over tp).
+    """
+
+    order: torch.Tensor
+    send: list[int]
+    recv: list[int]
+    group: object
+    total: int
+    bounds: tuple[int, int] | None
+
+
 class ExpertParallel(ParallelStyle):
     """Shard an experts module on dim 0 over an ep mesh; dispatch rows to it and combine them back.
 
@@ -73,16 +92,17 @@ class ExpertParallel(ParallelStyle):
         super().__init__()
         self.tp_mesh, self.split_experts_over_tp = tp_mesh, split_experts_over_tp
         self.whole_output = whole_output
-        self._state: tuple | None = None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module,
-            device_mesh,
-            partition_fn=self._partition,
-            input_fn=self._dispatch,
-            output_fn=self._combine,
-        )
+        distribute_module(module, device_mesh, partition_fn=self._partition)
+        # The experts' own forward between dispatch and combine: the handle one hands the other is a
+        # local of each call, so nothing is kept on the module or this style between the two.
+        module.forward = functools.partial(self._forward, module.forward, device_mesh)
+        return module
+
+    def _forward(self, experts_forward, mesh: DeviceMesh, rows: torch.Tensor, counts: torch.Tensor):
+        rows, local_counts, handle = self._dispatch(rows, counts, mesh)
+        return self._combine(experts_forward(rows, local_counts), handle)
 
     def _placements(self, module: nn.Module, name: str) -> list:
         if not self.split_experts_over_tp:
@@ -101,9 +121,10 @@ class ExpertParallel(ParallelStyle):
         return mesh["ep"] if self.split_experts_over_tp else mesh
 
     def _dispatch(
-        self, module: nn.Module, inputs: tuple, mesh: DeviceMesh
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, counts = inputs
+        self, rows: torch.Tensor, counts: torch.Tensor, mesh: DeviceMesh
+    ) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
+        """Send every row to the ep rank holding its expert; the received rows in expert-major order, the
+        rows per local expert, and the handle `_combine` sends the output back with."""
         counts = counts.to(torch.int64)
         if self.tp_mesh is not None:
             # The rows are replicated over tp, but each tp rank back-propagates only its part.
@@ -123,12 +144,11 @@ class ExpertParallel(ParallelStyle):
             recv = received.view(ep, -1).sum(1).tolist()  # a device-to-host sync: the split sizes
         rows = all_to_all_single_autograd(rows, recv, send, group)
         order, local_counts = expert_major_order(received, ep)
-        self._state = (order, send, recv, group, total, bounds)
-        return rows.index_select(0, order), local_counts
+        return rows.index_select(0, order), local_counts, Dispatched(order, send, recv, group, total, bounds)
 
     def _dispatch_traced(
         self, rows: torch.Tensor, counts: torch.Tensor, ep: int, group, total: int, bounds
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
         """A dry run's dispatch on fake tensors, which hold no counts to split by: routing taken as
         balanced (every rank sends and receives an equal share of rows), so shapes and memory are those
         of a balanced step."""
@@ -136,18 +156,15 @@ class ExpertParallel(ParallelStyle):
         share[-1] += rows.shape[0] - sum(share)
         rows = all_to_all_single_autograd(rows, share, share, group)
         order = torch.arange(rows.shape[0], device=rows.device)
-        self._state = (order, share, share, group, total, bounds)
-        return rows, counts.view(ep, -1).sum(0)
+        return rows, counts.view(ep, -1).sum(0), Dispatched(order, share, share, group, total, bounds)
 
-    def _combine(self, module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        if self._state is None:
-            raise RuntimeError("expert combine ran without a dispatch before it")
-        order, send, recv, group, total, bounds = self._state
-        self._state = None
-        out = out.index_select(0, torch.argsort(order))  # back to (source rank, local expert) order
-        out = all_to_all_single_autograd(out, send, recv, group)
-        if bounds is not None:  # this tp rank's rows in place, zeros for the other tp ranks' rows
-            out = F.pad(out, (0, 0, bounds[0], total - bounds[1]))
+    def _combine(self, out: torch.Tensor, handle: Dispatched) -> torch.Tensor:
+        """The experts' output rows sent back to the ranks (and tp slice) their inputs came from."""
+        out = out.index_select(0, torch.argsort(handle.order))  # back to (source rank, local expert) order
+        out = all_to_all_single_autograd(out, handle.send, handle.recv, handle.group)
+        if handle.bounds is not None:  # this tp rank's rows in place, zeros for the other tp ranks' rows
+            start, end = handle.bounds
+            out = F.pad(out, (0, 0, start, handle.total - end))
         if self.whole_output and self.tp_mesh is not None:
             out = sum_over_tp(out, self.tp_mesh)
         return out

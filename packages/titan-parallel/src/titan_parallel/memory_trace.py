@@ -44,6 +44,7 @@ _FLOAT8 = {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.
 _COMM_OPS = {"fsdp::all_gather_copy_in", "fsdp::chunk_cat"}
 _PROPAGATE = "_propagate_tensor_meta_non_cached"  # where DTensor runs ops on fake tensors for shapes
 _DEVICE = torch.ops.prim.device.default
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
 
 Label = tuple  # ("forward", part, block), ("backward", part, block), ("after forward", part, block), (name,)
 
@@ -99,6 +100,25 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
             inner = [name for name, value in vars(t).items() if isinstance(value, torch.Tensor)]
         return [s for name in inner for s in _storages(getattr(t, name))]
     return [t.untyped_storage()]
+
+
+def _fake_grouped_mm(args: tuple, kwargs: dict) -> torch.Tensor:
+    """`torch._grouped_mm` on fake tensors (a mixture of experts' grouped path, forward and backward).
+
+    torch 2.11's shape rule takes only bf16 operands (2.15's takes float32 too): where it refuses another
+    float dtype, the output's shape comes from the same call in bf16 and the output is made in the operands'
+    dtype, which is what the real kernel allocates.
+    """
+    try:
+        return _GROUPED_MM(*args, **kwargs)
+    except RuntimeError:
+        dtype = args[0].dtype
+        if dtype == torch.bfloat16 or not dtype.is_floating_point:
+            raise
+        bf16 = [
+            a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+        ]
+        return _GROUPED_MM(*bf16, **kwargs).to(dtype)
 
 
 class MemoryTrace(TorchDispatchMode):
@@ -311,7 +331,10 @@ class MemoryTrace(TorchDispatchMode):
             return NotImplemented
         if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode() is not None:
             return args[0]  # its fake kernel returns a new tensor where the real one returns its input
-        out = func(*args, **(kwargs or {}))
+        if func is _GROUPED_MM and active_fake_mode() is not None:
+            out = _fake_grouped_mm(args, kwargs or {})
+        else:
+            out = func(*args, **(kwargs or {}))
         # DTensor's sharding propagation runs ops on fake tensors to learn output shapes: not memory of
         # the step. It uses a fake mode of its own, or the one active (as in a fake trace).
         if self._propagating or active_fake_mode() is not self._fake_mode_on_entry:

@@ -12,12 +12,12 @@ refuses or keeps a trained one) and an import starts it at zero.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from titan_models.gpt_oss.args import GptOssArgs
 from titan_models.gpt_oss.hf_config import to_hf_config
 from titan_models.hf_adapter import _WRAPPER_PARTS, checked_keys
+from titan_models.moe.hf_state import TRAINING_STATE, hf_unheld_state, zero_expert_biases
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -41,7 +41,6 @@ _IN_BLOCK = {
     "moe.experts.mlp2_bias": "mlp.experts.down_proj_bias",
 }
 _TRANSPOSED = ("moe.experts.mlp1_weight", "moe.experts.mlp2_weight")
-_TRAINING_STATE = ("moe.expert_bias", "moe.tokens_per_expert")
 
 
 class GptOssStateDictAdapter:
@@ -57,8 +56,8 @@ class GptOssStateDictAdapter:
             for ours, theirs in _IN_BLOCK.items():
                 self._to_hf_names[f"layers.{layer}.{ours}"] = f"model.layers.{layer}.{theirs}"
         self._from_hf_names = {theirs: ours for ours, theirs in self._to_hf_names.items()}
-        # The trained expert bias, which GptOssForCausalLM has no place for (titan_ckpt keeps it apart).
-        self.hf_unheld_state = ("moe.expert_bias",) if args.moe_args.load_balance_coeff is not None else ()
+        # The trained expert bias, which GptOssForCausalLM has no place for (titan_models.moe.hf_state).
+        self.hf_unheld_state = hf_unheld_state(args.moe_args)
 
     def _checked(self, state: dict[str, Tensor], names: dict[str, str], head: str, kind: str) -> dict:
         return checked_keys(self.args, state, names, head, kind, model="gpt-oss model")
@@ -68,7 +67,7 @@ class GptOssStateDictAdapter:
         ours = {
             _WRAPPER_PARTS.sub("", name): t
             for name, t in state_dict.items()
-            if not name.endswith(_TRAINING_STATE)
+            if not name.endswith(TRAINING_STATE)
         }
         hf = {}
         for name, tensor in self._checked(ours, self._to_hf_names, "output.weight", "Titan").items():
@@ -85,10 +84,9 @@ class GptOssStateDictAdapter:
             ours[our_name] = tensor.transpose(1, 2) if our_name.endswith(_TRANSPOSED) else tensor
         if self.args.tie_word_embeddings:
             ours["output.weight"] = ours["tok_embeddings.weight"]
-        if self.args.moe_args.load_balance_coeff is not None:
-            for layer in range(self.args.n_layers):
-                ours[f"layers.{layer}.moe.expert_bias"] = torch.zeros(self.args.moe_args.num_experts)
-        return ours
+        return ours | zero_expert_biases(
+            self.args.moe_args, [f"layers.{i}." for i in range(self.args.n_layers)]
+        )
 
     def hf_config(self) -> dict:
         """The `config.json` of the equivalent `GptOssForCausalLM` (see `gpt_oss.hf_config.to_hf_config`)."""

@@ -20,6 +20,7 @@ from torch import Tensor
 from titan_models.hf_adapter import LlamaStateDictAdapter
 from titan_models.llama4.args import Llama4Args
 from titan_models.llama4.hf_config import to_hf_config
+from titan_models.moe.hf_state import TRAINING_STATE, hf_unheld_state, zero_expert_biases
 
 _DENSE = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 # Our names for the fused tensors while they are renamed (never seen outside this module).
@@ -70,8 +71,8 @@ class Llama4StateDictAdapter(LlamaStateDictAdapter):
                     f"{ours}{_DOWN}": f"{theirs}experts.down_proj",
                 }
         self._from_hf_names = {theirs: ours for ours, theirs in self._to_hf_names.items()}
-        # The trained expert bias, which Llama4ForCausalLM has no place for (titan_ckpt keeps it apart).
-        self.hf_unheld_state = ("moe.expert_bias",) if args.moe_args.load_balance_coeff is not None else ()
+        # The trained expert bias, which Llama4ForCausalLM has no place for (titan_models.moe.hf_state).
+        self.hf_unheld_state = hf_unheld_state(args.moe_args)
 
     def _heads_of(self, name: str) -> int | None:
         return None  # both sides rotate consecutive pairs: nothing to permute
@@ -80,7 +81,7 @@ class Llama4StateDictAdapter(LlamaStateDictAdapter):
         """Our names and layout -> `Llama4ForCausalLM`'s (the expert bias is left out)."""
         fused: dict[str, Tensor] = {}
         for name, t in state_dict.items():
-            if name.endswith(("moe.expert_bias", "moe.tokens_per_expert", "moe.experts.w3")):
+            if name.endswith((*TRAINING_STATE, "moe.experts.w3")):
                 continue
             if name.endswith("moe.experts.w1"):
                 w3 = state_dict[name[: -len("w1")] + "w3"]
@@ -97,19 +98,19 @@ class Llama4StateDictAdapter(LlamaStateDictAdapter):
         """`Llama4ForCausalLM`'s (or a multimodal checkpoint's text model's) names and layout -> ours, with a zero
         expert bias where our MoE layers keep one."""
         ours: dict[str, Tensor] = {}
+        moe_blocks = []
         for name, t in super().from_hf(_text_model(hf_state_dict)).items():
             if name.endswith(_GATE_UP):
                 prefix = name[: -len(_GATE_UP)]
                 w1, w3 = t.chunk(2, dim=2)
                 ours[prefix + "moe.experts.w1"] = w1.transpose(1, 2).contiguous()
                 ours[prefix + "moe.experts.w3"] = w3.transpose(1, 2).contiguous()
-                if self.args.moe_args.load_balance_coeff is not None:
-                    ours[prefix + "moe.expert_bias"] = torch.zeros(t.shape[0], dtype=torch.float32)
+                moe_blocks.append(prefix)
             elif name.endswith(_DOWN):
                 ours[name[: -len(_DOWN)] + "moe.experts.w2"] = t.transpose(1, 2).contiguous()
             else:
                 ours[name] = t
-        return ours
+        return ours | zero_expert_biases(self.args.moe_args, moe_blocks)
 
     def hf_config(self) -> dict:
         """The `config.json` of the equivalent `Llama4ForCausalLM` (see `llama4.hf_config.to_hf_config`)."""

@@ -9,7 +9,6 @@ from titan_models.moe.layer import MoE
 from titan_models.moe.load_balance import (
     attach_aux_loss,
     expert_load,
-    moe_modules,
     sequence_aux_loss,
     set_aux_loss_scale,
     update_expert_bias,
@@ -34,7 +33,6 @@ __all__ = [
     "grouped_mm_applies",
     "moe_flops_per_token",
     "moe_init_std",
-    "moe_modules",
     "sequence_aux_loss",
     "set_aux_loss_scale",
     "update_expert_bias",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 
@@ -72,15 +71,6 @@ def experts_for_loop(
     return torch.cat(outs, dim=0)
 
 
-def experts_traced(
-    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, x: torch.Tensor, counts: torch.Tensor
-) -> torch.Tensor:
-    """For fake tensors outside bf16 (a dry run's trace; torch 2.11's grouped matmul takes only bf16
-    there): what the grouped path allocates, from whole-batch matmuls with the first expert's weights."""
-    h = F.silu(x @ w1[0].to(x.dtype).T) * (x @ w3[0].to(x.dtype).T)
-    return h @ w2[0].to(x.dtype).T
-
-
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU feed-forwards held as three stacked weights (torchtitan's names and shapes)."""
 
@@ -105,10 +95,6 @@ class GroupedExperts(nn.Module):
         # bf16 kernel runs under bf16 autocast (both paths then compute in the same precision).
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        # On fake tensors (a dry run's trace) the loop's per-expert sizes are unknown: the grouped path
-        # allocates the same bytes without reading them, and outside bf16 `experts_traced` stands in for it.
-        if is_fake(x) and x.dtype != torch.bfloat16:
-            return experts_traced(w1, w2, w3, x, num_tokens_per_expert)
-        if (self.use_grouped_mm and grouped_mm_applies(x, self.hidden_dim)) or is_fake(x):
+        if self.use_grouped_mm and grouped_mm_applies(x, self.hidden_dim):
             return experts_grouped_mm(w1, w2, w3, x, num_tokens_per_expert)
         return experts_for_loop(w1, w2, w3, x, num_tokens_per_expert)

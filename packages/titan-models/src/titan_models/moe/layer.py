@@ -53,11 +53,6 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
         # Factor on the sequence-wise loss's gradient (`MoEArgs.aux_loss_scale`).
         self.aux_loss_scale = args.aux_loss_scale
-        # Set by a run whose Hugging Face export cannot hold the expert bias: each training forward then
-        # counts its tokens whose top-k experts differ without the bias, (changed, tokens), for the export's
-        # warning. Off by default: it costs a second top-k.
-        self.measure_bias_effect = False
-        self.bias_effect: tuple[torch.Tensor, int] | None = None
         # The last forward's sequence-wise loss (detached), for metrics; None when it is off.
         self.last_aux_loss: torch.Tensor | None = None
 
@@ -84,8 +79,6 @@ class MoE(nn.Module):
         if self.training and not _recomputing():
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
-                if self.measure_bias_effect and self.expert_bias is not None:
-                    self.bias_effect = (self.router.changed_by_bias(scores, indices), indices.shape[0])
 
         # Stable sort keeps each expert's rows in token order, which makes the result deterministic.
         order = torch.argsort(indices.view(-1), stable=True)

@@ -26,19 +26,6 @@ import torch
 from torch import nn
 
 
-def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The model's MoE layers by FQN: `model.moe_layers()` when it has one, else every submodule that
-    counts tokens per expert (recognised by its buffers and experts, so this module need not import the
-    layer that imports it)."""
-    if hasattr(model, "moe_layers"):
-        return model.moe_layers()
-    return {
-        name: m
-        for name, m in model.named_modules()
-        if hasattr(m, "tokens_per_expert") and hasattr(m, "experts") and hasattr(m, "router")
-    }
-
-
 @torch.no_grad()
 def update_expert_bias(
     model: nn.Module | list[nn.Module],
@@ -52,12 +39,12 @@ def update_expert_bias(
     Call once per optimizer step, after it (torchtitan moves the bias in the optimizer's step pre-hook,
     so a step not taken moves nothing): `step_applied=False` for a step the trainer skipped leaves the
     biases as they are and only resets the counts (still reduced, so every rank calls alike). `model`
-    may be a list of pipeline stages. `reduce` sums a (layers, experts) float tensor over the data-parallel ranks and returns it,
+    (or each of a list of pipeline stages) lists its MoE layers with `moe_layers()`. `reduce` sums a (layers, experts) float tensor over the data-parallel ranks and returns it,
     e.g. `lambda t: (dist.all_reduce(t, group=dp_group), t)[1]`; every rank must call it, and with
     pipelining each stage reduces only its own layers. Layers without an expert bias only reset.
     """
     layers = [
-        m for part in (model if isinstance(model, list) else [model]) for m in moe_modules(part).values()
+        m for part in (model if isinstance(model, list) else [model]) for m in part.moe_layers().values()
     ]
     if not layers:
         return torch.zeros(0, 0)
@@ -80,7 +67,7 @@ def expert_load(model: nn.Module | list[nn.Module]) -> dict[str, float]:
     """
     loads = {}
     for part in model if isinstance(model, list) else [model]:
-        for name, moe in moe_modules(part).items():
+        for name, moe in part.moe_layers().items():
             count = moe.tokens_per_expert.float()
             loads[name] = (count.max() / count.mean()).item() if count.sum() > 0 else float("nan")
     return loads
@@ -128,5 +115,5 @@ def set_aux_loss_scale(model: nn.Module | list[nn.Module], scale: float) -> None
     weighted like the language-model loss it is added to.
     """
     for part in model if isinstance(model, list) else [model]:
-        for moe in moe_modules(part).values():
+        for moe in part.moe_layers().values():
             moe.aux_loss_scale = scale

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from titan_models.moe.load_balance import moe_modules
-
 
 def count_active_parameters(model: nn.Module, *, exclude_embedding: bool = False) -> int:
     """Parameters one token goes through: everything except the routed experts it is not sent to.
@@ -14,7 +12,7 @@ def count_active_parameters(model: nn.Module, *, exclude_embedding: bool = False
     experts. Works on the meta device. `exclude_embedding` leaves out `tok_embeddings` (a lookup).
     """
     total = sum(p.numel() for p in model.parameters())
-    for moe in moe_modules(model).values():
+    for moe in model.moe_layers().values():
         routed = sum(p.numel() for p in moe.experts.parameters())
         total -= routed - routed * moe.args.top_k // moe.args.num_experts
     if exclude_embedding and getattr(model, "tok_embeddings", None) is not None:

@@ -1,8 +1,8 @@
 """Stacked expert weights (E, ...) as one entry per expert, and back, for Hugging Face's per-expert files.
 
 Unstacking names expert e of `layers.3.moe.experts.w1` as `layers.3.moe.experts.w1.{e}`, so an
-adapter maps those names one to one. The load-balancing state (`moe.expert_bias`) is training
-state with no Hugging Face counterpart: unstacking drops it.
+adapter maps those names one to one. The load-balancing state is training state with no Hugging Face
+counterpart (`titan_models.moe.hf_state`): unstacking drops it.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import re
 import torch
 from torch import Tensor
 
+from titan_models.moe.hf_state import TRAINING_STATE
+
 _STACKED = re.compile(r"^(.*\bmoe\.experts\.(w1|w2|w3))$")
 _UNSTACKED = re.compile(r"^(.*\bmoe\.experts\.(?:w1|w2|w3))\.(\d+)$")
-_TRAINING_STATE = ("moe.expert_bias", "moe.tokens_per_expert")
 
 
 class ExpertStacking:
@@ -27,7 +28,7 @@ class ExpertStacking:
         """Each stacked expert weight as `num_experts` entries; the expert bias left out."""
         out: dict[str, Tensor] = {}
         for name, tensor in state_dict.items():
-            if name.endswith(_TRAINING_STATE):
+            if name.endswith(TRAINING_STATE):
                 continue
             if _STACKED.match(name):
                 out |= {f"{name}.{e}": tensor[e] for e in range(tensor.shape[0])}
@@ -49,9 +50,6 @@ class ExpertStacking:
             out[name] = torch.stack([experts[e] for e in range(len(experts))])
         return out
 
-    def zero_expert_bias(self) -> dict[str, Tensor]:
-        """A zero `expert_bias` for every MoE block: an imported model starts balancing from scratch."""
-        return {
-            f"layers.{layer}.moe.expert_bias": torch.zeros(self.num_experts, dtype=torch.float32)
-            for layer in range(self.n_layers)
-        }
+    def blocks(self) -> list[str]:
+        """The prefix of every MoE block (`"layers.3."`)."""
+        return [f"layers.{layer}." for layer in range(self.n_layers)]

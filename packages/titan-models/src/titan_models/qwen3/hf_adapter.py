@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from titan_models.hf_adapter import LlamaStateDictAdapter
+from titan_models.moe.hf_state import hf_unheld_state, zero_expert_biases
 from titan_models.qwen3.args import Qwen3Args
 from titan_models.qwen3.expert_stacking import ExpertStacking
 from titan_models.qwen3.hf_config import to_hf_config
@@ -45,8 +46,8 @@ class Qwen3StateDictAdapter(LlamaStateDictAdapter):
                 for w, proj in _EXPERT.items():
                     self._to_hf_names[f"{ours}moe.experts.{w}.{e}"] = f"{theirs}mlp.experts.{e}.{proj}.weight"
         self._from_hf_names = {theirs: ours for ours, theirs in self._to_hf_names.items()}
-        # The trained expert bias, which Qwen3MoeForCausalLM has no place for (titan_ckpt keeps it apart).
-        self.hf_unheld_state = ("moe.expert_bias",) if moe and moe.load_balance_coeff is not None else ()
+        # The trained expert bias, which Qwen3MoeForCausalLM has no place for (titan_models.moe.hf_state).
+        self.hf_unheld_state = hf_unheld_state(moe)
 
     def _heads_of(self, name: str) -> int | None:
         return None  # both layouts rotate halves: nothing to permute
@@ -58,10 +59,7 @@ class Qwen3StateDictAdapter(LlamaStateDictAdapter):
     def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """Hugging Face's names and layout -> ours, with a zero expert bias where our MoE layers keep one."""
         ours = self.stacking.stack(super().from_hf(hf_state_dict))
-        moe = self.args.moe_args
-        if moe is not None and moe.load_balance_coeff is not None:
-            ours |= self.stacking.zero_expert_bias()
-        return ours
+        return ours | zero_expert_biases(self.args.moe_args, self.stacking.blocks())
 
     def hf_config(self) -> dict:
         """The `config.json` of the equivalent Hugging Face model (see `qwen3.hf_config.to_hf_config`)."""

@@ -31,6 +31,7 @@ from titan_train.registry import FROM_HF
 from titan_train.wiring.checkpointing import hf_adapter_for
 from titan_train.wiring.data import build_tokenizer_for
 from titan_train.wiring.hf_interop import hf_mapping
+from titan_train.wiring.hf_unheld import unheld_state
 from titan_train.wiring.lora_export import LoRAStateDictAdapter
 from titan_train.wiring.model import build_model
 from titan_train.wiring.qlora import qlora_enabled
@@ -124,7 +125,7 @@ def default_device() -> torch.device:
 def _warn_if_trained_state_is_missing(path: Path, adapter: Any, model: torch.nn.Module) -> None:
     """One line where a Hugging Face folder lacks Titan's copy of state its format cannot hold (a
     trained expert bias): the model then runs with it at zero, not as it was trained."""
-    unheld = tuple(getattr(adapter, "hf_unheld_state", ()))
+    unheld = unheld_state(adapter)
     wanted = [k for k in model.state_dict() if unheld and k.endswith(unheld)]
     if not wanted:
         return

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from titan_data import CHAT
+from titan_data import CHAT, PREFERENCE
 from titan_train.config.fields import opt
 from titan_train.errors import ConfigError
 
@@ -19,6 +19,12 @@ def is_chat(section: Any) -> bool:
     """Whether a `[training]` or `[validation]` section reads chat rows (`dataset = "chat"`): the one place
     that tells a fine-tuning run's data from text."""
     return section.dataset == CHAT
+
+
+def renders_chat_template(section: Any) -> bool:
+    """Whether a section's rows are rendered with the chat template: chat rows (`is_chat`) and preference
+    pairs (see [sft] and [preference])."""
+    return is_chat(section) or section.dataset == PREFERENCE
 
 
 FIELD_NAME = (r"[^\s]+", "a field name without spaces")

@@ -22,6 +22,7 @@ from titan_data import DATASETS
 from titan_train.config.data_rules import data_choices_fit
 from titan_train.config.fields import BOUNDS, get_value, iter_fields, number, unwrap_optional
 from titan_train.config.preference_section import check_preference
+from titan_train.config.sft_section import renders_chat_template
 from titan_train.errors import ConfigError
 from titan_train.registry import FROM_HF, get_model_family
 
@@ -61,14 +62,13 @@ def _check_field(config: Any, dotted: str, tp: Any, rule: Any, check_paths: bool
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 CHAT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
-CHAT_DATASETS = ("chat", "preference")  # rows rendered with the chat template (see [sft] and [preference])
 
 
 def _names_a_hub_chat_dataset(config: Any, dotted: str, value: Any) -> bool:
     """Whether a chat section's dataset_path is a Hugging Face dataset id (`owner/name`, fetched by the
     datasets library at start) rather than a local path, which must exist."""
     section, _, name = dotted.partition(".")
-    if name != "dataset_path" or get_value(config, f"{section}.dataset") not in CHAT_DATASETS:
+    if name != "dataset_path" or not renders_chat_template(getattr(config, section)):
         return False
     text = str(value)
     return bool(HUB_ID.fullmatch(text)) and not text.endswith(CHAT_FILE_SUFFIXES) and not Path(text).exists()
@@ -218,10 +218,10 @@ def _chat_data_fits_the_layout(config: Any) -> None:
     chat = [
         name
         for section, name in zip(sections, ("training", "validation"), strict=False)
-        if section.dataset in CHAT_DATASETS
+        if renders_chat_template(section)
     ]
     for section, name in zip(sections, ("training", "validation"), strict=False):
-        if section.dataset in CHAT_DATASETS and not (
+        if renders_chat_template(section) and not (
             section.dataset_path or getattr(section, "dataset_mixture", None)
         ):
             raise ConfigError(

@@ -42,6 +42,7 @@ from titan_train.wiring.hf_interop import (
     hf_export_files,
     hf_mapping,
 )
+from titan_train.wiring.hf_unheld import BiasEffect, unheld_state
 from titan_train.wiring.lora import lora_enabled
 from titan_train.wiring.lora_export import LoRAStateDictAdapter
 
@@ -88,8 +89,9 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
     hf_adapter, hf_files = _hf_export(plan, model_args)
     if hf_adapter is not None and lora_enabled(config):
         hf_adapter = _with_adapters(hf_adapter, plan, states)
-    if hf_adapter is not None and c.last_save_in_hf and getattr(hf_adapter, "hf_unheld_state", ()):
-        _measure_unheld_effect(hf_adapter, states["model"].model_parts)
+    unheld_effect = None
+    if hf_adapter is not None and c.last_save_in_hf and unheld_state(hf_adapter):
+        unheld_effect = _bias_effect(states["model"].model_parts)
     return Checkpointer(
         Path(config.job.dump_folder) / c.folder,
         states,
@@ -118,25 +120,17 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
             hf_lossy=c.hf_export_lossy,
         ),
         hf_adapter=hf_adapter,
+        hf_unheld_effect=unheld_effect,
         frozen_base=_frozen_base(plan, states) if lora_enabled(config) else None,
     )
 
 
-def _measure_unheld_effect(adapter: HFStateDictAdapter, model_parts: list) -> None:
-    """Have the MoE layers count, on each training batch, the tokens whose experts the expert bias
-    changes, and the adapter report the last batch's count: the export's warning (or refusal) then says
-    how much of the routing the Hugging Face model, which has no place for the bias, would change."""
-    layers = [m for part in model_parts for m in moe_layers_of(part).values() if m.expert_bias is not None]
-    for layer in layers:
-        layer.measure_bias_effect = True
-
-    def effect() -> tuple[int, int] | None:
-        measured = [layer.bias_effect for layer in layers if layer.bias_effect is not None]
-        if not measured:
-            return None
-        return sum(int(changed) for changed, _ in measured), sum(total for _, total in measured)
-
-    adapter.hf_unheld_effect = effect
+def _bias_effect(model_parts: list) -> BiasEffect:
+    """The share of each training batch's routings the expert bias changes, counted on the MoE layers that
+    have one: the export's warning (or refusal) says how much the Hugging Face model, which has no place
+    for the bias, would route elsewhere."""
+    layers = {f"{i}.{fqn}": m for i, part in enumerate(model_parts) for fqn, m in moe_layers_of(part).items()}
+    return BiasEffect({fqn: m for fqn, m in layers.items() if m.expert_bias is not None})
 
 
 def _frozen_base(plan: RunPlan, states: dict[str, Any]) -> FrozenBase:

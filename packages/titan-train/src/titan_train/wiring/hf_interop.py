@@ -26,6 +26,7 @@ from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.registry import FROM_HF, ModelFamily
 from titan_train.wiring.data import BUNDLED_TOKENIZER
+from titan_train.wiring.hf_unheld import unheld_state
 
 HF_CONFIG = "config.json"
 # Differences from the flavor that a run takes from the checkpoint (with one log line) instead of
@@ -129,7 +130,7 @@ def check_hf_export(config: JobConfig, family: ModelFamily, args: Any) -> None:
             )
         return
     adapter = hf_mapping(family, "checkpoint.last_save_in_hf writes Hugging Face files").adapter(args)
-    unheld = getattr(adapter, "hf_unheld_state", ())
+    unheld = unheld_state(adapter)
     # The expert bias is the only such state today; the run trains it unless balancing is off (Qwen3-MoE's
     # default, or model.moe_load_balance_coeff = 0). A bias loaded nonzero and never trained is caught
     # by the export itself, which reads the values.
