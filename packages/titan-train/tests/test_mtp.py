@@ -257,6 +257,10 @@ def test_a_checkpoint_without_the_mtp_layer_is_refused_in_one_line(tmp_path, sma
             ("--model.name", "deepseek_v3", "--model.num_mtp_layers", "1", "--parallelism.pipeline_parallel_degree", "2"),
             "parallelism.pipeline_parallel_degree > 1",
         ),
+        (
+            ("--model.name", "deepseek_v3", "--model.num_mtp_layers", "1", "--parallelism.tensor_parallel_degree", "2"),
+            "parallelism.tensor_parallel_degree > 1",
+        ),
     ],
 )
 def test_what_mtp_cannot_run_with_is_refused_at_start(tmp_path, small_config, flags, refusal):
