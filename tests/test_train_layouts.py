@@ -569,7 +569,9 @@ LAYOUTS = {
     ),
     # Multi-token prediction: its loss and experts under FSDP 2 and EP 2 (over FSDP 2 of the rest), against
     # one process (TP and PP are refused at start: packages/titan-train/tests/test_mtp.py).
-    "one_process_mtp": mtp(1, (), {"mtp": {"layers": ["2"], "w1_placements": None, "w1_local_shape": [8, 32, 64]}}),
+    "one_process_mtp": mtp(
+        1, (), {"mtp": {"layers": ["2"], "w1_placements": None, "w1_local_shape": [8, 32, 64]}}
+    ),
     "mtp_fsdp": mtp(
         2,
         local_batch(2),

@@ -241,8 +241,13 @@ def test_a_checkpoint_without_the_mtp_layer_is_refused_in_one_line(tmp_path, sma
     folder.mkdir()
     _hub_checkpoint(folder)
     state = load_file(str(folder / "model.safetensors"))
-    save_file({k: v for k, v in state.items() if not k.startswith("model.layers.2.")}, str(folder / "model.safetensors"))
-    config = small_config(tmp_path / "run", *_flags(folder, "--model.num_mtp_layers", "1"), "--training.steps", "1")
+    save_file(
+        {k: v for k, v in state.items() if not k.startswith("model.layers.2.")},
+        str(folder / "model.safetensors"),
+    )
+    config = small_config(
+        tmp_path / "run", *_flags(folder, "--model.num_mtp_layers", "1"), "--training.steps", "1"
+    )
     with pytest.raises(Exception, match="no multi-token-prediction layer 2") as err:
         Trainer(resolve(config, 1, "cpu"), one_rank).train()
     assert "\n" not in str(err.value)
@@ -254,11 +259,25 @@ def test_a_checkpoint_without_the_mtp_layer_is_refused_in_one_line(tmp_path, sma
         (("--model.num_mtp_layers", "1"), "llama3 has no multi-token-prediction layers"),
         (("--model.mtp_loss_weight", "0.3"), "model.num_mtp_layers is 0"),
         (
-            ("--model.name", "deepseek_v3", "--model.num_mtp_layers", "1", "--parallelism.pipeline_parallel_degree", "2"),
+            (
+                "--model.name",
+                "deepseek_v3",
+                "--model.num_mtp_layers",
+                "1",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+            ),
             "parallelism.pipeline_parallel_degree > 1",
         ),
         (
-            ("--model.name", "deepseek_v3", "--model.num_mtp_layers", "1", "--parallelism.tensor_parallel_degree", "2"),
+            (
+                "--model.name",
+                "deepseek_v3",
+                "--model.num_mtp_layers",
+                "1",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+            ),
             "parallelism.tensor_parallel_degree > 1",
         ),
     ],

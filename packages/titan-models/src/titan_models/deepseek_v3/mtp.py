@@ -82,5 +82,7 @@ def split_mtp_logits(logits: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
     """The main logits then each MTP depth's, from a training forward's (B, (1 + D) * seq_len, V)."""
     total = logits.shape[1]
     if total % seq_len:
-        raise ValueError(f"logits of {total} positions are not a whole number of {seq_len}-position sequences")
+        raise ValueError(
+            f"logits of {total} positions are not a whole number of {seq_len}-position sequences"
+        )
     return [logits[:, i * seq_len : (i + 1) * seq_len] for i in range(total // seq_len)]

@@ -67,11 +67,18 @@ def mtp_problems(config: JobConfig, dims: ParallelDims, args: Any) -> list[str]:
         > 1,
         "parallelism.context_parallel_degree > 1 (a depth reads the tokens k places ahead, on another rank)": dims.cp
         > 1,
-        "parallelism.tensor_parallel_degree > 1 (the MTP depths have no tensor-parallel plan yet)": dims.tp > 1,
-        "chat or preference rows (their masked labels would weigh the MTP loss unevenly)": is_chat(config.training)
+        "parallelism.tensor_parallel_degree > 1 (the MTP depths have no tensor-parallel plan yet)": dims.tp
+        > 1,
+        "chat or preference rows (their masked labels would weigh the MTP loss unevenly)": is_chat(
+            config.training
+        )
         or config.training.dataset == "preference",
     }
-    return [f"model.num_mtp_layers = {args.num_mtp_layers} with {what}: not supported" for what, on in why.items() if on]
+    return [
+        f"model.num_mtp_layers = {args.num_mtp_layers} with {what}: not supported"
+        for what, on in why.items()
+        if on
+    ]
 
 
 class MTPLoss:
