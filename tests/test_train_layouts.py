@@ -753,7 +753,7 @@ GROUP_OF_REFERENCE = {
     "one_process_moe": "moe",
     "one_process_gpt_oss": "moe",
     "one_process_shared": "moe",
-    "one_process_mtp": "moe",
+    "one_process_mtp": "mtp",  # a group of its own: two short launches, the moe group's launches unchanged
     "one_process_lora": "finetune",
     "one_process_qlora": "finetune",
     "one_process_lora_moe": "finetune",
@@ -762,7 +762,7 @@ GROUP_OF_REFERENCE = {
     "one_process_muon": "muon",  # a group of its own: a unit of work beside the others (slow bf16 Newton-Schulz)
     "one_process_muon_moe": "muon",
 }
-LAUNCH_ROWS = 15
+LAUNCH_ROWS = 14
 
 
 def _root(name: str) -> str:
