@@ -29,6 +29,8 @@ from titan_train.wiring.mtp import MTPLoss
 
 EPS = 1e-5
 WEIGHT = 0.3  # lambda
+# The MTP layer's own tensors, beside its decoder layer and its copies of the embedding and head.
+_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 
 
 def _config() -> DeepseekV3Config:
@@ -146,12 +148,8 @@ def test_mtp_loss_and_gradients_equal_the_papers_equations_on_the_published_weig
     main, layer = _hub_checkpoint(tmp_path)
     main.train()
     layer.train()
-    mtp = {
-        name: torch.nn.Parameter(t)
-        for name, t in load_file(str(tmp_path / "model.safetensors")).items()
-        if name.startswith("model.layers.2.") and name.split("model.layers.2.")[1] in _OWN
-    }
-    mtp = {name.split("model.layers.2.")[1]: p for name, p in mtp.items()}
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    mtp = {name: torch.nn.Parameter(saved[f"model.layers.2.{name}"]) for name in _OWN}
     g = torch.Generator().manual_seed(3)
     stream = torch.randint(0, 2048, (2, 33), generator=g)
     tokens, labels = stream[:, :-1], stream[:, 1:]
@@ -181,9 +179,6 @@ def test_mtp_loss_and_gradients_equal_the_papers_equations_on_the_published_weig
     assert any(n.startswith("mtp.") for n in grads)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], atol=1e-6, rtol=1e-4, msg=name)
-
-
-_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 
 
 def _flags(folder: Path, *extra: str) -> tuple[str, ...]:

@@ -62,21 +62,27 @@ def mtp_problems(config: JobConfig, dims: ParallelDims, args: Any) -> list[str]:
     """The layouts and data multi-token prediction does not run with yet, one line each."""
     if not (takes_mtp(args) and args.num_mtp_layers):
         return []
-    why = {
-        "parallelism.pipeline_parallel_degree > 1 (the MTP depths need the embedding, on the first stage)": dims.pp
-        > 1,
-        "parallelism.context_parallel_degree > 1 (a depth reads the tokens k places ahead, on another rank)": dims.cp
-        > 1,
-        "parallelism.tensor_parallel_degree > 1 (the MTP depths have no tensor-parallel plan yet)": dims.tp
-        > 1,
-        "chat or preference rows (their masked labels would weigh the MTP loss unevenly)": is_chat(
-            config.training
-        )
-        or config.training.dataset == "preference",
-    }
+    unsupported = [
+        (
+            dims.pp > 1,
+            "parallelism.pipeline_parallel_degree > 1 (a depth needs the embedding, on the first stage)",
+        ),
+        (
+            dims.cp > 1,
+            "parallelism.context_parallel_degree > 1 (a depth reads tokens k places ahead, on another rank)",
+        ),
+        (
+            dims.tp > 1,
+            "parallelism.tensor_parallel_degree > 1 (the MTP depths have no tensor-parallel plan yet)",
+        ),
+        (
+            is_chat(config.training) or config.training.dataset == "preference",
+            "chat or preference rows (their masked labels would weigh the MTP loss unevenly)",
+        ),
+    ]
     return [
         f"model.num_mtp_layers = {args.num_mtp_layers} with {what}: not supported"
-        for what, on in why.items()
+        for on, what in unsupported
         if on
     ]
 
@@ -96,7 +102,7 @@ class MTPLoss:
         if not depths:
             return loss
         ahead = [self.loss_fn(x[:, : seq_len - k], labels[:, k:]) for k, x in enumerate(depths, start=1)]
-        mtp = torch.stack(ahead).mean() if not isinstance(ahead[0], DTensor) else sum(ahead) / len(ahead)
+        mtp = sum(ahead) / len(ahead)
         value = mtp.detach()
         self._losses.append(value.full_tensor() if isinstance(value, DTensor) else value)
         return loss + self.weight * mtp
