@@ -50,6 +50,7 @@ LONGEST_FIRST = (
     "packages/titan-train/tests/test_preference.py",  # ~100
     "packages/titan-train/tests/test_data_choices.py",  # ~75
     "tests/test_hf_export_drop_in.py",  # ~60
+    "packages/titan-train/tests/test_mtp.py",  # ~60
 )
 
 

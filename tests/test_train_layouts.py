@@ -24,6 +24,9 @@ gradient scaled by 1.5 in the experts' dispatch (input rows) or combine (output 
 Shared experts: a DeepSeek-V3 layer cut the same way with one shared expert and the sequence-wise aux loss on
 (`deepseek_v3 tiny_shared`, reference `one_process_shared`) trains under tp 2, ep 2 borrowing tp 2, and pp 2
 (32 s in the 2-rank launch and 4 s in the 1-rank one, loaded machine).
+Multi-token prediction: the same cut with one MTP depth (`--model.num_mtp_layers 1`, reference `one_process_mtp`)
+under FSDP 2 and EP 2: loss and mtp_loss within 1.2e-7 relative, grad_norm 8.7e-8, expert counts equal, weights
+within 5.4e-7 (2026-11-28; about 4 s a row).
 
 LoRA (all-linear, rank 4, the base frozen) under FSDP 2, PP 2 (1F1B) and compile against LoRA in one process:
 loss within 2.4e-7 relative, grad_norm 6.3e-8, weights 2.2e-6 (2026-11-27); under TP 2 (adapters split beside
@@ -246,6 +249,15 @@ SHARED = (
     "--model.moe_seq_aux_loss_coeff",
     "0.001",
 )
+
+
+# The same layer with one multi-token-prediction depth (DeepSeek-V3's MTP, an MoE block after the last),
+# against its own one process; `mtp` names the depth each part holds and its experts' local shape.
+MTP = (*SHARED, "--model.num_mtp_layers", "1")
+
+
+def mtp(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
+    return Layout(nproc, (*MTP, *flags), facts, reference="one_process_mtp", **kwargs)
 
 
 def shared_expert(
@@ -555,6 +567,29 @@ LAYOUTS = {
         pp("1F1B"),
         {"stage_blocks": ONE_STAGE, "shared_experts": WHOLE_SHARED},
     ),
+    # Multi-token prediction: its loss and experts under FSDP 2 and EP 2 (over FSDP 2 of the rest), against
+    # one process (TP and PP are refused at start: packages/titan-train/tests/test_mtp.py).
+    "one_process_mtp": mtp(
+        1, (), {"mtp": {"layers": ["2"], "w1_placements": None, "w1_local_shape": [8, 32, 64]}}
+    ),
+    "mtp_fsdp": mtp(
+        2,
+        local_batch(2),
+        {
+            "degrees": {"dp_shard": 2},
+            "fsdp": True,
+            "mtp": {"layers": ["2"], "w1_placements": ["S(0)"], "w1_local_shape": [4, 32, 64]},
+        },
+    ),
+    "mtp_ep2": mtp(
+        2,
+        (EP, "2", *local_batch(2)),
+        {
+            "fsdp": True,
+            **experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 32, 64]),
+            "mtp": {"layers": ["2"], "w1_placements": ["_S(0, 2)", "S(0)"], "w1_local_shape": [4, 32, 64]},
+        },
+    ),
     "dense_model_ep2": Layout(
         2, (EP, "2", *local_batch(2)), refused="llama3 debug_2_layers has no experts to split"
     ),
@@ -718,6 +753,7 @@ GROUP_OF_REFERENCE = {
     "one_process_moe": "moe",
     "one_process_gpt_oss": "moe",
     "one_process_shared": "moe",
+    "one_process_mtp": "mtp",  # a group of its own: two short launches, the moe group's launches unchanged
     "one_process_lora": "finetune",
     "one_process_qlora": "finetune",
     "one_process_lora_moe": "finetune",
@@ -813,7 +849,7 @@ class Matrix:
         # MoE runs also log each step's tokens per expert, counted over the whole global batch.
         return {
             key: [r[key] for r in records]
-            for key in ("loss", "grad_norm", "expert_counts")
+            for key in ("loss", "grad_norm", "mtp_loss", "expert_counts")
             if key in records[0]
         }
 
@@ -864,7 +900,9 @@ def assert_trains_as_its_reference(matrix, name: str) -> None:
     assert "refused" not in result, result["refused"]
     assert seen(result, layout) == layout.facts
     run, reference = matrix.metrics(name), matrix.metrics(layout.reference)
-    for key in ("loss", "grad_norm"):
+    for key in ("loss", "grad_norm", "mtp_loss"):
+        if key not in reference:
+            continue
         want = reference[key][layout.resumed_at or 0 :]
         difference = largest_relative_difference(run[key], want)
         assert difference <= layout.rel, f"{key}: {run[key]} against {layout.reference} {want}"

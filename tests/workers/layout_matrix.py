@@ -125,6 +125,23 @@ def facts(trainer: Trainer) -> dict:
         "experts": expert_facts(trainer),
         "shared_experts": shared_expert_facts(trainer),
         "lora_placements": lora_facts(blocks[0]),
+        "mtp": mtp_facts(trainer),
+    }
+
+
+def mtp_facts(trainer: Trainer) -> dict | None:
+    """The multi-token-prediction depths the parts hold and the first one's experts' local w1 shape (its
+    shards under FSDP or EP); None for a model without them."""
+    parts = [part for part in trainer.model_parts if getattr(part, "mtp", None) is not None]
+    depths = {k: d for part in parts for k, d in part.mtp.layers.items()}
+    if not depths:
+        return None
+    w1 = next(iter(depths.values())).block.moe.experts.w1
+    split = isinstance(w1, DTensor)
+    return {
+        "layers": sorted(depths),
+        "w1_placements": [str(p) for p in w1.placements] if split else None,
+        "w1_local_shape": list(w1.to_local().shape if split else w1.shape),
     }
 
 

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from titan_models.deepseek_v3 import DEEPSEEK_V3_FLAVORS
 from titan_models.qwen3 import QWEN3_FLAVORS, qwen3_moe_args
 from titan_train.config import JobConfig
 from titan_train.config.fields import iter_fields
@@ -116,6 +117,25 @@ register_flavor(
     ),
 )
 MOE = ("--model.name", "qwen3", "--model.flavor", "probe_moe")
+# DeepSeek-V3 cut alike (a dense then an MoE layer of 8 experts, latent attention at dim 64): what multi-token
+# prediction's settings change is the logged loss.
+register_flavor(
+    "deepseek_v3",
+    "probe_mtp",
+    replace(
+        DEEPSEEK_V3_FLAVORS["debugmodel"],
+        dim=64,
+        inter_dim=128,
+        moe_inter_dim=32,
+        n_layers=2,
+        n_heads=4,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    ),
+)
+MTP = ("--model.name", "deepseek_v3", "--model.flavor", "probe_mtp")
 LORA = ("--model.converters", "lora")
 MUON = ("--optimizer.name", "Muon")
 
@@ -1164,6 +1184,10 @@ PROBES: dict[str, Probe] = {
     ),
     "model.moe_seq_aux_loss_coeff": Probe(
         ("--model.moe_seq_aux_loss_coeff", "0.01"), metrics, base=MOE, train=True
+    ),
+    "model.num_mtp_layers": Probe(("--model.num_mtp_layers", "1"), metrics, base=MTP, train=True),
+    "model.mtp_loss_weight": Probe(
+        ("--model.mtp_loss_weight", "0.5"), metrics, base=(*MTP, "--model.num_mtp_layers", "1"), train=True
     ),
     # [health]: a planted NaN loss at step 1 shows what each setting does with it
     # [lora]: what reached titan-parallel's LoRA (its tests prove the adapters act on it)

@@ -39,6 +39,7 @@ from titan_train.wiring.hf_interop import check_hf_export, model_args
 from titan_train.wiring.lora import LORA_CONVERTER, lora_target_problems
 from titan_train.wiring.loss import build_loss_fn
 from titan_train.wiring.moe import moe_run_args
+from titan_train.wiring.mtp import MTPLoss, mtp_problems, mtp_run_args
 from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps, parallel_options
 from titan_train.wiring.precision import compute_dtype, dtype_of
 from titan_train.wiring.qlora import qlora_problems
@@ -63,7 +64,8 @@ def run_model_args(config: JobConfig, family: ModelFamily, **overrides) -> Any:
     """The run's model args: the flavor (or Hugging Face config) as training.seq_len sets it, so a
     function that depends on the sequence length (DeepSeek's YaRN) is training's, then a rotary table
     long enough for validation too (`model_seq_len`). With the run's MoE settings."""
-    args = moe_run_args(config, model_args(config, family, max_seq_len=config.training.seq_len, **overrides))
+    args = model_args(config, family, max_seq_len=config.training.seq_len, **overrides)
+    args = mtp_run_args(config, moe_run_args(config, args))
     seq_len = model_seq_len(config)
     return with_positions(args, seq_len) if seq_len > config.training.seq_len else args
 
@@ -100,6 +102,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
         model = family.build(counting_args(args))
     problems.extend(_expert_problems(config, dims, model))
     problems.extend(_context_parallel_problems(config, dims, args))
+    problems.extend(mtp_problems(config, dims, args))
     problems.extend(moe_torch_problems(config, dims, bool(moe_layers_of(model)), torch.__version__))
     problems.extend(lora_target_problems(config, model))
     problems.extend(qlora_problems(config, dims, model))
@@ -119,7 +122,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
         seq_len=seq_len,
         dims=dims,
         grad_accum_steps=grad_accum_steps,
-        loss_fn=build_loss_fn(config, family),
+        loss_fn=_with_mtp(build_loss_fn(config, family), config, args),
         options=options,
         params=ParamCounts.of(model, family),
         num_streams=config.training.dataloader.num_streams,
@@ -145,6 +148,13 @@ def one_process_plan(config: JobConfig, device_type: str, *, adapters: bool = Tr
     if not lora:
         one.lora.quantize_base = ""  # no adapters: nothing to quantise under
     return resolve(one, 1, device_type)
+
+
+def _with_mtp(loss_fn: Any, config: JobConfig, args: Any) -> Any:
+    """The loss with the MTP depths' added, for a model that has them (`titan_train.wiring.mtp`)."""
+    if config.model.num_mtp_layers == 0:
+        return loss_fn
+    return MTPLoss(loss_fn, config.model.mtp_loss_weight)
 
 
 def counting_args(args: Any) -> Any:

@@ -42,6 +42,7 @@ from titan_train.wiring.lora import lora_enabled
 from titan_train.wiring.lora_export import write_peft_adapter
 from titan_train.wiring.model import build_model, check_vocabulary
 from titan_train.wiring.moe import MoEBalancing, MoEStepStats, has_experts
+from titan_train.wiring.mtp import MTPLoss
 from titan_train.wiring.muon_after_step import MuonAfterStep
 from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
@@ -160,6 +161,7 @@ class Trainer:
         )
         self.loss_fn, self.train_loss_fn = plan.loss_fn, built.train_loss_fn
         self.token_weights = built.token_weights
+        self.mtp_loss = plan.loss_fn if isinstance(plan.loss_fn, MTPLoss) else None
         self.moe = MoEBalancing(self.model_parts, self.dims, has_experts(built.args))
         if config.model.print_after_conversion:
             logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
@@ -504,6 +506,8 @@ class Trainer:
                 with stop_on_data_outage(self.state.step, self.checkpointer, self.loader):
                     fetch_seconds = batches.fetch()
                     self.state.apply_saved_rng()  # a resumed run's generators, just before its first step
+                    if self.mtp_loss is not None:
+                        self.mtp_loss.begin_step()
                     step = self.train_step(batches)
                 self.state.step += 1
                 self.state.tokens_seen += step.tokens * self.dims.dp_degree
@@ -559,6 +563,8 @@ class Trainer:
         trained_tps = float(window.trained_tokens) / seconds / self.devices_per_replica
         tflops = self.flops_per_token * tps / 1e12
         memory_gib, memory_pct, memory_active_gib = device_memory(self.device)
+        dp = self.dims.submesh("dp")
+        mtp_loss = self.mtp_loss.step_mean(dp.get_group() if dp else None) if self.mtp_loss else None
         self.metrics.log(
             StepMetrics(
                 step=self.state.step,
@@ -580,6 +586,7 @@ class Trainer:
                 expert_load=moe.load() if moe is not None else None,
                 expert_counts=moe.counts if moe is not None else None,
                 aux_loss=moe.aux_loss if moe is not None else None,
+                mtp_loss=mtp_loss,
                 preference=preference,
             )
         )

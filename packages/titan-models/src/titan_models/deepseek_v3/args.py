@@ -67,6 +67,9 @@ class DeepSeekV3Args:
     # Read by the trainer's FLOP count and dry run like a Llama's; DeepSeek never ties them.
     tie_word_embeddings: bool = False
     depth_init: bool = True
+    # Multi-token-prediction depths after the last block (DeepSeek-V3's num_nextn_predict_layers; see
+    # titan_models.deepseek_v3.mtp); 0: none.
+    num_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.context_len is None:
@@ -87,6 +90,10 @@ class DeepSeekV3Args:
                 (
                     self.qk_rope_head_dim % 2 == 0,
                     f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for rotary pairs",
+                ),
+                (
+                    self.num_mtp_layers >= 0,
+                    f"num_mtp_layers ({self.num_mtp_layers}) must be 0 (no multi-token prediction) or more",
                 ),
                 (self.rope_factor >= 1, f"rope_factor ({self.rope_factor}) must be at least 1"),
                 *attention_checks(self, ATTENTION_BACKENDS, _NARROW_VALUE_HEADS),

@@ -48,6 +48,16 @@ _MOE = {
     "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
 _EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj", "moe.experts.w3": "up_proj"}
+# A multi-token-prediction depth's own tensors (`deepseek_v3.mtp`); its block maps as any MoE block's.
+_MTP = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+# Copies of the main embedding and output head that the published files keep in each MTP layer; the
+# model shares the main ones (as the paper does): written from them, not read back.
+_MTP_SHARED = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 logger = logging.getLogger(__name__)
 
@@ -56,8 +66,11 @@ class DeepSeekV3StateDictAdapter:
     """Converts full (unsharded) state dicts to and from `DeepseekV3ForCausalLM`'s for one model shape.
 
     A model without an expert bias (`load_balance_coeff=None`) exports a zero
-    `e_score_correction_bias`, and imports only a zero one. Multi-token-prediction layers after the
-    last block (DeepSeek-V3's published checkpoint has one; `mtp_layers` names more) are skipped on import.
+    `e_score_correction_bias`, and imports only a zero one. The model's `num_mtp_layers`
+    multi-token-prediction depths are Hugging Face's layers n_layers, n_layers + 1, ... (DeepSeek-V3's
+    layer 61); their copies of the embedding and output head are written from the main ones and not
+    read back (the model shares them). Multi-token-prediction layers past those (the published checkpoint
+    has one; `mtp_layers` names more) are skipped on import.
     """
 
     def __init__(
@@ -74,15 +87,26 @@ class DeepSeekV3StateDictAdapter:
         self.has_bias = args.moe_args.load_balance_coeff is not None
         self._names = dict(_TOP_LEVEL)  # ours -> theirs, experts apart
         for layer in range(args.n_layers):
-            block = dict(_ATTENTION)
-            for name in ("wq", "wq_a", "q_norm", "wq_b"):
-                if (name == "wq") != (args.q_lora_rank == 0):
-                    block.pop(f"attention.{name}.weight")
-            block |= _MOE if args.is_moe_layer(layer) else _DENSE
-            for ours, theirs in block.items():
+            for ours, theirs in self._block_names(layer).items():
                 self._names[f"layers.{layer}.{ours}"] = f"model.layers.{layer}.{theirs}"
-        self._moe_layers = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
+        # (Titan prefix, Hugging Face layer) of every MoE block, the MTP depths' included.
+        self._moe_layers = [(f"layers.{i}.", i) for i in range(args.n_layers) if args.is_moe_layer(i)]
+        self._mtp = range(args.n_layers, args.n_layers + args.num_mtp_layers)
+        for layer in self._mtp:
+            prefix = f"mtp.layers.{layer}."
+            block = {f"block.{ours}": theirs for ours, theirs in self._block_names(layer).items()}
+            for ours, theirs in (_MTP | block).items():
+                self._names[prefix + ours] = f"model.layers.{layer}.{theirs}"
+            self._moe_layers.append((prefix + "block.", layer))
         self.hf_keep_dtype = ("e_score_correction_bias",)  # float32 in transformers, whatever the dtype
+
+    def _block_names(self, layer: int) -> dict[str, str]:
+        """Block `layer`'s names, ours -> theirs (within the block), routed experts apart."""
+        block = dict(_ATTENTION)
+        for name in ("wq", "wq_a", "q_norm", "wq_b"):
+            if (name == "wq") != (self.args.q_lora_rank == 0):
+                block.pop(f"attention.{name}.weight")
+        return block | (_MOE if self.args.is_moe_layer(layer) else _DENSE)
 
     def _hf_expert_names(self, layer: int, ours: str) -> list[str]:
         return [
@@ -103,7 +127,7 @@ class DeepSeekV3StateDictAdapter:
         """Titan's names and stacked experts -> `DeepseekV3ForCausalLM`'s names, one matrix per expert."""
         state = {_WRAPPER_PARTS.sub("", name): t for name, t in state_dict.items()}
         expected = set(self._names)
-        expected |= {f"layers.{i}.{ours}" for i in self._moe_layers for ours in _EXPERTS}
+        expected |= {prefix + ours for prefix, _ in self._moe_layers for ours in _EXPERTS}
         if not self.has_bias:
             expected -= {n for n in expected if n.endswith("moe.expert_bias")}
         self._check(set(state), expected, "Titan")
@@ -113,25 +137,30 @@ class DeepSeekV3StateDictAdapter:
                 hf[theirs] = state[ours]
             else:  # an expert bias this model does not keep: the neutral one
                 hf[theirs] = torch.zeros(self.args.moe_args.num_experts, dtype=torch.float32)
-        for layer in self._moe_layers:
+        for prefix, layer in self._moe_layers:
             for ours in _EXPERTS:
-                stacked = state[f"layers.{layer}.{ours}"]
+                stacked = state[prefix + ours]
                 for j, name in enumerate(self._hf_expert_names(layer, ours)):
                     hf[name] = stacked[j]
+        for layer in self._mtp:
+            for theirs, ours in _MTP_SHARED.items():
+                hf[f"model.layers.{layer}.{theirs}"] = state[ours]
         return hf
 
     def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """`DeepseekV3ForCausalLM`'s names and per-expert matrices -> Titan's (what `load_state_dict` takes)."""
-        mtp = self._mtp_layers_in(hf_state_dict)
+        skipped = self._mtp_layers_in(hf_state_dict)
+        shared = {f"model.layers.{layer}.{theirs}" for layer in self._mtp for theirs in _MTP_SHARED}
         state = {
             k: t
             for k, t in hf_state_dict.items()
-            if not ((m := _HF_LAYER.match(k)) and int(m.group(1)) in mtp)
+            if not ((m := _HF_LAYER.match(k)) and int(m.group(1)) in skipped) and k not in shared
         }
+        self._check_mtp_present(state)
         theirs_to_ours = {theirs: ours for ours, theirs in self._names.items()}
         expert_names = {
-            layer: {ours: self._hf_expert_names(layer, ours) for ours in _EXPERTS}
-            for layer in self._moe_layers
+            prefix: {ours: self._hf_expert_names(layer, ours) for ours in _EXPERTS}
+            for prefix, layer in self._moe_layers
         }
         expected = set(theirs_to_ours) | {
             name for by in expert_names.values() for names in by.values() for name in names
@@ -147,16 +176,28 @@ class DeepSeekV3StateDictAdapter:
                     )
                 continue
             ours[name] = state[theirs]
-        for layer, by_weight in expert_names.items():
+        for prefix, by_weight in expert_names.items():
             for name, hf_names in by_weight.items():
-                ours[f"layers.{layer}.{name}"] = torch.stack([state[h] for h in hf_names])
+                ours[prefix + name] = torch.stack([state[h] for h in hf_names])
         return ours
 
+    def _check_mtp_present(self, state: dict[str, Tensor]) -> None:
+        """Refuse in one line a checkpoint without the MTP layers this model trains."""
+        absent = [i for i in self._mtp if f"model.layers.{i}.eh_proj.weight" not in state]
+        if absent:
+            raise WeightMappingError(
+                f"model: num_mtp_layers is {self.args.num_mtp_layers} but the checkpoint has no "
+                f"multi-token-prediction layer {', '.join(map(str, absent))} (model.layers.N.eh_proj.weight; "
+                "its config.json's num_nextn_predict_layers says how many it has); set model.num_mtp_layers "
+                "to that number, or 0 to train without MTP"
+            )
+
     def _mtp_layers_in(self, hf_state_dict: dict[str, Tensor]) -> list[int]:
-        """The multi-token-prediction layers of a checkpoint, which the import skips (said once): the
-        `mtp_layers` after the last block, and any layer past it holding an MTP projection (`eh_proj`),
-        as DeepSeek-V3's layer 61 does (`num_nextn_predict_layers`)."""
-        n = self.args.n_layers
+        """The multi-token-prediction layers of a checkpoint that the model does not train, which the
+        import skips (said once): the `mtp_layers` after the model's last block (or MTP depth), and any
+        layer past it holding an MTP projection (`eh_proj`), as DeepSeek-V3's layer 61 does
+        (`num_nextn_predict_layers`)."""
+        n = self.args.n_layers + self.args.num_mtp_layers
         layers = set(range(n, n + self.mtp_layers))
         for name in hf_state_dict:
             if (m := _HF_LAYER.match(name)) and int(m.group(1)) >= n and name.endswith(".eh_proj.weight"):
@@ -165,7 +206,7 @@ class DeepSeekV3StateDictAdapter:
         if found:
             logger.info(
                 "model: skipping DeepSeek's multi-token-prediction layer %s (num_nextn_predict_layers; "
-                "Titan trains without MTP)",
+                "model.num_mtp_layers trains it)",
                 ", ".join(map(str, found)),
             )
         return found

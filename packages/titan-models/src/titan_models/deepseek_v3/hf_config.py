@@ -100,7 +100,7 @@ def _describe(args: DeepSeekV3Args) -> dict[str, Any]:
         "hidden_act": "silu",
         "attention_bias": False,
         "tie_word_embeddings": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.num_mtp_layers,
     }
     if args.uses_yarn:
         config["rope_scaling"] = {
@@ -122,7 +122,8 @@ def _latent_eps(args: DeepSeekV3Args) -> float:
 def to_hf_config(
     args: DeepSeekV3Args, *, bos_id: int | None = None, eos_id: int | None = None, dtype: str | None = None
 ) -> dict[str, Any]:
-    """The `config.json` of the equivalent `DeepseekV3ForCausalLM` (no multi-token-prediction layers)."""
+    """The `config.json` of the equivalent `DeepseekV3ForCausalLM` (`num_nextn_predict_layers`: the
+    model's multi-token-prediction depths, which transformers does not compute)."""
     problems = _export_problems(args)
     if problems:
         raise ModelConfigError(
@@ -169,7 +170,8 @@ def _import_problems(config: dict[str, Any]) -> list[str]:
 
 def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> DeepSeekV3Args:
     """The DeepSeekV3Args of the model a `DeepseekV3ForCausalLM` config.json describes (refusing what Titan
-    cannot compute). Multi-token-prediction layers are not part of the model."""
+    cannot compute). Its multi-token-prediction layers (`num_nextn_predict_layers`) are trained only when
+    the run asks (`num_mtp_layers` in `overrides`)."""
     shared.refuse_unsupported(_import_problems(config))
     get = lambda key: config.get(key, _DEFAULTS.get(key))  # noqa: E731
     groups, limited = get("n_group"), get("topk_group")
@@ -228,7 +230,8 @@ def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> DeepSeekV3A
 def _computed_fields(args: DeepSeekV3Args) -> dict[str, Any]:
     """The fields that change the function computed, named as config.json names them."""
     fields = _describe(args)
-    for key in ("architectures", "model_type", "max_position_embeddings"):
+    # The MTP depths add a training loss; the main model's function is the same without them.
+    for key in ("architectures", "model_type", "max_position_embeddings", "num_nextn_predict_layers"):
         fields.pop(key)
     scaling = fields.pop("rope_scaling")
     fields["rope_scaling"] = None if scaling is None else "yarn"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -10,6 +12,7 @@ from titan_models.attention_masks import AttentionMask
 from titan_models.decoder import Decoder
 from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.deepseek_v3.attention import MultiHeadLatentAttention
+from titan_models.deepseek_v3.mtp import MultiTokenPredictionHead
 from titan_models.deepseek_v3.rope import deepseek_rotary_table
 from titan_models.deepseek_v3.tensor_parallel_plan import mla_tp_entries
 from titan_models.feed_forward import FeedForward
@@ -38,7 +41,9 @@ class DeepSeekV3Block(nn.Module):
 
 class DeepSeekV3Model(Decoder):
     """A DeepSeek-V2/V3 decoder with torchtitan 0.2.2's parameter names (frame, init and parallel hooks:
-    `titan_models.decoder.Decoder`). Its tensor-parallel plan leaves experts to expert parallelism."""
+    `titan_models.decoder.Decoder`). Its tensor-parallel plan leaves experts to expert parallelism.
+    With `num_mtp_layers`, `mtp` holds the multi-token-prediction depths (`deepseek_v3.mtp`), whose
+    logits a training forward appends along the sequence."""
 
     input_projections = (
         "wq.weight",
@@ -47,9 +52,30 @@ class DeepSeekV3Model(Decoder):
         "wkv_a.weight",
         "wkv_b.weight",
         "w1.weight",
+        "eh_proj.weight",
     )
     # Drawn in float32 whatever the parameter dtype, as this family's init always has.
     init_draw_dtype = torch.float32
+
+    def __init__(self, args: DeepSeekV3Args):
+        super().__init__(args)
+        self.mtp = MultiTokenPredictionHead(args, self.build_block) if args.num_mtp_layers else None
+
+    def _blocks_forward(self, tokens: torch.Tensor, freqs_cis: torch.Tensor, masks: Any) -> torch.Tensor:
+        if self.mtp is None or not self.training:
+            return super()._blocks_forward(tokens, freqs_cis, masks)
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, freqs_cis, masks)
+        logits = self.output(self.norm(h))
+        ahead = self.mtp(h, tokens, self.tok_embeddings, self.output, freqs_cis, masks)
+        return torch.cat([logits, *ahead], dim=1)
+
+    def moe_layers(self) -> dict[str, nn.Module]:
+        layers = super().moe_layers()
+        if self.mtp is not None:
+            layers |= {f"mtp.layers.{i}.block.moe": depth.block.moe for i, depth in self.mtp.layers.items()}
+        return layers
 
     def build_block(self, layer: int) -> nn.Module:
         return DeepSeekV3Block(layer, self.args)

@@ -115,6 +115,20 @@ class Model:
         minimum=0,
         maximum=1.0,
     )
+    num_mtp_layers: int = opt(
+        0,
+        "(Titan) Multi-token-prediction depths after the last block (deepseek_v3; Hugging Face's "
+        "num_nextn_predict_layers, 1 in DeepSeek-V3's checkpoint); 0: none. See docs/mtp.md",
+        minimum=0,
+        maximum=16,
+    )
+    mtp_loss_weight: float = opt(
+        0.1,
+        "(Titan) lambda of the multi-token-prediction loss: loss = main + lambda / D * sum of the D depths' "
+        "losses (DeepSeek-V3: 0.3, then 0.1)",
+        minimum=0,
+        maximum=10.0,
+    )
 
 
 @dataclass

@@ -41,6 +41,8 @@ class StepMetrics:
     expert_load: dict[str, dict[str, float]] | None = None
     expert_counts: dict[str, list[float]] | None = None
     aux_loss: float | None = None
+    # Multi-token prediction: the mean of the depths' losses (`loss` is main + mtp_loss_weight * it).
+    mtp_loss: float | None = None
     # Preference tuning: TRL's rewards/* and logps/* means over the step's pairs.
     preference: dict[str, float] | None = None
 
@@ -63,6 +65,7 @@ TB_TAGS = {
     "data_time_pct": "time_metrics/data_loading(%)",
     "step_time_s": "time_metrics/end_to_end(s)",
     "aux_loss": "moe/aux_loss",
+    "mtp_loss": "loss_metrics/mtp_loss",
 }
 PER_LAYER_FIELDS = ("expert_load", "expert_counts")  # in metrics.jsonl; TensorBoard gets the load ratio
 VALIDATION_TAGS = {"loss": "validation_metrics/loss", "perplexity": "validation_metrics/perplexity"}
@@ -153,6 +156,8 @@ class MetricsLogger:
         c = _Colors(self.color)
         mfu = f"  {c.magenta}mfu: {m.mfu:.2f}%" if m.mfu is not None else ""
         mfu += _moe_summary(m)
+        if m.mtp_loss is not None:
+            mfu += f"  mtp_loss: {m.mtp_loss:.4f}"
         if m.preference:
             mfu += "  " + "  ".join(f"{k}: {v:.4f}" for k, v in m.preference.items())
         logger.info(
@@ -165,7 +170,7 @@ class MetricsLogger:
         record = {
             k: v
             for k, v in asdict(m).items()
-            if (v is not None or k not in (*PER_LAYER_FIELDS, "aux_loss")) and k != "preference"
+            if (v is not None or k not in (*PER_LAYER_FIELDS, "aux_loss", "mtp_loss")) and k != "preference"
         }
         record.update(m.preference or {})  # under TRL's names, e.g. rewards/margins
         tags = {TB_TAGS[k]: v for k, v in record.items() if k in TB_TAGS and k != "step" and v is not None}

@@ -1,0 +1,123 @@
+"""Multi-token prediction (DeepSeek-V3) in a run: the depths the model is built with, the loss that adds
+theirs, the layouts it runs under, and the number the log line reports.
+
+`model.num_mtp_layers` D builds the family's MTP depths (`titan_models.deepseek_v3.mtp`); in training
+the model returns the main logits followed by each depth's along the sequence. `MTPLoss` turns them
+into the paper's objective, L = L_main + (lambda / D) * sum_k L_k with lambda `model.mtp_loss_weight`,
+where L_k is the configured loss (the mean over labels, as the main loss is) of depth k's positions
+0..T-k-1 against labels k..T-1 (position i of depth k predicts token i + k + 2). Evaluation sees the
+main logits alone, so validation's loss is the main loss. Each micro-batch and data-parallel rank
+weighs the same number of MTP targets in pretraining, so the layouts' equal-weight averages give the
+mean over the step, as for the main loss; chat rows (a different share of each row masked) are refused.
+
+The log line's `loss` is the objective (what is backpropagated); `mtp_loss` beside it is
+(1 / D) * sum_k L_k, averaged over the step's micro-batches and the data-parallel ranks, so the main
+loss is loss - mtp_loss_weight * mtp_loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from titan_models.deepseek_v3.mtp import split_mtp_logits
+from titan_parallel import ParallelDims
+from titan_train.config.schema import JobConfig
+from titan_train.config.sft_section import is_chat
+from titan_train.errors import ConfigError
+from titan_train.registry import LossFn
+
+DEFAULT_WEIGHT = 0.1  # the DeepSeek-V3 report's lambda for its last 4.8T tokens (0.3 before)
+
+
+def takes_mtp(args: Any) -> bool:
+    """Whether a family's args have multi-token-prediction depths to set (DeepSeek-V3's do)."""
+    return dataclasses.is_dataclass(args) and "num_mtp_layers" in {f.name for f in dataclasses.fields(args)}
+
+
+def mtp_run_args(config: JobConfig, args: Any) -> Any:
+    """`args` with `model.num_mtp_layers` depths; refused in one line for a family without MTP, and a
+    `model.mtp_loss_weight` set for a run without depths."""
+    m = config.model
+    if m.num_mtp_layers == 0:
+        if m.mtp_loss_weight != DEFAULT_WEIGHT:
+            raise ConfigError(
+                f"config: model.mtp_loss_weight = {m.mtp_loss_weight} weighs multi-token prediction, but "
+                "model.num_mtp_layers is 0; set model.num_mtp_layers (deepseek_v3) or leave the weight unset"
+            )
+        return args
+    if not takes_mtp(args):
+        raise ConfigError(
+            f"config: model.num_mtp_layers = {m.num_mtp_layers}: {m.name} has no multi-token-prediction "
+            "layers; use model.name = 'deepseek_v3' or set it to 0"
+        )
+    return dataclasses.replace(args, num_mtp_layers=m.num_mtp_layers)
+
+
+def mtp_problems(config: JobConfig, dims: ParallelDims, args: Any) -> list[str]:
+    """The layouts and data multi-token prediction does not run with yet, one line each."""
+    if not (takes_mtp(args) and args.num_mtp_layers):
+        return []
+    unsupported = [
+        (
+            dims.pp > 1,
+            "parallelism.pipeline_parallel_degree > 1 (a depth needs the embedding, on the first stage)",
+        ),
+        (
+            dims.cp > 1,
+            "parallelism.context_parallel_degree > 1 (a depth reads tokens k places ahead, on another rank)",
+        ),
+        (
+            dims.tp > 1,
+            "parallelism.tensor_parallel_degree > 1 (the MTP depths have no tensor-parallel plan yet)",
+        ),
+        (
+            is_chat(config.training) or config.training.dataset == "preference",
+            "chat or preference rows (their masked labels would weigh the MTP loss unevenly)",
+        ),
+    ]
+    return [
+        f"model.num_mtp_layers = {args.num_mtp_layers} with {what}: not supported"
+        for on, what in unsupported
+        if on
+    ]
+
+
+class MTPLoss:
+    """The configured loss plus the MTP depths' (see the module); remembers the step's MTP losses for the
+    log line. Logits of the sequence's length alone (evaluation) give the main loss."""
+
+    def __init__(self, loss_fn: LossFn, weight: float):
+        self.loss_fn, self.weight = loss_fn, weight
+        self._losses: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        seq_len = labels.shape[1]
+        main, *depths = split_mtp_logits(logits, seq_len)
+        loss = self.loss_fn(main, labels)
+        if not depths:
+            return loss
+        ahead = [self.loss_fn(x[:, : seq_len - k], labels[:, k:]) for k, x in enumerate(depths, start=1)]
+        mtp = sum(ahead) / len(ahead)
+        value = mtp.detach()
+        self._losses.append(value.full_tensor() if isinstance(value, DTensor) else value)
+        return loss + self.weight * mtp
+
+    def begin_step(self) -> None:
+        """Forget the previous step's MTP losses."""
+        self._losses = []
+
+    def step_mean(self, group: dist.ProcessGroup | None) -> float | None:
+        """The step's MTP loss: the mean over its micro-batches and the ranks of `group` (data
+        parallelism), which all call it together; None before any training forward."""
+        if not self._losses:
+            return None
+        mean = torch.stack(self._losses).float().mean()
+        if group is not None:
+            dist.all_reduce(mean, group=group)
+            mean = mean / dist.get_world_size(group)
+        return float(mean)
