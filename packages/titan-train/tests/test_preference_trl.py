@@ -3,8 +3,10 @@ downloaded), the bundled tokenizer with two reserved tokens renamed to ChatML's 
 <|im_end|> and a ChatML template, six conversational pairs, full batch, constant lr, no weight decay.
 TRL's DPOTrainer (sigmoid, ipo, hinge, sigmoid + sft as RPO) trains the same model on the same rows; every
 step's loss, grad_norm and reward metrics must agree within 1e-4 relative. SimPO and ORPO are checked
-against the loss methods of TRL's CPOTrainer and ORPOTrainer on the same log-probs (their trainers
-tokenise rows their own older way, adding an EOS the chat template does not write)."""
+the same way against TRL's CPOTrainer(loss_type="simpo") and ORPOTrainer (trl.experimental in TRL 1.16),
+end to end and on their loss methods; those trainers tokenise the prompt and completion strings
+themselves and add the tokenizer's EOS where a completion does not end with it, so on their side the
+EOS is ChatML's <|im_end|> (already there) and there is no BOS (the template writes none)."""
 
 import json
 import math
@@ -146,6 +148,92 @@ def trl_run(folder, tmp_path, rows, loss_type, loss_weights=None):
     )
     trainer.train()
     return logs
+
+
+def trl_reference_free_run(folder, tmp_path, rows, trainer_name, **options):
+    """`CPOTrainer` or `ORPOTrainer` (trl.experimental) on the same rows, model and optimizer as titan_run."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    config_class, trainer_class = {"cpo": (CPOConfig, CPOTrainer), "orpo": (ORPOConfig, ORPOTrainer)}[
+        trainer_name
+    ]
+    logs = []
+
+    class Keep(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                kept.append(dict(logs))
+
+    kept = logs
+    args = config_class(
+        output_dir=str(tmp_path / trainer_name),
+        per_device_train_batch_size=len(rows),
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        **options,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.eos_token = "<|im_end|>"  # ends every ChatML turn: CPO/ORPO then add no EOS of their own
+    tokenizer.bos_token = None  # the ChatML template writes none, so neither does Titan
+    tokenizer.pad_token = "<|end_of_text|>"
+    trainer = trainer_class(
+        model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[Keep()],
+    )
+    trainer.train()
+    return logs
+
+
+@pytest.mark.parametrize(
+    "loss, trainer_name, options, more",
+    [
+        (
+            "simpo",
+            "cpo",
+            {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0, "simpo_gamma": 0.7, "label_smoothing": 0.1},
+            (
+                "--preference.beta",
+                "2.0",
+                "--preference.simpo_gamma",
+                "0.7",
+                "--preference.label_smoothing",
+                "0.1",
+            ),
+        ),
+        ("orpo", "orpo", {"beta": 0.25}, ("--preference.beta", "0.25")),
+    ],
+)
+def test_every_step_equals_trls_cpo_and_orpo_trainers(
+    tmp_path, model_folder, one_rank, loss, trainer_name, options, more
+):
+    rows = preference_rows()
+    titan = titan_run(model_folder, tmp_path, one_rank, loss, rows, "--preference.loss", loss, *more)
+    theirs = trl_reference_free_run(model_folder, tmp_path, rows, trainer_name, **options)
+    assert len(titan) == len(theirs) == STEPS
+    for step, (ours, ref) in enumerate(zip(titan, theirs, strict=True), 1):
+        for key in ("loss", "grad_norm", *METRICS):
+            assert _close(ours[key], ref[key]), (loss, step, key, ours[key], ref[key])
+    assert titan[-1]["loss"] != titan[0]["loss"]  # it trained
 
 
 def _close(a, b, rel=1e-4, floor=1e-6):

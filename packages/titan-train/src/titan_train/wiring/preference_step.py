@@ -2,7 +2,7 @@
 its backward, and the step's metrics under TRL's names.
 
 The step's loss is the mean over its pairs, whatever the layout: before the step the pairs (and, for
-the NLL terms, the chosen completion tokens) of all its micro-batches are counted over the
+the NLL terms, the chosen tokens: the completion for rpo_alpha, the whole sequence for ORPO) of all its micro-batches are counted over the
 data-parallel ranks, and each micro-batch backpropagates its pairs' sum times dp over that count, so
 that data parallelism's gradient average and gradient accumulation's sum give the gradient of the
 global mean, as one process computes it on the whole batch (the token loss does the same over tokens,
@@ -23,7 +23,7 @@ from titan_parallel import adapters_off
 from titan_train.config.preference_section import REFERENCE_FREE
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.wiring.preference_loss import IGNORE_INDEX, pair_losses, sequence_logps
+from titan_train.wiring.preference_loss import IGNORE_INDEX, pair_losses, sequence_logps, token_logps
 
 METRICS = (
     "rewards/chosen",
@@ -42,6 +42,18 @@ def global_sequences(sequence: torch.Tensor) -> tuple[torch.Tensor, int]:
     offsets = torch.cumsum(pairs, 0) - pairs
     numbered = torch.where(sequence >= 0, sequence + 2 * offsets[:, None], NO_SEQUENCE)
     return numbered, int(pairs.sum())
+
+
+def whole_chosen_labels(inputs: torch.Tensor, labels: torch.Tensor, sequence: torch.Tensor) -> torch.Tensor:
+    """The targets of ORPO's NLL term, which ORPOTrainer takes over the whole chosen sequence, prompt
+    included (every token after its first), not over its completion only as rpo_alpha's term: in a chosen
+    sequence (even number), each position's label where it has one, else the next input of the same
+    sequence; IGNORE_INDEX elsewhere."""
+    chosen = (sequence >= 0) & (sequence % 2 == 0)
+    next_inputs = torch.full_like(inputs, IGNORE_INDEX)
+    same = sequence[..., :-1] == sequence[..., 1:]
+    next_inputs[..., :-1] = torch.where(same, inputs[..., 1:], IGNORE_INDEX)
+    return torch.where(chosen, torch.where(labels != IGNORE_INDEX, labels, next_inputs), IGNORE_INDEX)
 
 
 class PreferenceStep:
@@ -74,8 +86,11 @@ class PreferenceStep:
     def begin_step(self, step_batches: list[tuple[torch.Tensor, ...]]) -> None:
         pairs = sum(int(((seq.amax(dim=1) + 1) // 2).sum()) for _, _, _, seq, *_ in step_batches)
         chosen_tokens = 0
-        for _, labels, _, seq, *_ in step_batches:
-            chosen_tokens += int(((labels != IGNORE_INDEX) & (seq >= 0) & (seq % 2 == 0)).sum())
+        for inputs, labels, _, seq, *_ in step_batches:
+            if self.p.loss == "orpo":
+                chosen_tokens += int((whole_chosen_labels(inputs, labels, seq) != IGNORE_INDEX).sum())
+            else:
+                chosen_tokens += int(((labels != IGNORE_INDEX) & (seq >= 0) & (seq % 2 == 0)).sum())
         counts = torch.tensor([pairs, chosen_tokens], dtype=torch.float64, device=step_batches[0][0].device)
         if self.group is not None:
             dist.all_reduce(counts, group=self.group)
@@ -103,7 +118,8 @@ class PreferenceStep:
         inputs, labels, positions, sequence = rows
         with context():
             reference = self._reference_logps(inputs, labels, positions, sequence, 2 * pairs)
-            policy = sequence_logps(self.forward(inputs, positions), labels, sequence, 2 * pairs)
+            logits = self.forward(inputs, positions)
+            policy = sequence_logps(logits, labels, sequence, 2 * pairs)
             if self.needs_reference and self.precomputed is not None:
                 reference = self.precomputed.lookup(pair.reshape(sequence.shape), sequence, policy.counts)
             out = pair_losses(
@@ -116,7 +132,10 @@ class PreferenceStep:
             )
             loss = out.losses.sum() * (self.dp_degree / self.pairs)
             if self.nll_weight:
-                chosen_nll = -policy.sums[0::2].sum()
+                if self.p.loss == "orpo":
+                    chosen_nll = -token_logps(logits, whole_chosen_labels(inputs, labels, sequence)).sum()
+                else:
+                    chosen_nll = -policy.sums[0::2].sum()
                 loss = loss + self.nll_weight * chosen_nll * (self.dp_degree / self.chosen_tokens)
         loss.backward()
         chosen, rejected, n_chosen, n_rejected = policy.pairs()
