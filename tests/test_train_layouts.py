@@ -677,11 +677,24 @@ LAYOUTS = {
         reference="one_process_dpo",
         weights_atol=CHAT_WEIGHTS_ATOL,
     ),
+    # Vocabulary-sharded logits (loss parallelism): each sequence's log-probs taken without gathering the vocabulary.
     "dpo_tp": Layout(
         2,
         (*DPO, TP, "2"),
+        {"degrees": {"tp": 2}, "loss_parallel": True},
         reference="one_process_dpo",
-        refused="preference tuning trains with data parallelism",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    # DPO on the qwen3 MoE cut: experts split by expert parallelism against the same cut in one process.
+    "one_process_dpo_moe": Layout(
+        1, (*MOE, *DPO), experts(1, 1, None, None, [8, 64, 64]), reference="one_process_dpo_moe"
+    ),
+    "dpo_moe_ep2": Layout(
+        2,
+        (*MOE, *DPO, EP, "2", *local_batch(2)),
+        experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64]),
+        reference="one_process_dpo_moe",
+        weights_atol=CHAT_WEIGHTS_ATOL,
     ),
     # Muon (the blocks' matrices orthogonalised whole: gathered from their shards) against Muon in one process.
     "one_process_muon": Layout(1, MUON, MUON_FACTS, reference="one_process_muon"),
@@ -723,6 +736,7 @@ GROUP_OF_REFERENCE = {
     "one_process_lora_moe": "finetune",
     "one_process_chat": "finetune",
     "one_process_dpo": "finetune",
+    "one_process_dpo_moe": "finetune",
     "one_process_muon": "muon",  # a group of its own: a unit of work beside the others (slow bf16 Newton-Schulz)
     "one_process_muon_moe": "muon",
 }

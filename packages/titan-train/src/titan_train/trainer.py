@@ -277,7 +277,7 @@ class Trainer:
                 self.loader.packed,
                 self.model_parts,
                 self._model_forward,
-                self.forward_context,
+                self._preference_context,
                 batch_size=self.config.training.local_batch_size,
                 dp_rank=self.dp_rank,
                 dp_degree=self.dp_degree,
@@ -342,7 +342,7 @@ class Trainer:
             trained += (labels != IGNORE_INDEX).sum()  # no host sync: read when the step is logged
             if self.preference is not None:
                 loss_sum += self.preference.forward_backward(
-                    inputs, labels, *positions, context=self.forward_context
+                    inputs, labels, *positions, context=self._preference_context
                 )
                 continue
             loss_sum += self._forward_backward(inputs, labels, *positions)
@@ -420,6 +420,13 @@ class Trainer:
             cp_no_restore=[inputs, labels],
             cp_models=self.model_parts,
         )
+
+    @contextlib.contextmanager
+    def _preference_context(self) -> Iterator[None]:
+        """The forward context and, under TP, loss parallelism: preference log-probs are taken from the
+        vocabulary-sharded logits (context parallelism is refused for preference data)."""
+        with training_context(self.dims, self.parallel_options), self.forward_context():
+            yield
 
     def _validation_loss(
         self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None

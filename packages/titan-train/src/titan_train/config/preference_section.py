@@ -65,10 +65,8 @@ def check_preference(config) -> None:
     split = {
         name: degree
         for name, degree in (
-            ("tensor_parallel_degree", par.tensor_parallel_degree),
             ("pipeline_parallel_degree", par.pipeline_parallel_degree),
             ("context_parallel_degree", par.context_parallel_degree),
-            ("expert_parallel_degree", par.expert_parallel_degree),
         )
         if degree > 1
     }
@@ -76,7 +74,7 @@ def check_preference(config) -> None:
         name, degree = next(iter(split.items()))
         raise ConfigError(
             f"config: training.dataset = 'preference' with parallelism.{name} = {degree}: preference tuning "
-            "trains with data parallelism (FSDP/HSDP/DDP) and gradient accumulation only for now; set it to 1"
+            "trains with data, tensor and expert parallelism and gradient accumulation only for now; set it to 1"
         )
     if config.optimizer.early_step_in_backward:
         raise ConfigError(
