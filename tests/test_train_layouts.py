@@ -42,7 +42,10 @@ FSDP's loss was 1.2% off and PP's grad_norm 5.6%. CP 2 is refused at start.
 
 Preference pairs (DPO, sigmoid, a frozen reference built and sharded like the policy; the bundled pairs packed
 into rows of 128) under FSDP 2 and FSDP 2 with 2 accumulated micro-batches against one process: loss within
-4.2e-7 relative, grad_norm 4.0e-7, weights 2.8e-6 (2026-11-28). TP 2 is refused at start (not yet supported).
+4.2e-7 relative, grad_norm 4.0e-7, weights 2.8e-6 (2026-11-28); under TP 2 with the logits sharded over the
+vocabulary (loss parallelism): loss 5.4e-7, grad_norm 4.6e-7, weights 1.7e-5; on the qwen3 MoE cut under EP 2 against
+that cut in one process (`one_process_dpo_moe`): loss 2.0e-7, grad_norm 1.1e-7, weights 3.9e-7 (2026-11-28).
+PP is refused at start (see docs/preference.md).
 
 Muon (`optimizer.name = "Muon"`) under FSDP 2, TP 2, PP 2 (1F1B), HSDP (2 x 2), FSDP 2 x TP 2 and, on the qwen3 MoE cut,
 EP 2, against Muon in one process: loss within 2.3e-7 relative, grad_norm 2.2e-7; weights within 7.0e-4 of their norm

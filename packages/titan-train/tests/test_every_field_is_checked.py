@@ -234,8 +234,18 @@ def test_every_bad_value_of_every_field_is_refused_in_one_line_naming_the_field(
                 "validation.enable": True,
                 "validation.dataset": "preference",
                 "validation.dataset_path": str(CHAT_ROWS),
+                "preference.reference": "precompute",
             },
-            r"validation.dataset = 'preference' is not available yet",
+            r"validation with preference.reference = 'precompute'",
+        ),
+        (
+            {
+                **PREFERENCE,
+                "validation.enable": True,
+                "validation.dataset": "chat",
+                "validation.dataset_path": str(CHAT_ROWS),
+            },
+            r"validation.dataset = 'chat' with training.dataset = 'preference'",
         ),
     ],
 )

@@ -98,7 +98,7 @@ def titan_run(folder, tmp_path, info, name, rows, *more):
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
-def trl_run(folder, tmp_path, rows, loss_type, loss_weights=None):
+def trl_run(folder, tmp_path, rows, loss_type, loss_weights=None, eval_rows=None, eval_steps=None):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
@@ -107,9 +107,8 @@ def trl_run(folder, tmp_path, rows, loss_type, loss_weights=None):
 
     class Keep(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                logs_copy = dict(logs)
-                logs_list.append(logs_copy)
+            if logs and ("loss" in logs or "eval_loss" in logs):
+                logs_list.append(dict(logs, step=state.global_step))
 
     logs_list = logs
     args = DPOConfig(
@@ -136,6 +135,11 @@ def trl_run(folder, tmp_path, rows, loss_type, loss_weights=None):
         bf16=False,
         seed=0,
         dataset_num_proc=None,
+        **(
+            {"eval_strategy": "steps", "eval_steps": eval_steps, "per_device_eval_batch_size": len(eval_rows)}
+            if eval_rows
+            else {}
+        ),
     )
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.pad_token = tokenizer.eos_token or "<|end_of_text|>"
@@ -143,6 +147,7 @@ def trl_run(folder, tmp_path, rows, loss_type, loss_weights=None):
         model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
         args=args,
         train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
         processing_class=tokenizer,
         callbacks=[Keep()],
     )
@@ -264,7 +269,7 @@ def test_every_step_equals_trls_dpo_trainer(tmp_path, model_folder, one_rank, lo
         "0.1",
         *more,
     )
-    theirs = trl_run(model_folder, tmp_path, rows, trl_loss, weights)
+    theirs = [log for log in trl_run(model_folder, tmp_path, rows, trl_loss, weights) if "loss" in log]
     assert len(titan) == len(theirs) == STEPS
     for step, (ours, ref) in enumerate(zip(titan, theirs, strict=True), 1):
         for key in ("loss", "grad_norm", *METRICS):
@@ -310,3 +315,30 @@ def test_simpo_and_orpo_equal_trls_cpo_and_orpo_losses():
     torch.testing.assert_close(ours.losses, -theirs, rtol=1e-6, atol=0)  # ORPO's loss is nll - mean(theirs)
     torch.testing.assert_close(ours.chosen_rewards, their_c)
     assert not math.isnan(float(ours.losses.sum()))
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+def test_validation_on_held_out_pairs_equals_trls_evaluation(tmp_path, model_folder, one_rank, loss):
+    """Held-out pairs scored every 3 steps: the loss and the six metrics equal TRL's eval_ logs (its
+    DPOTrainer evaluating the whole held-out set as one batch) at steps 3 and 6."""
+    rows, held_out = preference_rows(), preference_rows(count=4, seed=2)
+    data = tmp_path / "held_out.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in held_out))
+    flags = ("--preference.loss", loss, "--validation.enable", "--validation.dataset", "preference")
+    flags += ("--validation.dataset_path", str(data), "--validation.freq", "3", "--validation.steps", "-1")
+    flags += ("--validation.local_batch_size", str(len(held_out)), "--validation.seq_len", "64")
+    titan_run(model_folder, tmp_path, one_rank, "titan", rows, *flags)
+    ours = [json.loads(line) for line in (tmp_path / "titan" / "validation.jsonl").read_text().splitlines()]
+    logs = trl_run(model_folder, tmp_path, rows, [loss], eval_rows=held_out, eval_steps=3)
+    theirs = [log for log in logs if "eval_loss" in log]
+    assert [o["step"] for o in ours] == [t["step"] for t in theirs] == [3, 6]
+    for mine, ref in zip(ours, theirs, strict=True):
+        for key in ("loss", *METRICS):
+            assert _close(mine[key], ref[f"eval_{key}"]), (
+                loss,
+                mine["step"],
+                key,
+                mine[key],
+                ref[f"eval_{key}"],
+            )
+    assert ours[0]["loss"] != ours[1]["loss"]

@@ -52,6 +52,7 @@ from titan_train.wiring.preference_step import (
     build_reference,
     copy_starting_weights,
 )
+from titan_train.wiring.preference_validation import PreferenceValidator
 from titan_train.wiring.qlora import DequantizedModelState, qlora_enabled, quantize_parts
 from titan_train.wiring.stage_inputs import stage_inputs
 from titan_train.wiring.valid_token_loss import IGNORE_INDEX
@@ -228,7 +229,18 @@ class Trainer:
         )
         self.closing.callback(self.metrics.close)
         self.validator = None
-        if config.validation.enable:
+        if config.validation.enable and self.preference is not None:
+            v = config.validation
+            self.validator = PreferenceValidator(
+                lambda: build_validation_loader(config, self.tokenizer, dp_rank, dp_degree),
+                self.preference,
+                self._preference_context,
+                seq_len=v.seq_len,
+                device=self.device,
+                freq=v.freq,
+                steps=v.steps,
+            )
+        elif config.validation.enable:
             v = config.validation
             self.validator = Validator(
                 lambda: build_validation_loader(config, self.tokenizer, dp_rank, dp_degree),
@@ -523,9 +535,11 @@ class Trainer:
                     window = _Window()
                 if self.validator is not None and self.validator.should_validate(self.state.step):
                     with stop_on_data_outage(self.state.step, self.checkpointer):
-                        self.metrics.log_validation(
-                            self.state.step, *self.validator.validate(self.model_parts)
-                        )
+                        result = self.validator.validate(self.model_parts)
+                        if isinstance(result, dict):  # preference pairs: loss and TRL's metrics
+                            self.metrics.log_preference_validation(self.state.step, result)
+                        else:
+                            self.metrics.log_validation(self.state.step, *result)
                 last_step = self.state.step == c.training.steps
                 if self.checkpointer is not None:
                     self.checkpointer.maybe_save(self.state.step, last_step=last_step)

@@ -110,41 +110,78 @@ class PreferenceStep:
                     logits = self.forward(inputs, positions)
             return sequence_logps(logits, labels, sequence, n)
 
-    def forward_backward(self, inputs, labels, positions, sequence, pair=None, *, context) -> torch.Tensor:
-        """This micro-batch's share of the step's loss, backpropagated; returned detached. `pair`: each
-        position's pair's index in the dataset, where the reference log-probs were precomputed."""
+    def _pair_terms(self, inputs, labels, positions, sequence, pair, seq_len: int):
+        """Per pair of a batch: the losses and rewards; the chosen NLL's sum and token count; the metric
+        values (their sums over the batch's pairs) and the number of pairs."""
         sequence, pairs = global_sequences(sequence)
-        rows = [t.reshape(-1, self.seq_len) for t in (inputs, labels, positions, sequence)]
-        inputs, labels, positions, sequence = rows
-        with context():
-            reference = self._reference_logps(inputs, labels, positions, sequence, 2 * pairs)
-            logits = self.forward(inputs, positions)
-            policy = sequence_logps(logits, labels, sequence, 2 * pairs)
-            if self.needs_reference and self.precomputed is not None:
-                reference = self.precomputed.lookup(pair.reshape(sequence.shape), sequence, policy.counts)
-            out = pair_losses(
-                self.p.loss,
-                policy,
-                reference,
-                beta=self.p.beta,
-                label_smoothing=self.p.label_smoothing,
-                simpo_gamma=self.p.simpo_gamma,
-            )
-            loss = out.losses.sum() * (self.dp_degree / self.pairs)
-            if self.nll_weight:
-                if self.p.loss == "orpo":
-                    chosen_nll = -token_logps(logits, whole_chosen_labels(inputs, labels, sequence)).sum()
-                else:
-                    chosen_nll = -policy.sums[0::2].sum()
-                loss = loss + self.nll_weight * chosen_nll * (self.dp_degree / self.chosen_tokens)
-        loss.backward()
+        inputs, labels, positions, sequence = [
+            t.reshape(-1, seq_len) for t in (inputs, labels, positions, sequence)
+        ]
+        reference = self._reference_logps(inputs, labels, positions, sequence, 2 * pairs)
+        logits = self.forward(inputs, positions)
+        policy = sequence_logps(logits, labels, sequence, 2 * pairs)
+        if self.needs_reference and self.precomputed is not None:
+            reference = self.precomputed.lookup(pair.reshape(sequence.shape), sequence, policy.counts)
+        out = pair_losses(
+            self.p.loss,
+            policy,
+            reference,
+            beta=self.p.beta,
+            label_smoothing=self.p.label_smoothing,
+            simpo_gamma=self.p.simpo_gamma,
+        )
+        nll, nll_tokens = out.losses.new_zeros(()), 0.0
+        if self.nll_weight:
+            if self.p.loss == "orpo":
+                targets = whole_chosen_labels(inputs, labels, sequence)
+                nll = -token_logps(logits, targets).sum()
+                nll_tokens = float((targets != IGNORE_INDEX).sum())
+            else:
+                nll = -policy.sums[0::2].sum()
+                nll_tokens = float(policy.counts[0::2].sum())
         chosen, rejected, n_chosen, n_rejected = policy.pairs()
         if self.p.loss in REFERENCE_FREE:  # TRL's CPO and ORPO report average log-probs
             chosen, rejected = chosen / n_chosen.clamp_min(1), rejected / n_rejected.clamp_min(1)
         cr, rr = out.chosen_rewards, out.rejected_rewards
         values = (cr, rr, (cr > rr).float(), cr - rr, chosen.detach(), rejected.detach())
-        self.sums += torch.stack([v.sum().double() for v in values] + [cr.new_tensor(float(pairs)).double()])
+        metric_sums = torch.stack([v.sum().double() for v in values] + [cr.new_tensor(float(pairs)).double()])
+        return out, nll, nll_tokens, metric_sums, pairs
+
+    def forward_backward(self, inputs, labels, positions, sequence, pair=None, *, context) -> torch.Tensor:
+        """This micro-batch's share of the step's loss, backpropagated; returned detached. `pair`: each
+        position's pair's index in the dataset, where the reference log-probs were precomputed."""
+        with context():
+            out, nll, _, metric_sums, _ = self._pair_terms(
+                inputs, labels, positions, sequence, pair, self.seq_len
+            )
+            loss = out.losses.sum() * (self.dp_degree / self.pairs)
+            if self.nll_weight:
+                loss = loss + self.nll_weight * nll * (self.dp_degree / self.chosen_tokens)
+        loss.backward()
+        self.sums += metric_sums
         return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(self, inputs, labels, positions, sequence, *, seq_len: int, context) -> torch.Tensor:
+        """One held-out batch's sums (float64): pair losses, chosen NLL, its tokens, the metrics, pairs."""
+        with context():
+            out, nll, nll_tokens, metric_sums, _ = self._pair_terms(
+                inputs, labels, positions, sequence, None, seq_len
+            )
+        head = torch.stack([out.losses.sum().double(), nll.double(), nll.new_tensor(nll_tokens).double()])
+        return torch.cat([head, metric_sums])
+
+    def validation_metrics(self, sums: torch.Tensor) -> dict[str, float]:
+        """The held-out set's loss and metrics from its sums over every batch (summed over data parallelism
+        here): means over its pairs (the NLL term: over its chosen tokens), as the training step's."""
+        if self.group is not None:
+            dist.all_reduce(sums, group=self.group)
+        losses, nll, nll_tokens, *metric_sums, pairs = sums.tolist()
+        loss = losses / max(pairs, 1) + (
+            self.nll_weight * nll / max(nll_tokens, 1) if self.nll_weight else 0.0
+        )
+        means = {name: value / max(pairs, 1) for name, value in zip(METRICS, metric_sums, strict=True)}
+        return {"loss": loss, **means}
 
     def end_step(self) -> dict[str, float]:
         """The step's metrics, means over all its pairs (one all-reduce over data parallelism)."""
