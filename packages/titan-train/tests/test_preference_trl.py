@@ -98,21 +98,10 @@ def titan_run(folder, tmp_path, info, name, rows, *more):
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
-def trl_run(folder, tmp_path, rows, loss_type, loss_weights=None, eval_rows=None, eval_steps=None):
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
-
-    logs = []
-
-    class Keep(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and ("loss" in logs or "eval_loss" in logs):
-                logs_list.append(dict(logs, step=state.global_step))
-
-    logs_list = logs
-    args = DPOConfig(
-        output_dir=str(tmp_path / "trl"),
+def _trainer_args(tmp_path, name, rows):
+    """What each TRL trainer here is given: the rows as one batch, a constant lr, AdamW without decay."""
+    return dict(
+        output_dir=str(tmp_path / name),
         per_device_train_batch_size=len(rows),
         max_steps=STEPS,
         learning_rate=LR,
@@ -124,26 +113,29 @@ def trl_run(folder, tmp_path, rows, loss_type, loss_weights=None, eval_rows=None
         adam_epsilon=1e-8,
         max_grad_norm=1.0,
         optim="adamw_torch",
-        beta=0.1,
-        loss_type=loss_type,
-        loss_weights=loss_weights,
-        max_length=None,
         logging_steps=1,
         report_to=[],
         save_strategy="no",
         use_cpu=True,
         bf16=False,
         seed=0,
-        dataset_num_proc=None,
-        **(
-            {"eval_strategy": "steps", "eval_steps": eval_steps, "per_device_eval_batch_size": len(eval_rows)}
-            if eval_rows
-            else {}
-        ),
     )
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.pad_token = tokenizer.eos_token or "<|end_of_text|>"
-    trainer = DPOTrainer(
+
+
+def _train(trainer_class, args, folder, tokenizer, rows, eval_rows=None):
+    """TRL's trainer on `rows`; its training and evaluation logs, each with its step."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    logs = []
+
+    class Keep(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and ("loss" in logs or "eval_loss" in logs):
+                kept.append(dict(logs, step=state.global_step))
+
+    kept = logs
+    trainer = trainer_class(
         model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
         args=args,
         train_dataset=Dataset.from_list(rows),
@@ -155,58 +147,46 @@ def trl_run(folder, tmp_path, rows, loss_type, loss_weights=None, eval_rows=None
     return logs
 
 
+def trl_run(folder, tmp_path, rows, loss_type, loss_weights=None, eval_rows=None, eval_steps=None):
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    evaluation = {}
+    if eval_rows:
+        evaluation = {
+            "eval_strategy": "steps",
+            "eval_steps": eval_steps,
+            "per_device_eval_batch_size": len(eval_rows),
+        }
+    args = DPOConfig(
+        **_trainer_args(tmp_path, "trl", rows),
+        beta=0.1,
+        loss_type=loss_type,
+        loss_weights=loss_weights,
+        max_length=None,
+        dataset_num_proc=None,
+        **evaluation,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.pad_token = tokenizer.eos_token or "<|end_of_text|>"
+    return _train(DPOTrainer, args, folder, tokenizer, rows, eval_rows)
+
+
 def trl_reference_free_run(folder, tmp_path, rows, trainer_name, **options):
     """`CPOTrainer` or `ORPOTrainer` (trl.experimental) on the same rows, model and optimizer as titan_run."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl.experimental.cpo import CPOConfig, CPOTrainer
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     config_class, trainer_class = {"cpo": (CPOConfig, CPOTrainer), "orpo": (ORPOConfig, ORPOTrainer)}[
         trainer_name
     ]
-    logs = []
-
-    class Keep(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                kept.append(dict(logs))
-
-    kept = logs
-    args = config_class(
-        output_dir=str(tmp_path / trainer_name),
-        per_device_train_batch_size=len(rows),
-        max_steps=STEPS,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        adam_epsilon=1e-8,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        **options,
-    )
+    args = config_class(**_trainer_args(tmp_path, trainer_name, rows), **options)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.eos_token = "<|im_end|>"  # ends every ChatML turn: CPO/ORPO then add no EOS of their own
     tokenizer.bos_token = None  # the ChatML template writes none, so neither does Titan
     tokenizer.pad_token = "<|end_of_text|>"
-    trainer = trainer_class(
-        model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
-        args=args,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        callbacks=[Keep()],
-    )
-    trainer.train()
-    return logs
+    return _train(trainer_class, args, folder, tokenizer, rows)
 
 
 @pytest.mark.parametrize(

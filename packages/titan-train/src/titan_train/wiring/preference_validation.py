@@ -9,10 +9,9 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from titan_data import SourceUnavailable
 from titan_train.errors import ConfigError
-from titan_train.faults.data_outage import agree_on_batches
 from titan_train.wiring.preference_step import PreferenceStep
+from titan_train.wiring.validation import agreed_batches
 
 
 class PreferenceValidator:
@@ -40,24 +39,14 @@ class PreferenceValidator:
     def validate(self, model_parts: list[nn.Module]) -> dict[str, float]:
         for part in model_parts:
             part.eval()
-        sums, count = None, 0
-        batches = iter(self.make_batches())
+        sums = None
         try:
-            while self.steps == -1 or count < self.steps:
-                # Sharded models need every rank in each forward: all stop when one rank's data ends.
-                batch, failure = None, None
-                try:
-                    batch = next(batches, None)
-                except SourceUnavailable as err:
-                    failure = str(err)
-                if not agree_on_batches(batch is not None, failure, self.device):
-                    break
+            for batch in agreed_batches(iter(self.make_batches()), self.steps, self.device):
                 inputs, labels, positions, sequence = (t.to(self.device) for t in batch[:4])
                 got = self.step.evaluate(
                     inputs, labels, positions, sequence, seq_len=self.seq_len, context=self.context
                 )
                 sums = got if sums is None else sums + got
-                count += 1
         finally:
             for part in model_parts:
                 part.train()
