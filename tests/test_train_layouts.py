@@ -44,7 +44,9 @@ Preference pairs (DPO, sigmoid, a frozen reference built and sharded like the po
 into rows of 128) under FSDP 2 and FSDP 2 with 2 accumulated micro-batches against one process: loss within
 4.2e-7 relative, grad_norm 4.0e-7, weights 2.8e-6 (2026-11-28); under TP 2 with the logits sharded over the
 vocabulary (loss parallelism): loss 5.4e-7, grad_norm 4.6e-7, weights 1.7e-5; on the qwen3 MoE cut under EP 2 against
-that cut in one process (`one_process_dpo_moe`): loss 2.0e-7, grad_norm 1.1e-7, weights 3.9e-7 (2026-11-28).
+that cut in one process (`one_process_dpo_moe`): loss 2.0e-7, grad_norm 1.1e-7, weights 3.9e-7, and the same with
+the reference precomputed (2026-11-28); that pass run in training mode counted its routing into step 1's tokens
+per expert and failed dpo_moe_ep2_precompute.
 PP is refused at start (see docs/preference.md).
 
 Muon (`optimizer.name = "Muon"`) under FSDP 2, TP 2, PP 2 (1F1B), HSDP (2 x 2), FSDP 2 x TP 2 and, on the qwen3 MoE cut,
@@ -695,6 +697,15 @@ LAYOUTS = {
     "dpo_moe_ep2": Layout(
         2,
         (*MOE, *DPO, EP, "2", *local_batch(2)),
+        experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64]),
+        reference="one_process_dpo_moe",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    # The reference log-probs computed by the policy in one pass before step 1 (the 30B-A3B config's choice):
+    # both ranks take part in every forward of the pass, as the experts' all-to-all needs.
+    "dpo_moe_ep2_precompute": Layout(
+        2,
+        (*MOE, *DPO, EP, "2", *local_batch(2), "--preference.reference", "precompute"),
         experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64]),
         reference="one_process_dpo_moe",
         weights_atol=CHAT_WEIGHTS_ATOL,

@@ -35,6 +35,21 @@ METRICS = (
 )
 
 
+@contextlib.contextmanager
+def evaluating(parts: list[nn.Module]):
+    """The policy's parts in eval mode for a reference forward (adapters off, or the precompute pass):
+    as the frozen copy, it must not count its routing into the experts' load-balancing statistics,
+    which only training forwards feed."""
+    modes = [part.training for part in parts]
+    for part in parts:
+        part.eval()
+    try:
+        yield
+    finally:
+        for part, mode in zip(parts, modes, strict=True):
+            part.train(mode)
+
+
 def global_sequences(sequence: torch.Tensor) -> tuple[torch.Tensor, int]:
     """A batch's per-window sequence numbers (2k chosen, 2k+1 rejected) numbered across the batch, and
     its number of pairs."""
@@ -104,7 +119,7 @@ class PreferenceStep:
             if self.reference is not None:
                 logits = self.reference[0](inputs, positions=positions)
             else:
-                with contextlib.ExitStack() as stack:
+                with contextlib.ExitStack() as stack, evaluating(self.parts):
                     for part in self.parts:
                         stack.enter_context(adapters_off(part))
                     logits = self.forward(inputs, positions)
