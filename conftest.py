@@ -47,6 +47,7 @@ LONGEST_FIRST = (
     "tests/test_start_from_hf.py",  # ~150
     "packages/titan-train/tests/test_muon_commands.py",  # ~120
     "tests/test_fine_tune_numbers.py",  # ~100
+    "packages/titan-train/tests/test_preference_trl.py",  # ~160 (8 runs of TRL beside Titan)
     "packages/titan-train/tests/test_preference.py",  # ~100
     "packages/titan-train/tests/test_data_choices.py",  # ~75
     "tests/test_hf_export_drop_in.py",  # ~60

@@ -197,15 +197,20 @@ def test_the_8b_sft_config_passes_the_start_checks_for_one_node_and_refuses_cont
 
 @pytest.mark.parametrize(
     ("config", "published", "lora"),
-    [("llama3_8b_dpo", "Llama-3.1-8B", False), ("llama3_70b_qlora_dpo", "Llama-3.1-70B", True)],
+    [
+        ("llama3_8b_dpo", "Llama-3.1-8B", False),
+        ("llama3_70b_qlora_dpo", "Llama-3.1-70B", True),
+        ("qwen3_30b_a3b_dpo", "Qwen3-30B-A3B", False),
+    ],
 )
 def test_the_dpo_configs_start_from_a_hugging_face_folder_and_pass_the_start_checks_on_8_gpus(
     tmp_path, config, published, lora
 ):
-    """The 8B DPO and 70B QLoRA DPO configs as a user launches them (a preference set named by its hub id,
-    the model's shape and weights from a Hugging Face folder: flavor from_hf, initial_load_in_hf):
+    """The 8B DPO, 70B QLoRA DPO and Qwen3 30B-A3B DPO (EP 8) configs as a user launches them (a preference
+    set named by its hub id, the model's shape and weights from a Hugging Face folder: flavor from_hf,
+    initial_load_in_hf):
     `titan-train check --ngpu 8` passes every start-up check on a folder holding the published config.json;
-    so does the 8B with its reference precomputed."""
+    so do the full-weight ones with the other reference (precomputed, or a frozen copy)."""
     assets = tmp_path / published
     assets.mkdir()
     (assets / "config.json").write_text((PUBLISHED / f"{published}.json").read_text())
@@ -217,5 +222,7 @@ def test_the_dpo_configs_start_from_a_hugging_face_folder_and_pass_the_start_che
     assert c.model.flavor == "from_hf" and c.checkpoint.enable and c.checkpoint.initial_load_in_hf
     assert c.parallelism.data_parallel_shard_degree in (-1, 8)
     assert (c.model.converters == ["lora"] and c.lora.quantize_base == "nf4") == lora
+    assert c.parallelism.expert_parallel_degree == (8 if c.model.name == "qwen3" else 1)
     if not lora:
-        assert run(["check", "--ngpu", "8", *flags, "--preference.reference", "precompute"]) == 0
+        other = "auto" if c.preference.reference == "precompute" else "precompute"
+        assert run(["check", "--ngpu", "8", *flags, "--preference.reference", other]) == 0

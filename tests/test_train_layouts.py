@@ -45,7 +45,12 @@ FSDP's loss was 1.2% off and PP's grad_norm 5.6%. CP 2 is refused at start.
 
 Preference pairs (DPO, sigmoid, a frozen reference built and sharded like the policy; the bundled pairs packed
 into rows of 128) under FSDP 2 and FSDP 2 with 2 accumulated micro-batches against one process: loss within
-4.2e-7 relative, grad_norm 4.0e-7, weights 2.8e-6 (2026-11-28). TP 2 is refused at start (not yet supported).
+4.2e-7 relative, grad_norm 4.0e-7, weights 2.8e-6 (2026-11-28); under TP 2 with the logits sharded over the
+vocabulary (loss parallelism): loss 5.4e-7, grad_norm 4.6e-7, weights 1.7e-5; on the qwen3 MoE cut under EP 2 against
+that cut in one process (`one_process_dpo_moe`): loss 2.0e-7, grad_norm 1.1e-7, weights 3.9e-7, and the same with
+the reference precomputed (2026-11-28); that pass run in training mode counted its routing into step 1's tokens
+per expert and failed dpo_moe_ep2_precompute.
+PP is refused at start (see docs/preference.md).
 
 Muon (`optimizer.name = "Muon"`) under FSDP 2, TP 2, PP 2 (1F1B), HSDP (2 x 2), FSDP 2 x TP 2 and, on the qwen3 MoE cut,
 EP 2, against Muon in one process: loss within 2.3e-7 relative, grad_norm 2.2e-7; weights within 7.0e-4 of their norm
@@ -712,11 +717,33 @@ LAYOUTS = {
         reference="one_process_dpo",
         weights_atol=CHAT_WEIGHTS_ATOL,
     ),
+    # Vocabulary-sharded logits (loss parallelism): each sequence's log-probs taken without gathering the vocabulary.
     "dpo_tp": Layout(
         2,
         (*DPO, TP, "2"),
+        {"degrees": {"tp": 2}, "loss_parallel": True},
         reference="one_process_dpo",
-        refused="preference tuning trains with data parallelism",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    # DPO on the qwen3 MoE cut: experts split by expert parallelism against the same cut in one process.
+    "one_process_dpo_moe": Layout(
+        1, (*MOE, *DPO), experts(1, 1, None, None, [8, 64, 64]), reference="one_process_dpo_moe"
+    ),
+    "dpo_moe_ep2": Layout(
+        2,
+        (*MOE, *DPO, EP, "2", *local_batch(2)),
+        experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64]),
+        reference="one_process_dpo_moe",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    # The reference log-probs computed by the policy in one pass before step 1 (the 30B-A3B config's choice):
+    # both ranks take part in every forward of the pass, as the experts' all-to-all needs.
+    "dpo_moe_ep2_precompute": Layout(
+        2,
+        (*MOE, *DPO, EP, "2", *local_batch(2), "--preference.reference", "precompute"),
+        experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64]),
+        reference="one_process_dpo_moe",
+        weights_atol=CHAT_WEIGHTS_ATOL,
     ),
     # Muon (the blocks' matrices orthogonalised whole: gathered from their shards) against Muon in one process.
     "one_process_muon": Layout(1, MUON, MUON_FACTS, reference="one_process_muon"),
@@ -759,6 +786,7 @@ GROUP_OF_REFERENCE = {
     "one_process_lora_moe": "finetune",
     "one_process_chat": "finetune",
     "one_process_dpo": "finetune",
+    "one_process_dpo_moe": "finetune",
     "one_process_muon": "muon",  # a group of its own: a unit of work beside the others (slow bf16 Newton-Schulz)
     "one_process_muon_moe": "muon",
 }

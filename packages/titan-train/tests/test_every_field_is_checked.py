@@ -225,8 +225,8 @@ def test_every_bad_value_of_every_field_is_refused_in_one_line_naming_the_field(
             r"training.dataset = 'chat' with sft.packing = true: model.name 'gpt_oss' builds its own attention",
         ),
         (
-            {**PREFERENCE, "parallelism.tensor_parallel_degree": 2},
-            r"training.dataset = 'preference' with parallelism.tensor_parallel_degree = 2: preference tuning",
+            {**PREFERENCE, "parallelism.pipeline_parallel_degree": 2},
+            r"training.dataset = 'preference' with parallelism.pipeline_parallel_degree = 2: preference tuning",
         ),
         (
             {
@@ -234,8 +234,18 @@ def test_every_bad_value_of_every_field_is_refused_in_one_line_naming_the_field(
                 "validation.enable": True,
                 "validation.dataset": "preference",
                 "validation.dataset_path": str(CHAT_ROWS),
+                "preference.reference": "precompute",
             },
-            r"validation.dataset = 'preference' is not available yet",
+            r"validation with preference.reference = 'precompute'",
+        ),
+        (
+            {
+                **PREFERENCE,
+                "validation.enable": True,
+                "validation.dataset": "chat",
+                "validation.dataset_path": str(CHAT_ROWS),
+            },
+            r"validation.dataset = 'chat' with training.dataset = 'preference'",
         ),
     ],
 )

@@ -3,8 +3,11 @@ downloaded), the bundled tokenizer with two reserved tokens renamed to ChatML's 
 <|im_end|> and a ChatML template, six conversational pairs, full batch, constant lr, no weight decay.
 TRL's DPOTrainer (sigmoid, ipo, hinge, sigmoid + sft as RPO) trains the same model on the same rows; every
 step's loss, grad_norm and reward metrics must agree within 1e-4 relative. SimPO and ORPO are checked
-against the loss methods of TRL's CPOTrainer and ORPOTrainer on the same log-probs (their trainers
-tokenise rows their own older way, adding an EOS the chat template does not write)."""
+the same way against TRL's CPOTrainer(loss_type="simpo") and ORPOTrainer (trl.experimental in TRL 1.16),
+end to end and on their loss methods; those trainers tokenise the prompt and completion strings
+themselves and add the tokenizer's EOS where a completion does not end with it, so on their side the
+EOS is ChatML's <|im_end|> (already there) and there is no BOS (the template writes none). Validation on
+held-out pairs is checked against DPOTrainer's evaluation (eval_loss and the eval_ metrics)."""
 
 import json
 import math
@@ -96,22 +99,10 @@ def titan_run(folder, tmp_path, info, name, rows, *more):
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
-def trl_run(folder, tmp_path, rows, loss_type, loss_weights=None):
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
-
-    logs = []
-
-    class Keep(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                logs_copy = dict(logs)
-                logs_list.append(logs_copy)
-
-    logs_list = logs
-    args = DPOConfig(
-        output_dir=str(tmp_path / "trl"),
+def _trainer_args(tmp_path, name, rows):
+    """What each TRL trainer here is given: the rows as one batch, a constant lr, AdamW without decay."""
+    return dict(
+        output_dir=str(tmp_path / name),
         per_device_train_batch_size=len(rows),
         max_steps=STEPS,
         learning_rate=LR,
@@ -123,29 +114,112 @@ def trl_run(folder, tmp_path, rows, loss_type, loss_weights=None):
         adam_epsilon=1e-8,
         max_grad_norm=1.0,
         optim="adamw_torch",
-        beta=0.1,
-        loss_type=loss_type,
-        loss_weights=loss_weights,
-        max_length=None,
         logging_steps=1,
         report_to=[],
         save_strategy="no",
         use_cpu=True,
         bf16=False,
         seed=0,
-        dataset_num_proc=None,
     )
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.pad_token = tokenizer.eos_token or "<|end_of_text|>"
-    trainer = DPOTrainer(
+
+
+def _train(trainer_class, args, folder, tokenizer, rows, eval_rows=None):
+    """TRL's trainer on `rows`; its training and evaluation logs, each with its step."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    logs = []
+
+    class Keep(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and ("loss" in logs or "eval_loss" in logs):
+                kept.append(dict(logs, step=state.global_step))
+
+    kept = logs
+    trainer = trainer_class(
         model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
         args=args,
         train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
         processing_class=tokenizer,
         callbacks=[Keep()],
     )
     trainer.train()
     return logs
+
+
+def trl_run(folder, tmp_path, rows, loss_type, loss_weights=None, eval_rows=None, eval_steps=None):
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    evaluation = {}
+    if eval_rows:
+        evaluation = {
+            "eval_strategy": "steps",
+            "eval_steps": eval_steps,
+            "per_device_eval_batch_size": len(eval_rows),
+        }
+    args = DPOConfig(
+        **_trainer_args(tmp_path, "trl", rows),
+        beta=0.1,
+        loss_type=loss_type,
+        loss_weights=loss_weights,
+        max_length=None,
+        dataset_num_proc=None,
+        **evaluation,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.pad_token = tokenizer.eos_token or "<|end_of_text|>"
+    return _train(DPOTrainer, args, folder, tokenizer, rows, eval_rows)
+
+
+def trl_reference_free_run(folder, tmp_path, rows, trainer_name, **options):
+    """`CPOTrainer` or `ORPOTrainer` (trl.experimental) on the same rows, model and optimizer as titan_run."""
+    from transformers import AutoTokenizer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    config_class, trainer_class = {"cpo": (CPOConfig, CPOTrainer), "orpo": (ORPOConfig, ORPOTrainer)}[
+        trainer_name
+    ]
+    args = config_class(**_trainer_args(tmp_path, trainer_name, rows), **options)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.eos_token = "<|im_end|>"  # ends every ChatML turn: CPO/ORPO then add no EOS of their own
+    tokenizer.bos_token = None  # the ChatML template writes none, so neither does Titan
+    tokenizer.pad_token = "<|end_of_text|>"
+    return _train(trainer_class, args, folder, tokenizer, rows)
+
+
+@pytest.mark.parametrize(
+    "loss, trainer_name, options, more",
+    [
+        (
+            "simpo",
+            "cpo",
+            {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0, "simpo_gamma": 0.7, "label_smoothing": 0.1},
+            (
+                "--preference.beta",
+                "2.0",
+                "--preference.simpo_gamma",
+                "0.7",
+                "--preference.label_smoothing",
+                "0.1",
+            ),
+        ),
+        ("orpo", "orpo", {"beta": 0.25}, ("--preference.beta", "0.25")),
+    ],
+)
+def test_every_step_equals_trls_cpo_and_orpo_trainers(
+    tmp_path, model_folder, one_rank, loss, trainer_name, options, more
+):
+    rows = preference_rows()
+    titan = titan_run(model_folder, tmp_path, one_rank, loss, rows, "--preference.loss", loss, *more)
+    theirs = trl_reference_free_run(model_folder, tmp_path, rows, trainer_name, **options)
+    assert len(titan) == len(theirs) == STEPS
+    for step, (ours, ref) in enumerate(zip(titan, theirs, strict=True), 1):
+        for key in ("loss", "grad_norm", *METRICS):
+            assert _close(ours[key], ref[key]), (loss, step, key, ours[key], ref[key])
+    assert titan[-1]["loss"] != titan[0]["loss"]  # it trained
 
 
 def _close(a, b, rel=1e-4, floor=1e-6):
@@ -176,7 +250,7 @@ def test_every_step_equals_trls_dpo_trainer(tmp_path, model_folder, one_rank, lo
         "0.1",
         *more,
     )
-    theirs = trl_run(model_folder, tmp_path, rows, trl_loss, weights)
+    theirs = [log for log in trl_run(model_folder, tmp_path, rows, trl_loss, weights) if "loss" in log]
     assert len(titan) == len(theirs) == STEPS
     for step, (ours, ref) in enumerate(zip(titan, theirs, strict=True), 1):
         for key in ("loss", "grad_norm", *METRICS):
@@ -222,3 +296,32 @@ def test_simpo_and_orpo_equal_trls_cpo_and_orpo_losses():
     torch.testing.assert_close(ours.losses, -theirs, rtol=1e-6, atol=0)  # ORPO's loss is nll - mean(theirs)
     torch.testing.assert_close(ours.chosen_rewards, their_c)
     assert not math.isnan(float(ours.losses.sum()))
+
+
+def test_validation_on_held_out_pairs_equals_trls_evaluation(tmp_path, model_folder, one_rank):
+    """Held-out pairs scored every 3 steps: the loss and the six metrics equal TRL's eval_ logs (its
+    DPOTrainer evaluating the whole held-out set as one batch) at steps 3 and 6. Sigmoid only: the
+    losses' formulas are the training tests'; this one checks what validation adds (the held-out
+    windows, the reference, the reduction over pairs, the names)."""
+    loss = "sigmoid"
+    rows, held_out = preference_rows(), preference_rows(count=4, seed=2)
+    data = tmp_path / "held_out.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in held_out))
+    flags = ("--preference.loss", loss, "--validation.enable", "--validation.dataset", "preference")
+    flags += ("--validation.dataset_path", str(data), "--validation.freq", "3", "--validation.steps", "-1")
+    flags += ("--validation.local_batch_size", str(len(held_out)), "--validation.seq_len", "64")
+    titan_run(model_folder, tmp_path, one_rank, "titan", rows, *flags)
+    ours = [json.loads(line) for line in (tmp_path / "titan" / "validation.jsonl").read_text().splitlines()]
+    logs = trl_run(model_folder, tmp_path, rows, [loss], eval_rows=held_out, eval_steps=3)
+    theirs = [log for log in logs if "eval_loss" in log]
+    assert [o["step"] for o in ours] == [t["step"] for t in theirs] == [3, 6]
+    for mine, ref in zip(ours, theirs, strict=True):
+        for key in ("loss", *METRICS):
+            assert _close(mine[key], ref[f"eval_{key}"]), (
+                loss,
+                mine["step"],
+                key,
+                mine[key],
+                ref[f"eval_{key}"],
+            )
+    assert ours[0]["loss"] != ours[1]["loss"]

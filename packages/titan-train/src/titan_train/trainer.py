@@ -53,6 +53,7 @@ from titan_train.wiring.preference_step import (
     build_reference,
     copy_starting_weights,
 )
+from titan_train.wiring.preference_validation import PreferenceValidator
 from titan_train.wiring.qlora import DequantizedModelState, qlora_enabled, quantize_parts
 from titan_train.wiring.stage_inputs import stage_inputs
 from titan_train.wiring.valid_token_loss import IGNORE_INDEX
@@ -230,7 +231,18 @@ class Trainer:
         )
         self.closing.callback(self.metrics.close)
         self.validator = None
-        if config.validation.enable:
+        if config.validation.enable and self.preference is not None:
+            v = config.validation
+            self.validator = PreferenceValidator(
+                lambda: build_validation_loader(config, self.tokenizer, dp_rank, dp_degree),
+                self.preference,
+                self._preference_context,
+                seq_len=v.seq_len,
+                device=self.device,
+                freq=v.freq,
+                steps=v.steps,
+            )
+        elif config.validation.enable:
             v = config.validation
             self.validator = Validator(
                 lambda: build_validation_loader(config, self.tokenizer, dp_rank, dp_degree),
@@ -279,7 +291,7 @@ class Trainer:
                 self.loader.packed,
                 self.model_parts,
                 self._model_forward,
-                self.forward_context,
+                self._preference_context,
                 batch_size=self.config.training.local_batch_size,
                 dp_rank=self.dp_rank,
                 dp_degree=self.dp_degree,
@@ -344,7 +356,7 @@ class Trainer:
             trained += (labels != IGNORE_INDEX).sum()  # no host sync: read when the step is logged
             if self.preference is not None:
                 loss_sum += self.preference.forward_backward(
-                    inputs, labels, *positions, context=self.forward_context
+                    inputs, labels, *positions, context=self._preference_context
                 )
                 continue
             loss_sum += self._forward_backward(inputs, labels, *positions)
@@ -422,6 +434,13 @@ class Trainer:
             cp_no_restore=[inputs, labels],
             cp_models=self.model_parts,
         )
+
+    @contextlib.contextmanager
+    def _preference_context(self) -> Iterator[None]:
+        """The forward context and, under TP, loss parallelism: preference log-probs are taken from the
+        vocabulary-sharded logits (context parallelism is refused for preference data)."""
+        with training_context(self.dims, self.parallel_options), self.forward_context():
+            yield
 
     def _validation_loss(
         self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
@@ -520,9 +539,11 @@ class Trainer:
                     window = _Window()
                 if self.validator is not None and self.validator.should_validate(self.state.step):
                     with stop_on_data_outage(self.state.step, self.checkpointer):
-                        self.metrics.log_validation(
-                            self.state.step, *self.validator.validate(self.model_parts)
-                        )
+                        result = self.validator.validate(self.model_parts)
+                        if isinstance(result, dict):  # preference pairs: loss and TRL's metrics
+                            self.metrics.log_preference_validation(self.state.step, result)
+                        else:
+                            self.metrics.log_validation(self.state.step, *result)
                 last_step = self.state.step == c.training.steps
                 if self.checkpointer is not None:
                     self.checkpointer.maybe_save(self.state.step, last_step=last_step)

@@ -60,15 +60,18 @@ def check_preference(config) -> None:
     rules across fields, so `titan-train check` and dry runs see it too)."""
     p = config.preference
     if config.training.dataset != "preference":
+        if config.validation.enable and config.validation.dataset == "preference":
+            raise ConfigError(
+                "config: validation.dataset = 'preference' needs training.dataset = 'preference' (held-out "
+                "pairs are scored with the preference loss); validate on the training data's kind"
+            )
         return
     par = config.parallelism
     split = {
         name: degree
         for name, degree in (
-            ("tensor_parallel_degree", par.tensor_parallel_degree),
             ("pipeline_parallel_degree", par.pipeline_parallel_degree),
             ("context_parallel_degree", par.context_parallel_degree),
-            ("expert_parallel_degree", par.expert_parallel_degree),
         )
         if degree > 1
     }
@@ -76,16 +79,24 @@ def check_preference(config) -> None:
         name, degree = next(iter(split.items()))
         raise ConfigError(
             f"config: training.dataset = 'preference' with parallelism.{name} = {degree}: preference tuning "
-            "trains with data parallelism (FSDP/HSDP/DDP) and gradient accumulation only for now; set it to 1"
+            "trains with data, tensor and expert parallelism and gradient accumulation only for now; set it to 1"
         )
     if config.optimizer.early_step_in_backward:
         raise ConfigError(
             "config: optimizer.early_step_in_backward with training.dataset = 'preference' is not available; "
             "set it to false"
         )
-    if config.validation.enable and config.validation.dataset == "preference":
+    v = config.validation
+    if v.enable and v.dataset != "preference":
         raise ConfigError(
-            "config: validation.dataset = 'preference' is not available yet; validate on chat data or set "
+            f"config: validation.dataset = {v.dataset!r} with training.dataset = 'preference': validate on "
+            "held-out pairs (validation.dataset = 'preference', validation.dataset_path) or set "
+            "validation.enable = false"
+        )
+    if v.enable and p.reference == "precompute" and p.loss not in REFERENCE_FREE:
+        raise ConfigError(
+            "config: validation with preference.reference = 'precompute': the reference log-probs are "
+            "precomputed for the training pairs only; set preference.reference = 'auto' or "
             "validation.enable = false"
         )
     lora = "lora" in config.model.converters

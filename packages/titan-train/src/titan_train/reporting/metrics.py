@@ -190,6 +190,17 @@ class MetricsLogger:
         tags = {VALIDATION_TAGS["loss"]: loss, VALIDATION_TAGS["perplexity"]: perplexity}
         self._record(self.validation_jsonl, step, record, tags)
 
+    def log_preference_validation(self, step: int, values: dict[str, float]) -> None:
+        """Held-out preference pairs: the loss and TRL's reward metrics, in validation.jsonl under TRL's
+        names and in TensorBoard under validation_metrics/ (no perplexity: the loss is not a token NLL)."""
+        c = _Colors(self.color)
+        line = "  ".join(f"{k}: {v:.4f}" for k, v in values.items())
+        logger.info(f"{c.yellow}validation  step: {step:2}  {line}{c.reset}")
+        if self.rank == 0 and self.validation_jsonl is None:
+            self.validation_jsonl = open(self.dump / "validation.jsonl", "a", encoding="utf-8")
+        tags = {f"validation_metrics/{k}": v for k, v in values.items()}
+        self._record(self.validation_jsonl, step, {"step": step, **values}, tags)
+
     def _record(self, jsonl: Any, step: int, record: dict[str, Any], tags: dict[str, float]) -> None:
         if jsonl is not None:
             jsonl.write(json.dumps(record) + "\n")

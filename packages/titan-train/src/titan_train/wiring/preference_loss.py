@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
 
 IGNORE_INDEX = -100
 
@@ -31,9 +32,15 @@ class SequenceLogps:
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(label) per position in float32 (0 where the label is IGNORE_INDEX)."""
-    flat = logits.reshape(-1, logits.shape[-1]).float()
-    losses = F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none")
+    """log p(label) per position in float32 (0 where the label is IGNORE_INDEX). Under TP with loss
+    parallelism the logits are sharded over the vocabulary and stay so: each rank's log-softmax and pick
+    of the label cover its slice, and the per-token result is combined across the TP ranks."""
+    flat, target = logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)
+    if isinstance(flat, DTensor):  # the labels replicated on the logits' mesh, for forward and backward
+        target = DTensor.from_local(target, flat.device_mesh, [Replicate()] * flat.device_mesh.ndim)
+    losses = F.cross_entropy(flat, target, ignore_index=IGNORE_INDEX, reduction="none")
+    if isinstance(losses, DTensor):  # vocabulary-sharded logits under loss_parallel: replicated per token
+        losses = losses.full_tensor()
     return -losses.view(labels.shape)
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from titan_data import PreferenceDataset
 from titan_parallel import adapters_off
 from titan_train.wiring.preference_loss import SequenceLogps, sequence_logps
-from titan_train.wiring.preference_step import global_sequences
+from titan_train.wiring.preference_step import evaluating, global_sequences
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def precompute_reference(
 
     # Streamed, not listed: a whole padded dataset's windows would not fit in host memory.
     first, total, taken = None, 0, 0
-    with torch.no_grad(), contextlib.ExitStack() as stack:
+    with torch.no_grad(), contextlib.ExitStack() as stack, evaluating(parts):
         for part in parts:
             stack.enter_context(adapters_off(part))
         for number, batch in enumerate(whole.batches(batch_size)):

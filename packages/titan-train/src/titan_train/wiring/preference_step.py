@@ -2,7 +2,7 @@
 its backward, and the step's metrics under TRL's names.
 
 The step's loss is the mean over its pairs, whatever the layout: before the step the pairs (and, for
-the NLL terms, the chosen completion tokens) of all its micro-batches are counted over the
+the NLL terms, the chosen tokens: the completion for rpo_alpha, the whole sequence for ORPO) of all its micro-batches are counted over the
 data-parallel ranks, and each micro-batch backpropagates its pairs' sum times dp over that count, so
 that data parallelism's gradient average and gradient accumulation's sum give the gradient of the
 global mean, as one process computes it on the whole batch (the token loss does the same over tokens,
@@ -23,7 +23,7 @@ from titan_parallel import adapters_off
 from titan_train.config.preference_section import REFERENCE_FREE
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.wiring.preference_loss import IGNORE_INDEX, pair_losses, sequence_logps
+from titan_train.wiring.preference_loss import IGNORE_INDEX, pair_losses, sequence_logps, token_logps
 
 METRICS = (
     "rewards/chosen",
@@ -35,6 +35,21 @@ METRICS = (
 )
 
 
+@contextlib.contextmanager
+def evaluating(parts: list[nn.Module]):
+    """The policy's parts in eval mode for a reference forward (adapters off, or the precompute pass):
+    as the frozen copy, it must not count its routing into the experts' load-balancing statistics,
+    which only training forwards feed."""
+    modes = [part.training for part in parts]
+    for part in parts:
+        part.eval()
+    try:
+        yield
+    finally:
+        for part, mode in zip(parts, modes, strict=True):
+            part.train(mode)
+
+
 def global_sequences(sequence: torch.Tensor) -> tuple[torch.Tensor, int]:
     """A batch's per-window sequence numbers (2k chosen, 2k+1 rejected) numbered across the batch, and
     its number of pairs."""
@@ -42,6 +57,18 @@ def global_sequences(sequence: torch.Tensor) -> tuple[torch.Tensor, int]:
     offsets = torch.cumsum(pairs, 0) - pairs
     numbered = torch.where(sequence >= 0, sequence + 2 * offsets[:, None], NO_SEQUENCE)
     return numbered, int(pairs.sum())
+
+
+def whole_chosen_labels(inputs: torch.Tensor, labels: torch.Tensor, sequence: torch.Tensor) -> torch.Tensor:
+    """The targets of ORPO's NLL term, which ORPOTrainer takes over the whole chosen sequence, prompt
+    included (every token after its first), not over its completion only as rpo_alpha's term: in a chosen
+    sequence (even number), each position's label where it has one, else the next input of the same
+    sequence; IGNORE_INDEX elsewhere."""
+    chosen = (sequence >= 0) & (sequence % 2 == 0)
+    next_inputs = torch.full_like(inputs, IGNORE_INDEX)
+    same = sequence[..., :-1] == sequence[..., 1:]
+    next_inputs[..., :-1] = torch.where(same, inputs[..., 1:], IGNORE_INDEX)
+    return torch.where(chosen, torch.where(labels != IGNORE_INDEX, labels, next_inputs), IGNORE_INDEX)
 
 
 class PreferenceStep:
@@ -74,8 +101,11 @@ class PreferenceStep:
     def begin_step(self, step_batches: list[tuple[torch.Tensor, ...]]) -> None:
         pairs = sum(int(((seq.amax(dim=1) + 1) // 2).sum()) for _, _, _, seq, *_ in step_batches)
         chosen_tokens = 0
-        for _, labels, _, seq, *_ in step_batches:
-            chosen_tokens += int(((labels != IGNORE_INDEX) & (seq >= 0) & (seq % 2 == 0)).sum())
+        for inputs, labels, _, seq, *_ in step_batches:
+            if self.p.loss == "orpo":
+                chosen_tokens += int((whole_chosen_labels(inputs, labels, seq) != IGNORE_INDEX).sum())
+            else:
+                chosen_tokens += int(((labels != IGNORE_INDEX) & (seq >= 0) & (seq % 2 == 0)).sum())
         counts = torch.tensor([pairs, chosen_tokens], dtype=torch.float64, device=step_batches[0][0].device)
         if self.group is not None:
             dist.all_reduce(counts, group=self.group)
@@ -89,43 +119,84 @@ class PreferenceStep:
             if self.reference is not None:
                 logits = self.reference[0](inputs, positions=positions)
             else:
-                with contextlib.ExitStack() as stack:
+                with contextlib.ExitStack() as stack, evaluating(self.parts):
                     for part in self.parts:
                         stack.enter_context(adapters_off(part))
                     logits = self.forward(inputs, positions)
             return sequence_logps(logits, labels, sequence, n)
 
-    def forward_backward(self, inputs, labels, positions, sequence, pair=None, *, context) -> torch.Tensor:
-        """This micro-batch's share of the step's loss, backpropagated; returned detached. `pair`: each
-        position's pair's index in the dataset, where the reference log-probs were precomputed."""
+    def _pair_terms(self, inputs, labels, positions, sequence, pair, seq_len: int):
+        """Per pair of a batch: the losses and rewards; the chosen NLL's sum and token count; the metric
+        values (their sums over the batch's pairs) and the number of pairs."""
         sequence, pairs = global_sequences(sequence)
-        rows = [t.reshape(-1, self.seq_len) for t in (inputs, labels, positions, sequence)]
-        inputs, labels, positions, sequence = rows
-        with context():
-            reference = self._reference_logps(inputs, labels, positions, sequence, 2 * pairs)
-            policy = sequence_logps(self.forward(inputs, positions), labels, sequence, 2 * pairs)
-            if self.needs_reference and self.precomputed is not None:
-                reference = self.precomputed.lookup(pair.reshape(sequence.shape), sequence, policy.counts)
-            out = pair_losses(
-                self.p.loss,
-                policy,
-                reference,
-                beta=self.p.beta,
-                label_smoothing=self.p.label_smoothing,
-                simpo_gamma=self.p.simpo_gamma,
-            )
-            loss = out.losses.sum() * (self.dp_degree / self.pairs)
-            if self.nll_weight:
-                chosen_nll = -policy.sums[0::2].sum()
-                loss = loss + self.nll_weight * chosen_nll * (self.dp_degree / self.chosen_tokens)
-        loss.backward()
+        inputs, labels, positions, sequence = [
+            t.reshape(-1, seq_len) for t in (inputs, labels, positions, sequence)
+        ]
+        reference = self._reference_logps(inputs, labels, positions, sequence, 2 * pairs)
+        logits = self.forward(inputs, positions)
+        policy = sequence_logps(logits, labels, sequence, 2 * pairs)
+        if self.needs_reference and self.precomputed is not None:
+            reference = self.precomputed.lookup(pair.reshape(sequence.shape), sequence, policy.counts)
+        out = pair_losses(
+            self.p.loss,
+            policy,
+            reference,
+            beta=self.p.beta,
+            label_smoothing=self.p.label_smoothing,
+            simpo_gamma=self.p.simpo_gamma,
+        )
+        nll, nll_tokens = out.losses.new_zeros(()), 0.0
+        if self.nll_weight:
+            if self.p.loss == "orpo":
+                targets = whole_chosen_labels(inputs, labels, sequence)
+                nll = -token_logps(logits, targets).sum()
+                nll_tokens = float((targets != IGNORE_INDEX).sum())
+            else:
+                nll = -policy.sums[0::2].sum()
+                nll_tokens = float(policy.counts[0::2].sum())
         chosen, rejected, n_chosen, n_rejected = policy.pairs()
         if self.p.loss in REFERENCE_FREE:  # TRL's CPO and ORPO report average log-probs
             chosen, rejected = chosen / n_chosen.clamp_min(1), rejected / n_rejected.clamp_min(1)
         cr, rr = out.chosen_rewards, out.rejected_rewards
         values = (cr, rr, (cr > rr).float(), cr - rr, chosen.detach(), rejected.detach())
-        self.sums += torch.stack([v.sum().double() for v in values] + [cr.new_tensor(float(pairs)).double()])
+        metric_sums = torch.stack([v.sum().double() for v in values] + [cr.new_tensor(float(pairs)).double()])
+        return out, nll, nll_tokens, metric_sums, pairs
+
+    def forward_backward(self, inputs, labels, positions, sequence, pair=None, *, context) -> torch.Tensor:
+        """This micro-batch's share of the step's loss, backpropagated; returned detached. `pair`: each
+        position's pair's index in the dataset, where the reference log-probs were precomputed."""
+        with context():
+            out, nll, _, metric_sums, _ = self._pair_terms(
+                inputs, labels, positions, sequence, pair, self.seq_len
+            )
+            loss = out.losses.sum() * (self.dp_degree / self.pairs)
+            if self.nll_weight:
+                loss = loss + self.nll_weight * nll * (self.dp_degree / self.chosen_tokens)
+        loss.backward()
+        self.sums += metric_sums
         return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(self, inputs, labels, positions, sequence, *, seq_len: int, context) -> torch.Tensor:
+        """One held-out batch's sums (float64): pair losses, chosen NLL, its tokens, the metrics, pairs."""
+        with context():
+            out, nll, nll_tokens, metric_sums, _ = self._pair_terms(
+                inputs, labels, positions, sequence, None, seq_len
+            )
+        head = torch.stack([out.losses.sum().double(), nll.double(), nll.new_tensor(nll_tokens).double()])
+        return torch.cat([head, metric_sums])
+
+    def validation_metrics(self, sums: torch.Tensor) -> dict[str, float]:
+        """The held-out set's loss and metrics from its sums over every batch (summed over data parallelism
+        here): means over its pairs (the NLL term: over its chosen tokens), as the training step's."""
+        if self.group is not None:
+            dist.all_reduce(sums, group=self.group)
+        losses, nll, nll_tokens, *metric_sums, pairs = sums.tolist()
+        loss = losses / max(pairs, 1) + (
+            self.nll_weight * nll / max(nll_tokens, 1) if self.nll_weight else 0.0
+        )
+        means = {name: value / max(pairs, 1) for name, value in zip(METRICS, metric_sums, strict=True)}
+        return {"loss": loss, **means}
 
     def end_step(self) -> dict[str, float]:
         """The step's metrics, means over all its pairs (one all-reduce over data parallelism)."""

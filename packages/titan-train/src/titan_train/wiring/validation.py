@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,23 @@ from titan_train.errors import ConfigError
 from titan_train.faults.data_outage import agree_on_batches
 
 Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+
+
+def agreed_batches(batches: Iterator, steps: int, device: torch.device) -> Iterator:
+    """Up to `steps` of `batches` (-1: all). Sharded models need every rank in each forward: all ranks
+    stop together when one rank's data ends, or its source goes down (then all save together, see
+    data_outage)."""
+    count = 0
+    while steps == -1 or count < steps:
+        batch, failure = None, None
+        try:
+            batch = next(batches, None)
+        except SourceUnavailable as err:
+            failure = str(err)
+        if not agree_on_batches(batch is not None, failure, device):
+            return
+        yield batch
+        count += 1
 
 
 class Validator:
@@ -47,18 +64,8 @@ class Validator:
             part.eval()
         total = torch.zeros((), device=self.device)
         count = 0
-        batches = iter(self.make_batches())
         try:
-            while self.steps == -1 or count < self.steps:
-                # Sharded models need every rank in each forward: all stop together when one rank's
-                # data ends, or its source goes down (then all save together, see data_outage).
-                batch, failure = None, None
-                try:
-                    batch = next(batches, None)
-                except SourceUnavailable as err:
-                    failure = str(err)
-                if not agree_on_batches(batch is not None, failure, self.device):
-                    break
+            for batch in agreed_batches(iter(self.make_batches()), self.steps, self.device):
                 total += self.batch_loss(*(t.to(self.device) for t in batch)).float()
                 count += 1
         finally:
