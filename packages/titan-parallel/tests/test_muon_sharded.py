@@ -23,7 +23,9 @@ def results(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("case", ["rows", "columns", "replicated", "experts_by_expert", "experts_split"])
+@pytest.mark.parametrize(
+    "case", ["rows", "columns", "replicated", "experts_by_expert", "experts_split", "strided_rows", "several"]
+)
 def test_a_split_matrix_steps_as_torch_muon_steps_the_whole(results, case):
     r = results[case]
     assert r["difference"] <= 1e-6, r
@@ -38,7 +40,14 @@ def test_matrices_are_gathered_only_where_a_rank_holds_part_of_one(results):
         "replicated": False,
         "experts_by_expert": False,
         "experts_split": True,
+        "strided_rows": True,
+        "several": True,
     }
     # The momentum stays split like its parameter: the optimizer state DCP saves and reshards.
     assert results["rows"]["momentum_local_shape"] == [32, 32]
     assert results["experts_by_expert"]["momentum_local_shape"] == [2, 16, 8]
+
+
+def test_the_split_matrices_are_shared_out_between_the_ranks(results):
+    # 5 matrices, 3 steps, 2 ranks: largest first in rounds of 2, so rank 0 gets 3 a step and rank 1 gets 2.
+    assert results["several"]["matrices_per_rank"] == [9, 6]

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.adam import adam
 
 from titan_parallel.errors import ModelDescriptionError, ParallelConfigError
@@ -42,11 +44,12 @@ class MuonTiming:
     step_s: float = 0.0
     newton_schulz_s: float = 0.0
     gather_s: float = 0.0
+    scatter_s: float = 0.0
     matrices: int = 0
     gathered_bytes: int = 0
 
     def reset(self) -> None:
-        self.step_s = self.newton_schulz_s = self.gather_s = 0.0
+        self.step_s = self.newton_schulz_s = self.gather_s = self.scatter_s = 0.0
         self.matrices = self.gathered_bytes = 0
 
 
@@ -170,7 +173,8 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_group(self, group: dict) -> None:
         lr, momentum = group["lr"], group["momentum"]
-        for p in group["params"]:
+        updates = {}
+        for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             state = self.state[p]
@@ -178,52 +182,118 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
-            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            update = self._orthogonalised(update, group)
+            updates[i] = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+        # Matrices whole on this rank are orthogonalised here; split ones are shared out per mesh.
+        split: dict[object, list[int]] = {}
+        orthogonal = {}
+        for i, update in updates.items():
+            if isinstance(update, DTensor) and not _holds_whole_matrices(update, group["stacked"]):
+                split.setdefault(update.device_mesh, []).append(i)
+            else:
+                orthogonal[i] = self._orthogonalised_here(update, group)
+        for indices in split.values():
+            orthogonal.update(self._orthogonalised_shared({i: updates[i] for i in indices}, group))
+        for i, update in orthogonal.items():
+            p = group["params"][i]
             rows, cols = p.shape[-2:]
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
 
-    def _orthogonalised(self, update: torch.Tensor, group: dict) -> torch.Tensor:
-        """Newton-Schulz of every matrix of `update`, each whole, laid out as `update` is."""
-        stacked = group["stacked"]
-        local = not isinstance(update, DTensor) or _holds_whole_matrices(update, stacked)
+    def _newton_schulz_each(self, whole: torch.Tensor, group: dict) -> torch.Tensor:
+        """Newton-Schulz of every matrix of a whole (possibly stacked) tensor, timed."""
         start = time.perf_counter()
-        if local:
-            whole = update.to_local() if isinstance(update, DTensor) else update
-        else:
-            whole = update.full_tensor()
-            _sync_tensor(whole)
-            self.timing.gathered_bytes += whole.numel() * whole.element_size()
-        gathered = time.perf_counter()
         matrices = whole.reshape(-1, *whole.shape[-2:])
         out = torch.empty_like(matrices)
         for i in range(matrices.shape[0]):
             out[i] = newton_schulz(matrices[i], group["ns_coefficients"], group["ns_steps"], group["eps"])
-        out = out.view(whole.shape)
         _sync_tensor(out)
-        done = time.perf_counter()
         self.timing.matrices += matrices.shape[0]
-        self.timing.newton_schulz_s += done - gathered
+        self.timing.newton_schulz_s += time.perf_counter() - start
+        return out.view(whole.shape)
+
+    def _orthogonalised_here(self, update: torch.Tensor, group: dict) -> torch.Tensor:
+        """A plain tensor, or a DTensor whose every matrix is whole on this rank: no communication."""
         if not isinstance(update, DTensor):
-            self.timing.gather_s += gathered - start
-            return out
-        if local:
-            result = DTensor.from_local(
-                out,
-                update.device_mesh,
-                update.placements,
-                run_check=False,
-                shape=update.shape,
-                stride=update.stride(),
-            )
-        else:
-            replicated = DTensor.from_local(
-                out, update.device_mesh, [Replicate()] * update.device_mesh.ndim, run_check=False
-            )
-            result = replicated.redistribute(update.device_mesh, update.placements)
-        self.timing.gather_s += (gathered - start) + (time.perf_counter() - done)
+            return self._newton_schulz_each(update, group)
+        out = self._newton_schulz_each(update.to_local(), group)
+        return DTensor.from_local(
+            out,
+            update.device_mesh,
+            update.placements,
+            run_check=False,
+            shape=update.shape,
+            stride=update.stride(),
+        )
+
+    def _orthogonalised_shared(self, updates: dict[int, DTensor], group: dict) -> dict[int, DTensor]:
+        """The updates of one mesh, each split across its ranks, orthogonalised whole and shared out.
+
+        In rounds of as many matrices as the mesh has ranks (largest first, so a round's matrices are
+        alike in size): each matrix is gathered whole (an all-gather), the rank it falls to runs
+        Newton-Schulz on it, and scatters the result back to every rank's part of the parameter's layout.
+        The next round's gathers are issued, asynchronously, before this round's Newton-Schulz, so they
+        run under it. Each rank computes a round's matrix on its own, so the work is 1/ranks of one process's.
+        """
+        mesh = next(iter(updates.values())).device_mesh
+        ranks = mesh.size()
+        coordinates = [
+            tuple(int(c) for c in (mesh.mesh == r).nonzero()[0]) for r in mesh.mesh.flatten().tolist()
+        ]
+        me = coordinates.index(tuple(mesh.get_coordinate()))
+        order = sorted(updates, key=lambda i: -updates[i].numel())
+        rounds = [order[k : k + ranks] for k in range(0, len(order), ranks)]
+        replicate = [Replicate()] * mesh.ndim
+        result = {}
+
+        def gather(indices: list[int]) -> list[torch.Tensor]:
+            start = time.perf_counter()
+            issued = [updates[i].redistribute(mesh, replicate, async_op=True).to_local() for i in indices]
+            self.timing.gather_s += time.perf_counter() - start
+            return issued
+
+        pending = gather(rounds[0])
+        for r, indices in enumerate(rounds):
+            issued, pending = pending, gather(rounds[r + 1]) if r + 1 < len(rounds) else []
+            start = time.perf_counter()
+            wholes = [_wait(t) for t in issued]
+            _sync_tensor(wholes[0])
+            self.timing.gather_s += time.perf_counter() - start
+            self.timing.gathered_bytes += sum(w.numel() * w.element_size() for w in wholes)
+            outs = [
+                self._newton_schulz_each(w, group) if owner == me else torch.empty_like(w)
+                for owner, w in enumerate(wholes)
+            ]
+            start = time.perf_counter()
+            for owner, (i, out) in enumerate(zip(indices, outs, strict=True)):
+                result[i] = _scatter_from(out, updates[i], coordinates[owner])
+            _sync_tensor(outs[0])
+            self.timing.scatter_s += time.perf_counter() - start
         return result
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    """The data of an asynchronous collective's result, once it has arrived."""
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def _scatter_from(whole: torch.Tensor, like: DTensor, owner: tuple[int, ...]) -> DTensor:
+    """`whole`, valid on the rank at mesh coordinate `owner`, laid out as `like` on every rank.
+
+    Mesh dim by mesh dim, a scatter (Shard) or broadcast (Replicate) from the owner's coordinate on that dim:
+    after dim d, every rank whose coordinates past d are the owner's holds its part, so the last dim
+    leaves every rank with its own (the order `distribute_tensor` shards in, from any source rank).
+    """
+    mesh, local = like.device_mesh, whole.contiguous()
+    for d, placement in enumerate(like.placements):
+        if isinstance(placement, Replicate):
+            local = Replicate._make_replicate_tensor(local, mesh, d, owner[d])
+        elif isinstance(placement, (Shard, _StridedShard)):
+            local = placement._shard_tensor(local, mesh, d, owner[d])
+        else:
+            raise ParallelConfigError(f"muon: cannot lay out an update as {like.placements}")
+    return DTensor.from_local(
+        local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
 def _sync_tensor(t: torch.Tensor) -> None:

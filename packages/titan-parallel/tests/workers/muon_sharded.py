@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from titan_parallel import Muon
 
@@ -29,7 +30,17 @@ CASES = {
     "replicated": ([16, 24], Replicate()),
     "experts_by_expert": ([4, 16, 8], Shard(0)),
     "experts_split": ([4, 16, 8], Shard(1)),
+    # FSDP's rows of a tensor-parallel shard: every other row on a rank.
+    "strided_rows": ([32, 16], _StridedShard(0, split_factor=2)),
 }
+# One group of split matrices of several sizes: shared out between the ranks, each orthogonalising some.
+SEVERAL = [
+    ([64, 32], Shard(0)),
+    ([48, 64], Shard(1)),
+    ([32, 16], Shard(0)),
+    ([16, 48], Shard(1)),
+    ([8, 8], Shard(0)),
+]
 
 
 def main(out: str) -> None:
@@ -59,10 +70,42 @@ def main(out: str) -> None:
             "gathered_bytes": ours.timing.gathered_bytes,
             "momentum_local_shape": list(ours.state[param]["momentum_buffer"].to_local().shape),
         }
+    results["several"] = several(mesh, generator)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+
+
+def several(mesh, generator) -> dict:
+    """SEVERAL in one group against torch.optim.Muon on the whole tensors; how many each rank orthogonalised."""
+    starts = [torch.randn(shape, generator=generator) for shape, _ in SEVERAL]
+    params = [
+        torch.nn.Parameter(distribute_tensor(s.clone(), mesh, [placement]))
+        for s, (_, placement) in zip(starts, SEVERAL, strict=True)
+    ]
+    wholes = [torch.nn.Parameter(s.clone()) for s in starts]
+    ours = Muon([{"params": params, "muon": True, "stacked": 0, **SETTINGS}])
+    kwargs = {k: v for k, v in SETTINGS.items() if k != "lr"}
+    reference = torch.optim.Muon(wholes, lr=SETTINGS["lr"], **kwargs)
+    for _ in range(3):
+        for param, whole, (shape, placement) in zip(params, wholes, SEVERAL, strict=True):
+            g = torch.randn(shape, generator=generator)
+            param.grad = distribute_tensor(g.clone(), mesh, [placement])
+            whole.grad = g
+        ours.step()
+        reference.step()
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, ours.timing.matrices)
+    return {
+        "difference": max(
+            (p.full_tensor() - w.detach()).abs().max().item() for p, w in zip(params, wholes, strict=True)
+        ),
+        "moved": min((w.detach() - s).abs().max().item() for w, s in zip(wholes, starts, strict=True)),
+        "gathered_bytes": ours.timing.gathered_bytes,
+        "matrices_per_rank": per_rank,
+        "momentum_local_shape": list(ours.state[params[0]]["momentum_buffer"].to_local().shape),
+    }
 
 
 if __name__ == "__main__":
