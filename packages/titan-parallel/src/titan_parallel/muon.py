@@ -172,32 +172,27 @@ class Muon(torch.optim.Optimizer):
         )
 
     def _muon_group(self, group: dict) -> None:
-        lr, momentum = group["lr"], group["momentum"]
-        updates = {}
-        for i, p in enumerate(group["params"]):
+        momentum = group["momentum"]
+        # Matrices whole on this rank step here, one at a time; split ones are shared out per mesh.
+        split: dict[object, list[torch.Tensor]] = {}
+        for p in group["params"]:
             if p.grad is None:
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - momentum)
-            updates[i] = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-        # Matrices whole on this rank are orthogonalised here; split ones are shared out per mesh.
-        split: dict[object, list[int]] = {}
-        orthogonal = {}
-        for i, update in updates.items():
-            if isinstance(update, DTensor) and not _holds_whole_matrices(update, group["stacked"]):
-                split.setdefault(update.device_mesh, []).append(i)
+            state["momentum_buffer"].lerp_(p.grad, 1 - momentum)
+            if isinstance(p, DTensor) and not _holds_whole_matrices(p, group["stacked"]):
+                split.setdefault(p.device_mesh, []).append(p)
             else:
-                orthogonal[i] = self._orthogonalised_here(update, group)
-        for indices in split.values():
-            orthogonal.update(self._orthogonalised_shared({i: updates[i] for i in indices}, group))
-        for i, update in orthogonal.items():
-            p = group["params"][i]
-            rows, cols = p.shape[-2:]
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
+                _apply(p, self._orthogonalised_here(self._update(p, group), group), group)
+        for params in split.values():
+            self._step_shared(params, group)
+
+    def _update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """What is orthogonalised: the momentum, or its Nesterov look-ahead."""
+        buf = self.state[p]["momentum_buffer"]
+        return p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
     def _newton_schulz_each(self, whole: torch.Tensor, group: dict) -> torch.Tensor:
         """Newton-Schulz of every matrix of a whole (possibly stacked) tensor, timed."""
@@ -225,34 +220,35 @@ class Muon(torch.optim.Optimizer):
             stride=update.stride(),
         )
 
-    def _orthogonalised_shared(self, updates: dict[int, DTensor], group: dict) -> dict[int, DTensor]:
-        """The updates of one mesh, each split across its ranks, orthogonalised whole and shared out.
+    def _step_shared(self, params: list[DTensor], group: dict) -> None:
+        """Steps the matrices of one mesh, each split across its ranks, each orthogonalised whole once.
 
         In rounds of as many matrices as the mesh has ranks (largest first, so a round's matrices are
-        alike in size): each matrix is gathered whole (an all-gather), the rank it falls to runs
-        Newton-Schulz on it, and scatters the result back to every rank's part of the parameter's layout.
+        alike in size): each update is gathered whole (an all-gather), the rank it falls to runs
+        Newton-Schulz on it and scatters the result back to every rank's part of the parameter's layout.
         The next round's gathers are issued, asynchronously, before this round's Newton-Schulz, so they
-        run under it. Each rank computes a round's matrix on its own, so the work is 1/ranks of one process's.
+        run under it. Each rank orthogonalises one matrix of a round: 1/ranks of one process's work.
         """
-        mesh = next(iter(updates.values())).device_mesh
+        mesh = params[0].device_mesh
         ranks = mesh.size()
         coordinates = [
             tuple(int(c) for c in (mesh.mesh == r).nonzero()[0]) for r in mesh.mesh.flatten().tolist()
         ]
         me = coordinates.index(tuple(mesh.get_coordinate()))
-        order = sorted(updates, key=lambda i: -updates[i].numel())
+        order = sorted(params, key=lambda p: -p.numel())
         rounds = [order[k : k + ranks] for k in range(0, len(order), ranks)]
         replicate = [Replicate()] * mesh.ndim
-        result = {}
 
-        def gather(indices: list[int]) -> list[torch.Tensor]:
+        def gather(round_: list[DTensor]) -> list[torch.Tensor]:
             start = time.perf_counter()
-            issued = [updates[i].redistribute(mesh, replicate, async_op=True).to_local() for i in indices]
+            issued = [
+                self._update(p, group).redistribute(mesh, replicate, async_op=True).to_local() for p in round_
+            ]
             self.timing.gather_s += time.perf_counter() - start
             return issued
 
         pending = gather(rounds[0])
-        for r, indices in enumerate(rounds):
+        for r, round_ in enumerate(rounds):
             issued, pending = pending, gather(rounds[r + 1]) if r + 1 < len(rounds) else []
             start = time.perf_counter()
             wholes = [_wait(t) for t in issued]
@@ -263,12 +259,24 @@ class Muon(torch.optim.Optimizer):
                 self._newton_schulz_each(w, group) if owner == me else torch.empty_like(w)
                 for owner, w in enumerate(wholes)
             ]
+            del wholes
             start = time.perf_counter()
-            for owner, (i, out) in enumerate(zip(indices, outs, strict=True)):
-                result[i] = _scatter_from(out, updates[i], coordinates[owner])
+            results = [
+                _scatter_from(out, p, coordinates[owner])
+                for owner, (p, out) in enumerate(zip(round_, outs, strict=True))
+            ]
             _sync_tensor(outs[0])
             self.timing.scatter_s += time.perf_counter() - start
-        return result
+            for p, update in zip(round_, results, strict=True):
+                _apply(p, update, group)
+
+
+def _apply(p: torch.Tensor, orthogonal: torch.Tensor, group: dict) -> None:
+    """Decoupled weight decay, then the orthogonalised update at its matrix's learning rate."""
+    lr = group["lr"]
+    rows, cols = p.shape[-2:]
+    p.mul_(1 - lr * group["weight_decay"])
+    p.add_(orthogonal, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
