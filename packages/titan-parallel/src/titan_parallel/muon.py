@@ -18,6 +18,7 @@ or `muon: False` (AdamW, with torch's AdamW state names `step`, `exp_avg`, `exp_
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -231,9 +232,8 @@ class Muon(torch.optim.Optimizer):
         """
         mesh = params[0].device_mesh
         ranks = mesh.size()
-        coordinates = [
-            tuple(int(c) for c in (mesh.mesh == r).nonzero()[0]) for r in mesh.mesh.flatten().tolist()
-        ]
+        # Every rank's coordinates, in the same order on all (plain ints: the dry run traces on fake tensors).
+        coordinates = list(itertools.product(*(range(n) for n in mesh.shape)))
         me = coordinates.index(tuple(mesh.get_coordinate()))
         order = sorted(params, key=lambda p: -p.numel())
         rounds = [order[k : k + ranks] for k in range(0, len(order), ranks)]
