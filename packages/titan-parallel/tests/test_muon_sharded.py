@@ -2,7 +2,9 @@
 split by rows (FSDP, colwise TP), by columns (rowwise TP), replicated, and experts [E, out, in] split by
 expert (EP) or inside each matrix (ETP) train exactly as torch.optim.Muon trains the whole tensors (each
 expert's matrix a parameter of its own) given the same gradients. A rank orthogonalising its own shard
-instead was planted once: `rows` then differed by 1.5e-2, `columns` 8.4e-3, `experts_split` 2.6e-2."""
+instead was planted once: `rows` then differed by 1.5e-2, `columns` 8.4e-3, `experts_split` 2.6e-2. Split
+matrices are shared out between the ranks (each orthogonalises some, then scatters them): scattering every
+result from rank 0 instead of the rank that computed it was planted once and `several` differed by 2e30."""
 
 import json
 import subprocess

@@ -3,12 +3,12 @@
 Muon (Keller Jordan, 2024; `torch.optim.Muon`) replaces each matrix's momentum by its nearest
 semi-orthogonal matrix, found with a few Newton-Schulz iterations. The orthogonalisation is a
 function of the whole matrix: a row shard of FSDP, a column shard of tensor parallelism, or a slice
-of a 2-D mesh cannot be orthogonalised on its own. So each matrix's update is gathered whole
-(`DTensor.full_tensor`), orthogonalised as in one process, and this rank's part of the result taken
-back out with no further communication (a redistribution from Replicate to the parameter's own
-placements only slices). Stacked expert weights [E, out, in] are E matrices, each orthogonalised on
-its own; where every placement shards the expert dimension (expert parallelism, FSDP over experts)
-a rank already holds whole matrices and nothing is gathered.
+of a 2-D mesh cannot be orthogonalised on its own. So the split matrices of a mesh are shared out: each
+is gathered whole, orthogonalised by one rank as in one process, and scattered back into every rank's
+part (`Muon._step_shared`), the next round's gathers running under this round's Newton-Schulz. Stacked
+expert weights [E, out, in] are E matrices, each orthogonalised on its own; where every placement shards
+the expert dimension (expert parallelism, FSDP over experts) a rank already holds whole matrices and
+nothing is gathered.
 
 The momentum buffer is elementwise, so it stays sharded like its parameter and the optimizer state
 checkpoints and reshards exactly as AdamW's does (DCP sees a DTensor of the parameter's layout).
