@@ -1,19 +1,19 @@
 """Muon against AdamW: step time, peak memory, and where Muon's optimizer step spends its time.
 
-Each row trains with `titan-train` (torchrun, gloo, CPU, one torch thread a rank) for a few steps and
+Each trained row runs `titan-train` (torchrun, gloo, CPU, one torch thread a rank) for a few steps and
 reads the run's own records: `metrics.jsonl` (step time of the steps after the first, peak resident
 memory of rank 0, `ru_maxrss`) and Muon's log line (`muon: to step N: optimizer steps ... s,
-Newton-Schulz X%, gathering matrices whole Y%`), which times the optimizer steps since the last log.
-Shapes: the llama3 debug model, and Llama 3.2 1B's blocks cut to 2 of its 16 (`1B_2layers`, registered
-by this script's flavor module: the whole 1B does not train in reasonable time on a 2-core CPU; a
-block's matrices, which Muon orthogonalises, are the 1B's own). Layouts: one process, and FSDP over 2
-ranks (debug shape), where every matrix is gathered whole before Newton-Schulz.
+Newton-Schulz X% (M matrices on this rank), gathering matrices whole Y%, scattering them back Z%`), which
+times the optimizer steps since the last log; each row is printed beside AdamW's with the ratio.
+Layouts: one process, and FSDP over 2 ranks, where the split matrices are shared out between the ranks.
 
-    uv run python bench/muon_vs_adamw.py [--steps 3] [--rows debug:1,debug:2,1B_2layers:1]
+Shapes: the llama3 debug model; Llama 3.2 1B (`1B`) and its blocks cut to 2 of 16 (`1B_2layers`, this
+script's flavor module). Newton-Schulz runs in bfloat16 (as torch.optim.Muon's), which a CPU without
+bfloat16 instructions computes at about 1 GFLOP/s: the script first measures that rate and prints what
+the 1B's matrices would take a step (hours), so the 1B is not trained by default; its memory, Muon against
+AdamW, comes from the dry run (`--traced`: one step traced on fake tensors, rank 0's peak allocated).
 
-Newton-Schulz runs in bfloat16 (as torch.optim.Muon's), which this CPU computes far slower than float32:
-the script first measures its rate and prints what a 1B block's matrices would take, which is why the
-1B cut is not among the default rows here.
+    uv run python bench/muon_vs_adamw.py [--steps 3] [--rows debug:1,debug:2] [--traced 1B:1,1B:2]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +34,7 @@ REPO = BENCH.parent
 SHAPES = {
     "debug": ("--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.local_batch_size", "4"),
     "1B_2layers": ("--model.flavor", "1B_2layers", "--training.seq_len", "128", "--training.local_batch_size", "1"),
+    "1B": ("--model.flavor", "1B", "--training.seq_len", "128", "--training.local_batch_size", "2"),
 }  # fmt: skip
 COMMON = (
     "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "1",
@@ -40,8 +42,10 @@ COMMON = (
     "--experimental.custom_import", "muon_bench_flavors",
 )  # fmt: skip
 LOG = re.compile(
-    r"muon: to step (\d+): optimizer steps ([\d.]+) s, Newton-Schulz (\d+)%, gathering matrices whole (\d+)%"
+    r"muon: to step (\d+): optimizer steps ([\d.]+) s, Newton-Schulz (\d+)% \((\d+) matrices on this rank\), "
+    r"gathering matrices whole (\d+)%, scattering them back (\d+)%"
 )
+PEAK = re.compile(r"peak allocated ([\d.]+) GiB at")
 
 
 def run(shape: str, optimizer: str, nproc: int, steps: int) -> dict:
@@ -68,8 +72,27 @@ def run(shape: str, optimizer: str, nproc: int, steps: int) -> dict:
     if timed:
         row["optimizer_s"] = sum(float(m.group(2)) for m in timed) / len(timed)
         row["ns_pct"] = sum(int(m.group(3)) for m in timed) / len(timed)
-        row["gather_pct"] = sum(int(m.group(4)) for m in timed) / len(timed)
+        row["matrices"] = int(timed[-1].group(4))
+        row["gather_pct"] = sum(int(m.group(5)) for m in timed) / len(timed)
+        row["scatter_pct"] = sum(int(m.group(6)) for m in timed) / len(timed)
     return row
+
+
+def traced_peak(shape: str, optimizer: str, ranks: int) -> float:
+    """Peak allocated GiB of rank 0 in `titan-train dry-run` (one step traced on fake tensors, FSDP over
+    `ranks`): the memory a run would take, where a CPU cannot train the shape."""
+    flags = ["dry-run", "--ngpu", str(ranks), *COMMON, *SHAPES[shape], "--optimizer.name", optimizer]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "titan_train.cli", *flags], capture_output=True, text=True, env=env, cwd=REPO
+    )
+    found = PEAK.search(done.stdout + done.stderr)
+    if found is None:
+        raise SystemExit(done.stdout[-3000:] + done.stderr[-3000:])
+    return float(found.group(1))
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int = 5) -> float:
@@ -104,25 +127,49 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument(
         "--rows",
-        default="debug:1,debug:2,1B_2layers:1",
+        default="debug:1,debug:2",
         help="shape:ranks, comma-separated (2 ranks: FSDP 2)",
     )
-    a = parser.parse_args()
-    print(
-        "| shape | layout | optimizer | step (s) | peak RSS rank 0 (GiB) | Muon step (s) | Newton-Schulz | gathers |"
+    parser.add_argument(
+        "--traced", default="1B:1,1B:2", help="shape:ranks whose memory the dry run traces (no training)"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for shape, nproc in (item.split(":") for item in a.rows.split(",")):
+    a = parser.parse_args()
+    rate = newton_schulz_rate()
+    one_b = 16 * sum(newton_schulz_flops(r, c) for r, c in ONE_B_BLOCK)
+    print(
+        f"Newton-Schulz (bfloat16, one thread) here: {rate / 1e9:.2f} GFLOP/s; Llama 3.2 1B's 112 block matrices, "
+        f"{one_b / 1e12:.1f} TFLOP a step, would take {one_b / rate / 3600:.1f} h in one process and "
+        f"{one_b / rate / 2 / 3600:.1f} h a rank under FSDP 2 (shared out), gathers aside\n"
+    )
+    print(
+        "| shape | layout | optimizer | step (s) | x AdamW | peak RSS rank 0 (GiB) | x AdamW | Muon step (s) "
+        "| Newton-Schulz (matrices here) | gathers | scatters |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for shape, nproc in (item.split(":") for item in a.rows.split(",") if item):
+        adamw = None
         for optimizer in ("AdamW", "Muon"):
             r = run(shape, optimizer, int(nproc), a.steps)
+            adamw = adamw or r
             layout = "1 process" if nproc == "1" else f"FSDP {nproc}"
             muon = (
-                f"{r['optimizer_s']:.3f} | {r['ns_pct']:.0f}% | {r['gather_pct']:.0f}%"
+                f"{r['optimizer_s']:.3f} | {r['ns_pct']:.0f}% ({r['matrices']}) | {r['gather_pct']:.0f}% "
+                f"| {r['scatter_pct']:.0f}%"
                 if "optimizer_s" in r
-                else "- | - | -"
+                else "- | - | - | -"
             )
-            print(f"| {shape} | {layout} | {optimizer} | {r['step_s']:.2f} | {r['peak_gib']:.2f} | {muon} |")
+            print(
+                f"| {shape} | {layout} | {optimizer} | {r['step_s']:.2f} | {r['step_s'] / adamw['step_s']:.2f} "
+                f"| {r['peak_gib']:.2f} | {r['peak_gib'] / adamw['peak_gib']:.2f} | {muon} |"
+            )
             sys.stdout.flush()
+    print("\n| shape | layout | AdamW traced peak (GiB) | Muon traced peak (GiB) | Muon / AdamW |")
+    print("|---|---|---|---|---|")
+    for shape, ranks in (item.split(":") for item in a.traced.split(",") if item):
+        adamw, muon = (traced_peak(shape, o, int(ranks)) for o in ("AdamW", "Muon"))
+        layout = "1 process" if ranks == "1" else f"FSDP {ranks}"
+        print(f"| {shape} | {layout} | {adamw:.2f} | {muon:.2f} | {muon / adamw:.2f} |")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

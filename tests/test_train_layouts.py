@@ -53,7 +53,7 @@ per expert and failed dpo_moe_ep2_precompute.
 PP is refused at start (see docs/preference.md).
 
 Muon (`optimizer.name = "Muon"`) under FSDP 2, TP 2, PP 2 (1F1B), HSDP (2 x 2), FSDP 2 x TP 2 and, on the qwen3 MoE cut,
-EP 2, against Muon in one process: loss within 2.3e-7 relative, grad_norm 2.2e-7; weights within 7.0e-4 of their norm
+EP 2 and EP 2 x ETP 2 (= TP 2; each expert's matrix split, gathered whole), against Muon in one process: loss within 2.3e-7 relative, grad_norm 2.2e-7; weights within 7.0e-4 of their norm
 (experts; 3.4e-4 dense), not float32 rounding: Newton-Schulz runs in bfloat16 (as torch.optim.Muon's) and
 rounds gradients that differ by float noise differently (2026-11-28). Saved under FSDP 2 at step 3 and resumed
 under FSDP 2 x TP 2: the losses of steps 4 and 5 equal to the bit, grad_norm within 1.1e-7. These rows are a launch group of their own (muon);
@@ -765,6 +765,15 @@ LAYOUTS = {
         2,
         (*MOE, *MUON, EP, "2", *local_batch(2)),
         {**MUON_FACTS, **experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64])},
+        reference="one_process_muon_moe",
+        weights_atol=None,
+        weights_rel=MUON_WEIGHTS_REL,
+    ),
+    # Expert tensor parallelism: each expert's matrix split by rows over etp, gathered whole for Newton-Schulz.
+    "muon_moe_ep2_etp2_tp2": Layout(
+        4,
+        (*MOE, *MUON, EP, "2", ETP, "2", TP, "2", *local_batch(2)),
+        {**MUON_FACTS, **experts(2, 2, ["efsdp", "ep", "etp"], ["_S(0, 2)", "S(0)", "S(1)"], [4, 32, 64])},
         reference="one_process_muon_moe",
         weights_atol=None,
         weights_rel=MUON_WEIGHTS_REL,

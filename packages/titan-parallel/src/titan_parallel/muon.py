@@ -3,12 +3,12 @@
 Muon (Keller Jordan, 2024; `torch.optim.Muon`) replaces each matrix's momentum by its nearest
 semi-orthogonal matrix, found with a few Newton-Schulz iterations. The orthogonalisation is a
 function of the whole matrix: a row shard of FSDP, a column shard of tensor parallelism, or a slice
-of a 2-D mesh cannot be orthogonalised on its own. So each matrix's update is gathered whole
-(`DTensor.full_tensor`), orthogonalised as in one process, and this rank's part of the result taken
-back out with no further communication (a redistribution from Replicate to the parameter's own
-placements only slices). Stacked expert weights [E, out, in] are E matrices, each orthogonalised on
-its own; where every placement shards the expert dimension (expert parallelism, FSDP over experts)
-a rank already holds whole matrices and nothing is gathered.
+of a 2-D mesh cannot be orthogonalised on its own. So the split matrices of a mesh are shared out: each
+is gathered whole, orthogonalised by one rank as in one process, and scattered back into every rank's
+part (`Muon._step_shared`), the next round's gathers running under this round's Newton-Schulz. Stacked
+expert weights [E, out, in] are E matrices, each orthogonalised on its own; where every placement shards
+the expert dimension (expert parallelism, FSDP over experts) a rank already holds whole matrices and
+nothing is gathered.
 
 The momentum buffer is elementwise, so it stays sharded like its parameter and the optimizer state
 checkpoints and reshards exactly as AdamW's does (DCP sees a DTensor of the parameter's layout).
@@ -18,13 +18,16 @@ or `muon: False` (AdamW, with torch's AdamW state names `step`, `exp_avg`, `exp_
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.adam import adam
 
 from titan_parallel.errors import ModelDescriptionError, ParallelConfigError
@@ -42,11 +45,12 @@ class MuonTiming:
     step_s: float = 0.0
     newton_schulz_s: float = 0.0
     gather_s: float = 0.0
+    scatter_s: float = 0.0
     matrices: int = 0
     gathered_bytes: int = 0
 
     def reset(self) -> None:
-        self.step_s = self.newton_schulz_s = self.gather_s = 0.0
+        self.step_s = self.newton_schulz_s = self.gather_s = self.scatter_s = 0.0
         self.matrices = self.gathered_bytes = 0
 
 
@@ -169,61 +173,135 @@ class Muon(torch.optim.Optimizer):
         )
 
     def _muon_group(self, group: dict) -> None:
-        lr, momentum = group["lr"], group["momentum"]
+        momentum = group["momentum"]
+        # Matrices whole on this rank step here, one at a time; split ones are shared out per mesh.
+        split: dict[object, list[torch.Tensor]] = {}
         for p in group["params"]:
             if p.grad is None:
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - momentum)
-            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            update = self._orthogonalised(update, group)
-            rows, cols = p.shape[-2:]
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
+            state["momentum_buffer"].lerp_(p.grad, 1 - momentum)
+            if isinstance(p, DTensor) and not _holds_whole_matrices(p, group["stacked"]):
+                split.setdefault(p.device_mesh, []).append(p)
+            else:
+                _apply(p, self._orthogonalised_here(self._update(p, group), group), group)
+        for params in split.values():
+            self._step_shared(params, group)
 
-    def _orthogonalised(self, update: torch.Tensor, group: dict) -> torch.Tensor:
-        """Newton-Schulz of every matrix of `update`, each whole, laid out as `update` is."""
-        stacked = group["stacked"]
-        local = not isinstance(update, DTensor) or _holds_whole_matrices(update, stacked)
+    def _update(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """What is orthogonalised: the momentum, or its Nesterov look-ahead."""
+        buf = self.state[p]["momentum_buffer"]
+        return p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+    def _newton_schulz_each(self, whole: torch.Tensor, group: dict) -> torch.Tensor:
+        """Newton-Schulz of every matrix of a whole (possibly stacked) tensor, timed."""
         start = time.perf_counter()
-        if local:
-            whole = update.to_local() if isinstance(update, DTensor) else update
-        else:
-            whole = update.full_tensor()
-            _sync_tensor(whole)
-            self.timing.gathered_bytes += whole.numel() * whole.element_size()
-        gathered = time.perf_counter()
         matrices = whole.reshape(-1, *whole.shape[-2:])
         out = torch.empty_like(matrices)
         for i in range(matrices.shape[0]):
             out[i] = newton_schulz(matrices[i], group["ns_coefficients"], group["ns_steps"], group["eps"])
-        out = out.view(whole.shape)
         _sync_tensor(out)
-        done = time.perf_counter()
         self.timing.matrices += matrices.shape[0]
-        self.timing.newton_schulz_s += done - gathered
+        self.timing.newton_schulz_s += time.perf_counter() - start
+        return out.view(whole.shape)
+
+    def _orthogonalised_here(self, update: torch.Tensor, group: dict) -> torch.Tensor:
+        """A plain tensor, or a DTensor whose every matrix is whole on this rank: no communication."""
         if not isinstance(update, DTensor):
-            self.timing.gather_s += gathered - start
-            return out
-        if local:
-            result = DTensor.from_local(
-                out,
-                update.device_mesh,
-                update.placements,
-                run_check=False,
-                shape=update.shape,
-                stride=update.stride(),
-            )
+            return self._newton_schulz_each(update, group)
+        out = self._newton_schulz_each(update.to_local(), group)
+        return DTensor.from_local(
+            out,
+            update.device_mesh,
+            update.placements,
+            run_check=False,
+            shape=update.shape,
+            stride=update.stride(),
+        )
+
+    def _step_shared(self, params: list[DTensor], group: dict) -> None:
+        """Steps the matrices of one mesh, each split across its ranks, each orthogonalised whole once.
+
+        In rounds of as many matrices as the mesh has ranks (largest first, so a round's matrices are
+        alike in size): each update is gathered whole (an all-gather), the rank it falls to runs
+        Newton-Schulz on it and scatters the result back to every rank's part of the parameter's layout.
+        The next round's gathers are issued, asynchronously, before this round's Newton-Schulz, so they
+        run under it. Each rank orthogonalises one matrix of a round: 1/ranks of one process's work.
+        """
+        mesh = params[0].device_mesh
+        ranks = mesh.size()
+        # Every rank's coordinates, in the same order on all (plain ints: the dry run traces on fake tensors).
+        coordinates = list(itertools.product(*(range(n) for n in mesh.shape)))
+        me = coordinates.index(tuple(mesh.get_coordinate()))
+        order = sorted(params, key=lambda p: -p.numel())
+        rounds = [order[k : k + ranks] for k in range(0, len(order), ranks)]
+        replicate = [Replicate()] * mesh.ndim
+
+        def gather(round_: list[DTensor]) -> list[torch.Tensor]:
+            start = time.perf_counter()
+            issued = [
+                self._update(p, group).redistribute(mesh, replicate, async_op=True).to_local() for p in round_
+            ]
+            self.timing.gather_s += time.perf_counter() - start
+            return issued
+
+        pending = gather(rounds[0])
+        for r, round_ in enumerate(rounds):
+            issued, pending = pending, gather(rounds[r + 1]) if r + 1 < len(rounds) else []
+            start = time.perf_counter()
+            wholes = [_wait(t) for t in issued]
+            _sync_tensor(wholes[0])
+            self.timing.gather_s += time.perf_counter() - start
+            self.timing.gathered_bytes += sum(w.numel() * w.element_size() for w in wholes)
+            outs = [
+                self._newton_schulz_each(w, group) if owner == me else torch.empty_like(w)
+                for owner, w in enumerate(wholes)
+            ]
+            del wholes
+            start = time.perf_counter()
+            results = [
+                _scatter_from(out, p, coordinates[owner])
+                for owner, (p, out) in enumerate(zip(round_, outs, strict=True))
+            ]
+            _sync_tensor(outs[0])
+            self.timing.scatter_s += time.perf_counter() - start
+            for p, update in zip(round_, results, strict=True):
+                _apply(p, update, group)
+
+
+def _apply(p: torch.Tensor, orthogonal: torch.Tensor, group: dict) -> None:
+    """Decoupled weight decay, then the orthogonalised update at its matrix's learning rate."""
+    lr = group["lr"]
+    rows, cols = p.shape[-2:]
+    p.mul_(1 - lr * group["weight_decay"])
+    p.add_(orthogonal, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    """The data of an asynchronous collective's result, once it has arrived."""
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def _scatter_from(whole: torch.Tensor, like: DTensor, owner: tuple[int, ...]) -> DTensor:
+    """`whole`, valid on the rank at mesh coordinate `owner`, laid out as `like` on every rank.
+
+    Mesh dim by mesh dim, a scatter (Shard) or broadcast (Replicate) from the owner's coordinate on that dim:
+    after dim d, every rank whose coordinates past d are the owner's holds its part, so the last dim
+    leaves every rank with its own (the order `distribute_tensor` shards in, from any source rank).
+    """
+    mesh, local = like.device_mesh, whole.contiguous()
+    for d, placement in enumerate(like.placements):
+        if isinstance(placement, Replicate):
+            local = Replicate._make_replicate_tensor(local, mesh, d, owner[d])
+        elif isinstance(placement, (Shard, _StridedShard)):
+            local = placement._shard_tensor(local, mesh, d, owner[d])
         else:
-            replicated = DTensor.from_local(
-                out, update.device_mesh, [Replicate()] * update.device_mesh.ndim, run_check=False
-            )
-            result = replicated.redistribute(update.device_mesh, update.placements)
-        self.timing.gather_s += (gathered - start) + (time.perf_counter() - done)
-        return result
+            raise ParallelConfigError(f"muon: cannot lay out an update as {like.placements}")
+    return DTensor.from_local(
+        local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
 
 
 def _sync_tensor(t: torch.Tensor) -> None:

@@ -1,5 +1,6 @@
 """What follows a Muon step: Kimi K2's QK-clip (optimizer.muon.qk_clip_tau) and the log line of where the
-optimizer step's time went (Newton-Schulz, and gathering the sharded matrices whole for it).
+optimizer step's time went (Newton-Schulz, gathering the split matrices whole for it, waiting for the gathers
+not hidden under Newton-Schulz, and scattering the results back).
 
 QK-clip reads the largest attention logit per head that the model kept during the step's forward
 passes (`titan_parallel.HasQueryKeyHeads`), the largest over the data-parallel ranks, and scales the
@@ -79,15 +80,19 @@ class MuonAfterStep:
         step_s = sum(o.timing.step_s for o in self.optimizers)
         ns_s = sum(o.timing.newton_schulz_s for o in self.optimizers)
         gather_s = sum(o.timing.gather_s for o in self.optimizers)
+        scatter_s = sum(o.timing.scatter_s for o in self.optimizers)
+        matrices = sum(o.timing.matrices for o in self.optimizers)
         gathered = sum(o.timing.gathered_bytes for o in self.optimizers)
         total = max(step_s, 1e-12)
         logger.info(
-            "muon: to step %d: optimizer steps %.3f s, Newton-Schulz %.0f%%, gathering matrices whole %.0f%% "
-            "(%.1f MB gathered)",
+            "muon: to step %d: optimizer steps %.3f s, Newton-Schulz %.0f%% (%d matrices on this rank), "
+            "gathering matrices whole %.0f%%, scattering them back %.0f%% (%.1f MB gathered)",
             step,
             step_s,
             100 * ns_s / total,
+            matrices,
             100 * gather_s / total,
+            100 * scatter_s / total,
             gathered / 1e6,
         )
         for optimizer in self.optimizers:
