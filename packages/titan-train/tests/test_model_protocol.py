@@ -38,7 +38,8 @@ def _protocol_members() -> set[str]:
     return members
 
 
-ALLOWED = set(dir(nn.Module)) | set(dir(FSDPModule)) | _protocol_members()
+# `training` is nn.Module's own flag, set on the instance by its __init__ (so not in dir(nn.Module)).
+ALLOWED = set(dir(nn.Module)) | {"training"} | set(dir(FSDPModule)) | _protocol_members()
 
 
 def _holds_a_model(node: ast.expr) -> bool:
