@@ -163,6 +163,19 @@ class HasShardedSequenceAttention(Protocol):
 
 
 @runtime_checkable
+class HasLinearsNotAdapted(Protocol):
+    """A model that names the linear layers LoRA's `all-linear` leaves out (`titan_parallel.lora`).
+
+    They are layers whose low-rank update is no fine-tuning of a hidden map: the output head (as PEFT's
+    all-linear leaves it out) and MoE routers. A model that does not say has every linear adapted.
+    """
+
+    def linears_not_adapted(self) -> tuple[str, ...]:
+        """The last name segments (as `named_modules` spells them, e.g. "output", "gate") of those layers."""
+        ...
+
+
+@runtime_checkable
 class HasInitWeights(Protocol):
     """A model that fills its parameters and buffers itself, after `to_empty` moved it off the meta device."""
 
