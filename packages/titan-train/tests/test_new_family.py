@@ -145,15 +145,14 @@ FLAGS = (
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Iterator[Path]:
     """The dump folder of a 3-step run of the new family, exported in its Hugging Face layout."""
-    # The one registration: nothing outside this file names the family. Taken out again afterwards,
-    # so that tests sharing this process see the registry as it ships.
-    register_model_family(FAMILY)
-    dump = tmp_path_factory.mktemp("tiny_mix")
-    try:
+    # The one registration: nothing outside this file names the family. Made on a copy of the registry
+    # that the module's tests use, so that tests sharing this process see the registry as it ships.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(registry, "_FAMILIES", dict(registry._FAMILIES))
+        register_model_family(FAMILY)
+        dump = tmp_path_factory.mktemp("tiny_mix")
         assert run(["--job.dump_folder", str(dump), *FLAGS]) == 0
         yield dump
-    finally:
-        registry._FAMILIES.pop(NAME)
 
 
 def _loaded(dump: Path, weights: str) -> nn.Module:
