@@ -6,7 +6,8 @@ implements only the methods for the parallelisms it is used with: FSDP, DDP, act
 checkpointing and compile need `parallel_blocks`; tensor parallelism needs `tp_plan`; pipeline
 parallelism needs `pipeline_units`; context parallelism shards the `sequence_buffers` (and hands
 an attention it cannot route through ring attention a `SequenceShard`, `set_sequence_shard`); expert
-parallelism splits the experts of the `moe_layers`. A model is
+parallelism splits the experts of the `moe_layers`; LoRA's all-linear leaves out the
+`linears_not_adapted`. A model is
 built on the meta device, and `init_weights` gives it its values once parallelised (`TrainableModel`:
 everything a trainer asks of a model beyond `nn.Module`).
 """
