@@ -21,6 +21,9 @@ class Block(nn.Module):
         self.output = nn.Linear(16, 32, bias=False)
         self.tok_embeddings = nn.Embedding(32, 16)
 
+    def linears_not_adapted(self):
+        return ("output", "gate")
+
     def forward(self, x):
         h = self.w2(torch.relu(self.wq(x) + self.wv(x)))
         return self.output(h + x) + self.gate(x).sum(-1, keepdim=True)

@@ -303,3 +303,27 @@ def test_qlora_under_fsdp_on_a_torch_older_than_2_15_stops_at_start_in_one_line(
         "quantised weights through FSDP internals as 2.15 has them); upgrade torch, or train QLoRA on one process"
     )
     assert resolve(small_config(tmp_path, *flags, "1"), 1, "cpu").dims.dp_shard == 1  # one process still runs
+
+
+def test_all_linear_leaves_out_the_linears_each_family_names():
+    """all-linear adapts every linear but the ones the model names (`linears_not_adapted`): the output
+    head, as PEFT's all-linear leaves out `lm_head`, and each MoE router's gate, on a Qwen3 MoE model."""
+    from titan_models.moe import MoEArgs
+    from titan_models.qwen3 import Qwen3Model
+    from titan_parallel import LoRA, target_linears
+
+    args = Qwen3Args(
+        dim=32,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=2,
+        head_dim=16,
+        vocab_size=64,
+        moe_args=MoEArgs(num_experts=4),
+    )
+    with torch.device("meta"):
+        model = Qwen3Model(args)
+    assert model.linears_not_adapted() == ("output", "gate")
+    chosen = target_linears(model, LoRA(targets=("all-linear",)).targets)
+    every = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert every - set(chosen) == {"output", "layers.0.moe.router.gate", "layers.1.moe.router.gate"}

@@ -13,6 +13,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from titan_models.args import ModelArgs
 from titan_models.attention_masks import AttentionMask, VarlenMask, causal_block_mask, flex_can_run
+from titan_models.cached_attention import HeadsCache
 from titan_models.errors import BackendUnavailableError, ModelConfigError
 from titan_models.rope import apply_rotary
 
@@ -63,13 +64,16 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, **options):
+    """Flex attention of (batch, heads, seq, head_dim) q, k, v with grouped-query heads: compiled on CUDA;
+    `options` are flex_attention's own (`scale`, `return_lse`)."""
     if q.device.type == "cuda":
-        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=True)
+        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=True, **options)
     # Elsewhere flex runs forward-only (see attention_masks), where the unfused path is intended.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        warnings.filterwarnings("ignore", message=".*return_lse.*")
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True, **options)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -118,7 +122,7 @@ def attend(
     if mask is None and backend == "flex" and flex_can_run(q.device):
         mask = causal_block_mask(q.shape[2], str(q.device))
     if isinstance(mask, BlockMask):
-        return _flex(q, k, v, mask)
+        return flex(q, k, v, mask)
     if backend == "flash":
         return _flash(q, k, v)
     n_rep = q.shape[1] // k.shape[1]
@@ -128,8 +132,26 @@ def attend(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def output_projection(wo: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """`wo` over the heads of `out` (batch, heads, seq, head_dim) merged back: (batch, seq, dim)."""
+    bs, _, seq_len, _ = out.shape
+    return wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
+
+
+def attention_tail(
+    wo: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel, *args
+) -> torch.Tensor:
+    """The end every attention forward shares: `kernel(q, k, v, *args)` on heads-first views of the
+    (batch, seq, heads, head_dim) queries, keys and values, then `output_projection`."""
+    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), *args)
+    return output_projection(wo, out)
+
+
 class Attention(nn.Module):
     """Self-attention with rotary embeddings and grouped-query heads."""
+
+    # Keys and values per head in a KV cache (`titan_models.kv_cache`); a subclass may bring its own.
+    kv_cache: HeadsCache = HeadsCache()
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -167,12 +189,10 @@ class Attention(nn.Module):
         return xq, xk, xv
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        bs, seq_len, _ = x.shape
         xq, xk, xv = self.project(x, freqs_cis)
         if self.max_logits is not None and torch.is_grad_enabled():  # training passes, not validation
             self._keep_max_logits(xq, xk, mask)
-        out = attend(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), self.backend, mask)
-        return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
+        return attention_tail(self.wo, xq, xk, xv, attend, self.backend, mask)
 
     def record_max_logits(self, on: bool) -> None:
         """Keep (or stop keeping) the largest logit per query head in `max_logits`."""

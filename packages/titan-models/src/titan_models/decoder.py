@@ -134,6 +134,17 @@ class Decoder(nn.Module):
             if getattr(block, "moe_enabled", False)
         }
 
+    def linears_not_adapted(self) -> tuple[str, ...]:
+        """The linear layers LoRA's all-linear leaves out, by last name segment: the output head and
+        each MoE router's linears (`gate`)."""
+        routers = {
+            name.rsplit(".", 1)[-1]
+            for moe in self.moe_layers().values()
+            for name, module in moe.router.named_modules()
+            if isinstance(module, nn.Linear)
+        }
+        return ("output", *sorted(routers))
+
     def hidden_matrices(self) -> dict[str, int]:
         """Parameter FQN -> stacked dims, for Muon: every 2-D weight of the blocks but the MoE routers,
         and the experts' stacked [E, out, in] weights (their stacked biases are not matrices)."""
@@ -237,7 +248,7 @@ class Decoder(nn.Module):
         if not self.takes_positions():
             raise ModelError(
                 f"model: {type(self).__name__} builds its own attention masks and does not take per-token "
-                "positions yet; fine-tune a Llama, Qwen3 or DeepSeek-V3 model, or train without packing"
+                "positions yet; train without packing, or fine-tune a family whose `takes_positions()` is True"
             )
         device = tokens.device
         use_flex = self.args.attn_backend == "flex" and flex_can_run(device)

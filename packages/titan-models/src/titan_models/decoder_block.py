@@ -1,20 +1,22 @@
-"""The block Llama, Qwen3 and Llama 4 repeat: pre-norm attention, then a pre-norm feed-forward that is
-a SwiGLU or, where the family puts one, a mixture of experts. Only the attention differs between them,
-so a family passes its own and the rest (names `attention`, `feed_forward` or `moe`, `attention_norm`,
-`ffn_norm`, as torchtitan 0.2.2 names them) is built here once."""
+"""The block every family repeats: pre-norm attention, then a pre-norm feed-forward that is a SwiGLU or a
+mixture of experts. A family passes its own attention (its masks, sinks or windows travel through it)
+and its own feed-forward or experts module; the rest (names `attention`, `feed_forward` or `moe`,
+`attention_norm`, `ffn_norm`, as torchtitan 0.2.2 names them) is built here once."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from titan_models.feed_forward import FeedForward
-from titan_models.moe import MoE, MoEArgs
+from titan_models.errors import ModelConfigError
 
 
 class DecoderBlock(nn.Module):
-    """`h = x + attention(attention_norm(x))`, then `h + ffn(ffn_norm(h))`, where `ffn` is `moe` when
-    `moe_args` is given and a SwiGLU `feed_forward` of width `ffn_hidden_dim` otherwise."""
+    """`h = x + attention(attention_norm(x))`, then `h + ffn(ffn_norm(h))`, where `ffn` is the block's
+    `moe` (a `titan_models.moe.MoE`, found by the model's `moe_layers()`) or its dense `feed_forward`.
+
+    `mask` is whatever the family's `Decoder._attention_masks` builds; the block hands it to `attention`.
+    """
 
     def __init__(
         self,
@@ -22,17 +24,18 @@ class DecoderBlock(nn.Module):
         *,
         dim: int,
         norm_eps: float,
-        ffn_hidden_dim: int,
-        moe_args: MoEArgs | None = None,
-        moe_hidden_dim: int | None = None,
+        feed_forward: nn.Module | None = None,
+        moe: nn.Module | None = None,
     ):
         super().__init__()
+        if (feed_forward is None) == (moe is None):
+            raise ModelConfigError("model: a DecoderBlock takes exactly one of feed_forward and moe")
         self.attention = attention
-        self.moe_enabled = moe_args is not None
+        self.moe_enabled = moe is not None
         if self.moe_enabled:
-            self.moe = MoE(moe_args, dim=dim, hidden_dim=moe_hidden_dim)
+            self.moe = moe
         else:
-            self.feed_forward = FeedForward(dim, ffn_hidden_dim)
+            self.feed_forward = feed_forward
         self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
 

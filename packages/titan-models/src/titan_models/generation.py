@@ -155,7 +155,7 @@ class _Recomputed:
 
 
 def has_kv_cache(model: nn.Module) -> bool:
-    """Whether `generate` can run `model` through the KV cache (every family Titan builds)."""
+    """Whether `generate` can run `model` through the KV cache: every attention brings its hook."""
     return supports_kv_cache(model)
 
 
@@ -189,7 +189,7 @@ def generate(
         return _generate(model, prompts, params, decode, pad_id, _Cached)
     if kv_cache:
         log.warning(
-            "generation: %s has an attention the KV cache does not know; every token recomputes its "
+            "generation: %s has an attention without a KV-cache hook (`kv_cache`); every token recomputes its "
             "prompt's whole sequence, one prompt at a time",
             type(model).__name__,
         )

@@ -4,7 +4,8 @@ The training forward (`Decoder.forward`) recomputes every position of its input.
 once (prefill) and each later forward appends one token: every block writes what its attention caches
 into static buffers and attends over what the buffers hold. It runs the model's own modules and
 rotary table (`model.freqs_cis`: Llama 3.1 scaling, YaRN included) for every family; what a family
-caches and how it attends differ only through its hook (`titan_models.cached_attention`). Feed-forwards
+caches and how it attends differ only through the hook its attention class brings
+(`titan_models.cached_attention`). Feed-forwards
 and mixtures of experts run as in training: each token is routed alone, no capacity limit.
 
 Rows of a batch are left-padded to one length: padding slots are masked out of every attention, and
@@ -17,13 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan_models.attention import Attention
-from titan_models.cached_attention import cache_hook
-from titan_models.deepseek_v3.attention import MultiHeadLatentAttention
+from titan_models.attention import output_projection
+from titan_models.cached_attention import CachedAttention, cache_hook
 from titan_models.errors import ModelError
-from titan_models.gpt_oss.attention import GptOssAttention
-
-_CACHED_ATTENTIONS = (Attention, MultiHeadLatentAttention, GptOssAttention)
 
 
 class KVCache:
@@ -63,7 +60,10 @@ class KVCache:
         """Buffers shaped for `model` (a whole decoder of any family), in its parameters' dtype and device."""
         _check_whole_model(model)
         if not supports_kv_cache(model):
-            raise ModelError(f"model: {type(model).__name__} has an attention the KV cache does not know")
+            raise ModelError(
+                f"model: {type(model).__name__} has an attention without a KV-cache hook; give its attention "
+                "class a `kv_cache` (titan_models.cached_attention.HeadsCache or a subclass of it)"
+            )
         if max_len > model.freqs_cis.shape[0]:
             raise ModelError(
                 f"model: generation needs {max_len} positions but the rotary table has {model.freqs_cis.shape[0]} "
@@ -75,8 +75,8 @@ class KVCache:
 
 
 def supports_kv_cache(model: nn.Module) -> bool:
-    """Whether every block's attention is one the KV cache knows (every family Titan builds)."""
-    return all(isinstance(getattr(b, "attention", None), _CACHED_ATTENTIONS) for b in model.layers.values())
+    """Whether every block's attention brings its KV-cache hook (`CachedAttention`; every family Titan builds)."""
+    return all(isinstance(getattr(b, "attention", None), CachedAttention) for b in model.layers.values())
 
 
 def _check_whole_model(model: nn.Module) -> None:
@@ -113,8 +113,7 @@ def _attend(
 ) -> torch.Tensor:
     """One block's attention of the new tokens `x` over its cache: the same steps for every family."""
     hook = cache_hook(attention)
-    bs, seq_len, _ = x.shape
-    end = start + seq_len
+    end = start + x.shape[1]
     query_pos = cache.positions[:, start:end]
     q, new = hook.project(attention, x, freqs_cis, query_pos)
     buffers = cache.layers[layer]
@@ -124,7 +123,7 @@ def _attend(
     k, v = hook.keys_values(attention, [buffer[..., first:end, :] for buffer in buffers])
     mask = hook.restrict(attention, mask[..., first:end], query_pos, cache.positions[:, first:end])
     out = hook.attend(attention, q, k, v, mask)
-    return attention.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
+    return output_projection(attention.wo, out)
 
 
 @torch.no_grad()

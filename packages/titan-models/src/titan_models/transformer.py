@@ -21,7 +21,10 @@ class TransformerBlock(DecoderBlock):
 
     def __init__(self, args: ModelArgs):
         super().__init__(
-            Attention(args), dim=args.dim, norm_eps=args.norm_eps, ffn_hidden_dim=args.ffn_hidden_dim
+            Attention(args),
+            dim=args.dim,
+            norm_eps=args.norm_eps,
+            feed_forward=FeedForward(args.dim, args.ffn_hidden_dim),
         )
 
 

@@ -41,6 +41,7 @@ from titan_parallel.pipeline_options import PipelineOptions
 from titan_parallel.protocols import (
     HasHiddenMatrices,
     HasInitWeights,
+    HasLinearsNotAdapted,
     HasMoELayers,
     HasParallelBlocks,
     HasPipelineUnits,
@@ -74,6 +75,7 @@ __all__ = [
     "Float8Training",
     "HasHiddenMatrices",
     "HasInitWeights",
+    "HasLinearsNotAdapted",
     "HasMoELayers",
     "HasParallelBlocks",
     "HasPipelineUnits",

@@ -24,12 +24,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from titan_parallel.errors import ParallelConfigError
 from titan_parallel.expert_parallel import moe_layers_of
 from titan_parallel.parameter_names import plain_name
+from titan_parallel.protocols import HasLinearsNotAdapted
 
 logger = logging.getLogger(__name__)
 
 ALL_LINEAR = "all-linear"
-# Never adapted by all-linear: the output head (as PEFT leaves it out) and MoE routers.
-_NOT_ALL_LINEAR = ("output", "gate")
 LORA_A, LORA_B = "lora_A", "lora_B"
 
 
@@ -68,14 +67,16 @@ class LoRA:
 
 
 def target_linears(model: nn.Module, targets: Iterable[str]) -> dict[str, nn.Linear]:
-    """The linear layers of `model` that `targets` select, by fully-qualified name."""
+    """The linear layers of `model` that `targets` select, by fully-qualified name. `all-linear` selects
+    every one but those the model names in `linears_not_adapted()` (`HasLinearsNotAdapted`)."""
     targets = tuple(targets)
+    not_all_linear = model.linears_not_adapted() if isinstance(model, HasLinearsNotAdapted) else ()
     chosen = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] in (LORA_A, LORA_B):
             continue
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in targets or (ALL_LINEAR in targets and leaf not in _NOT_ALL_LINEAR):
+        if leaf in targets or (ALL_LINEAR in targets and leaf not in not_all_linear):
             chosen[name] = module
     return chosen
 

@@ -6,7 +6,8 @@ implements only the methods for the parallelisms it is used with: FSDP, DDP, act
 checkpointing and compile need `parallel_blocks`; tensor parallelism needs `tp_plan`; pipeline
 parallelism needs `pipeline_units`; context parallelism shards the `sequence_buffers` (and hands
 an attention it cannot route through ring attention a `SequenceShard`, `set_sequence_shard`); expert
-parallelism splits the experts of the `moe_layers`. A model is
+parallelism splits the experts of the `moe_layers`; LoRA's all-linear leaves out the
+`linears_not_adapted`. A model is
 built on the meta device, and `init_weights` gives it its values once parallelised (`TrainableModel`:
 everything a trainer asks of a model beyond `nn.Module`).
 """
@@ -159,6 +160,19 @@ class HasShardedSequenceAttention(Protocol):
     def set_sequence_shard(self, shard: SequenceShard | None) -> None:
         """Attend through `shard` (`titan_parallel.sequence_shard.SequenceShard`: the group, the global
         positions of this rank's tokens, a differentiable gather) until called again with None."""
+        ...
+
+
+@runtime_checkable
+class HasLinearsNotAdapted(Protocol):
+    """A model that names the linear layers LoRA's `all-linear` leaves out (`titan_parallel.lora`).
+
+    They are layers whose low-rank update is no fine-tuning of a hidden map: the output head (as PEFT's
+    all-linear leaves it out) and MoE routers. A model that does not say has every linear adapted.
+    """
+
+    def linears_not_adapted(self) -> tuple[str, ...]:
+        """The last name segments (as `named_modules` spells them, e.g. "output", "gate") of those layers."""
         ...
 
 

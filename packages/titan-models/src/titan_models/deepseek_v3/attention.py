@@ -5,10 +5,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan_models.attention import attend
+from titan_models.attention import attend, attention_tail
 from titan_models.attention_masks import AttentionMask
+from titan_models.cached_attention import HeadsCache
 from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.rope import apply_rotary
+
+
+class LatentCache(HeadsCache):
+    """MLA's KV cache: the normalised latent `kv_norm(c_kv)` (batch, slot, kv_lora_rank) and the
+    rotated shared key part `k_pe` (batch, slot, rope_dim), expanded to per-head keys and values by
+    the layer's own `wkv_b` at every step.
+
+    Why not per-head keys and values: MLA exists to make this cache small. Every head's key and value
+    is a linear function (`wkv_b`) of one latent, and the rotated key part is one vector shared by all
+    heads, so a slot holds kv_lora_rank + rope_dim numbers (576 in DeepSeek-V3) instead of
+    heads * (qk_head_dim + v_head_dim) (128 * 320 = 40960): 71 times less memory, for one `wkv_b`
+    matmul over the cached slots a step. `k_pe` is cached after its rotation, at its own position.
+    """
+
+    def shapes(self, attention):
+        return [(attention.kv_lora_rank,), (attention.rope_dim,)]
+
+    def project(self, attention, x, freqs_cis, positions):
+        q, latent, k_pe = attention.project(x, freqs_cis)
+        return q.transpose(1, 2), [latent, k_pe.squeeze(2)]
+
+    def keys_values(self, attention, cached):
+        k, v = attention.expand(cached[0], cached[1].unsqueeze(2))
+        return k.transpose(1, 2), v.transpose(1, 2)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -18,6 +43,8 @@ class MultiHeadLatentAttention(nn.Module):
     Parameter names are torchtitan 0.2.2's: `wq` (or `wq_a`, `q_norm`, `wq_b`), `wkv_a`, `kv_norm`,
     `wkv_b`, `wo`.
     """
+
+    kv_cache = LatentCache()
 
     def __init__(self, args: DeepSeekV3Args):
         super().__init__()
@@ -74,8 +101,6 @@ class MultiHeadLatentAttention(nn.Module):
         return k, v
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        bs, seq_len, _ = x.shape
         q, latent, k_pe = self.project(x, freqs_cis)
         k, v = self.expand(latent, k_pe)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.backend, mask)
-        return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
+        return attention_tail(self.wo, q, k, v, attend, self.backend, mask)

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from titan_models.attention_masks import AttentionMask
 from titan_models.decoder import Decoder
+from titan_models.decoder_block import DecoderBlock
 from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.deepseek_v3.attention import MultiHeadLatentAttention
 from titan_models.deepseek_v3.mtp import MultiTokenPredictionHead
@@ -19,24 +19,16 @@ from titan_models.feed_forward import FeedForward
 from titan_models.moe import MoE
 
 
-class DeepSeekV3Block(nn.Module):
-    """Pre-norm attention then pre-norm feed-forward (`feed_forward` in dense blocks, `moe` in the others)."""
-
-    def __init__(self, layer: int, args: DeepSeekV3Args):
-        super().__init__()
-        self.attention = MultiHeadLatentAttention(args)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.moe_enabled = args.is_moe_layer(layer)
-        if self.moe_enabled:
-            self.moe = MoE(args.moe_args, args.dim, args.moe_inter_dim)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.inter_dim)
-
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, mask)
-        ffn = self.moe if self.moe_enabled else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+def deepseek_v3_block(layer: int, args: DeepSeekV3Args) -> DecoderBlock:
+    """MLA attention, then a dense SwiGLU `feed_forward` in the first `n_dense_layers` blocks, `moe` after."""
+    moe = args.is_moe_layer(layer)
+    return DecoderBlock(
+        MultiHeadLatentAttention(args),
+        dim=args.dim,
+        norm_eps=args.norm_eps,
+        moe=MoE(args.moe_args, args.dim, args.moe_inter_dim) if moe else None,
+        feed_forward=None if moe else FeedForward(args.dim, args.inter_dim),
+    )
 
 
 class DeepSeekV3Model(Decoder):
@@ -78,7 +70,7 @@ class DeepSeekV3Model(Decoder):
         return layers
 
     def build_block(self, layer: int) -> nn.Module:
-        return DeepSeekV3Block(layer, self.args)
+        return deepseek_v3_block(layer, self.args)
 
     def final_norm_eps(self) -> float | None:
         return self.args.final_norm_eps

@@ -7,14 +7,14 @@ from titan_models.gpt_oss.flops import gpt_oss_flops_per_token
 from titan_models.gpt_oss.hf_adapter import GptOssStateDictAdapter
 from titan_models.gpt_oss.hf_config import args_from_hf_config, hf_config_differences, to_hf_config
 from titan_models.gpt_oss.masks import GptOssMasks, build_gpt_oss_masks
-from titan_models.gpt_oss.model import GptOssBlock, GptOssModel
+from titan_models.gpt_oss.model import GptOssModel, gpt_oss_block
 from titan_models.gpt_oss.rope import gpt_oss_rotary_table, yarn_inverse_frequencies
 
 __all__ = [
     "GPT_OSS_FLAVORS",
     "GptOssArgs",
     "GptOssAttention",
-    "GptOssBlock",
+    "gpt_oss_block",
     "GptOssMasks",
     "GptOssModel",
     "GptOssStateDictAdapter",

@@ -15,15 +15,15 @@ sink joins every query's full denominator and the window is exact across shard b
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
+from titan_models.attention import attention_tail, flex
+from titan_models.cached_attention import HeadsCache
 from titan_models.gpt_oss.args import GptOssArgs
 from titan_models.gpt_oss.masks import GptOssMasks
 from titan_models.qwen3.rotary import apply_rotary_half_split
@@ -43,29 +43,43 @@ def sink_attention_eager(
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_flex():
-    # Uncompiled flex attention materialises the full score matrix; compiled, it is a fused kernel.
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def sink_attention_flex(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, mask: BlockMask, scale: float
 ) -> torch.Tensor:
     """The same attention through flex attention and its log-sum-exp (natural log)."""
-    if q.device.type == "cuda":
-        out, lse = _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=True)
-    else:  # forward only here (flex has no CPU backward): the unfused path is intended
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            warnings.filterwarnings("ignore", message=".*return_lse.*")
-            out, lse = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, return_lse=True)
+    out, lse = flex(q, k, v, mask, scale=scale, return_lse=True)
     keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1)).unsqueeze(-1)
     return (out.float() * keep).to(q.dtype)
 
 
+class SinkWindowCache(HeadsCache):
+    """gpt-oss's KV cache: sinks in the softmax denominator; windowed layers read only their last
+    `window` slots.
+
+    A row's real tokens fill consecutive slots, so a window of positions is a window of slots, the
+    same for every row of a left-padded batch.
+    """
+
+    def first_slot(self, attention, start):
+        return 0 if attention.window is None else max(0, start - attention.window + 1)
+
+    def restrict(self, attention, mask, query_pos, key_pos):
+        if attention.window is None:
+            return mask
+        return mask & ((query_pos[:, :, None] - key_pos[:, None, :]) < attention.window)[:, None]
+
+    def project(self, attention, x, freqs_cis, positions):
+        xq, xk, xv = attention.project(x, freqs_cis)
+        return xq.transpose(1, 2), [xk.transpose(1, 2), xv.transpose(1, 2)]
+
+    def attend(self, attention, q, k, v, mask):
+        return sink_attention_eager(q, k, v, attention.local_sinks(), mask, attention.scale)
+
+
 class GptOssAttention(nn.Module):
     """One layer's attention (torchtitan 0.2.2's names: `wq`, `wk`, `wv`, `wo` with biases, `sinks`)."""
+
+    kv_cache = SinkWindowCache()
 
     def __init__(self, args: GptOssArgs, layer: int):
         super().__init__()
@@ -98,13 +112,9 @@ class GptOssAttention(nn.Module):
         return self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, masks: GptOssMasks) -> torch.Tensor:
-        bs, seq_len, _ = x.shape
         xq, xk, xv = self.project(x, freqs_cis)
         if masks.gather_kv is not None:  # context parallel: every rank's keys, rotated at their positions
             xk, xv = masks.gather_kv(xk, 1), masks.gather_kv(xv, 1)
         mask = masks.sliding if self.sliding else masks.full
-        attend = sink_attention_flex if isinstance(mask, BlockMask) else sink_attention_eager
-        out = attend(
-            xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), self.local_sinks(), mask, self.scale
-        )
-        return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
+        kernel = sink_attention_flex if isinstance(mask, BlockMask) else sink_attention_eager
+        return attention_tail(self.wo, xq, xk, xv, kernel, self.local_sinks(), mask, self.scale)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_models.decoder import Decoder
+from titan_models.decoder_block import DecoderBlock
 from titan_models.gpt_oss.args import GptOssArgs
 from titan_models.gpt_oss.attention import GptOssAttention
 from titan_models.gpt_oss.masks import GptOssMasks, SequenceShard, build_gpt_oss_masks
@@ -22,27 +23,21 @@ from titan_models.moe import MoE
 from titan_models.moe.biased_experts import BiasedSwiGLUExperts
 
 
-class GptOssBlock(nn.Module):
-    """`h = x + attention(attention_norm(x))`, then `h + moe(ffn_norm(h))`."""
-
-    def __init__(self, layer: int, args: GptOssArgs):
-        super().__init__()
-        self.attention = GptOssAttention(args, layer)
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        experts = BiasedSwiGLUExperts(
-            args.dim,
-            args.moe_inter_dim,
-            args.moe_args.num_experts,
-            alpha=args.swiglu_alpha,
-            limit=args.swiglu_limit,
-        )
-        self.moe = MoE(args.moe_args, args.dim, args.moe_inter_dim, experts=experts)
-        self.moe_enabled = True
-
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, masks: GptOssMasks) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, masks)
-        return h + self.moe(self.ffn_norm(h))
+def gpt_oss_block(layer: int, args: GptOssArgs) -> DecoderBlock:
+    """Attention with sinks (windowed on sliding layers), then a mixture of biased, clamped SwiGLU experts."""
+    experts = BiasedSwiGLUExperts(
+        args.dim,
+        args.moe_inter_dim,
+        args.moe_args.num_experts,
+        alpha=args.swiglu_alpha,
+        limit=args.swiglu_limit,
+    )
+    return DecoderBlock(
+        GptOssAttention(args, layer),
+        dim=args.dim,
+        norm_eps=args.norm_eps,
+        moe=MoE(args.moe_args, args.dim, args.moe_inter_dim, experts=experts),
+    )
 
 
 class GptOssModel(Decoder):
@@ -60,7 +55,7 @@ class GptOssModel(Decoder):
     )
 
     def build_block(self, layer: int) -> nn.Module:
-        return GptOssBlock(layer, self.args)
+        return gpt_oss_block(layer, self.args)
 
     _sequence_shard = None
 

@@ -13,18 +13,34 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from titan_models.attention import Attention, attend
+from titan_models.attention import Attention, attend, attention_tail
+from titan_models.cached_attention import HeadsCache
 from titan_models.decoder import Decoder
 from titan_models.decoder_block import DecoderBlock
+from titan_models.feed_forward import FeedForward
 from titan_models.llama4.args import Llama4Args
 from titan_models.llama4.masks import Llama4Masks, build_llama4_masks
+from titan_models.moe import MoE
 from titan_models.rope import apply_rotary
 from titan_models.tensor_parallel_plan import gqa_tp_entries
+
+
+class ChunkedHeadsCache(HeadsCache):
+    """Llama 4's KV cache: a rope layer with `attn_chunk_size` sees only keys of its query's chunk of
+    positions (the temperature follows each row's positions through `project`)."""
+
+    def restrict(self, attention, mask, query_pos, key_pos):
+        if attention.chunk is None:
+            return mask
+        same = (query_pos[:, :, None] // attention.chunk) == (key_pos[:, None, :] // attention.chunk)
+        return mask & same[:, None]
 
 
 class Llama4Attention(Attention):
     """Grouped-query attention of one layer: rope (rotated, optionally L2-normalised queries and keys,
     chunked mask) or no-rope (global mask, optionally temperature-scaled queries)."""
+
+    kv_cache = ChunkedHeadsCache()
 
     def __init__(self, args: Llama4Args, layer: int):
         super().__init__(args)
@@ -59,22 +75,20 @@ class Llama4Attention(Attention):
         return xq, xk, xv
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, masks: Llama4Masks) -> torch.Tensor:
-        bs, seq_len, _ = x.shape
         xq, xk, xv = self.project(x, freqs_cis)
         mask = masks.rope if self.use_rope else masks.nope
-        out = attend(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), self.backend, mask)
-        return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
+        return attention_tail(self.wo, xq, xk, xv, attend, self.backend, mask)
 
 
 def llama4_block(args: Llama4Args, layer: int) -> DecoderBlock:
     """Llama 4's attention of `layer`, then `moe` on MoE layers and a SwiGLU `feed_forward` elsewhere."""
+    moe = args.is_moe_layer(layer)
     return DecoderBlock(
         Llama4Attention(args, layer),
         dim=args.dim,
         norm_eps=args.norm_eps,
-        ffn_hidden_dim=args.ffn_hidden_dim,
-        moe_args=args.moe_args if args.is_moe_layer(layer) else None,
-        moe_hidden_dim=args.moe_hidden_dim,
+        moe=MoE(args.moe_args, dim=args.dim, hidden_dim=args.moe_hidden_dim) if moe else None,
+        feed_forward=None if moe else FeedForward(args.dim, args.ffn_hidden_dim),
     )
 
 

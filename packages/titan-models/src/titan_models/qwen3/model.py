@@ -15,6 +15,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from titan_models.attention import Attention
 from titan_models.decoder import Decoder
 from titan_models.decoder_block import DecoderBlock
+from titan_models.feed_forward import FeedForward
+from titan_models.moe import MoE
 from titan_models.qwen3.args import Qwen3Args
 from titan_models.qwen3.rotary import apply_rotary_half_split
 from titan_models.qwen3.tensor_parallel_plan import qk_norm_tp_entries
@@ -41,13 +43,13 @@ class Qwen3Attention(Attention):
 
 def qwen3_block(args: Qwen3Args) -> DecoderBlock:
     """Qwen3's attention, then its SwiGLU (`feed_forward`) or, in MoE flavors, its `moe`."""
+    moe = args.moe_args is not None
     return DecoderBlock(
         Qwen3Attention(args),
         dim=args.dim,
         norm_eps=args.norm_eps,
-        ffn_hidden_dim=args.hidden_dim,
-        moe_args=args.moe_args,
-        moe_hidden_dim=args.moe_inter_dim,
+        moe=MoE(args.moe_args, dim=args.dim, hidden_dim=args.moe_inter_dim) if moe else None,
+        feed_forward=None if moe else FeedForward(args.dim, args.hidden_dim),
     )
 
 

@@ -70,8 +70,8 @@ class Sft:
     packing: bool = opt(
         True,
         "(Titan) Pack whole conversations into training.seq_len rows (positions restart, attention stays "
-        "within each); false: one conversation per row, padded (needed by gpt_oss and llama4, whose own "
-        "attention masks do not take packed positions yet)",
+        "within each); false: one conversation per row, padded (needed by a model family that builds its own "
+        "attention masks, which do not take packed positions yet; the refusal at start names the families that do)",
     )
     overlong: str = opt(
         "truncate",

@@ -24,7 +24,7 @@ from titan_train.config.fields import BOUNDS, get_value, iter_fields, number, un
 from titan_train.config.preference_section import check_preference
 from titan_train.config.sft_section import renders_chat_template
 from titan_train.errors import ConfigError
-from titan_train.registry import FROM_HF, get_model_family
+from titan_train.registry import FROM_HF, get_model_family, model_family_names
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +209,13 @@ def _names_are_registered(config: Any) -> None:
             )
 
 
+def _takes_positions(family_name: str) -> bool:
+    """Whether the family's model takes per-token positions (`Decoder.takes_positions`), so that packed
+    conversations stay apart; a model class that does not say takes them."""
+    build = get_model_family(family_name).build
+    return getattr(build, "takes_positions", lambda: True)()
+
+
 def _chat_data_fits_the_layout(config: Any) -> None:
     """Chat rows need a path, and a layout that keeps each conversation's tokens together: context
     parallelism splits a row's sequence over ranks and its ring attention is causal only, so a packed
@@ -229,12 +236,12 @@ def _chat_data_fits_the_layout(config: Any) -> None:
                 f"folder of {section.dataset} rows, or a Hugging Face dataset id"
             )
     # A packed row's conversations are kept apart by positions that restart (`Decoder.takes_positions`).
-    build = get_model_family(config.model.name).build if chat and config.sft.packing else None
-    if build is not None and not getattr(build, "takes_positions", lambda: True)():
+    if chat and config.sft.packing and not _takes_positions(config.model.name):
+        takers = [name for name in model_family_names() if _takes_positions(name)]
         raise ConfigError(
             f"config: {chat[0]}.dataset = 'chat' with sft.packing = true: model.name '{config.model.name}' "
             "builds its own attention masks and cannot keep packed conversations apart yet; set "
-            "sft.packing = false (one conversation per row) or fine-tune a llama3, qwen3 or deepseek_v3 model"
+            f"sft.packing = false (one conversation per row) or fine-tune a {' or '.join(takers)} model"
         )
     degree = config.parallelism.context_parallel_degree
     if chat and degree > 1:
