@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+import titan_ckpt
 import titan_train
 from titan_models import Transformer, llama3_args
 from titan_parallel import TrainableModel, protocols
@@ -76,6 +77,53 @@ def test_titan_train_reaches_no_model_attribute_outside_the_protocol():
         "titan_train reaches into a model; add what it needs to titan_parallel.protocols:\n"
         + "\n".join(found)
     )
+
+
+ADAPTER_NAMES = {"adapter", "hf_adapter"}
+NAMED_READS = {"getattr", "hasattr"}
+
+
+def members_read_by_name(source: str, where: str) -> list[str]:
+    """`where:line: call` for each `getattr`/`hasattr` of a model or an HF adapter by a member's name: an
+    optional member is declared on a protocol (titan_parallel.protocols, titan_ckpt's HasUnheldState, ...)
+    and asked for with isinstance, so that a renamed member breaks loudly instead of reading the default."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in NAMED_READS
+        ):
+            continue
+        if len(node.args) < 2 or not isinstance(node.args[1], ast.Constant):
+            continue
+        target = node.args[0]
+        if _holds_a_model(target) or (isinstance(target, ast.Name) and target.id in ADAPTER_NAMES):
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_model_or_adapter_member_is_read_by_name():
+    sources = [SOURCE, Path(titan_ckpt.__file__).parent]
+    found = [
+        hit
+        for root in sources
+        for path in sorted(root.rglob("*.py"))
+        for hit in members_read_by_name(path.read_text(), str(path.relative_to(root.parent)))
+    ]
+    assert not found, "declare the optional member on a protocol and ask with isinstance:\n" + "\n".join(
+        found
+    )
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        'args = getattr(parts[0], "args", None)',
+        'unheld = tuple(getattr(adapter, "hf_unheld_state", ()))',
+        'if hasattr(model, "moe_layers"): pass',
+    ],
+)
+def test_the_scan_sees_a_member_read_by_name(line):
+    assert members_read_by_name(line, "planted.py")
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,13 @@ from titan_ckpt.async_save import ASYNC_MODES, SaveTiming
 from titan_ckpt.checkpointer import Checkpointer
 from titan_ckpt.errors import CheckpointError
 from titan_ckpt.frozen_base import FrozenBase
-from titan_ckpt.hf_safetensors import TITAN_ONLY_PREFIX, HFStateDictAdapter
+from titan_ckpt.hf_safetensors import (
+    TITAN_ONLY_PREFIX,
+    HasKeptDtypes,
+    HasUnheldState,
+    HFStateDictAdapter,
+    unheld_state,
+)
 from titan_ckpt.load_source import LoadResult
 from titan_ckpt.policies import EXPORT_DTYPES, LastSavePolicy, LoadPolicy, SavePolicy
 from titan_ckpt.stateful import ModelState, OptimizerState
@@ -17,6 +23,8 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "HFStateDictAdapter",
+    "HasKeptDtypes",
+    "HasUnheldState",
     "LastSavePolicy",
     "LoadPolicy",
     "LoadResult",
@@ -26,4 +34,5 @@ __all__ = [
     "SaveTiming",
     "TITAN_ONLY_PREFIX",
     "complete_steps",
+    "unheld_state",
 ]

@@ -26,7 +26,13 @@ from torch.distributed.tensor import DTensor
 
 from titan_ckpt.collectives import barrier, group_rank, raise_on_every_rank
 from titan_ckpt.errors import CheckpointError
-from titan_ckpt.hf_safetensors import TITAN_ONLY_PREFIX, HFStateDictAdapter, unshare
+from titan_ckpt.hf_safetensors import (
+    TITAN_ONLY_PREFIX,
+    HFStateDictAdapter,
+    kept_dtypes,
+    unheld_state,
+    unshare,
+)
 from titan_ckpt.step_folders import HF_INDEX
 
 logger = logging.getLogger(__name__)
@@ -157,9 +163,9 @@ def write_hf_export(
     specs = _all_gather([_spec(n, t) for n, t in state.items() if isinstance(t, torch.Tensor)], group)
     owners = assign_owners(specs)
     owned = _gather_owned(state, owners, rank)
-    unheld = {k: v for k, v in owned.items() if k.endswith(tuple(getattr(adapter, "hf_unheld_state", ())))}
+    unheld = {k: v for k, v in owned.items() if k.endswith(unheld_state(adapter))}
     _refuse_unheld_state(unheld, lossy, group, unheld_effect)
-    keep = tuple(getattr(adapter, "hf_keep_dtype", ()))
+    keep = kept_dtypes(adapter)
     problem, mine = None, {}
     try:
         mine = _mapped_own_share(adapter, owned, specs)

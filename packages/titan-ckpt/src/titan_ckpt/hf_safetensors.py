@@ -26,9 +26,7 @@ TITAN_ONLY_PREFIX = "titan."
 class HFStateDictAdapter(Protocol):
     """Maps a model's full state dict to Hugging Face names and layout and back.
 
-    Optional attributes: `hf_unheld_state`, suffixes of the model's names for state the Hugging Face
-    format cannot hold (its neutral value is zero); `hf_keep_dtype`, suffixes of Hugging Face names
-    transformers keeps in their own precision whatever the export dtype.
+    An adapter may also answer the optional protocols below (`HasUnheldState`, `HasKeptDtypes`).
     """
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
@@ -36,6 +34,30 @@ class HFStateDictAdapter(Protocol):
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
     def hf_config(self) -> dict: ...
+
+
+@runtime_checkable
+class HasUnheldState(Protocol):
+    """An adapter whose format has no place for some of the model's state (its neutral value is zero)."""
+
+    hf_unheld_state: tuple[str, ...]  # suffixes of the model's state names
+
+
+@runtime_checkable
+class HasKeptDtypes(Protocol):
+    """An adapter naming tensors transformers keeps in their own precision whatever the export dtype."""
+
+    hf_keep_dtype: tuple[str, ...]  # suffixes of Hugging Face names
+
+
+def unheld_state(adapter: object) -> tuple[str, ...]:
+    """Suffixes of the model's state names `adapter`'s format cannot hold; () for an adapter that holds all."""
+    return tuple(adapter.hf_unheld_state) if isinstance(adapter, HasUnheldState) else ()
+
+
+def kept_dtypes(adapter: object) -> tuple[str, ...]:
+    """Suffixes of Hugging Face names `adapter` keeps in their own precision; () for none."""
+    return tuple(adapter.hf_keep_dtype) if isinstance(adapter, HasKeptDtypes) else ()
 
 
 def unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -205,6 +205,13 @@ class Decoder(nn.Module):
             )
         return ["tok_embeddings", *self.parallel_blocks(), "norm", "output"]
 
+    def packed_document_ids(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """(batch, seq) document indices of `tokens` (documents end at `eos_id`) under block-causal
+        attention; None under causal attention, which does not follow documents."""
+        if self.args.attn_mask_type != "block_causal":
+            return None
+        return document_ids(tokens, self.args.eos_id)
+
     def forward(
         self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -228,9 +235,9 @@ class Decoder(nn.Module):
             if self.tok_embeddings is None:
                 raise ModelError(
                     "model: block-causal attention on a stage without the token embedding needs "
-                    "forward(h, doc_ids=titan_models.document_ids(tokens, eos_id))"
+                    "forward(h, doc_ids=model.packed_document_ids(tokens))"
                 )
-            doc_ids = document_ids(tokens, self.args.eos_id)
+            doc_ids = self.packed_document_ids(tokens)
         masks = self._attention_masks(doc_ids, seq_len, tokens.device)
         return self._blocks_forward(tokens, self.freqs_cis, masks)
 

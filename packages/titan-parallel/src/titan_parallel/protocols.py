@@ -164,6 +164,16 @@ class HasShardedSequenceAttention(Protocol):
 
 
 @runtime_checkable
+class HasPackedDocuments(Protocol):
+    """A model whose attention stays within the packed documents it finds in the token ids (block-causal):
+    a pipeline stage without the embedding sees hidden states, not ids, and is given the documents."""
+
+    def packed_document_ids(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """(batch, seq) document indices of `tokens`, or None when attention does not follow documents."""
+        ...
+
+
+@runtime_checkable
 class HasLinearsNotAdapted(Protocol):
     """A model that names the linear layers LoRA's `all-linear` leaves out (`titan_parallel.lora`).
 

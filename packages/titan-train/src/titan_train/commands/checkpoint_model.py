@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from titan_ckpt import TITAN_ONLY_PREFIX, Checkpointer, LoadPolicy, ModelState, SavePolicy
+from titan_ckpt import TITAN_ONLY_PREFIX, Checkpointer, LoadPolicy, ModelState, SavePolicy, unheld_state
 from titan_ckpt.frozen_base import FROZEN_BASE_FILE
 from titan_data import Tokenizer
 from titan_parallel import adapter_names, dequantized, quantize_base_to_nf4
@@ -31,7 +31,6 @@ from titan_train.registry import FROM_HF
 from titan_train.wiring.checkpointing import hf_adapter_for
 from titan_train.wiring.data import build_tokenizer_for
 from titan_train.wiring.hf_interop import hf_mapping
-from titan_train.wiring.hf_unheld import unheld_state
 from titan_train.wiring.lora_export import LoRAStateDictAdapter
 from titan_train.wiring.model import build_model
 from titan_train.wiring.qlora import qlora_enabled

@@ -27,6 +27,7 @@ from titan_ckpt import (
     LoadPolicy,
     LoadResult,
     SavePolicy,
+    unheld_state,
 )
 from titan_parallel import moe_layers_of, plain_name
 from titan_train.config.schema import JobConfig
@@ -42,7 +43,7 @@ from titan_train.wiring.hf_interop import (
     hf_export_files,
     hf_mapping,
 )
-from titan_train.wiring.hf_unheld import BiasEffect, unheld_state
+from titan_train.wiring.hf_unheld import BiasEffect
 from titan_train.wiring.lora import lora_enabled
 from titan_train.wiring.lora_export import LoRAStateDictAdapter
 

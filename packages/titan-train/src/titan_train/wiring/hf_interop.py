@@ -21,12 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from titan_ckpt import unheld_state
 from titan_models.errors import ModelError
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.registry import FROM_HF, ModelFamily
 from titan_train.wiring.data import BUNDLED_TOKENIZER
-from titan_train.wiring.hf_unheld import unheld_state
 
 HF_CONFIG = "config.json"
 # Differences from the flavor that a run takes from the checkpoint (with one log line) instead of

@@ -1,6 +1,6 @@
 """The MoE state a Hugging Face format cannot hold (an adapter's `hf_unheld_state`: Llama 4's, Qwen3-MoE's
-and gpt-oss's expert bias), read in one place: which state names it is, and how much of the routing it
-changes, for the export's warning or refusal (`titan_ckpt.hf_export`)."""
+and gpt-oss's expert bias): how much of the routing it changes, for the export's warning or refusal
+(`titan_ckpt.hf_export`). Which state names it is: `titan_ckpt.unheld_state`."""
 
 from __future__ import annotations
 
@@ -9,11 +9,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-
-def unheld_state(adapter: Any) -> tuple[str, ...]:
-    """Suffixes of the model's state names the adapter's Hugging Face format has no place for; () for none."""
-    return tuple(getattr(adapter, "hf_unheld_state", ()))
 
 
 class BiasEffect:

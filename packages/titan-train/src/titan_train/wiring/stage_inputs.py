@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan_models import document_ids
+from titan_parallel import HasPackedDocuments
 
 
 def stage_inputs(
@@ -19,7 +19,6 @@ def stage_inputs(
     angles and document mask from them), else `doc_ids` for a block-causal model, else none."""
     if positions is not None:
         return {"positions": positions}
-    args = getattr(parts[0], "args", None)
-    if getattr(args, "attn_mask_type", None) != "block_causal":
-        return {}
-    return {"doc_ids": document_ids(inputs, args.eos_id)}
+    model = parts[0]
+    doc_ids = model.packed_document_ids(inputs) if isinstance(model, HasPackedDocuments) else None
+    return {} if doc_ids is None else {"doc_ids": doc_ids}
