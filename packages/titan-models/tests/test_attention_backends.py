@@ -148,8 +148,9 @@ def test_a_pipeline_stage_without_embeddings_takes_document_ids_from_the_caller(
     expected = model(packed)
     hidden = model.tok_embeddings(packed)
     model.tok_embeddings = None
-    with pytest.raises(ModelError, match="doc_ids=titan_models.document_ids"):
+    with pytest.raises(ModelError, match=r"doc_ids=model\.packed_document_ids\(tokens\)"):
         model(hidden)
+    assert torch.equal(model.packed_document_ids(packed), document_ids(packed, EOS))
     torch.testing.assert_close(model(hidden, doc_ids=document_ids(packed, EOS)), expected, rtol=0, atol=0)
 
 

@@ -140,11 +140,14 @@ def test_grouped_mm_and_for_loop_give_equal_outputs_and_gradients():
 def test_experts_compute_in_the_autocast_dtype():
     """Autocast does not cast `torch._grouped_mm`: without the experts' own cast a bf16-autocast run on
     one GPU fed it float32 and missed the bf16 kernel (qwen3 debugmodel_moe on an H200: 1,817 tokens/s
-    before the cast, 6,928 after; bench/RESULTS.md). Traced on fake tensors: nothing runs in bf16 here."""
+    before the cast, 6,928 after; bench/RESULTS.md). The bf16 call is traced on fake tensors (nothing runs in
+    bf16 on this CPU); the float32 one runs (torch 2.11's fake grouped matmul takes only bf16)."""
+    experts = GroupedExperts(DIM, HIDDEN, num_experts=4)
+    x, counts = torch.randn(11, DIM), torch.tensor([3, 0, 6, 2])
+    assert experts(x, counts).dtype == torch.float32
     with torch._subclasses.FakeTensorMode():
         experts = GroupedExperts(DIM, HIDDEN, num_experts=4)
         x, counts = torch.randn(11, DIM), torch.tensor([3, 0, 6, 2])
-        assert experts(x, counts).dtype == torch.float32
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert experts(x, counts).dtype == torch.bfloat16
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 WORKER = Path(__file__).parent / "workers" / "muon_sharded.py"
 
@@ -29,6 +30,8 @@ def results(tmp_path_factory):
     "case", ["rows", "columns", "replicated", "experts_by_expert", "experts_split", "strided_rows", "several"]
 )
 def test_a_split_matrix_steps_as_torch_muon_steps_the_whole(results, case):
+    if case not in results:  # see STRIDED_ALONE in the worker
+        pytest.skip(f"{case} is claimed for torch >= 2.15 (this is {torch.__version__})")
     r = results[case]
     assert r["difference"] <= 1e-6, r
     assert r["moved"] > 1e-2
@@ -42,9 +45,8 @@ def test_matrices_are_gathered_only_where_a_rank_holds_part_of_one(results):
         "replicated": False,
         "experts_by_expert": False,
         "experts_split": True,
-        "strided_rows": True,
         "several": True,
-    }
+    } | ({"strided_rows": True} if "strided_rows" in results else {})
     # The momentum stays split like its parameter: the optimizer state DCP saves and reshards.
     assert results["rows"]["momentum_local_shape"] == [32, 32]
     assert results["experts_by_expert"]["momentum_local_shape"] == [2, 16, 8]

@@ -668,7 +668,10 @@ PROBES: dict[str, Probe] = {
     },
     "optimizer.muon.nesterov": Probe(("--optimizer.muon.no_nesterov",), group("nesterov"), base=MUON),
     "optimizer.muon.qk_clip_tau": Probe(  # a tau every head exceeds: the first step clips and says so
-        ("--optimizer.muon.qk_clip_tau", "1e-6"), lambda s: s.log("qk-clip: step 1:"), base=MUON, train=True
+        ("--optimizer.muon.qk_clip_tau", "1e-6"),
+        lambda s: s.log("qk-clip: step 1:"),
+        base=(*MUON, "--training.steps", "1"),
+        train=True,
     ),
     "optimizer.early_step_in_backward": Probe(  # each gradient is freed once its parameter stepped
         ("--optimizer.early_step_in_backward",), held_gradients, base=("--training.steps", "1"), train=True
