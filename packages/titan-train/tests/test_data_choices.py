@@ -51,11 +51,18 @@ def test_an_epoch_s_steps_are_logged_and_epochs_set_the_steps(tmp_path, monkeypa
     seen = launch(tmp_path / "logged", [*BASE, *CHAT], monkeypatch)
     assert seen.status == 0, seen.errors
     assert seen.log(f"is {_conversations()} sequences, {per_epoch} steps of a global batch of 8")
-    assert seen.trainer.config.training.steps == 10000  # logged only: training.steps still decides
-    seen = launch(tmp_path / "epochs", [*BASE, *CHAT, "--training.epochs", "3"], monkeypatch)
+    assert seen.trainer.plan.steps == 10000  # logged only: training.steps still decides
+    flags = [*BASE, *CHAT, "--training.epochs", "3", "--lr_scheduler.warmup_steps", "2"]
+    seen = launch(tmp_path / "epochs", flags, monkeypatch)
     assert seen.status == 0, seen.errors
-    assert seen.trainer.config.training.steps == 3 * per_epoch
-    assert seen.log(f"training.epochs 3: training.steps = {3 * per_epoch}")
+    trainer = seen.trainer
+    assert trainer.plan.steps == 3 * per_epoch
+    assert trainer.config.training.steps == 10000  # the plan holds the count; the config keeps what was given
+    assert seen.log(f"training.epochs 3: {3 * per_epoch} steps")
+    # the schedule spans the planned steps: its decay reaches the floor (0) just past step 3 * per_epoch,
+    # where a schedule over training.steps (10000) would still be near its peak
+    factor = trainer.optimizers.schedules[0].lr_lambdas[0]  # of the number of steps taken
+    assert factor(3 * per_epoch) == 0.0 < factor(3 * per_epoch - 1)
     # another training.steps given with epochs is refused, naming both numbers
     seen = launch(
         tmp_path / "both", [*BASE, *CHAT, "--training.epochs", "3", "--training.steps", "7"], monkeypatch

@@ -232,7 +232,7 @@ def first_validation_batch(s: Seen) -> Any:
 
 
 def planned_steps(s: Seen) -> Any:
-    return s.outcome or s.trainer.config.training.steps
+    return s.outcome or s.trainer.plan.steps
 
 
 def _first_batches(loader, passes: int) -> None:

@@ -137,7 +137,7 @@ def test_every_combination_through_the_trainers_builder_follows_the_published_sc
         )
         config = replace(base, lr_scheduler=schedule_config)
         optimizer = build_optimizer(config, torch.nn.Linear(2, 2))
-        schedule = build_lr_schedule(config, optimizer)
+        schedule = build_lr_schedule(config, optimizer, config.training.steps)
         expected = _published(total_steps or 9, warmup, decay_ratio, decay_type, floor)
         for done in range(9):
             peak = config.optimizer.lr

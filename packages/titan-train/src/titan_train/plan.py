@@ -126,6 +126,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
         options=options,
         params=ParamCounts.of(model, family),
         num_streams=config.training.dataloader.num_streams,
+        steps=config.training.steps,
     )
 
 

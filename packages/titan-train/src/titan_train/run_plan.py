@@ -52,6 +52,9 @@ class RunPlan:
     # Data streams the training data is dealt into (0: one per data-parallel rank). A resumed run whose
     # setting is 0 adopts the saved number: the trainer replaces its plan (`with_streams`), never the config.
     num_streams: int = 0
+    # Optimizer steps the run trains to: training.steps, or what training.epochs passes over the data take,
+    # which only the data can tell (the trainer counts them: `with_steps`); the config keeps what was given.
+    steps: int = 0
 
     @property
     def seed(self) -> int:
@@ -74,6 +77,10 @@ class RunPlan:
     def with_streams(self, num_streams: int) -> RunPlan:
         """This plan with the training data dealt into `num_streams` streams (a resumed position's)."""
         return replace(self, num_streams=num_streams)
+
+    def with_steps(self, steps: int) -> RunPlan:
+        """This plan training `steps` optimizer steps (training.epochs counted over the data)."""
+        return replace(self, steps=steps)
 
     @property
     def train_seq_len(self) -> int:

@@ -35,7 +35,7 @@ from titan_train.wiring.checkpointing import (
     load_found,
     write_seed_checkpoint,
 )
-from titan_train.wiring.data import build_loader, build_tokenizer_for, build_validation_loader
+from titan_train.wiring.data import build_loader, build_tokenizer_for, build_validation_loader, planned_steps
 from titan_train.wiring.gc_schedule import GarbageCollection
 from titan_train.wiring.host_memory import keep_freed_host_memory
 from titan_train.wiring.lora import lora_enabled
@@ -119,6 +119,7 @@ class Trainer:
         self.tokenizer = build_tokenizer_for(config)
         check_vocabulary(plan, self.tokenizer)
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.plan = plan = plan.with_steps(planned_steps(config, self.tokenizer, dp_degree))
         self.loader = build_loader(config, self.tokenizer, dp_rank, dp_degree, num_streams=plan.num_streams)
         self.closing.callback(self.loader.close)
         drills = FaultDrills(config.health, rank=info.rank, world_size=info.world_size)
@@ -174,7 +175,7 @@ class Trainer:
         self.optimizers = optimizers_class(
             self.model_parts,
             lambda part: build_optimizer(config, part),
-            lambda optimizer: build_lr_schedule(config, optimizer),
+            lambda optimizer: build_lr_schedule(config, optimizer, plan.steps),
         )
         self.muon = MuonAfterStep(config, self.model_parts, self.optimizers.optimizers, self.dims)
         self.state = TrainState(rank=info.rank)
@@ -256,7 +257,7 @@ class Trainer:
         """At the start of training: resume or start from what the checkpointer finds (adopting the number
         of data streams a resumed position was saved with), or write the seed checkpoint and return True
         (the run stops there)."""
-        self.state.training_steps = self.config.training.steps
+        self.state.training_steps = self.plan.steps
         if self.checkpointer is None:
             self._quantize_base()
             self._start_reference()
@@ -272,7 +273,7 @@ class Trainer:
             )
             self.closing.callback(self.loader.close)
             self.checkpointer.states["dataloader"] = self.loader
-        load_found(self.checkpointer, found, self.state, self.config.training.steps)
+        load_found(self.checkpointer, found, self.state, self.plan.steps)
         self._quantize_base()
         self._start_reference()
         return False
@@ -478,7 +479,8 @@ class Trainer:
         return loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
 
     def train(self) -> list[float]:
-        """Train to `training.steps`, resuming from a checkpoint if there is one; return the logged losses.
+        """Train to the plan's steps (`training.steps`, or `training.epochs` counted), resuming from a
+        checkpoint if there is one; return the logged losses.
 
         When it ends, however it ends, everything the run opened is closed by `self.closing`, in the
         reverse order of opening: preemption signals, profiler, snapshots, garbage collection, metrics,
@@ -520,7 +522,7 @@ class Trainer:
             closing.enter_context(
                 self.guard
             )  # preemption signals: stop after the current step, with a checkpoint
-            while self.state.step < c.training.steps:
+            while self.state.step < self.plan.steps:
                 self.guard.begin_step(self.state.step + 1)
                 with stop_on_data_outage(self.state.step, self.checkpointer, self.loader):
                     fetch_seconds = batches.fetch()
@@ -544,7 +546,7 @@ class Trainer:
                             self.metrics.log_preference_validation(self.state.step, result)
                         else:
                             self.metrics.log_validation(self.state.step, *result)
-                last_step = self.state.step == c.training.steps
+                last_step = self.state.step == self.plan.steps
                 if self.checkpointer is not None:
                     self.checkpointer.maybe_save(self.state.step, last_step=last_step)
                     if last_step:

@@ -226,7 +226,7 @@ class Training:
     )
     epochs: int = opt(
         0,
-        "(Titan) Passes over a finite dataset; sets training.steps from the steps an epoch takes (logged at "
+        "(Titan) Passes over a finite dataset; the run trains the steps they take (an epoch's logged at "
         "start); 0: train training.steps",
         minimum=1,
         maximum=MAX_STEPS,

@@ -156,24 +156,27 @@ def _preference_pairs(config: JobConfig, section, tokenizer: Tokenizer) -> list:
     )
 
 
-def _plan_epochs(config: JobConfig, section, make, dp_degree: int) -> None:
-    """Logs the steps an epoch of chat rows takes (they are in memory: cheap); with training.epochs, counts
-    them for any dataset (a pass over it) and sets training.steps, before the schedule is built from it; a
-    training.steps given as another number is refused."""
+def planned_steps(config: JobConfig, tokenizer: Tokenizer, dp_degree: int) -> int:
+    """The steps the run trains: training.steps, or with training.epochs the steps that many passes over
+    the (finite) training data take, counted here once, before the schedule is built from them (a
+    training.steps given as another number is refused). For chat rows (in memory: cheap) the steps of an
+    epoch are logged either way."""
     t = config.training
-    if section is not t or not (t.epochs or is_chat(t)):
-        return
+    if not (t.epochs or is_chat(t)):
+        return t.steps
     global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_degree
     what = ", ".join(map(str, section_paths(t)))
+    make = _dataset(config, t, tokenizer, infinite=True)
     steps = epoch_steps(lambda layout: make(layout, finite=True), global_batch, what)
-    if t.epochs:
-        if t.steps not in (default_steps(config), t.epochs * steps):
-            raise ConfigError(
-                f"config: training.epochs ({t.epochs}) is {t.epochs * steps} steps, and training.steps is "
-                f"{t.steps}; remove training.steps or set it to {t.epochs * steps}"
-            )
-        t.steps = t.epochs * steps
-        logger.info("data: training.epochs %d: training.steps = %d", t.epochs, t.steps)
+    if not t.epochs:
+        return t.steps
+    if t.steps not in (default_steps(config), t.epochs * steps):
+        raise ConfigError(
+            f"config: training.epochs ({t.epochs}) is {t.epochs * steps} steps, and training.steps is "
+            f"{t.steps}; remove training.steps or set it to {t.epochs * steps}"
+        )
+    logger.info("data: training.epochs %d: %d steps", t.epochs, t.epochs * steps)
+    return t.epochs * steps
 
 
 def _token_loader(
@@ -191,7 +194,6 @@ def _token_loader(
         dp_rank, dp_degree, section.dataloader.num_streams if num_streams is None else num_streams
     )
     make = _dataset(config, section, tokenizer, infinite=infinite)
-    _plan_epochs(config, section, make, dp_degree)
     dataset = make(streams)
     d = section.dataloader
     return TokenLoader(

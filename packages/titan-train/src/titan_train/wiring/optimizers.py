@@ -167,11 +167,13 @@ def _check_fused_kernel(name: str, device_types: set[str]) -> None:
         )
 
 
-def build_lr_schedule(config: JobConfig, optimizer: torch.optim.Optimizer):
+def build_lr_schedule(config: JobConfig, optimizer: torch.optim.Optimizer, steps: int):
+    """The `[lr_scheduler]` schedule of a run training `steps` steps (`RunPlan.steps`), over
+    `lr_scheduler.total_steps` where that is set."""
     s = config.lr_scheduler
     return build_lr_scheduler(
         optimizer,
-        total_steps=s.total_steps or config.training.steps,
+        total_steps=s.total_steps or steps,
         warmup_steps=s.warmup_steps,
         decay_ratio=s.decay_ratio,
         decay_type=s.decay_type,
