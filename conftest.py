@@ -1,8 +1,21 @@
-"""Suite-wide hooks: the longest work starts first, each library's floor check is its own unit of work, and a
-test that leaves a default process group behind fails itself, not the tests after it."""
+"""Suite-wide hooks: every test process computes on one thread, the longest work starts first, each library's
+floor check is its own unit of work, and a test that leaves a default process group behind fails itself, not the
+tests after it."""
+
+import os
 
 import pytest
+import torch
 import torch.distributed as dist
+
+# One compute thread per test process (and, through the environment, per process a test starts: torchrun's
+# ranks already run one each). The suite runs 3 workers on CI's 2 cores, and the tests' tiny tensors make
+# every op a few microseconds of work between OpenMP barriers: with 2 threads per worker, the threads of
+# busy workers spin-wait for each other. Measured on this machine under the suite's load: a 64-wide model's
+# linear took 34 ms on 2 threads and 0.03 ms on 1 (packages/titan-models/tests/test_generation.py's cache
+# test: 36 s against 0.2 s). A value already set (OMP_NUM_THREADS=8 pytest ...) is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # With `--dist loadfile` each file is one unit of work. xdist's default hands out the files with the most
 # tests first, which starts the few-test, many-minute end-to-end files last, where one can run on alone at the

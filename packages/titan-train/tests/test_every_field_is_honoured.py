@@ -662,6 +662,7 @@ PROBES: dict[str, Probe] = {
             ("momentum", "0.5"),
             ("ns_steps", "3"),
             ("ns_coefficients", "3,-4,2"),
+            ("ns_dtype", "float32"),  # the dtype's effect on a step: test_muon.py
             ("eps", "0.5"),
             ("adjust_lr_fn", "match_rms_adamw"),
         )
@@ -670,7 +671,7 @@ PROBES: dict[str, Probe] = {
     "optimizer.muon.qk_clip_tau": Probe(  # a tau every head exceeds: the first step clips and says so
         ("--optimizer.muon.qk_clip_tau", "1e-6"),
         lambda s: s.log("qk-clip: step 1:"),
-        base=(*MUON, "--training.steps", "1"),
+        base=(*MUON, "--optimizer.muon.ns_dtype", "float32", "--training.steps", "1"),
         train=True,
     ),
     "optimizer.early_step_in_backward": Probe(  # each gradient is freed once its parameter stepped

@@ -285,3 +285,31 @@ def test_qk_clip_scales_a_planted_head_to_tau_as_kimi_k2_defines_it(kv_heads):
     keep = [0, 2, 3]
     assert torch.allclose(after[keep], peaks[keep], rtol=1e-5)
     assert (attention.max_logits == -torch.inf).all()  # the record restarts for the next step
+
+
+@pytest.mark.parametrize("ns_dtype", ["float32", "bfloat16"])
+def test_newton_schulz_runs_in_the_configured_dtype(ns_dtype):
+    """`ns_dtype` is the dtype of the Newton-Schulz iterations: one Muon step (no momentum history,
+    no weight decay, lr 1) moves a tall matrix by -sqrt(rows / cols) times the quintic iteration of its
+    gradient, written here in float64 from the definition (X = G^T / ||G||, then 5 times A = X X^T,
+    X = aX + (bA + cA^2)X). float32 lands within float32 rounding of it; bfloat16 (torch.optim.Muon's)
+    a bfloat16 rounding away, which also shows the setting is read."""
+    a, b, c = 3.4445, -4.775, 2.0315
+    weight = torch.nn.Parameter(torch.zeros(48, 32))
+    grad = torch.randn(48, 32, generator=torch.Generator().manual_seed(0))
+    weight.grad = grad.clone()
+    group = {"params": [weight], "muon": True, "stacked": 0, "lr": 1.0, "weight_decay": 0.0}
+    group |= {"momentum": 0.0, "nesterov": False, "ns_coefficients": (a, b, c), "ns_steps": 5, "eps": 1e-7}
+    Muon([{**group, "adjust_lr_fn": "original", "ns_dtype": ns_dtype}]).step()
+    x = grad.double().T / grad.double().norm()
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    expected = -((48 / 32) ** 0.5) * x.T
+    error = (weight.detach().double() - expected).abs().max().item()
+    if ns_dtype == "float32":
+        assert error < 1e-5
+    else:
+        assert 1e-3 < error < 0.1
+    with pytest.raises(Exception, match="ns_dtype='float16' is unknown"):
+        Muon([{**group, "ns_dtype": "float16"}])

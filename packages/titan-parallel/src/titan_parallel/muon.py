@@ -36,6 +36,9 @@ from titan_parallel.protocols import HasHiddenMatrices
 # Keller Jordan's quintic coefficients, torch.optim.Muon's defaults.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
+# The dtypes Newton-Schulz may run in: bfloat16 is torch.optim.Muon's (fast on GPUs); float32 is exact to
+# float rounding, and many times faster on CPUs without bfloat16 matmul units (29x on this project's CI CPU).
+NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
@@ -55,9 +58,14 @@ class MuonTiming:
 
 
 def newton_schulz(
-    g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+    g: torch.Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """The approximate orthogonalisation of one matrix, in bfloat16, with torch.optim.Muon's arithmetic.
+    """The approximate orthogonalisation of one matrix, in `dtype` (bfloat16: torch.optim.Muon's), with
+    torch.optim.Muon's arithmetic.
 
     X = G / max(||G||_F, eps), transposed to be wide; then `steps` times A = X X^T,
     X = a X + (b A + c A^2) X; transposed back.
@@ -67,7 +75,7 @@ def newton_schulz(
             f"muon: ns_coefficients must be three numbers (a, b, c), not {coefficients}"
         )
     a, b, c = coefficients
-    x = g.to(dtype=torch.bfloat16, copy=True)
+    x = g.to(dtype=dtype, copy=True)
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T
@@ -101,7 +109,7 @@ class Muon(torch.optim.Optimizer):
     """Muon on the groups marked `muon`, AdamW on the others; parameters may be DTensors of any layout.
 
     Muon group keys (torch.optim.Muon's names): lr, weight_decay, momentum, nesterov, ns_coefficients,
-    ns_steps, eps, adjust_lr_fn, and `stacked`. AdamW group keys: lr, betas, eps, weight_decay.
+    ns_steps, eps, adjust_lr_fn, and `stacked` and `ns_dtype` (a name in NS_DTYPES; bfloat16 if absent). AdamW group keys: lr, betas, eps, weight_decay.
     `timing` holds the seconds of the last steps, for the trainer's log line.
     """
 
@@ -118,6 +126,10 @@ class Muon(torch.optim.Optimizer):
                 if group.get("adjust_lr_fn", "original") not in ADJUST_LR_FNS:
                     raise ParallelConfigError(
                         f"muon: adjust_lr_fn={group['adjust_lr_fn']!r} is unknown; choose one of {list(ADJUST_LR_FNS)}"
+                    )
+                if group.get("ns_dtype", "bfloat16") not in NS_DTYPES:
+                    raise ParallelConfigError(
+                        f"muon: ns_dtype={group['ns_dtype']!r} is unknown; choose one of {list(NS_DTYPES)}"
                     )
         super().__init__(param_groups, {})
         self.timing = MuonTiming()
@@ -201,7 +213,13 @@ class Muon(torch.optim.Optimizer):
         matrices = whole.reshape(-1, *whole.shape[-2:])
         out = torch.empty_like(matrices)
         for i in range(matrices.shape[0]):
-            out[i] = newton_schulz(matrices[i], group["ns_coefficients"], group["ns_steps"], group["eps"])
+            out[i] = newton_schulz(
+                matrices[i],
+                group["ns_coefficients"],
+                group["ns_steps"],
+                group["eps"],
+                NS_DTYPES[group.get("ns_dtype", "bfloat16")],
+            )
         _sync_tensor(out)
         self.timing.matrices += matrices.shape[0]
         self.timing.newton_schulz_s += time.perf_counter() - start

@@ -43,6 +43,12 @@ class MuonSettings:
         maximum=100.0,
         check=_three_numbers,
     )
+    ns_dtype: str = opt(
+        "bfloat16",
+        "(Titan) The dtype Newton-Schulz runs in: bfloat16 (torch.optim.Muon's) or float32 (exact to float "
+        "rounding; much faster on CPUs without bfloat16 matmul units)",
+        choices=("bfloat16", "float32"),
+    )
     eps: float = opt(1e-7, "(Titan) Floor of the Frobenius norm a matrix is divided by", above=0, maximum=1.0)
     adjust_lr_fn: str = opt(
         "original",

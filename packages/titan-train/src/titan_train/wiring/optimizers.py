@@ -145,6 +145,7 @@ def build_muon(config: JobConfig, model: nn.Module | list[nn.Parameter]) -> Muon
         "nesterov": m.nesterov,
         "ns_coefficients": tuple(m.ns_coefficients),
         "ns_steps": m.ns_steps,
+        "ns_dtype": m.ns_dtype,
         "eps": m.eps,
         "adjust_lr_fn": m.adjust_lr_fn,
     }
