@@ -234,6 +234,14 @@ DPO_DATA = (
     Path(__file__).parents[1]
     / "packages/titan-data/src/titan_data/assets/preference_test/preference_test.jsonl"
 )
+PREFERENCE_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 DPO = (
     "--training.dataset",
     "preference",
@@ -725,6 +733,24 @@ LAYOUTS = {
         reference="one_process_dpo",
         weights_atol=CHAT_WEIGHTS_ATOL,
     ),
+    "dpo_compile": Layout(1, (*DPO, "--compile.enable"), {"compiled_blocks": 2}, reference="one_process_dpo"),
+    # Two pipeline stages (1F1B, a microbatch a window): the pair loss on the last stage, the frozen copy's
+    # log-probs from its own forward-only pipeline pass over the same microbatches.
+    "dpo_pp": Layout(
+        2,
+        (*DPO, *pp("1F1B")),
+        {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE},
+        reference="one_process_dpo",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    # The same with the reference log-probs precomputed by the policy's own pipeline, forward only, before step 1.
+    "dpo_pp_precompute": Layout(
+        2,
+        (*DPO, *pp("1F1B"), "--preference.reference", "precompute"),
+        {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE},
+        reference="one_process_dpo",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
     # DPO on the qwen3 MoE cut: experts split by expert parallelism against the same cut in one process.
     "one_process_dpo_moe": Layout(
         1, (*MOE, *DPO), experts(1, 1, None, None, [8, 64, 64]), reference="one_process_dpo_moe"
@@ -883,10 +909,11 @@ class Matrix:
             json.loads(line) for line in (self[name]["dump"] / "metrics.jsonl").read_text().splitlines()
         ]
         assert [r["step"] for r in records] == list(range((LAYOUTS[name].resumed_at or 0) + 1, STEPS + 1))
-        # MoE runs also log each step's tokens per expert, counted over the whole global batch.
+        # MoE runs also log each step's tokens per expert, counted over the whole global batch; preference
+        # runs TRL's rewards and log-probs.
         return {
             key: [r[key] for r in records]
-            for key in ("loss", "grad_norm", "mtp_loss", "expert_counts")
+            for key in ("loss", "grad_norm", "mtp_loss", "expert_counts", *PREFERENCE_METRICS)
             if key in records[0]
         }
 
@@ -943,6 +970,13 @@ def assert_trains_as_its_reference(matrix, name: str) -> None:
         want = reference[key][layout.resumed_at or 0 :]
         difference = largest_relative_difference(run[key], want)
         assert difference <= layout.rel, f"{key}: {run[key]} against {layout.reference} {want}"
+    for key in PREFERENCE_METRICS:
+        if key not in reference:
+            continue
+        # Step 1's rewards are 0 (the policy is its reference): relative to the value, or to 1 below it.
+        want = reference[key][layout.resumed_at or 0 :]
+        worst = max(abs(g - w) / max(abs(w), 1.0) for g, w in zip(run[key], want, strict=True))
+        assert worst <= layout.rel, f"{key}: {run[key]} against {layout.reference} {want}"
     if "expert_counts" in reference:
         # Load balancing is layout-independent: counts summed over the data-parallel ranks move the expert
         # biases as in one process, so every step routes the same tokens to the same experts. Under a
