@@ -49,8 +49,15 @@ into rows of 128) under FSDP 2 and FSDP 2 with 2 accumulated micro-batches again
 vocabulary (loss parallelism): loss 5.4e-7, grad_norm 4.6e-7, weights 1.7e-5; on the qwen3 MoE cut under EP 2 against
 that cut in one process (`one_process_dpo_moe`): loss 2.0e-7, grad_norm 1.1e-7, weights 3.9e-7, and the same with
 the reference precomputed (2026-11-28); that pass run in training mode counted its routing into step 1's tokens
-per expert and failed dpo_moe_ep2_precompute.
-PP is refused at start (see docs/preference.md).
+per expert and failed dpo_moe_ep2_precompute. Under PP 2 (1F1B; the pair loss on the last stage, per microbatch,
+the frozen copy's log-probs from its own forward-only pipeline pass): loss within 5.2e-7 relative, grad_norm
+4.6e-7, weights 2.8e-6 (`dpo_pp`); precomputed through the policy's pipeline, on windows of 160 that hold 1 or 2
+pairs (`dpo_pp_precompute` against `one_process_dpo_uneven`): loss within 1.2e-7 relative, grad_norm 3.2e-7, weights 1.8e-6; compiled in one process (`dpo_compile`):
+loss 5.2e-7, grad_norm 4.6e-7, weights 5.5e-6 (2026-11-28). Every preference row also compares TRL's six reward
+and log-prob metrics at every step, relative to the value or to 1 below it: within 8.9e-7 (compile; 6.6e-7 TP,
+6.4e-7 PP). The frozen copy's sums left out of the last stage's target failed dpo_pp (step 1's loss 2.21, not
+0.693); each microbatch's pairs averaged instead of the step's failed dpo_pp_precompute (loss 16% off), which
+128-token windows, one pair each, cannot show.
 
 Muon (`optimizer.name = "Muon"`) under FSDP 2, TP 2, PP 2 (1F1B), HSDP (2 x 2), FSDP 2 x TP 2 and, on the qwen3 MoE cut,
 EP 2 and EP 2 x ETP 2 (= TP 2; each expert's matrix split, gathered whole), against Muon in one process: loss within 2.3e-7 relative, grad_norm 2.2e-7; weights within 7.0e-4 of their norm
@@ -72,6 +79,7 @@ import pytest
 import torch
 
 from titan_train.torchrun import run_torchrun
+from titan_train.wiring.preference_step import METRICS as PREFERENCE_METRICS  # TRL's rewards/* and logps/*
 
 WORKER = Path(__file__).parent / "workers" / "layout_matrix.py"
 DEBUG_CONFIG = Path(__file__).parents[1] / "apps" / "configs" / "debug_model.toml"
@@ -234,14 +242,6 @@ DPO_DATA = (
     Path(__file__).parents[1]
     / "packages/titan-data/src/titan_data/assets/preference_test/preference_test.jsonl"
 )
-PREFERENCE_METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
 DPO = (
     "--training.dataset",
     "preference",
@@ -250,6 +250,8 @@ DPO = (
     "--training.seq_len",
     "128",
 )
+
+UNEVEN = ("--training.seq_len", "160")
 
 
 # DeepSeek-V3's MoE layer with a shared expert (tests/workers/tiny_moe_flavor.py), with the sequence-wise
@@ -743,12 +745,15 @@ LAYOUTS = {
         reference="one_process_dpo",
         weights_atol=CHAT_WEIGHTS_ATOL,
     ),
-    # The same with the reference log-probs precomputed by the policy's own pipeline, forward only, before step 1.
+    # Windows of 160 tokens hold 1 or 2 pairs, so a step's microbatches hold different numbers of pairs: a
+    # loss averaged per microbatch rather than per pair shows (with 128, every window holds one pair).
+    "one_process_dpo_uneven": Layout(1, (*DPO, *UNEVEN), {"degrees": {}}, reference="one_process_dpo_uneven"),
+    # The reference log-probs precomputed by the policy's own pipeline, forward only, before step 1.
     "dpo_pp_precompute": Layout(
         2,
-        (*DPO, *pp("1F1B"), "--preference.reference", "precompute"),
+        (*DPO, *UNEVEN, *pp("1F1B"), "--preference.reference", "precompute"),
         {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE},
-        reference="one_process_dpo",
+        reference="one_process_dpo_uneven",
         weights_atol=CHAT_WEIGHTS_ATOL,
     ),
     # DPO on the qwen3 MoE cut: experts split by expert parallelism against the same cut in one process.
@@ -822,6 +827,7 @@ GROUP_OF_REFERENCE = {
     "one_process_chat": "finetune",
     "one_process_dpo": "finetune",
     "one_process_dpo_moe": "finetune",
+    "one_process_dpo_uneven": "finetune",
     "one_process_muon": "muon",  # a group of its own: a unit of work beside the others (slow bf16 Newton-Schulz)
     "one_process_muon_moe": "muon",
 }
