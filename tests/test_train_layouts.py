@@ -57,7 +57,8 @@ loss 5.2e-7, grad_norm 4.6e-7, weights 5.5e-6 (2026-11-28). Every preference row
 and log-prob metrics at every step, relative to the value or to 1 below it: within 8.9e-7 (compile; 6.6e-7 TP,
 6.4e-7 PP). The frozen copy's sums left out of the last stage's target failed dpo_pp (step 1's loss 2.21, not
 0.693); each microbatch's pairs averaged instead of the step's failed dpo_pp_precompute (loss 16% off), which
-128-token windows, one pair each, cannot show.
+128-token windows, one pair each, cannot show. ORPO under PP 2 on the 160-token windows (`orpo_pp` against
+`one_process_orpo`): loss 8.7e-8, grad_norm equal, weights 9.5e-7.
 
 Muon (`optimizer.name = "Muon"`) under FSDP 2, TP 2, PP 2 (1F1B), HSDP (2 x 2), FSDP 2 x TP 2 and, on the qwen3 MoE cut,
 EP 2 and EP 2 x ETP 2 (= TP 2; each expert's matrix split, gathered whole), against Muon in one process: loss within 2.3e-7 relative, grad_norm 2.2e-7; weights within 7.0e-4 of their norm
@@ -252,6 +253,7 @@ DPO = (
 )
 
 UNEVEN = ("--training.seq_len", "160")
+ORPO = ("--preference.loss", "orpo")
 
 
 # DeepSeek-V3's MoE layer with a shared expert (tests/workers/tiny_moe_flavor.py), with the sequence-wise
@@ -756,6 +758,15 @@ LAYOUTS = {
         reference="one_process_dpo_uneven",
         weights_atol=CHAT_WEIGHTS_ATOL,
     ),
+    # ORPO (no reference; its NLL term over the chosen sequences' tokens, the NLL targets a plane of the target).
+    "one_process_orpo": Layout(1, (*DPO, *UNEVEN, *ORPO), {"degrees": {}}, reference="one_process_orpo"),
+    "orpo_pp": Layout(
+        2,
+        (*DPO, *UNEVEN, *ORPO, *pp("1F1B")),
+        {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE},
+        reference="one_process_orpo",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
     # DPO on the qwen3 MoE cut: experts split by expert parallelism against the same cut in one process.
     "one_process_dpo_moe": Layout(
         1, (*MOE, *DPO), experts(1, 1, None, None, [8, 64, 64]), reference="one_process_dpo_moe"
@@ -828,6 +839,7 @@ GROUP_OF_REFERENCE = {
     "one_process_dpo": "finetune",
     "one_process_dpo_moe": "finetune",
     "one_process_dpo_uneven": "finetune",
+    "one_process_orpo": "finetune",
     "one_process_muon": "muon",  # a group of its own: a unit of work beside the others (slow bf16 Newton-Schulz)
     "one_process_muon_moe": "muon",
 }
