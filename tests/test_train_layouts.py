@@ -49,8 +49,16 @@ into rows of 128) under FSDP 2 and FSDP 2 with 2 accumulated micro-batches again
 vocabulary (loss parallelism): loss 5.4e-7, grad_norm 4.6e-7, weights 1.7e-5; on the qwen3 MoE cut under EP 2 against
 that cut in one process (`one_process_dpo_moe`): loss 2.0e-7, grad_norm 1.1e-7, weights 3.9e-7, and the same with
 the reference precomputed (2026-11-28); that pass run in training mode counted its routing into step 1's tokens
-per expert and failed dpo_moe_ep2_precompute.
-PP is refused at start (see docs/preference.md).
+per expert and failed dpo_moe_ep2_precompute. Under PP 2 (1F1B; the pair loss on the last stage, per microbatch,
+the frozen copy's log-probs from its own forward-only pipeline pass): loss within 5.2e-7 relative, grad_norm
+4.6e-7, weights 2.8e-6 (`dpo_pp`); precomputed through the policy's pipeline, on windows of 160 that hold 1 or 2
+pairs (`dpo_pp_precompute` against `one_process_dpo_uneven`): loss within 1.2e-7 relative, grad_norm 3.2e-7, weights 1.8e-6; compiled in one process (`dpo_compile`):
+loss 5.2e-7, grad_norm 4.6e-7, weights 5.5e-6 (2026-11-28). Every preference row also compares TRL's six reward
+and log-prob metrics at every step, relative to the value or to 1 below it: within 8.9e-7 (compile; 6.6e-7 TP,
+6.4e-7 PP). The frozen copy's sums left out of the last stage's target failed dpo_pp (step 1's loss 2.21, not
+0.693); each microbatch's pairs averaged instead of the step's failed dpo_pp_precompute (loss 16% off), which
+128-token windows, one pair each, cannot show. ORPO under PP 2 on the 160-token windows (`orpo_pp` against
+`one_process_orpo`): loss 8.7e-8, grad_norm equal, weights 9.5e-7.
 
 Muon (`optimizer.name = "Muon"`) under FSDP 2, TP 2, PP 2 (1F1B), HSDP (2 x 2), FSDP 2 x TP 2 and, on the qwen3 MoE cut,
 EP 2 and EP 2 x ETP 2 (= TP 2; each expert's matrix split, gathered whole), against Muon in one process, with
@@ -73,6 +81,7 @@ import pytest
 import torch
 
 from titan_train.torchrun import run_torchrun
+from titan_train.wiring.preference_step import METRICS as PREFERENCE_METRICS  # TRL's rewards/* and logps/*
 
 WORKER = Path(__file__).parent / "workers" / "layout_matrix.py"
 DEBUG_CONFIG = Path(__file__).parents[1] / "apps" / "configs" / "debug_model.toml"
@@ -243,6 +252,9 @@ DPO = (
     "--training.seq_len",
     "128",
 )
+
+UNEVEN = ("--training.seq_len", "160")
+ORPO = ("--preference.loss", "orpo")
 
 
 # DeepSeek-V3's MoE layer with a shared expert (tests/workers/tiny_moe_flavor.py), with the sequence-wise
@@ -722,6 +734,36 @@ LAYOUTS = {
         reference="one_process_dpo",
         weights_atol=CHAT_WEIGHTS_ATOL,
     ),
+    "dpo_compile": Layout(1, (*DPO, "--compile.enable"), {"compiled_blocks": 2}, reference="one_process_dpo"),
+    # Two pipeline stages (1F1B, a microbatch a window): the pair loss on the last stage, the frozen copy's
+    # log-probs from its own forward-only pipeline pass over the same microbatches.
+    "dpo_pp": Layout(
+        2,
+        (*DPO, *pp("1F1B")),
+        {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE},
+        reference="one_process_dpo",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    # Windows of 160 tokens hold 1 or 2 pairs, so a step's microbatches hold different numbers of pairs: a
+    # loss averaged per microbatch rather than per pair shows (with 128, every window holds one pair).
+    "one_process_dpo_uneven": Layout(1, (*DPO, *UNEVEN), {"degrees": {}}, reference="one_process_dpo_uneven"),
+    # The reference log-probs precomputed by the policy's own pipeline, forward only, before step 1.
+    "dpo_pp_precompute": Layout(
+        2,
+        (*DPO, *UNEVEN, *pp("1F1B"), "--preference.reference", "precompute"),
+        {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE},
+        reference="one_process_dpo_uneven",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    # ORPO (no reference; its NLL term over the chosen sequences' tokens, the NLL targets a plane of the target).
+    "one_process_orpo": Layout(1, (*DPO, *UNEVEN, *ORPO), {"degrees": {}}, reference="one_process_orpo"),
+    "orpo_pp": Layout(
+        2,
+        (*DPO, *UNEVEN, *ORPO, *pp("1F1B")),
+        {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE},
+        reference="one_process_orpo",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
     # DPO on the qwen3 MoE cut: experts split by expert parallelism against the same cut in one process.
     "one_process_dpo_moe": Layout(
         1, (*MOE, *DPO), experts(1, 1, None, None, [8, 64, 64]), reference="one_process_dpo_moe"
@@ -789,6 +831,8 @@ GROUP_OF_REFERENCE = {
     "one_process_chat": "finetune",
     "one_process_dpo": "finetune",
     "one_process_dpo_moe": "finetune",
+    "one_process_dpo_uneven": "finetune",
+    "one_process_orpo": "finetune",
     "one_process_muon": "muon",  # a group of its own: a unit of work beside the others (slow bf16 Newton-Schulz)
     "one_process_muon_moe": "muon",
 }
@@ -876,10 +920,11 @@ class Matrix:
             json.loads(line) for line in (self[name]["dump"] / "metrics.jsonl").read_text().splitlines()
         ]
         assert [r["step"] for r in records] == list(range((LAYOUTS[name].resumed_at or 0) + 1, STEPS + 1))
-        # MoE runs also log each step's tokens per expert, counted over the whole global batch.
+        # MoE runs also log each step's tokens per expert, counted over the whole global batch; preference
+        # runs TRL's rewards and log-probs.
         return {
             key: [r[key] for r in records]
-            for key in ("loss", "grad_norm", "mtp_loss", "expert_counts")
+            for key in ("loss", "grad_norm", "mtp_loss", "expert_counts", *PREFERENCE_METRICS)
             if key in records[0]
         }
 
@@ -936,6 +981,13 @@ def assert_trains_as_its_reference(matrix, name: str) -> None:
         want = reference[key][layout.resumed_at or 0 :]
         difference = largest_relative_difference(run[key], want)
         assert difference <= layout.rel, f"{key}: {run[key]} against {layout.reference} {want}"
+    for key in PREFERENCE_METRICS:
+        if key not in reference:
+            continue
+        # Step 1's rewards are 0 (the policy is its reference): relative to the value, or to 1 below it.
+        want = reference[key][layout.resumed_at or 0 :]
+        worst = max(abs(g - w) / max(abs(w), 1.0) for g, w in zip(run[key], want, strict=True))
+        assert worst <= layout.rel, f"{key}: {run[key]} against {layout.reference} {want}"
     if "expert_counts" in reference:
         # Load balancing is layout-independent: counts summed over the data-parallel ranks move the expert
         # biases as in one process, so every step routes the same tokens to the same experts. Under a

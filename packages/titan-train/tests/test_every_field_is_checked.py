@@ -225,8 +225,18 @@ def test_every_bad_value_of_every_field_is_refused_in_one_line_naming_the_field(
             r"training.dataset = 'chat' with sft.packing = true: model.name 'gpt_oss' builds its own attention",
         ),
         (
-            {**PREFERENCE, "parallelism.pipeline_parallel_degree": 2},
-            r"training.dataset = 'preference' with parallelism.pipeline_parallel_degree = 2: preference tuning",
+            {**PREFERENCE, "parallelism.pipeline_parallel_degree": 2, "model.converters": ["lora"]},
+            r"training.dataset = 'preference' with LoRA and parallelism.pipeline_parallel_degree > 1",
+        ),
+        (
+            {
+                **PREFERENCE,
+                "parallelism.pipeline_parallel_degree": 2,
+                "validation.enable": True,
+                "validation.dataset": "preference",
+                "validation.dataset_path": str(CHAT_ROWS),
+            },
+            r"validation of preference pairs with parallelism.pipeline_parallel_degree > 1",
         ),
         (
             {

@@ -29,6 +29,7 @@ from titan_parallel.pipeline_options import PipelineOptions
 from titan_parallel.pipeline_split import pipeline_units_of, split_units, stage_module
 
 logger = logging.getLogger(__name__)
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -45,7 +46,7 @@ class Pipeline:
     pp_mesh: DeviceMesh
     last_stage_rank: int  # rank within pp_mesh that owns the last stage
     # The loss of training ("train") and of evaluation ("eval"); the schedule runs "now" (see build_pipeline).
-    loss_fns: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+    loss_fns: dict[str, LossFn]
 
     @property
     def n_microbatches(self) -> int:
@@ -60,7 +61,14 @@ class Pipeline:
     def has_last_stage(self) -> bool:
         return any(s.is_last for s in self.stages)
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, **stage_inputs: torch.Tensor) -> torch.Tensor:
+    def step(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        loss: LossFn | None = None,
+        **stage_inputs: torch.Tensor,
+    ) -> torch.Tensor:
         """Forward and backward of one batch; returns its mean loss on every pipeline rank.
 
         `stage_inputs` (batch-first tensors, such as the document ids a block-causal mask needs) go to
@@ -70,30 +78,51 @@ class Pipeline:
         The loss is the mean of the last stage's microbatch losses, broadcast from that stage's rank,
         so what a trainer logs on any rank is the real loss. Run it inside `loss_parallel_ctx` /
         `context_parallel_ctx` when those are enabled, as for a non-pipelined step.
+
+        `loss(logits, labels)`, if given, replaces the built training loss for this call: a loss whose
+        target is more than token labels (any batch-first tensor, cut into microbatches as `inputs`;
+        each microbatch's loss is still divided by the microbatch count).
         """
-        return self._run(self.schedule.step, inputs, labels, "train", return_outputs=False, **stage_inputs)
+        return self._run(
+            self.schedule.step,
+            inputs,
+            labels,
+            loss or self.loss_fns["train"],
+            return_outputs=False,
+            **stage_inputs,
+        )
 
     @torch.no_grad()
     def evaluate(
-        self, inputs: torch.Tensor, labels: torch.Tensor, **stage_inputs: torch.Tensor
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        loss: LossFn | None = None,
+        **stage_inputs: torch.Tensor,
     ) -> torch.Tensor:
         """The mean loss of one batch through the schedule's forward-only path, on every pipeline rank.
 
-        Computed with `build_pipeline`'s `eval_loss_fn`: the loss of this batch, as one process computes it.
+        Computed with `build_pipeline`'s `eval_loss_fn` (or `loss`, as in `step`): the loss of this batch,
+        as one process computes it.
         """
         for part in self.model_parts:
             part.eval()
         try:
-            return self._run(self.schedule.eval, inputs, labels, "eval", **stage_inputs)
+            return self._run(
+                self.schedule.eval, inputs, labels, loss or self.loss_fns["eval"], **stage_inputs
+            )
         finally:
             for part in self.model_parts:
                 part.train()
 
-    def _run(self, run, inputs: torch.Tensor, labels: torch.Tensor, mode: str, **kwargs) -> torch.Tensor:
+    def _run(
+        self, run, inputs: torch.Tensor, labels: torch.Tensor, loss_fn: LossFn, **kwargs
+    ) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
-        self.loss_fns["now"] = self.loss_fns[mode]
+        self.loss_fns["now"] = loss_fn
         run(*args, target=target, losses=losses, **kwargs)
         if self.has_last_stage:
             parts = [x.full_tensor() if isinstance(x, DTensor) else x for x in losses]

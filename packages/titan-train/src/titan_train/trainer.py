@@ -47,6 +47,7 @@ from titan_train.wiring.muon_after_step import MuonAfterStep
 from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
 from titan_train.wiring.precision import forward_context
+from titan_train.wiring.preference_pipeline import PipelinedPreference
 from titan_train.wiring.preference_reference import PrecomputedReference, precompute_reference
 from titan_train.wiring.preference_step import (
     PreferenceStep,
@@ -128,15 +129,18 @@ class Trainer:
         )
         self.model_parts, self.pipeline, self.parallel_options = built.parts, built.pipeline, plan.options
         self.preference, self.reference_parts, self.reference_logps = None, None, None
+        self.preference_pipeline = None
         if config.training.dataset == "preference":
             if config.preference.reference == "precompute" and config.preference.loss not in REFERENCE_FREE:
                 self.reference_logps = PrecomputedReference(len(self.loader.packed.pairs), self.device)
-            self.reference_parts = build_reference(
-                config,
-                lora_enabled(config),
-                lambda: build_model(plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed).parts,
-            )
-            dp = self.dims.submesh("dp")
+            references = []  # the frozen copy as built: its parts and, under a pipeline, its own schedule
+
+            def build_copy() -> list[torch.nn.Module]:
+                references.append(build_model(plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed))
+                return references[-1].parts
+
+            self.reference_parts = build_reference(config, lora_enabled(config), build_copy)
+            dp, pp = self.dims.submesh("dp"), self.dims.submesh("pp")
             self.preference = PreferenceStep(
                 config,
                 self.model_parts,
@@ -146,7 +150,12 @@ class Trainer:
                 dp_degree=self.dims.dp_degree,
                 group=dp.get_group() if dp is not None else None,
                 precomputed=self.reference_logps,
+                pp_group=pp.get_group() if pp is not None else None,
             )
+            if self.pipeline is not None:
+                self.preference_pipeline = PipelinedPreference(
+                    self.preference, self.pipeline, references[0].pipeline if references else None
+                )
         self.guard = StepGuard(
             config.health,
             rank=info.rank,
@@ -297,6 +306,8 @@ class Trainer:
                 dp_rank=self.dp_rank,
                 dp_degree=self.dp_degree,
                 group=dp.get_group() if dp is not None else None,
+                window_sums=self.preference_pipeline.reference_sums if self.preference_pipeline else None,
+                pp_group=self.preference.pp_group,
             )
 
     def _quantize_base(self) -> None:
@@ -356,7 +367,8 @@ class Trainer:
             tokens += labels.numel()  # counted before context parallelism keeps a slice of the sequence
             trained += (labels != IGNORE_INDEX).sum()  # no host sync: read when the step is logged
             if self.preference is not None:
-                loss_sum += self.preference.forward_backward(
+                pairs = self.preference_pipeline or self.preference
+                loss_sum += pairs.forward_backward(
                     inputs, labels, *positions, context=self._preference_context
                 )
                 continue

@@ -67,20 +67,14 @@ def check_preference(config) -> None:
             )
         return
     par = config.parallelism
-    split = {
-        name: degree
-        for name, degree in (
-            ("pipeline_parallel_degree", par.pipeline_parallel_degree),
-            ("context_parallel_degree", par.context_parallel_degree),
-        )
-        if degree > 1
-    }
-    if split:
-        name, degree = next(iter(split.items()))
+    if par.context_parallel_degree > 1:
         raise ConfigError(
-            f"config: training.dataset = 'preference' with parallelism.{name} = {degree}: preference tuning "
-            "trains with data, tensor and expert parallelism and gradient accumulation only for now; set it to 1"
+            f"config: training.dataset = 'preference' with parallelism.context_parallel_degree = "
+            f"{par.context_parallel_degree}: preference tuning trains with data, tensor, expert and pipeline "
+            "parallelism and gradient accumulation only for now; set it to 1"
         )
+    if par.pipeline_parallel_degree > 1:
+        check_pipelined_preference(config)
     if config.optimizer.early_step_in_backward:
         raise ConfigError(
             "config: optimizer.early_step_in_backward with training.dataset = 'preference' is not available; "
@@ -104,4 +98,21 @@ def check_preference(config) -> None:
         raise ConfigError(
             "config: preference.reference = 'auto' under LoRA is the base with adapters off, but "
             "lora.train_embeddings trains the embeddings in full; set preference.reference = 'copy'"
+        )
+
+
+def check_pipelined_preference(config) -> None:
+    """Under pipeline parallelism the reference is a frozen copy with its own pipeline, or the table the
+    policy's pipeline precomputes, or none: the adapters-off forward and validation run as one part only."""
+    p, lora = config.preference, "lora" in config.model.converters
+    needs_reference = p.loss not in REFERENCE_FREE
+    if needs_reference and lora and p.reference == "auto":
+        raise ConfigError(
+            "config: training.dataset = 'preference' with LoRA and parallelism.pipeline_parallel_degree > 1: "
+            "the adapters-off reference does not run through a pipeline; set preference.reference = 'copy'"
+        )
+    if config.validation.enable:
+        raise ConfigError(
+            "config: validation of preference pairs with parallelism.pipeline_parallel_degree > 1 is not "
+            "available; set validation.enable = false"
         )

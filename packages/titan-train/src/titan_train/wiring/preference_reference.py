@@ -23,8 +23,8 @@ from torch import nn
 
 from titan_data import PreferenceDataset
 from titan_parallel import adapters_off
-from titan_train.wiring.preference_loss import SequenceLogps, sequence_logps
-from titan_train.wiring.preference_step import evaluating, global_sequences
+from titan_train.wiring.preference_loss import sequence_logps
+from titan_train.wiring.preference_step import evaluating, global_sequences, window_slots
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +42,20 @@ class PrecomputedReference:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.logps.copy_(state["logps"])
 
-    def lookup(self, pair: torch.Tensor, sequence: torch.Tensor, counts: torch.Tensor) -> SequenceLogps:
-        """The reference's sums for a micro-batch's sequences, numbered 2k/2k+1 across it (`sequence`),
-        their pairs' dataset indices in `pair` at the same positions; `counts` are the policy's (the same
-        labels)."""
-        index = torch.zeros(counts.numel() // 2, dtype=torch.int64, device=pair.device)
+    def lookup(self, pair: torch.Tensor, sequence: torch.Tensor, n: int) -> torch.Tensor:
+        """The reference's sums of a micro-batch's `n` sequences, numbered 2k/2k+1 across it (`sequence`),
+        their pairs' dataset indices in `pair` at the same positions."""
+        index = torch.zeros(n // 2, dtype=torch.int64, device=pair.device)
         placed = sequence >= 0
         index[sequence[placed] // 2] = pair[placed]
-        return SequenceLogps(self.logps[index].reshape(-1), counts)
+        return self.logps[index].reshape(-1)
+
+    def window_sums(self, pair: torch.Tensor, sequence: torch.Tensor) -> torch.Tensor:
+        """Per window (row) of a batch, the reference's sum of its j-th sequence at column j (0 past its
+        last): `sequence` numbers the row's sequences, `pair` holds their pairs' dataset indices."""
+        placed = sequence >= 0
+        values = self.logps[pair.clamp_min(0), sequence.clamp_min(0) % 2].to(torch.float64)
+        return window_slots(sequence, torch.where(placed, values, 0.0))
 
 
 def precompute_reference(
@@ -63,11 +69,17 @@ def precompute_reference(
     dp_rank: int,
     dp_degree: int,
     group: dist.ProcessGroup | None,
+    window_sums: Callable | None = None,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Fill `table` in one pass over every pair of `dataset` with the policy's current (starting) weights,
     batches of `batch_size` windows dealt round robin over the data-parallel ranks; every rank runs as
     many forwards (a rank out of batches repeats one and drops it, so sharded layers meet), then the
-    shares are summed over the ranks (each pair is written by one)."""
+    shares are summed over the ranks (each pair is written by one).
+
+    Under a pipeline, `window_sums(inputs, labels, positions, sequence)` runs the forward instead (every
+    batch filled to `batch_size` windows with copies of its first, which write the same values again)
+    and gives each window's sums on the last stage: the table is then summed over `pp_group` too."""
     start = time.perf_counter()
     whole = PreferenceDataset(
         dataset.pairs,
@@ -79,7 +91,23 @@ def precompute_reference(
     )
     device, seq_len = table.logps.device, dataset.seq_len
 
+    def run_pipelined(batch, keep: bool) -> None:
+        inputs, labels, positions, sequence, pair = (t.to(device) for t in batch[:5])
+        fill = batch_size - inputs.shape[0]
+        inputs, labels, positions, sequence, pair = (
+            torch.cat([t, t[:1].expand(fill, *t.shape[1:])])
+            for t in (inputs, labels, positions, sequence, pair)
+        )
+        with context():
+            slots = window_sums(inputs, labels, positions, sequence)
+        if keep:
+            placed = sequence >= 0
+            values = slots.gather(1, sequence.clamp_min(0)).float()
+            table.logps[pair[placed], sequence[placed] % 2] = values[placed]
+
     def run(batch, keep: bool) -> None:
+        if window_sums is not None:
+            return run_pipelined(batch, keep)
         numbered, pairs = global_sequences(batch[3])
         inputs, labels, positions, numbered, pair = (
             t.to(device).reshape(-1, seq_len) for t in (*batch[:3], numbered, batch[4])
@@ -104,8 +132,9 @@ def precompute_reference(
                 taken += 1
         for _ in range(math.ceil(total / dp_degree) - taken):
             run(first, keep=False)  # dropped: this rank meets the others' last forward
-    if group is not None:
-        dist.all_reduce(table.logps, group=group)
+    for summed_over in (group, pp_group):
+        if summed_over is not None:
+            dist.all_reduce(table.logps, group=summed_over)
     logger.info(
         "preference: reference log-probs of %d pairs computed in one pass (%d batches, %.1f s)",
         len(dataset.pairs),

@@ -23,7 +23,13 @@ from titan_parallel import adapters_off
 from titan_train.config.preference_section import REFERENCE_FREE
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.wiring.preference_loss import IGNORE_INDEX, pair_losses, sequence_logps, token_logps
+from titan_train.wiring.preference_loss import (
+    IGNORE_INDEX,
+    SequenceLogps,
+    pair_losses,
+    sequence_logps,
+    token_logps,
+)
 
 METRICS = (
     "rewards/chosen",
@@ -59,6 +65,15 @@ def global_sequences(sequence: torch.Tensor) -> tuple[torch.Tensor, int]:
     return numbered, int(pairs.sum())
 
 
+def window_slots(sequence: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per window (row), a per-sequence value at column j for the row's j-th sequence (float64, 0 past its
+    last): `values` holds it at each of that sequence's positions (`sequence`: -1 where none)."""
+    seq_len = sequence.shape[-1]
+    slot = torch.where(sequence >= 0, sequence, seq_len)
+    slots = values.new_zeros(*sequence.shape[:-1], seq_len + 1, dtype=torch.float64)
+    return slots.scatter(-1, slot, values.to(torch.float64))[..., :seq_len]
+
+
 def whole_chosen_labels(inputs: torch.Tensor, labels: torch.Tensor, sequence: torch.Tensor) -> torch.Tensor:
     """The targets of ORPO's NLL term, which ORPOTrainer takes over the whole chosen sequence, prompt
     included (every token after its first), not over its completion only as rpo_alpha's term: in a chosen
@@ -87,15 +102,17 @@ class PreferenceStep:
         dp_degree: int,
         group: dist.ProcessGroup | None,
         precomputed=None,
+        pp_group: dist.ProcessGroup | None = None,
     ):
         self.precomputed = precomputed  # a PrecomputedReference, read by each pair's dataset index
         self.p, self.parts, self.reference, self.forward = config.preference, parts, reference, forward
         self.seq_len, self.dp_degree, self.group = seq_len, dp_degree, group
+        self.pp_group = pp_group  # under a pipeline the metrics add up on the last stage's rank only
         self.needs_reference = self.p.loss not in REFERENCE_FREE
         self.nll_weight = 1.0 if self.p.loss == "orpo" else self.p.rpo_alpha
-        if len(parts) != 1:
+        if len(parts) != 1 and pp_group is None:
             raise ConfigError(
-                "config: training.dataset = 'preference' needs the model in one part (no pipeline)"
+                "config: training.dataset = 'preference' needs the model in one part outside a pipeline"
             )
 
     def begin_step(self, step_batches: list[tuple[torch.Tensor, ...]]) -> None:
@@ -123,24 +140,35 @@ class PreferenceStep:
                     for part in self.parts:
                         stack.enter_context(adapters_off(part))
                     logits = self.forward(inputs, positions)
-            return sequence_logps(logits, labels, sequence, n)
+            return sequence_logps(logits, labels, sequence, n).sums
+
+    def nll_targets(self, inputs, labels, sequence) -> torch.Tensor:
+        """The NLL term's targets: ORPO's whole chosen sequences, else the labels (the completions)."""
+        return whole_chosen_labels(inputs, labels, sequence) if self.p.loss == "orpo" else labels
 
     def _pair_terms(self, inputs, labels, positions, sequence, pair, seq_len: int):
-        """Per pair of a batch: the losses and rewards; the chosen NLL's sum and token count; the metric
-        values (their sums over the batch's pairs) and the number of pairs."""
+        """`terms` of a batch, its logits from the policy's forward here."""
         sequence, pairs = global_sequences(sequence)
         inputs, labels, positions, sequence = [
             t.reshape(-1, seq_len) for t in (inputs, labels, positions, sequence)
         ]
         reference = self._reference_logps(inputs, labels, positions, sequence, 2 * pairs)
-        logits = self.forward(inputs, positions)
-        policy = sequence_logps(logits, labels, sequence, 2 * pairs)
         if self.needs_reference and self.precomputed is not None:
-            reference = self.precomputed.lookup(pair.reshape(sequence.shape), sequence, policy.counts)
+            reference = self.precomputed.lookup(pair.reshape(sequence.shape), sequence, 2 * pairs)
+        logits = self.forward(inputs, positions)
+        return self.terms(
+            logits, labels, sequence, pairs, reference, self.nll_targets(inputs, labels, sequence)
+        )
+
+    def terms(self, logits, labels, sequence, pairs: int, reference, nll_targets):
+        """Per pair of a batch (`sequence` numbered across it, `pairs` of them; `reference`: the reference's
+        sum per sequence, or None): the losses and rewards; the chosen NLL's sum and token count; the
+        metric values (their sums over the batch's pairs) and the number of pairs."""
+        policy = sequence_logps(logits, labels, sequence, 2 * pairs)
         out = pair_losses(
             self.p.loss,
             policy,
-            reference,
+            None if reference is None else SequenceLogps(reference, policy.counts),
             beta=self.p.beta,
             label_smoothing=self.p.label_smoothing,
             simpo_gamma=self.p.simpo_gamma,
@@ -148,9 +176,8 @@ class PreferenceStep:
         nll, nll_tokens = out.losses.new_zeros(()), 0.0
         if self.nll_weight:
             if self.p.loss == "orpo":
-                targets = whole_chosen_labels(inputs, labels, sequence)
-                nll = -token_logps(logits, targets).sum()
-                nll_tokens = float((targets != IGNORE_INDEX).sum())
+                nll = -token_logps(logits, nll_targets).sum()
+                nll_tokens = float((nll_targets != IGNORE_INDEX).sum())
             else:
                 nll = -policy.sums[0::2].sum()
                 nll_tokens = float(policy.counts[0::2].sum())
@@ -162,6 +189,14 @@ class PreferenceStep:
         metric_sums = torch.stack([v.sum().double() for v in values] + [cr.new_tensor(float(pairs)).double()])
         return out, nll, nll_tokens, metric_sums, pairs
 
+    def step_loss(self, out, nll) -> torch.Tensor:
+        """A micro-batch's share of the step's loss: its pairs' sum times dp over the step's pairs (the NLL
+        term: over its chosen tokens)."""
+        loss = out.losses.sum() * (self.dp_degree / self.pairs)
+        if self.nll_weight:
+            loss = loss + self.nll_weight * nll * (self.dp_degree / self.chosen_tokens)
+        return loss
+
     def forward_backward(self, inputs, labels, positions, sequence, pair=None, *, context) -> torch.Tensor:
         """This micro-batch's share of the step's loss, backpropagated; returned detached. `pair`: each
         position's pair's index in the dataset, where the reference log-probs were precomputed."""
@@ -169,9 +204,7 @@ class PreferenceStep:
             out, nll, _, metric_sums, _ = self._pair_terms(
                 inputs, labels, positions, sequence, pair, self.seq_len
             )
-            loss = out.losses.sum() * (self.dp_degree / self.pairs)
-            if self.nll_weight:
-                loss = loss + self.nll_weight * nll * (self.dp_degree / self.chosen_tokens)
+            loss = self.step_loss(out, nll)
         loss.backward()
         self.sums += metric_sums
         return loss.detach()
@@ -199,9 +232,11 @@ class PreferenceStep:
         return {"loss": loss, **means}
 
     def end_step(self) -> dict[str, float]:
-        """The step's metrics, means over all its pairs (one all-reduce over data parallelism)."""
-        if self.group is not None:
-            dist.all_reduce(self.sums, group=self.group)
+        """The step's metrics, means over all its pairs (summed over data parallelism, and over the
+        pipeline ranks, of which only the last stage's holds any)."""
+        for group in (self.group, self.pp_group):
+            if group is not None:
+                dist.all_reduce(self.sums, group=group)
         *sums, count = self.sums.tolist()
         return {name: value / max(count, 1) for name, value in zip(METRICS, sums, strict=True)}
 
