@@ -261,6 +261,9 @@ SHARED = (
 MTP = (*SHARED, "--model.num_mtp_layers", "1")
 
 
+MTP_WHOLE, MTP_FSDP = {"eh_proj_placements": None}, {"eh_proj_placements": ["S(0)"]}
+
+
 def mtp(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
     return Layout(nproc, (*MTP, *flags), facts, reference="one_process_mtp", **kwargs)
 
@@ -575,7 +578,7 @@ LAYOUTS = {
     # Multi-token prediction: its loss and experts under FSDP 2 and EP 2 (over FSDP 2 of the rest), against
     # one process (TP and PP are refused at start: packages/titan-train/tests/test_mtp.py).
     "one_process_mtp": mtp(
-        1, (), {"mtp": {"layers": ["2"], "w1_placements": None, "w1_local_shape": [8, 32, 64]}}
+        1, (), {"mtp": {"layers": ["2"], **MTP_WHOLE, "w1_placements": None, "w1_local_shape": [8, 32, 64]}}
     ),
     "mtp_fsdp": mtp(
         2,
@@ -583,7 +586,7 @@ LAYOUTS = {
         {
             "degrees": {"dp_shard": 2},
             "fsdp": True,
-            "mtp": {"layers": ["2"], "w1_placements": ["S(0)"], "w1_local_shape": [4, 32, 64]},
+            "mtp": {"layers": ["2"], **MTP_FSDP, "w1_placements": ["S(0)"], "w1_local_shape": [4, 32, 64]},
         },
     ),
     "mtp_ep2": mtp(
@@ -592,7 +595,29 @@ LAYOUTS = {
         {
             "fsdp": True,
             **experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 32, 64]),
-            "mtp": {"layers": ["2"], "w1_placements": ["_S(0, 2)", "S(0)"], "w1_local_shape": [4, 32, 64]},
+            "mtp": {
+                "layers": ["2"],
+                **MTP_FSDP,
+                "w1_placements": ["_S(0, 2)", "S(0)"],
+                "w1_local_shape": [4, 32, 64],
+            },
+        },
+    ),
+    # Under PP 2 (1F1B) the depth sits on the last stage (rank 1), fed the embeddings the first stage carries.
+    "mtp_pp": mtp(2, pp("1F1B"), {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE, "mtp": None}),
+    # Under TP 2 the depth's projection is split by output column (its block's experts over tp, as moe_tp's).
+    "mtp_tp": mtp(
+        2,
+        (TP, "2"),
+        {
+            "degrees": {"tp": 2},
+            "loss_parallel": True,
+            "mtp": {
+                "layers": ["2"],
+                "eh_proj_placements": ["S(0)"],
+                "w1_placements": ["S(1)"],
+                "w1_local_shape": [8, 16, 64],
+            },
         },
     ),
     "dense_model_ep2": Layout(
