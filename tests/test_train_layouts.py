@@ -575,8 +575,8 @@ LAYOUTS = {
         pp("1F1B"),
         {"stage_blocks": ONE_STAGE, "shared_experts": WHOLE_SHARED},
     ),
-    # Multi-token prediction: its loss and experts under FSDP 2 and EP 2 (over FSDP 2 of the rest), against
-    # one process (TP and PP are refused at start: packages/titan-train/tests/test_mtp.py).
+    # Multi-token prediction: its loss and experts under FSDP 2, EP 2 (over FSDP 2 of the rest), PP 2 and TP 2,
+    # against one process (PP with TP is refused at start: packages/titan-train/tests/test_mtp.py).
     "one_process_mtp": mtp(
         1, (), {"mtp": {"layers": ["2"], **MTP_WHOLE, "w1_placements": None, "w1_local_shape": [8, 32, 64]}}
     ),
