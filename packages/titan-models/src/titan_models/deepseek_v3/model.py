@@ -54,35 +54,16 @@ class DeepSeekV3Model(Decoder):
         super().__init__(args)
         self.mtp = MultiTokenPredictionHead(args, self.build_block) if args.num_mtp_layers else None
 
-    def _blocks_forward(self, tokens: torch.Tensor, freqs_cis: torch.Tensor, masks: Any) -> torch.Tensor:
-        if not self.args.num_mtp_layers:
-            return super()._blocks_forward(tokens, freqs_cis, masks)
-        if self.tok_embeddings is not None and self.output is not None:
-            return self._whole_forward(tokens, freqs_cis, masks)
-        return self._stage_forward(tokens, freqs_cis, masks)
-
-    def _whole_forward(self, tokens: torch.Tensor, freqs_cis: torch.Tensor, masks: Any) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for block in self.layers.values():
-            h = block(h, freqs_cis, masks)
-        logits = self.output(self.norm(h))
-        if self.mtp is None or not self.training:
-            return logits
-        # Re-embedded: under sequence parallelism `h`'s embeddings are split along the sequence.
-        ahead = self.mtp(
-            h, lambda k: self.tok_embeddings(torch.roll(tokens, -k, dims=1)), self.output, freqs_cis, masks
-        )
-        return torch.cat([logits, *ahead], dim=1)
-
-    def _stage_forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, masks: Any) -> torch.Tensor:
-        """A pipeline stage of a model with MTP depths: stages before the last pass on [h; Emb(t)]
-        (B, T, 2 * dim), the hidden state beside the token embeddings, which the depths on the last stage
-        read k places ahead.
+    def _blocks_forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, masks: Any) -> torch.Tensor:
+        """With MTP depths, a pipeline stage before the last passes on [h; Emb(t)] (B, T, 2 * dim): the
+        hidden state beside the token embeddings, which the depths on the last stage read k places ahead.
 
         The depths share the first stage's embedding; carrying its output (rather than the token ids to
         a copy of the table on the last stage) sends the depths' gradient back through the stages into
         the one embedding weight, so no stage holds a second copy to keep in step.
         """
+        if not self.args.num_mtp_layers:
+            return super()._blocks_forward(x, freqs_cis, masks)
         if self.tok_embeddings is not None:
             h = embedded = self.tok_embeddings(x)
         else:
@@ -99,7 +80,13 @@ class DeepSeekV3Model(Decoder):
         logits = self.output(self.norm(h))
         if self.mtp is None or not self.training:
             return logits
-        ahead = self.mtp(h, lambda k: torch.roll(embedded, -k, dims=1), self.output, freqs_cis, masks)
+        if self.tok_embeddings is not None:
+            # The whole model re-embeds: under sequence parallelism `embedded` is split along the sequence.
+            ahead = self.mtp(
+                h, lambda k: self.tok_embeddings(torch.roll(x, -k, dims=1)), self.output, freqs_cis, masks
+            )
+        else:
+            ahead = self.mtp(h, lambda k: torch.roll(embedded, -k, dims=1), self.output, freqs_cis, masks)
         return torch.cat([logits, *ahead], dim=1)
 
     def pipeline_units(self) -> list[str]:
