@@ -36,7 +36,8 @@ class DeepSeekV3Model(Decoder):
     """A DeepSeek-V2/V3 decoder with torchtitan 0.2.2's parameter names (frame, init and parallel hooks:
     `titan_models.decoder.Decoder`). Its tensor-parallel plan leaves experts to expert parallelism.
     With `num_mtp_layers`, `mtp` holds the multi-token-prediction depths (`deepseek_v3.mtp`), whose
-    logits a training forward appends along the sequence."""
+    logits a training forward appends along the sequence; under pipeline parallelism they sit on the last
+    stage, fed the token embeddings the stages before it carry (`_blocks_forward`)."""
 
     input_projections = (
         "wq.weight",
