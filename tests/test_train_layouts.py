@@ -31,7 +31,8 @@ logits vocabulary-sharded): loss equal, mtp_loss 1.2e-7, grad_norm 9.6e-8, weigh
 depth on the last stage fed the embeddings the first stage carries): loss 1.1e-7, mtp_loss 1.2e-7, grad_norm
 equal, weights 3.4e-7 (2026-11-28). Depth k reading the embeddings k + 1 places ahead under PP failed mtp_pp
 (loss 4.4e-3 relative off), the carried embeddings detached (no MTP gradient into the embedding) failed it too
-(grad_norm 3.0e-5); the step's first MTP loss kept from torch's metadata inference put mtp_pp's step-1 mtp_loss 1% off.
+(grad_norm 3.0e-5); under TP, the depth rolling its rank's sequence shard of the embeddings (not re-embedding
+the rolled tokens) failed mtp_tp (loss 1.7e-4); the step's first MTP loss kept from torch's metadata inference put mtp_pp's step-1 mtp_loss 1% off.
 
 LoRA (all-linear, rank 4, the base frozen) under FSDP 2, PP 2 (1F1B) and compile against LoRA in one process:
 loss within 2.4e-7 relative, grad_norm 6.3e-8, weights 2.2e-6 (2026-11-27); under TP 2 (adapters split beside
