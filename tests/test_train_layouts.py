@@ -26,7 +26,13 @@ Shared experts: a DeepSeek-V3 layer cut the same way with one shared expert and 
 (32 s in the 2-rank launch and 4 s in the 1-rank one, loaded machine).
 Multi-token prediction: the same cut with one MTP depth (`--model.num_mtp_layers 1`, reference `one_process_mtp`)
 under FSDP 2 and EP 2: loss and mtp_loss within 1.2e-7 relative, grad_norm 8.7e-8, expert counts equal, weights
-within 5.4e-7 (2026-11-28; about 4 s a row).
+within 5.4e-7 (2026-11-28; about 4 s a row); under TP 2 (the depth's block, norms and projection split, its
+logits vocabulary-sharded): loss equal, mtp_loss 1.2e-7, grad_norm 9.6e-8, weights 1.4e-6; under PP 2 (1F1B, the
+depth on the last stage fed the embeddings the first stage carries): loss 1.1e-7, mtp_loss 1.2e-7, grad_norm
+equal, weights 3.4e-7 (2026-11-28). Depth k reading the embeddings k + 1 places ahead under PP failed mtp_pp
+(loss 4.4e-3 relative off), the carried embeddings detached (no MTP gradient into the embedding) failed it too
+(grad_norm 3.0e-5); under TP, the depth rolling its rank's sequence shard of the embeddings (not re-embedding
+the rolled tokens) failed mtp_tp (loss 1.7e-4); the step's first MTP loss kept from torch's metadata inference put mtp_pp's step-1 mtp_loss 1% off.
 
 LoRA (all-linear, rank 4, the base frozen) under FSDP 2, PP 2 (1F1B) and compile against LoRA in one process:
 loss within 2.4e-7 relative, grad_norm 6.3e-8, weights 2.2e-6 (2026-11-27); under TP 2 (adapters split beside
@@ -272,6 +278,9 @@ SHARED = (
 # The same layer with one multi-token-prediction depth (DeepSeek-V3's MTP, an MoE block after the last),
 # against its own one process; `mtp` names the depth each part holds and its experts' local shape.
 MTP = (*SHARED, "--model.num_mtp_layers", "1")
+
+
+MTP_WHOLE, MTP_FSDP = {"eh_proj_placements": None}, {"eh_proj_placements": ["S(0)"]}
 
 
 def mtp(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
@@ -581,10 +590,10 @@ LAYOUTS = {
         pp("1F1B"),
         {"stage_blocks": ONE_STAGE, "shared_experts": WHOLE_SHARED},
     ),
-    # Multi-token prediction: its loss and experts under FSDP 2 and EP 2 (over FSDP 2 of the rest), against
-    # one process (TP and PP are refused at start: packages/titan-train/tests/test_mtp.py).
+    # Multi-token prediction: its loss and experts under FSDP 2, EP 2 (over FSDP 2 of the rest), PP 2 and TP 2,
+    # against one process (PP with TP is refused at start: packages/titan-train/tests/test_mtp.py).
     "one_process_mtp": mtp(
-        1, (), {"mtp": {"layers": ["2"], "w1_placements": None, "w1_local_shape": [8, 32, 64]}}
+        1, (), {"mtp": {"layers": ["2"], **MTP_WHOLE, "w1_placements": None, "w1_local_shape": [8, 32, 64]}}
     ),
     "mtp_fsdp": mtp(
         2,
@@ -592,7 +601,7 @@ LAYOUTS = {
         {
             "degrees": {"dp_shard": 2},
             "fsdp": True,
-            "mtp": {"layers": ["2"], "w1_placements": ["S(0)"], "w1_local_shape": [4, 32, 64]},
+            "mtp": {"layers": ["2"], **MTP_FSDP, "w1_placements": ["S(0)"], "w1_local_shape": [4, 32, 64]},
         },
     ),
     "mtp_ep2": mtp(
@@ -601,7 +610,29 @@ LAYOUTS = {
         {
             "fsdp": True,
             **experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 32, 64]),
-            "mtp": {"layers": ["2"], "w1_placements": ["_S(0, 2)", "S(0)"], "w1_local_shape": [4, 32, 64]},
+            "mtp": {
+                "layers": ["2"],
+                **MTP_FSDP,
+                "w1_placements": ["_S(0, 2)", "S(0)"],
+                "w1_local_shape": [4, 32, 64],
+            },
+        },
+    ),
+    # Under PP 2 (1F1B) the depth sits on the last stage (rank 1), fed the embeddings the first stage carries.
+    "mtp_pp": mtp(2, pp("1F1B"), {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE, "mtp": None}),
+    # Under TP 2 the depth's projection is split by output column (its block's experts over tp, as moe_tp's).
+    "mtp_tp": mtp(
+        2,
+        (TP, "2"),
+        {
+            "degrees": {"tp": 2},
+            "loss_parallel": True,
+            "mtp": {
+                "layers": ["2"],
+                "eh_proj_placements": ["S(0)"],
+                "w1_placements": ["S(1)"],
+                "w1_local_shape": [8, 16, 64],
+            },
         },
     ),
     "dense_model_ep2": Layout(

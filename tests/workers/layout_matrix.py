@@ -130,16 +130,18 @@ def facts(trainer: Trainer) -> dict:
 
 
 def mtp_facts(trainer: Trainer) -> dict | None:
-    """The multi-token-prediction depths the parts hold and the first one's experts' local w1 shape (its
-    shards under FSDP or EP); None for a model without them."""
+    """The multi-token-prediction depths the parts hold, the first one's experts' local w1 shape (its
+    shards under FSDP or EP) and how its projection is split (under TP); None for a model without them."""
     parts = [part for part in trainer.model_parts if getattr(part, "mtp", None) is not None]
     depths = {k: d for part in parts for k, d in part.mtp.layers.items()}
     if not depths:
         return None
-    w1 = next(iter(depths.values())).block.moe.experts.w1
+    depth = next(iter(depths.values()))
+    w1, eh_proj = depth.block.moe.experts.w1, depth.eh_proj.weight
     split = isinstance(w1, DTensor)
     return {
         "layers": sorted(depths),
+        "eh_proj_placements": [str(p) for p in eh_proj.placements] if isinstance(eh_proj, DTensor) else None,
         "w1_placements": [str(p) for p in w1.placements] if split else None,
         "w1_local_shape": list(w1.to_local().shape if split else w1.shape),
     }

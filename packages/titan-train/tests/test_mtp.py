@@ -249,10 +249,22 @@ def test_a_checkpoint_without_the_mtp_layer_is_refused_in_one_line(tmp_path, sma
 
 
 @pytest.mark.parametrize(
-    "flags, refusal",
+    "flags, refusal, world",
     [
-        (("--model.num_mtp_layers", "1"), "llama3 has no multi-token-prediction layers"),
-        (("--model.mtp_loss_weight", "0.3"), "model.num_mtp_layers is 0"),
+        (("--model.num_mtp_layers", "1"), "llama3 has no multi-token-prediction layers", 2),
+        (("--model.mtp_loss_weight", "0.3"), "model.num_mtp_layers is 0", 2),
+        (
+            (
+                "--model.name",
+                "deepseek_v3",
+                "--model.num_mtp_layers",
+                "1",
+                "--parallelism.context_parallel_degree",
+                "2",
+            ),
+            "parallelism.context_parallel_degree > 1",
+            2,
+        ),
         (
             (
                 "--model.name",
@@ -261,23 +273,15 @@ def test_a_checkpoint_without_the_mtp_layer_is_refused_in_one_line(tmp_path, sma
                 "1",
                 "--parallelism.pipeline_parallel_degree",
                 "2",
-            ),
-            "parallelism.pipeline_parallel_degree > 1",
-        ),
-        (
-            (
-                "--model.name",
-                "deepseek_v3",
-                "--model.num_mtp_layers",
-                "1",
                 "--parallelism.tensor_parallel_degree",
                 "2",
             ),
-            "parallelism.tensor_parallel_degree > 1",
+            "pipeline and tensor parallelism together",
+            4,
         ),
     ],
 )
-def test_what_mtp_cannot_run_with_is_refused_at_start(tmp_path, small_config, flags, refusal):
+def test_what_mtp_cannot_run_with_is_refused_at_start(tmp_path, small_config, flags, refusal, world):
     with pytest.raises(ConfigError, match=refusal) as err:
-        resolve(small_config(tmp_path, *flags), 2, "cpu")
+        resolve(small_config(tmp_path, *flags), world, "cpu")
     assert "\n" not in str(err.value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +33,13 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
+class _MetadataInference:
+    """Whether this rank's stages are inside the schedule's metadata inference (shared by its stages)."""
+
+    running: bool = False
+
+
+@dataclass
 class Pipeline:
     """The stages this rank runs and the schedule that drives them.
 
@@ -47,6 +54,13 @@ class Pipeline:
     last_stage_rank: int  # rank within pp_mesh that owns the last stage
     # The loss of training ("train") and of evaluation ("eval"); the schedule runs "now" (see build_pipeline).
     loss_fns: dict[str, LossFn]
+    inference: _MetadataInference = field(default_factory=_MetadataInference)
+
+    @property
+    def inferring_metadata(self) -> bool:
+        """Whether the schedule is running its first step's metadata inference: a forward and a loss on
+        stand-in tensors (torch >= 2.15) whose values a loss function must not keep as the step's."""
+        return self.inference.running
 
     @property
     def n_microbatches(self) -> int:
@@ -135,13 +149,24 @@ class Pipeline:
 
 
 class _PipelineStage(PipelineStage):
-    """A `PipelineStage` whose start-up handshake leaves out sends to its own rank.
+    """A `PipelineStage` whose start-up handshake leaves out sends to its own rank, and which says when
+    the schedule's metadata inference runs (`Pipeline.inferring_metadata`).
 
     torch 2.11's multi-stage schedules first exchange a dummy tensor with each neighbouring stage's
     rank. In a V (ZBVZeroBubble, DualPipeV) two neighbouring stages sit on one rank, and gloo cannot send to
     itself ("Pair is not connected"); the schedule passes those stages' tensors in memory anyway.
     Later torches have no such handshake and never call this.
     """
+
+    inference = _MetadataInference()  # replaced by the pipeline's own in build_pipeline
+
+    def _pre_metadata_inference_backup(self) -> None:
+        super()._pre_metadata_inference_backup()
+        self.inference.running = True
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()
+        self.inference.running = False
 
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
         return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
@@ -250,12 +275,13 @@ def build_pipeline(
     per_rank = num_stages // pp
     n_microbatches = settings.microbatches(local_batch_size)
     v_shape = settings.v_shape
-    stages, parts = [], []
+    stages, parts, inference = [], [], _MetadataInference()
     for stage_id in stage_ids_of_rank(rank, pp, per_rank, v_shape):
         part = stage_module(model, stage_units[stage_id], units)
         part = parallelize_fn(part) if parallelize_fn is not None else parallelize(part, dims, options)
         parts.append(part)
         stages.append(_PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group()))
+        stages[-1].inference = inference
         logger.info("pipeline rank %d holds stage %d: %s", rank, stage_id, stage_units[stage_id])
     loss_fns = {"train": loss_fn, "eval": eval_loss_fn or loss_fn, "now": loss_fn}
 
@@ -264,7 +290,7 @@ def build_pipeline(
 
     schedule = _schedule(settings, stages, n_microbatches, microbatch_loss, num_stages, local_batch_size)
     last_rank = next(r for r in range(pp) if num_stages - 1 in stage_ids_of_rank(r, pp, per_rank, v_shape))
-    return Pipeline(schedule, stages, parts, pp_mesh, last_rank, loss_fns)
+    return Pipeline(schedule, stages, parts, pp_mesh, last_rank, loss_fns, inference)
 
 
 def _schedule(

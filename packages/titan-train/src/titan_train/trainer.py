@@ -173,6 +173,9 @@ class Trainer:
         self.loss_fn, self.train_loss_fn = plan.loss_fn, built.train_loss_fn
         self.token_weights = built.token_weights
         self.mtp_loss = plan.loss_fn if isinstance(plan.loss_fn, MTPLoss) else None
+        if self.mtp_loss is not None and self.pipeline is not None:
+            pipeline = self.pipeline
+            self.mtp_loss.ignore_while(lambda: pipeline.inferring_metadata)
         self.moe = MoEBalancing(self.model_parts, self.dims, has_experts(built.args))
         if config.model.print_after_conversion:
             logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
@@ -599,7 +602,13 @@ class Trainer:
         tflops = self.flops_per_token * tps / 1e12
         memory_gib, memory_pct, memory_active_gib = device_memory(self.device)
         dp = self.dims.submesh("dp")
-        mtp_loss = self.mtp_loss.step_mean(dp.get_group() if dp else None) if self.mtp_loss else None
+        mtp_loss = None
+        if self.mtp_loss is not None:
+            pipe = self.pipeline
+            last_stage = (pipe.pp_mesh.get_group(), pipe.last_stage_rank) if pipe is not None else None
+            mtp_loss = self.mtp_loss.step_mean(
+                dp.get_group() if dp else None, last_stage=last_stage, device=self.device
+            )
         self.metrics.log(
             StepMetrics(
                 step=self.state.step,

@@ -14,7 +14,8 @@ from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.deepseek_v3.attention import MultiHeadLatentAttention
 from titan_models.deepseek_v3.mtp import MultiTokenPredictionHead
 from titan_models.deepseek_v3.rope import deepseek_rotary_table
-from titan_models.deepseek_v3.tensor_parallel_plan import mla_tp_entries
+from titan_models.deepseek_v3.tensor_parallel_plan import mla_tp_entries, mtp_tp_entries
+from titan_models.errors import ModelError
 from titan_models.feed_forward import FeedForward
 from titan_models.moe import MoE
 
@@ -35,7 +36,8 @@ class DeepSeekV3Model(Decoder):
     """A DeepSeek-V2/V3 decoder with torchtitan 0.2.2's parameter names (frame, init and parallel hooks:
     `titan_models.decoder.Decoder`). Its tensor-parallel plan leaves experts to expert parallelism.
     With `num_mtp_layers`, `mtp` holds the multi-token-prediction depths (`deepseek_v3.mtp`), whose
-    logits a training forward appends along the sequence."""
+    logits a training forward appends along the sequence; under pipeline parallelism they sit on the last
+    stage, fed the token embeddings the stages before it carry (`_blocks_forward`)."""
 
     input_projections = (
         "wq.weight",
@@ -53,15 +55,45 @@ class DeepSeekV3Model(Decoder):
         super().__init__(args)
         self.mtp = MultiTokenPredictionHead(args, self.build_block) if args.num_mtp_layers else None
 
-    def _blocks_forward(self, tokens: torch.Tensor, freqs_cis: torch.Tensor, masks: Any) -> torch.Tensor:
-        if self.mtp is None or not self.training:
-            return super()._blocks_forward(tokens, freqs_cis, masks)
-        h = self.tok_embeddings(tokens)
+    def _blocks_forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, masks: Any) -> torch.Tensor:
+        """With MTP depths, a pipeline stage before the last passes on [h; Emb(t)] (B, T, 2 * dim): the
+        hidden state beside the token embeddings, which the depths on the last stage read k places ahead.
+
+        The depths share the first stage's embedding; carrying its output (rather than the token ids to
+        a copy of the table on the last stage) sends the depths' gradient back through the stages into
+        the one embedding weight, so no stage holds a second copy to keep in step.
+        """
+        if not self.args.num_mtp_layers:
+            return super()._blocks_forward(x, freqs_cis, masks)
+        if self.tok_embeddings is not None:
+            h = embedded = self.tok_embeddings(x)
+        else:
+            h, embedded = x.chunk(2, dim=-1)
         for block in self.layers.values():
             h = block(h, freqs_cis, masks)
+        if self.output is None:
+            if self.mtp is not None:
+                raise ModelError(
+                    "model: the MTP depths sit on a pipeline stage without the output head they share; "
+                    "do not split the stages at 'mtp'"
+                )
+            return torch.cat([h, embedded], dim=-1)
         logits = self.output(self.norm(h))
-        ahead = self.mtp(h, tokens, self.tok_embeddings, self.output, freqs_cis, masks)
+        if self.mtp is None or not self.training:
+            return logits
+        if self.tok_embeddings is not None:
+            # The whole model re-embeds: under sequence parallelism `embedded` is split along the sequence.
+            ahead = self.mtp(
+                h, lambda k: self.tok_embeddings(torch.roll(x, -k, dims=1)), self.output, freqs_cis, masks
+            )
+        else:
+            ahead = self.mtp(h, lambda k: torch.roll(embedded, -k, dims=1), self.output, freqs_cis, masks)
         return torch.cat([logits, *ahead], dim=1)
+
+    def pipeline_units(self) -> list[str]:
+        """The MTP depths after the output head they share: on the last stage."""
+        units = super().pipeline_units()
+        return units if self.mtp is None else [*units, "mtp"]
 
     def moe_layers(self) -> dict[str, nn.Module]:
         layers = super().moe_layers()
@@ -77,6 +109,14 @@ class DeepSeekV3Model(Decoder):
 
     def _rotary_table(self) -> torch.Tensor:
         return deepseek_rotary_table(self.args)
+
+    def tp_plan(
+        self, *, sequence_parallel: bool = True, loss_parallel: bool = True
+    ) -> dict[str, ParallelStyle]:
+        plan = super().tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        if self.mtp is None:
+            return plan
+        return plan | mtp_tp_entries(plan, sequence_parallel=sequence_parallel)
 
     def attention_tp_entries(self) -> dict[str, ParallelStyle]:
         return mla_tp_entries(low_rank_q=self.args.q_lora_rank > 0)

@@ -62,18 +62,17 @@ class MultiTokenPredictionHead(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        tokens: torch.Tensor,
-        embedding: nn.Module,
+        embedded_ahead: Callable[[int], torch.Tensor],
         output: nn.Module,
         freqs_cis: torch.Tensor,
         masks: Any,
     ) -> list[torch.Tensor]:
         """Each depth's logits (B, T, V), from the main model's last hidden state `h` (before its final
-        norm) and its input `tokens`; depth k's last k positions are padding (see the module)."""
+        norm); `embedded_ahead(k)` holds Emb(t_{i+k}) at position i (the input's embeddings rolled k
+        places back). Depth k's last k positions are padding (see the module)."""
         logits = []
         for k, depth in enumerate(self.layers.values(), start=1):
-            ahead = torch.roll(tokens, shifts=-k, dims=1)  # position i holds t_{i+k}
-            h = depth(h, embedding(ahead), freqs_cis, masks)
+            h = depth(h, embedded_ahead(k), freqs_cis, masks)
             logits.append(output(depth.norm(h)))
         return logits
 

@@ -12,12 +12,15 @@ mean over the step, as for the main loss; chat rows (a different share of each r
 
 The log line's `loss` is the objective (what is backpropagated); `mtp_loss` beside it is
 (1 / D) * sum_k L_k, averaged over the step's micro-batches and the data-parallel ranks, so the main
-loss is loss - mtp_loss_weight * mtp_loss.
+loss is loss - mtp_loss_weight * mtp_loss. Under pipeline parallelism the depths sit on the last stage
+with the output head and the loss (`DeepSeekV3Model.pipeline_units`), and the other stages take the
+step's `mtp_loss` from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,16 +67,13 @@ def mtp_problems(config: JobConfig, dims: ParallelDims, args: Any) -> list[str]:
         return []
     unsupported = [
         (
-            dims.pp > 1,
-            "parallelism.pipeline_parallel_degree > 1 (a depth needs the embedding, on the first stage)",
+            dims.pp > 1 and dims.tp > 1,
+            "pipeline and tensor parallelism together (the embeddings the stages carry to the depths are "
+            "split along the sequence)",
         ),
         (
             dims.cp > 1,
             "parallelism.context_parallel_degree > 1 (a depth reads tokens k places ahead, on another rank)",
-        ),
-        (
-            dims.tp > 1,
-            "parallelism.tensor_parallel_degree > 1 (the MTP depths have no tensor-parallel plan yet)",
         ),
         (
             is_chat(config.training) or config.training.dataset == "preference",
@@ -94,6 +94,12 @@ class MTPLoss:
     def __init__(self, loss_fn: LossFn, weight: float):
         self.loss_fn, self.weight = loss_fn, weight
         self._losses: list[torch.Tensor] = []
+        self._rehearsing: Callable[[], bool] = lambda: False
+
+    def ignore_while(self, rehearsing: Callable[[], bool]) -> None:
+        """Keep no MTP loss while `rehearsing()`: a pipeline's metadata inference runs the loss on
+        stand-in tensors in its first step (`Pipeline.inferring_metadata`)."""
+        self._rehearsing = rehearsing
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         seq_len = labels.shape[1]
@@ -103,20 +109,34 @@ class MTPLoss:
             return loss
         ahead = [self.loss_fn(x[:, : seq_len - k], labels[:, k:]) for k, x in enumerate(depths, start=1)]
         mtp = sum(ahead) / len(ahead)
-        value = mtp.detach()
-        self._losses.append(value.full_tensor() if isinstance(value, DTensor) else value)
+        if not self._rehearsing():
+            value = mtp.detach()
+            self._losses.append(value.full_tensor() if isinstance(value, DTensor) else value)
         return loss + self.weight * mtp
 
     def begin_step(self) -> None:
         """Forget the previous step's MTP losses."""
         self._losses = []
 
-    def step_mean(self, group: dist.ProcessGroup | None) -> float | None:
+    def step_mean(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        last_stage: tuple[dist.ProcessGroup, int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> float | None:
         """The step's MTP loss: the mean over its micro-batches and the ranks of `group` (data
-        parallelism), which all call it together; None before any training forward."""
-        if not self._losses:
+        parallelism), which all call it together; None before any training forward. Under pipeline
+        parallelism only the last stage computes it: `last_stage` (the pipeline group and that stage's
+        rank in it) broadcasts its mean to the other stages first."""
+        mean = torch.stack(self._losses).float().mean() if self._losses else None
+        if last_stage is not None:
+            pp_group, src = last_stage
+            mean = torch.full((), float("nan"), device=device) if mean is None else mean
+            dist.broadcast(mean, group=pp_group, group_src=src)
+            mean = None if mean.isnan() else mean
+        if mean is None:
             return None
-        mean = torch.stack(self._losses).float().mean()
         if group is not None:
             dist.all_reduce(mean, group=group)
             mean = mean / dist.get_world_size(group)
