@@ -35,7 +35,7 @@ class PipelinedPreference:
         self.step, self.pipeline, self.reference = step, pipeline, reference
         self.parts: list[nn.Module] = pipeline.model_parts
         self._reference_sums: torch.Tensor | None = None
-        self._metric_sums: list[torch.Tensor] = []  # per call of the loss in this step, on the last stage
+        self._metric_sums: list[torch.Tensor] = []  # per microbatch of this step, on the last stage
 
     def _target(self, inputs, labels, sequence, pair=None) -> torch.Tensor:
         """The batch's target planes; the precomputed sums by `pair` where given (zeros otherwise)."""
@@ -68,7 +68,8 @@ class PipelinedPreference:
             reference[numbered[placed]] = per_position[placed].float()
         nll_targets = target[:, NLL_TARGETS].long()
         out, nll, _, metric_sums, _ = step.terms(logits, labels, numbered, pairs, reference, nll_targets)
-        self._metric_sums.append(metric_sums)
+        if not self.pipeline.inferring_metadata:  # torch's first step runs the loss once on stand-ins
+            self._metric_sums.append(metric_sums)
         return step.step_loss(out, nll) * self.pipeline.n_microbatches
 
     def reference_sums(self, inputs, labels, positions, sequence) -> torch.Tensor:
@@ -96,8 +97,6 @@ class PipelinedPreference:
                 target[:, REFERENCE] = self._reference_sums
             self._metric_sums = []
             loss = self.pipeline.step(inputs, target, loss=self._loss, **kwargs).detach()
-        # The last n calls are the microbatches': torch's first step also calls the loss once before them,
-        # to infer the shapes of the gradients it will send.
-        for metric_sums in self._metric_sums[len(self._metric_sums) - self.pipeline.n_microbatches :]:
+        for metric_sums in self._metric_sums:
             self.step.sums += metric_sums
         return loss
