@@ -70,7 +70,7 @@ def test_lr_schedule_spans_total_steps_when_given():
         ["--training.steps", "10", "--lr_scheduler.total_steps", "100", "--lr_scheduler.warmup_steps", "0"]
     )
     optimizer = build_optimizer(config, torch.nn.Linear(2, 2))
-    schedule = build_lr_schedule(config, optimizer)
+    schedule = build_lr_schedule(config, optimizer, config.training.steps)
     for _ in range(10):
         optimizer.step()
         schedule.step()
