@@ -937,7 +937,9 @@ class Matrix:
             timeout=900,
             env={"TORCHINDUCTOR_COMPILE_THREADS": "1"},
         )
-        assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+        output = result.stdout + result.stderr
+        crash = output.find("Fatal Python error")  # a rank's native crash: its stack, not only the others' fallout
+        assert result.returncode == 0, (output[crash : crash + 4000] if crash >= 0 else "") + output[-6000:]
         for name, value in json.loads((out / "results.json").read_text()).items():
             self.results[name] = {**value, "dump": out / name}
 

@@ -245,8 +245,11 @@ class Muon(torch.optim.Optimizer):
         In rounds of as many matrices as the mesh has ranks (largest first, so a round's matrices are
         alike in size): each update is gathered whole (an all-gather), the rank it falls to runs
         Newton-Schulz on it and scatters the result back to every rank's part of the parameter's layout.
-        The next round's gathers are issued, asynchronously, before this round's Newton-Schulz, so they
-        run under it. Each rank orthogonalises one matrix of a round: 1/ranks of one process's work.
+        On a GPU the next round's gathers are issued, asynchronously, before this round's Newton-Schulz, so
+        they run under it (NCCL on its own stream). On CPU each round gathers when it starts: gloo's threads
+        share the cores Newton-Schulz runs on, so there is nothing to hide, and a gather left in flight over
+        the scatters on the same group once crashed a rank (SIGSEGV in the 4-rank Muon layout rows under
+        CI's load). Each rank orthogonalises one matrix of a round: 1/ranks of one process's work.
         """
         mesh = params[0].device_mesh
         ranks = mesh.size()
@@ -265,9 +268,11 @@ class Muon(torch.optim.Optimizer):
             self.timing.gather_s += time.perf_counter() - start
             return issued
 
+        ahead = params[0].device.type == "cuda"
         pending = gather(rounds[0])
         for r, round_ in enumerate(rounds):
-            issued, pending = pending, gather(rounds[r + 1]) if r + 1 < len(rounds) else []
+            issued = pending if r == 0 or ahead else gather(round_)
+            pending = gather(rounds[r + 1]) if ahead and r + 1 < len(rounds) else []
             start = time.perf_counter()
             wholes = [_wait(t) for t in issued]
             _sync_tensor(wholes[0])

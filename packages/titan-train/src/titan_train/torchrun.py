@@ -68,7 +68,8 @@ def run_torchrun(
     """Run `torchrun_command(*target, nproc=nproc, **options)` to the end and return it, output captured.
 
     Each rank runs one torch thread (OMP_NUM_THREADS=1: what torchrun sets anyway, said here so that
-    it does not warn), so that ranks sharing a few cores do not oversubscribe them; `env` adds to or
+    it does not warn), so that ranks sharing a few cores do not oversubscribe them, and a rank that
+    crashes in native code prints every thread's Python stack (PYTHONFAULTHANDLER); `env` adds to or
     overrides this process's environment.
     """
     return subprocess.run(
@@ -76,6 +77,6 @@ def run_torchrun(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})},
         cwd=cwd,
     )
