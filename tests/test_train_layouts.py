@@ -938,7 +938,8 @@ class Matrix:
             env={"TORCHINDUCTOR_COMPILE_THREADS": "1"},
         )
         output = result.stdout + result.stderr
-        crash = output.find("Fatal Python error")  # a rank's native crash: its stack, not only the others' fallout
+        # A rank's native crash: its stack, not only the others' fallout.
+        crash = output.find("Fatal Python error")
         assert result.returncode == 0, (output[crash : crash + 4000] if crash >= 0 else "") + output[-6000:]
         for name, value in json.loads((out / "results.json").read_text()).items():
             self.results[name] = {**value, "dump": out / name}
