@@ -269,9 +269,9 @@ class Muon(torch.optim.Optimizer):
             return issued
 
         ahead = params[0].device.type == "cuda"
-        pending = gather(rounds[0])
+        pending = gather(rounds[0]) if ahead else []
         for r, round_ in enumerate(rounds):
-            issued = pending if r == 0 or ahead else gather(round_)
+            issued = pending if ahead else gather(round_)
             pending = gather(rounds[r + 1]) if ahead and r + 1 < len(rounds) else []
             start = time.perf_counter()
             wholes = [_wait(t) for t in issued]
