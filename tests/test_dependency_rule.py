@@ -3,8 +3,9 @@ siblings, and each one installs alone in a fresh environment on the oldest torch
 accept, imports every module there and passes all its tests.
 
 The install-alone test runs when TITAN_FLOOR_TORCH and TITAN_FLOOR_TORCHAO name those versions, as
-`.ci/run` does (the main suite already runs every library's tests in the
-workspace on the locked torch, so running them a second time there would add minutes, not a check)."""
+`.ci/run` does. The main suite runs each library's one-process tests on the locked torch too; its
+multi-process ones (marked slow) run here only, except the cases claimed for a newer torch than the floor,
+which run in the main suite (conftest.py, `_left_to_the_floor_check`)."""
 
 import ast
 import os

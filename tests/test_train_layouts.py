@@ -72,7 +72,8 @@ Newton-Schulz in float32 (`optimizer.muon.ns_dtype`): loss and grad_norm within 
 as every exact row (2026-11-28, second session). In bfloat16 (torch.optim.Muon's, the default) gradients that differ
 by float noise round differently, and the weights only agreed to 7.0e-4 of their norm; bfloat16 matmuls are also
 29x slower on this CPU. Saved under FSDP 2 at step 3 and resumed under FSDP 2 x TP 2: the losses of steps 4 and 5
-equal to the bit. These rows are a launch group of their own (muon).
+equal to the bit. These rows run in the dense group's launches (the moe group's
+would make a cycle: its 2-rank launch resumes a 4-rank save, and Muon's 4-rank row a 2-rank one).
 
 Measured on a 2-core CPU with torch 2.15 (float32): every exact layout within 2.4e-7 relative of one
 process on loss and grad_norm at every step, weights within 4.8e-6 (compile; 4.2e-6 for CP + FSDP);
@@ -850,12 +851,14 @@ LAYOUTS = {
 # group holds the one-process references its rows are compared with, and the suite hands each group to its own
 # xdist worker (conftest.py reads the group off the test id: "<group>-<row>"), so the groups run side by side
 # and no launch nears the per-test timeout on a loaded machine (one launch of every 2-rank row took 318 s
-# on this machine and more than 600 s in CI).
+# on this machine and more than 600 s in CI). Fewer, longer launches save CPU: each launch costs its launcher
+# about 4 CPU-seconds and each rank about 11 (imports, joining the group) before its first row, and the suite
+# is CPU-bound on CI's 2 cores (2026-11-28: 17 launches, 500 of the matrix's 1,050 CPU-seconds outside rows).
 GROUP_OF_REFERENCE = {
     "one_process_moe": "moe",
     "one_process_gpt_oss": "moe",
     "one_process_shared": "moe",
-    "one_process_mtp": "mtp",  # a group of its own: two short launches, the moe group's launches unchanged
+    "one_process_mtp": "moe",
     "one_process_lora": "finetune",
     "one_process_qlora": "finetune",
     "one_process_lora_moe": "finetune",
@@ -864,10 +867,8 @@ GROUP_OF_REFERENCE = {
     "one_process_dpo_moe": "finetune",
     "one_process_dpo_uneven": "finetune",
     "one_process_orpo": "finetune",
-    "one_process_muon": "muon",  # a group of its own: a unit of work beside the others (slow bf16 Newton-Schulz)
-    "one_process_muon_moe": "muon",
 }
-LAUNCH_ROWS = 14
+LAUNCH_ROWS = 30
 
 
 def _root(name: str) -> str:

@@ -21,3 +21,25 @@ def skip_unless_cpu_runs_float8():
             pytest.skip(str(e))
 
     return check
+
+
+@pytest.fixture(scope="session")
+def cases_to_launch(request):
+    """`cases_to_launch(module, fixture, cases)`: the cases of a module's launch fixture that the session's
+    selected tests read, in `cases`' order; all of them once a selected test reads the fixture other than
+    through its `case` parameter. Under .ci/run the main run leaves a library's multi-process tests to its
+    floor check, except cases claimed only for a newer torch (conftest.py at the repository root): their
+    launch then runs those cases alone."""
+
+    def select(module, fixture: str, cases: list[str]) -> list[str]:
+        wanted = set()
+        for item in request.session.items:
+            if getattr(item, "module", None) is not module or fixture not in item.fixturenames:
+                continue
+            case = item.callspec.params.get("case") if hasattr(item, "callspec") else None
+            if case is None:
+                return list(cases)
+            wanted.add(case)
+        return [case for case in cases if case in wanted]
+
+    return select

@@ -49,7 +49,7 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
+def four_ranks(tmp_path_factory, request, cases_to_launch):
     out = tmp_path_factory.mktemp("moe") / "four.json"
     cmd = [
         sys.executable,
@@ -60,9 +60,7 @@ def four_ranks(tmp_path_factory):
         "--rdzv_endpoint=localhost:0",
         str(WORKER),
         str(out),
-        *LAYOUTS,
-        "dcp_reshard",
-        "refusals",
+        *cases_to_launch(request.module, "four_ranks", [*LAYOUTS, "dcp_reshard", "refusals"]),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -77,7 +75,10 @@ _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.beyond_floor) if c in _NEEDS_TORCH_2_15 else c for c in LAYOUTS],
+)
 def test_expert_parallel_layout_trains_like_one_process(four_ranks, case):
     if case in _NEEDS_TORCH_2_15 and _TORCH < (2, 15):
         pytest.skip(f"{case} is claimed for torch >= 2.15 (on {torch.__version__}: see _NEEDS_TORCH_2_15)")

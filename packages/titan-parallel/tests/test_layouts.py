@@ -64,6 +64,13 @@ FOUR_RANKS = {
 # bfloat16 parameters round every matmul input; the rest is float32.
 # Rowwise float8 under TP: measured up to 5.4e-4 from rowwise float8 in one process (grad_norm).
 TOLERANCE = {"fsdp_bf16_params": 2e-2, "float8_rowwise_tp": 2e-3}
+# Skipped on the floor (torch 2.11 refuses float8 rowwise on CPU; torchao 0.17 has no MXFP8 training): under
+# .ci/run these run in the main suite, on the locked torch, and the floor check runs the others.
+BEYOND_THE_FLOOR = {"float8_rowwise_fsdp", "float8_rowwise_tp", "mx_emulated_fsdp"}
+
+
+def _cases(cases) -> list:
+    return [pytest.param(c, marks=pytest.mark.beyond_floor) if c in BEYOND_THE_FLOOR else c for c in cases]
 
 
 def _launch(world: int, cases: list[str], out: Path) -> dict:
@@ -86,15 +93,15 @@ def _launch(world: int, cases: list[str], out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return _launch(
-        2, [*TWO_RANKS, "refusals", "cp_failed_step"], tmp_path_factory.mktemp("layouts") / "two.json"
-    )
+def two_ranks(tmp_path_factory, request, cases_to_launch):
+    cases = cases_to_launch(request.module, "two_ranks", [*TWO_RANKS, "refusals", "cp_failed_step"])
+    return _launch(2, cases, tmp_path_factory.mktemp("layouts") / "two.json")
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    return _launch(4, list(FOUR_RANKS), tmp_path_factory.mktemp("layouts") / "four.json")
+def four_ranks(tmp_path_factory, request, cases_to_launch):
+    cases = cases_to_launch(request.module, "four_ranks", list(FOUR_RANKS))
+    return _launch(4, cases, tmp_path_factory.mktemp("layouts") / "four.json")
 
 
 def _check(result: dict, case: str, expected_facts: dict) -> None:
@@ -110,7 +117,7 @@ def _check(result: dict, case: str, expected_facts: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(TWO_RANKS))
+@pytest.mark.parametrize("case", _cases(TWO_RANKS))
 def test_two_rank_layout_trains_like_one_process(two_ranks, case, skip_unless_cpu_runs_float8):
     if case.startswith("float8_"):
         skip_unless_cpu_runs_float8(case.split("_")[1])
