@@ -3,6 +3,7 @@ floor check is its own unit of work, and a test that leaves a default process gr
 tests after it."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,13 +103,27 @@ def _left_to_the_floor_check(items) -> list:
     ]
 
 
+LEFT = pytest.StashKey[set]()
+
+
 def pytest_collection_modifyitems(config, items):
     left = _left_to_the_floor_check(items)
     if left:
         config.hook.pytest_deselected(items=left)
         ids = {id(item) for item in left}
         items[:] = [item for item in items if id(item) not in ids]
+    # A module skipped whole on the floor takes every test of it that was left there with it: "*".
+    modules = {Path(str(item.fspath)).stem for item in left}
+    config.stash[LEFT] = {(Path(str(item.fspath)).stem, item.name) for item in left} | {
+        (m, "*") for m in modules
+    }
     items.sort(key=lambda item: _rank(item.nodeid))
+
+
+@pytest.fixture(scope="session")
+def left_to_the_floor_check(request) -> set[tuple[str, str]]:
+    """(module name, test name) of the library tests this session leaves to the floor check."""
+    return request.config.stash.get(LEFT, set())
 
 
 @pytest.hookimpl(optionalhook=True)  # the floor check runs library suites where xdist is not installed
