@@ -27,14 +27,11 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 FLOOR_CHECK = (
     "tests/test_dependency_rule.py::test_library_installs_alone_on_the_floor_torch_and_passes_its_tests"
 )
-# Files whose test ids begin with a group ("[<group>-...]"), each group a unit of work of its own: the layout
-# matrix's groups each start their own launches (tests/test_train_layouts.py, LAUNCH).
-SPLIT_BY_GROUP = ("tests/test_train_layouts.py",)
 LONGEST_FIRST = (
-    f"{FLOOR_CHECK}[models]",  # 473
+    "tests/test_train_layouts.py",  # ~800 CPU-seconds in one unit (its launches read each other's saves)
     f"{FLOOR_CHECK}[parallel]",  # 357
+    f"{FLOOR_CHECK}[models]",  # 473
     "packages/titan-train/tests/test_every_field_is_honoured.py",  # 492
-    "tests/test_train_layouts.py",  # 432
     "tests/slurm/test_slurm_jobs.py",  # 326, mostly waiting on SLURM's clock
     f"{FLOOR_CHECK}[ckpt]",  # 135
     f"{FLOOR_CHECK}[data]",  # 83
@@ -129,7 +126,7 @@ def left_to_the_floor_check(request) -> set[tuple[str, str]]:
 @pytest.hookimpl(optionalhook=True)  # the floor check runs library suites where xdist is not installed
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile`, except that each library's floor check is a unit of its own (in one unit they held one
-    worker for 17 minutes, the suite's longest path), and so is each group of a SPLIT_BY_GROUP file."""
+    worker for 17 minutes, the suite's longest path)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -138,10 +135,7 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.startswith(FLOOR_CHECK):
                 return nodeid
-            scope = super()._split_scope(nodeid)
-            if scope in SPLIT_BY_GROUP and "[" in nodeid:
-                return scope + "::" + nodeid.split("[", 1)[1].split("-", 1)[0]
-            return scope
+            return super()._split_scope(nodeid)
 
     return FloorChecksApart(config, log)
 

@@ -1,6 +1,6 @@
 """Every layout titan-train offers trains the run of one process, through the trainer itself.
 
-Each torchrun launch (1, 2 or 4 ranks, real gloo groups; a few per world size, see LAUNCH) runs titan-train's
+Each torchrun launch (1, 2 or 4 ranks, real gloo groups; one per world size, see LAUNCH) runs titan-train's
 Trainer once per layout in the same processes (tests/workers/layout_matrix.py): the debug model cut to 2
 layers (4 for schedules with two stages per pipeline rank), seq 64, a global batch of 4 sequences
 dealt from 4 streams so that the data does not depend on the layout, 5 steps. Each layout is
@@ -72,8 +72,7 @@ Newton-Schulz in float32 (`optimizer.muon.ns_dtype`): loss and grad_norm within 
 as every exact row (2026-11-28, second session). In bfloat16 (torch.optim.Muon's, the default) gradients that differ
 by float noise round differently, and the weights only agreed to 7.0e-4 of their norm; bfloat16 matmuls are also
 29x slower on this CPU. Saved under FSDP 2 at step 3 and resumed under FSDP 2 x TP 2: the losses of steps 4 and 5
-equal to the bit. These rows run in the dense group's launches (the moe group's
-would make a cycle: its 2-rank launch resumes a 4-rank save, and Muon's 4-rank row a 2-rank one).
+equal to the bit.
 
 Measured on a 2-core CPU with torch 2.15 (float32): every exact layout within 2.4e-7 relative of one
 process on loss and grad_norm at every step, weights within 4.8e-6 (compile; 4.2e-6 for CP + FSDP);
@@ -89,6 +88,9 @@ import torch
 
 from titan_train.torchrun import run_torchrun
 from titan_train.wiring.preference_step import METRICS as PREFERENCE_METRICS  # TRL's rewards/* and logps/*
+
+# A launch runs inside the first test that reads one of its rows, after the launches whose saves it resumes.
+pytestmark = pytest.mark.timeout(2400)
 
 WORKER = Path(__file__).parent / "workers" / "layout_matrix.py"
 DEBUG_CONFIG = Path(__file__).parents[1] / "apps" / "configs" / "debug_model.toml"
@@ -847,61 +849,25 @@ LAYOUTS = {
     ),
 }
 
-# The rows run in launches of their own, one torchrun per (group, world size), at most LAUNCH_ROWS rows each. A
-# group holds the one-process references its rows are compared with, and the suite hands each group to its own
-# xdist worker (conftest.py reads the group off the test id: "<group>-<row>"), so the groups run side by side
-# and no launch nears the per-test timeout on a loaded machine (one launch of every 2-rank row took 318 s
-# on this machine and more than 600 s in CI). Fewer, longer launches save CPU: each launch costs its launcher
-# about 4 CPU-seconds and each rank about 11 (imports, joining the group) before its first row, and the suite
-# is CPU-bound on CI's 2 cores (2026-11-28: 17 launches, 500 of the matrix's 1,050 CPU-seconds outside rows).
-GROUP_OF_REFERENCE = {
-    "one_process_moe": "moe",
-    "one_process_gpt_oss": "moe",
-    "one_process_shared": "moe",
-    "one_process_mtp": "moe",
-    "one_process_lora": "finetune",
-    "one_process_qlora": "finetune",
-    "one_process_lora_moe": "finetune",
-    "one_process_chat": "finetune",
-    "one_process_dpo": "finetune",
-    "one_process_dpo_moe": "finetune",
-    "one_process_dpo_uneven": "finetune",
-    "one_process_orpo": "finetune",
-}
-LAUNCH_ROWS = 30
 
-
-def _root(name: str) -> str:
-    """The one-process run at the end of a row's chain of references."""
-    while LAYOUTS[name].reference != name:
-        name = LAYOUTS[name].reference
-    return name
-
-
-GROUP = {name: GROUP_OF_REFERENCE.get(_root(name), "dense") for name in LAYOUTS}
-
-
+# The rows run in four launches, one torchrun per world size, in LAYOUTS' order (a resumed row after the row whose
+# save it reads), and all in one unit of the suite's work (one worker: a launch resumed from another's save needs
+# that launch's files): fewer, longer launches save CPU, and the suite is CPU-bound on CI's 2 cores. Each launch
+# costs its launcher about 4 CPU-seconds and each rank about 11 (imports, joining the group) before its first row
+# (2026-11-28: in 9 launches, 390 of the matrix's 944 CPU-seconds were outside rows). A row resumed from the save of
+# a larger world runs in a fourth launch after that world's: the larger world's launch resumes saves of this size
+# too (Muon's 4-rank row a 2-rank save, the MoE rows at ep 1 a 4-rank save), so no one launch can come first.
 def _launches() -> dict[str, str]:
-    """Each row's launch, "<group>-<n>ranks-<k>": the rows of one group and world size in LAYOUTS' order (a
-    resumed row after the row whose save it reads), cut into the fewest launches of at most LAUNCH_ROWS rows,
-    of even size."""
-    rows = {}
-    for name, layout in LAYOUTS.items():
-        rows.setdefault((GROUP[name], layout.nproc), []).append(name)
+    """Each row's launch: "<n>ranks", or "<n>ranks-from-<m>ranks" for a row resumed from the save of m > n ranks."""
     launch = {}
-    for (group, nproc), names in rows.items():
-        count = -(-len(names) // LAUNCH_ROWS)
-        for i, name in enumerate(names):
-            launch[name] = f"{group}-{nproc}ranks-{i * count // len(names)}"
+    for name, layout in LAYOUTS.items():
+        saved_by = LAYOUTS[layout.reference].nproc
+        resumed_from_more = layout.resumed_at is not None and saved_by > layout.nproc
+        launch[name] = f"{layout.nproc}ranks" + (f"-from-{saved_by}ranks" if resumed_from_more else "")
     return launch
 
 
 LAUNCH = _launches()
-
-
-def row(name: str):
-    """A row as a test parameter, its id led by its group."""
-    return pytest.param(name, id=f"{GROUP[name]}-{name}")
 
 
 class Matrix:
@@ -935,7 +901,7 @@ class Matrix:
             str(out / "layouts.json"),
             str(out),
             nproc=LAYOUTS[names[0]].nproc,
-            timeout=900,
+            timeout=1800,  # a hang guard: the 2-rank launch trains 65 rows
             env={"TORCHINDUCTOR_COMPILE_THREADS": "1"},
         )
         output = result.stdout + result.stderr
@@ -987,14 +953,14 @@ def matrix(tmp_path_factory):
 
 def _trained() -> list:
     return [
-        row(name)
+        name
         for name, layout in LAYOUTS.items()
         if layout.refused is None and name != layout.reference and layout.resumed_at is None
     ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [row("one_process"), row("one_process_4_layers")])
+@pytest.mark.parametrize("name", ["one_process", "one_process_4_layers"])
 def test_one_process_reference_trains_five_distinct_clipped_steps(matrix, name):
     run = matrix.metrics(name)
     assert len(set(run["loss"])) == STEPS and len(set(run["grad_norm"])) == STEPS
@@ -1050,7 +1016,7 @@ def test_layout_trains_the_one_process_run_by_loss_grad_norm_and_weights(matrix,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [row(name) for name, layout in LAYOUTS.items() if layout.resumed_at])
+@pytest.mark.parametrize("name", [name for name, layout in LAYOUTS.items() if layout.resumed_at])
 def test_run_resumed_with_loader_workers_continues_the_run_it_resumes(matrix, name):
     """Workers read ahead of the step, yet a save holds the position of the batches trained on."""
     saved_by = LAYOUTS[name].reference
@@ -1064,7 +1030,7 @@ def _validation_losses(matrix, name: str) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [row("pp_1F1B_validation"), row("pp_tp")])
+@pytest.mark.parametrize("name", ["pp_1F1B_validation", "pp_tp"])
 def test_validation_under_pipeline_parallelism_measures_the_loss_of_one_process(matrix, name):
     """The schedule's forward-only path, on the pipeline's last stage, gives the validation loss of one process."""
     got, want = _validation_losses(matrix, name), _validation_losses(matrix, "one_process")
@@ -1072,7 +1038,7 @@ def test_validation_under_pipeline_parallelism_measures_the_loss_of_one_process(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [row(name) for name, layout in LAYOUTS.items() if layout.refused])
+@pytest.mark.parametrize("name", [name for name, layout in LAYOUTS.items() if layout.refused])
 def test_layout_the_trainer_cannot_run_is_refused_with_the_reason(matrix, name):
     assert LAYOUTS[name].refused in matrix[name].get("refused", "accepted")
 
