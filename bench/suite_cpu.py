@@ -1,7 +1,7 @@
 """Where the test suite's CPU goes, per test file: the figure CI's 2-core time limit depends on.
 
 The suite is CPU-bound on CI's 2 cores (3 workers, never idle), so its wall time is its CPU time over about
-1.7; wall-clock durations under that load do not say which file costs what. As a pytest plugin this
+1.85 (measured by cgroup, 2026-11-29); wall-clock durations under that load do not say which file costs what. As a pytest plugin this
 records, per test, the CPU-seconds of everything the test ran:
 
     TITAN_SUITE_CPU=/tmp/cpu PYTHONPATH=bench uv run pytest -p suite_cpu -n 3 --dist loadfile
