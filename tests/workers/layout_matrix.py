@@ -37,6 +37,7 @@ from titan_train.config import load_job_config
 from titan_train.distributed import init_distributed, shutdown
 from titan_train.registry import get_model_family, register_flavor
 from titan_train.trainer import Trainer
+from titan_train.wiring.gc_schedule import libraries_frozen
 
 # The Llama 3 debug model cut to 2 layers, and to 4 for schedules with two stages per pipeline rank.
 _LLAMA3 = get_model_family("llama3")
@@ -192,8 +193,17 @@ def shared_expert_facts(trainer: Trainer) -> dict | None:
 
 def main(layouts_json: Path, out: Path) -> None:
     info = init_distributed(300)
+    with libraries_frozen():  # as titan-train runs: each row's collection walks only what the row built
+        results = run_rows(json.loads(layouts_json.read_text()), info, out)
+    if info.rank == 0:
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    shutdown()
+
+
+def run_rows(rows: dict, info, out: Path) -> dict:
+    """Each row trained in turn on the joined group: its facts or its refusal, and what it cost."""
     results = {}
-    for name, overrides in json.loads(layouts_json.read_text()).items():
+    for name, overrides in rows.items():
         dump = out / name
         if isinstance(overrides, dict):  # a run with its own dump folder (runs of one case share it)
             overrides, dump = overrides["argv"], Path(overrides["dump"])
@@ -213,9 +223,7 @@ def main(layouts_json: Path, out: Path) -> None:
         result["seconds"] = time.perf_counter() - start
         result["cpu_seconds"] = time.process_time() - cpu_start
         results[name] = result
-    if info.rank == 0:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    shutdown()
+    return results
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from titan_train.reporting.device_peaks import DEVICE_MEMORY_GIB
 from titan_train.reporting.dry_run import dry_run
 from titan_train.reporting.report import build_report
 from titan_train.trainer import Trainer
+from titan_train.wiring.gc_schedule import libraries_frozen
 
 USER_ERRORS = (ConfigError, DataError, ParallelConfigError, CheckpointError, ModelError)
 
@@ -125,6 +126,14 @@ def train(argv: list[str], world_size: int | None = None, device: tuple = ("H100
         dry_run(config, world_size, *device)
         return 0
     plan = plan_run(config)
+    # The run's garbage collections walk only what it builds, not torch and the libraries (gc_schedule).
+    with libraries_frozen():
+        return _join_and_train(plan)
+
+
+def _join_and_train(plan: RunPlan) -> int:
+    """Join the process group, train, and leave it with every rank."""
+    config = plan.config
     apply_comm_backend(comm_backend())
     c = config.comm
     configure_flight_recorder(
