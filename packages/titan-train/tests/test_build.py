@@ -156,3 +156,14 @@ def test_a_run_collects_what_it_built_without_walking_older_objects_and_frees_ol
         assert old_freed() is not None
     gc.collect()
     assert old_freed() is None  # not frozen for good
+
+
+def test_a_heap_frozen_before_the_run_stays_frozen_after_it():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with libraries_frozen():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

@@ -31,13 +31,16 @@ logger = logging.getLogger(__name__)
 @contextlib.contextmanager
 def libraries_frozen() -> Iterator[None]:
     """Keep every object that exists now (after the young generations are collected) out of every
-    collection until the block ends."""
+    collection until the block ends. A heap someone froze before (an embedding application) stays frozen:
+    Python can only unfreeze everything."""
+    frozen_before = gc.get_freeze_count() > 0
     gc.collect(1)
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not frozen_before:
+            gc.unfreeze()
 
 
 class GarbageCollection:
