@@ -89,12 +89,14 @@ def _complete_checkpoints(dump: Path) -> list[int]:
     return sorted(int(name[5:]) for name in names if name[5:].isdigit())
 
 
-def _wait(condition, what: str, timeout: float = WAIT) -> None:
+def _wait(condition, what: str, timeout: float = WAIT, every: float = 0.1) -> None:
+    """Poll `condition` every `every` seconds: files often (a node is killed between two saves), SLURM's
+    state once a second (each look is an `scontrol` process and a controller request, minutes of polls)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(0.1)
+        time.sleep(every)
 
 
 def _limit_due_now(run_time: str) -> int:
@@ -163,6 +165,7 @@ def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_lo
 
     reference_run = threading.Thread(target=one_node)
     reference_run.start()
+    # At once: the time limit must be lifted before the requeued job starts.
     _wait(lambda: state().get("Restarts") == "1", "requeue after the time-limit signal")
     cluster.command("scontrol", "update", f"JobId={job}", "TimeLimit=10")  # the next starts run to the end
     phases["time limit"] = time.monotonic() - began
@@ -178,7 +181,7 @@ def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_lo
     _wait(lambda: max(_by_step(dump)) > limited, "requeued run's first step")
     assert f"checkpoint: resuming from step-{limited}" in text()
     cluster.command("scancel", "--signal=TERM", str(job))
-    _wait(lambda: state().get("JobState") == "FAILED", "job end after SIGTERM")
+    _wait(lambda: state().get("JobState") == "FAILED", "job end after SIGTERM", every=1)
     assert state()["ExitCode"] == "3:0"  # the preempted status, not torchrun's 1
     preempted = _complete_checkpoints(dump)[-1]
     stops = text().count(f"preempted: SIGTERM received; finished step {preempted} and saved")
@@ -193,7 +196,7 @@ def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_lo
     cluster.kill_node("n2")
     newest = _complete_checkpoints(dump)[-1]
     assert newest < STEPS, "the run ended before n2 could be killed"
-    _wait(lambda: state().get("Restarts") == "3", "requeue after n2 went down")
+    _wait(lambda: state().get("Restarts") == "3", "requeue after n2 went down", every=1)
     # Ranks 0 and 1 on n1 see their peers go; the first to stop makes torchrun end the other, which may not
     # get to say it (the output shows local ranks 0 and 1).
     lost = [line for line in text().splitlines() if "peer lost: rank" in line]
@@ -201,12 +204,12 @@ def test_two_node_job_survives_time_limit_preemption_and_a_lost_node_with_the_lo
     assert all("ranks 2, 3 are gone" in line for line in lost), lost
     assert cluster.node_states()["n2"].startswith("down")
     cluster.start_node("n2")
-    _wait(lambda: state().get("JobState") == "COMPLETED", "the resumed job to finish")
+    _wait(lambda: state().get("JobState") == "COMPLETED", "the resumed job to finish", every=1)
     phases["lost node"] = time.monotonic() - began
     assert f"checkpoint: resuming from step-{newest}" in text()
 
     # slurmdbd records the end a moment after slurmctld reports it.
-    _wait(lambda: "COMPLETED" in cluster.sacct(job), "the accounting record of the finished job")
+    _wait(lambda: "COMPLETED" in cluster.sacct(job), "the accounting record of the finished job", every=1)
     runs = cluster.sacct(job)
     print(
         f"job {job} (seconds since submission: {phases}; CPU seconds of its processes: "
