@@ -28,7 +28,7 @@ FLOOR_CHECK = (
     "tests/test_dependency_rule.py::test_library_installs_alone_on_the_floor_torch_and_passes_its_tests"
 )
 LONGEST_FIRST = (
-    "tests/test_train_layouts.py",  # 908 (746 CPU-s), one unit: its launches read each other's saves
+    "tests/test_train_layouts.py",  # 637 (512 CPU-s, 2026-11-29), one unit: its launches read each other's saves
     f"{FLOOR_CHECK}[parallel]",  # 357
     f"{FLOOR_CHECK}[models]",  # 473
     "packages/titan-train/tests/test_every_field_is_honoured.py",  # 492
