@@ -23,6 +23,16 @@ def skip_unless_cpu_runs_float8():
     return check
 
 
+@pytest.hookimpl(tryfirst=True)  # before the repository's conftest.py reads the mark
+def pytest_collection_modifyitems(items):
+    """A `case` its module names in BEYOND_THE_FLOOR is claimed only for a torch or torchao newer than the
+    floor: marked `beyond_floor`, so that under .ci/run the main run keeps it (the floor run skips it)."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec and callspec.params.get("case") in getattr(item.module, "BEYOND_THE_FLOOR", ()):
+            item.add_marker(pytest.mark.beyond_floor)
+
+
 @pytest.fixture(scope="session")
 def cases_to_launch(request):
     """`cases_to_launch(module, fixture, cases)`: the cases of a module's launch fixture that the session's

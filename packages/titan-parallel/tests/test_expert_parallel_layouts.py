@@ -69,19 +69,17 @@ def four_ranks(tmp_path_factory, request, cases_to_launch):
 
 
 # Seen on torch 2.11 (the floor run), not on 2.15: ep2 + pp2 drifts from one process by 1.6e-4 relative in loss,
-# and the compiled MoE block recompiles past dynamo's limit. Expert parallelism is claimed for torch >= 2.15.
-_NEEDS_TORCH_2_15 = {"ep2_pp2", "ep2_ac_full_compile"}
+# and the compiled MoE block recompiles past dynamo's limit. Expert parallelism is claimed for torch >= 2.15
+# (marked beyond_floor by conftest.py).
+BEYOND_THE_FLOOR = {"ep2_pp2", "ep2_ac_full_compile"}
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "case",
-    [pytest.param(c, marks=pytest.mark.beyond_floor) if c in _NEEDS_TORCH_2_15 else c for c in LAYOUTS],
-)
+@pytest.mark.parametrize("case", LAYOUTS)
 def test_expert_parallel_layout_trains_like_one_process(four_ranks, case):
-    if case in _NEEDS_TORCH_2_15 and _TORCH < (2, 15):
-        pytest.skip(f"{case} is claimed for torch >= 2.15 (on {torch.__version__}: see _NEEDS_TORCH_2_15)")
+    if case in BEYOND_THE_FLOOR and _TORCH < (2, 15):
+        pytest.skip(f"{case} is claimed for torch >= 2.15 (on {torch.__version__}: see BEYOND_THE_FLOOR)")
     result = four_ranks[case]
     assert "error" not in result, result.get("error")
     ref, par = result["reference"], result["parallel"]

@@ -66,11 +66,7 @@ FOUR_RANKS = {
 TOLERANCE = {"fsdp_bf16_params": 2e-2, "float8_rowwise_tp": 2e-3}
 # Skipped on the floor (torch 2.11 refuses float8 rowwise on CPU; torchao 0.17 has no MXFP8 training): under
 # .ci/run these run in the main suite, on the locked torch, and the floor check runs the others.
-BEYOND_THE_FLOOR = {"float8_rowwise_fsdp", "float8_rowwise_tp", "mx_emulated_fsdp"}
-
-
-def _cases(cases) -> list:
-    return [pytest.param(c, marks=pytest.mark.beyond_floor) if c in BEYOND_THE_FLOOR else c for c in cases]
+BEYOND_THE_FLOOR = {"float8_rowwise_fsdp", "float8_rowwise_tp", "mx_emulated_fsdp"}  # marked by conftest.py
 
 
 def _launch(world: int, cases: list[str], out: Path) -> dict:
@@ -117,7 +113,7 @@ def _check(result: dict, case: str, expected_facts: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", _cases(TWO_RANKS))
+@pytest.mark.parametrize("case", TWO_RANKS)
 def test_two_rank_layout_trains_like_one_process(two_ranks, case, skip_unless_cpu_runs_float8):
     if case.startswith("float8_"):
         skip_unless_cpu_runs_float8(case.split("_")[1])
