@@ -63,6 +63,7 @@ LONGEST_FIRST = (
     "packages/titan-train/tests/test_data_choices.py",  # ~75
     "tests/test_hf_export_drop_in.py",  # ~60
     "packages/titan-train/tests/test_mtp.py",  # ~60
+    "tests/test_hf_start_memory.py",  # 92 (new 2026-12-02, quiet machine): two 4-rank runs of a 285 MB model
 )
 
 

@@ -29,6 +29,7 @@ from titan_train.reporting.metrics import MetricsLogger, StepMetrics, device_mem
 from titan_train.reporting.profiling import MemorySnapshots, maybe_profile
 from titan_train.reporting.trainable_params import count_trainable, log_trainable
 from titan_train.train_state import TrainState
+from titan_train.wiring import host_memory
 from titan_train.wiring.checkpointing import (
     build_checkpointer,
     find_checkpoint,
@@ -37,7 +38,6 @@ from titan_train.wiring.checkpointing import (
 )
 from titan_train.wiring.data import build_loader, build_tokenizer_for, build_validation_loader, planned_steps
 from titan_train.wiring.gc_schedule import GarbageCollection
-from titan_train.wiring.host_memory import keep_freed_host_memory
 from titan_train.wiring.lora import lora_enabled
 from titan_train.wiring.lora_export import write_peft_adapter
 from titan_train.wiring.model import build_model, check_vocabulary
@@ -104,8 +104,8 @@ class Trainer:
         self.plan, self.config, self.info = plan, config, info
         self.closing = contextlib.ExitStack() if closing is None else closing
         self.device = info.device
-        if self.device.type == "cpu":
-            keep_freed_host_memory()  # activations live in host memory: no page faults every step
+        # Activations live in host memory on CPU: the steps may keep freed blocks (the loads and exports do not).
+        self.host_memory = host_memory.KeptHostMemory(self.device.type == "cpu" and host_memory.wanted())
         seed = plan.seed
         torch.manual_seed(seed)
         if config.debug.deterministic:
@@ -505,6 +505,7 @@ class Trainer:
         with self.closing as closing:
             if self.restore():
                 return []
+            closing.callback(self.host_memory.close)
             self.metrics.resume_from(self.state.step)
             c, rank, dump = self.config, self.info.rank, Path(self.config.job.dump_folder)
             # Remote data on several ranks: a step's batches are taken before its collectives, and the
@@ -545,6 +546,7 @@ class Trainer:
                     if self.mtp_loss is not None:
                         self.mtp_loss.begin_step()
                     step = self.train_step(batches)
+                self.host_memory.keep()  # from the second step on: the first allocated what the run holds
                 self.state.step += 1
                 self.state.tokens_seen += step.tokens * self.dims.dp_degree
                 window.steps += 1
@@ -562,10 +564,12 @@ class Trainer:
                         else:
                             self.metrics.log_validation(self.state.step, *result)
                 last_step = self.state.step == self.plan.steps
-                if self.checkpointer is not None:
-                    self.checkpointer.maybe_save(self.state.step, last_step=last_step)
-                    if last_step:
+                if self.checkpointer is not None and last_step:
+                    with self.host_memory.released():  # the whole state saved and exported once
+                        self.checkpointer.maybe_save(self.state.step, last_step=True)
                         self._export_peft_adapter()
+                elif self.checkpointer is not None:
+                    self.checkpointer.maybe_save(self.state.step)
                 self.guard.end_step(self.state.step, last_step=last_step, checkpointer=self.checkpointer)
                 gc_schedule.step(self.state.step)
                 snapshots.step(self.state.step)
