@@ -703,6 +703,13 @@ PROBES: dict[str, Probe] = {
     "training.dataset_path": Probe(
         ("--training.dataset_path", "docs2.jsonl"), first_batch, base=JSON_DATA, prepare=data_files
     ),
+    # Preference pairs train the preference objective by default; next_token trains their tokens instead.
+    "training.objective": Probe(
+        ("--training.objective", "next_token"),
+        lambda s: type(s.trainer.objective).__name__,
+        base=PREFERENCE,
+        prepare=preference_files,
+    ),
     "training.dataset_split": Probe(
         ("--training.dataset_split", "test"), first_batch, base=SPLITS, prepare=split_files
     ),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tiny_llama import from_hf_flags, save_tiny_llama
 
-import titan_train.trainer as trainer_module
+import titan_train.objectives.preference as preference_objective
 from titan_data import PreferenceDataset, build_tokenizer, load_chat_template, load_pairs
 from titan_train.config import load_job_config
 from titan_train.plan import resolve
@@ -156,14 +156,14 @@ def test_precomputed_reference_equals_the_frozen_copy_and_resumes_without_a_seco
     window's pairs are not the dataset's in order); no frozen copy is built; a run killed after step 2
     resumes steps 3-4 bit for bit from the table in its checkpoint, with no second pass."""
     passes = []
-    real_pass = trainer_module.precompute_reference
+    real_pass = preference_objective.precompute_reference
     monkeypatch.setattr(
-        trainer_module, "precompute_reference", lambda *a, **k: passes.append(1) or real_pass(*a, **k)
+        preference_objective, "precompute_reference", lambda *a, **k: passes.append(1) or real_pass(*a, **k)
     )
     built = []
-    real_build = trainer_module.build_reference
+    real_build = preference_objective.build_reference
     monkeypatch.setattr(
-        trainer_module, "build_reference", lambda *a: built.append(out := real_build(*a)) or out
+        preference_objective, "build_reference", lambda *a: built.append(out := real_build(*a)) or out
     )
     flags = (
         "--training.local_batch_size", "2", "--sft.packing", "false",

@@ -33,6 +33,7 @@ from titan_parallel import (
 )
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
+from titan_train.objectives.registry import objective_name
 from titan_train.registry import ModelFamily, get_model_family
 from titan_train.run_plan import ParamCounts, RunPlan
 from titan_train.wiring.hf_interop import check_hf_export, model_args
@@ -80,9 +81,13 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     dims = build_parallel_dims(config, world_size)
     param_dtype = compute_dtype(config, torch.device(device_type)) if dims.fsdp_enabled else torch.float32
     options = parallel_options(config, param_dtype, dtype_of(config.training.mixed_precision_reduce))
-    problems, grad_accum_steps = [], 1
+    problems, grad_accum_steps, objective = [], 1, "next_token"
     try:
         grad_accum_steps = gradient_accumulation_steps(config, dims.dp_degree)
+    except ConfigError as err:
+        problems.append(str(err))
+    try:
+        objective = objective_name(config)
     except ConfigError as err:
         problems.append(str(err))
     try:
@@ -127,6 +132,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
         params=ParamCounts.of(model, family),
         num_streams=config.training.dataloader.num_streams,
         steps=config.training.steps,
+        objective=objective,
     )
 
 

@@ -55,6 +55,8 @@ class RunPlan:
     # Optimizer steps the run trains to: training.steps, or what training.epochs passes over the data take,
     # which only the data can tell (the trainer counts them: `with_steps`); the config keeps what was given.
     steps: int = 0
+    # The training objective's registered name, decided once by titan_train.objectives.registry.objective_name.
+    objective: str = "next_token"
 
     @property
     def seed(self) -> int:

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from titan_ckpt import ModelState, OptimizerState
-from titan_parallel import clip_grad_norm_, precompute_float8_scales, training_context
+from titan_parallel import clip_grad_norm_, precompute_float8_scales
 from titan_train.config import config_to_dict
-from titan_train.config.preference_section import REFERENCE_FREE
 from titan_train.distributed import DistInfo
 from titan_train.faults.data_outage import StepBatches, stop_on_data_outage
 from titan_train.faults.drills import FaultDrills
 from titan_train.faults.step_guard import AgreedNumbers, StepGuard, StepNumbers
+from titan_train.objectives.protocol import ObjectiveContext
+from titan_train.objectives.registry import build_objective
 from titan_train.plan import RunPlan
 from titan_train.reporting.device_peaks import peak_flops
 from titan_train.reporting.memory_estimate import log_estimate_in_child
@@ -42,23 +42,12 @@ from titan_train.wiring.lora import lora_enabled
 from titan_train.wiring.lora_export import write_peft_adapter
 from titan_train.wiring.model import build_model, check_vocabulary
 from titan_train.wiring.moe import MoEBalancing, MoEStepStats, has_experts
-from titan_train.wiring.mtp import MTPLoss
 from titan_train.wiring.muon_after_step import MuonAfterStep
 from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
 from titan_train.wiring.precision import forward_context
-from titan_train.wiring.preference_pipeline import PipelinedPreference
-from titan_train.wiring.preference_reference import PrecomputedReference, precompute_reference
-from titan_train.wiring.preference_step import (
-    PreferenceStep,
-    build_reference,
-    copy_starting_weights,
-)
-from titan_train.wiring.preference_validation import PreferenceValidator
 from titan_train.wiring.qlora import DequantizedModelState, qlora_enabled, quantize_parts
-from titan_train.wiring.stage_inputs import stage_inputs
 from titan_train.wiring.valid_token_loss import IGNORE_INDEX
-from titan_train.wiring.validation import Validator
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +75,9 @@ class StepResult:
     trained_tokens: torch.Tensor  # this rank's labels that count in the loss (not -100), on the device
     data_seconds: float
     moe: MoEStepStats | None = None  # expert load and aux loss, for a model with experts
-    preference: dict[str, float] | None = None  # rewards and log-probs, for preference tuning
+    objective: dict[str, float] | None = (
+        None  # the objective's own: TRL's rewards and log-probs for preference
+    )
 
 
 class Trainer:
@@ -128,34 +119,6 @@ class Trainer:
             plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed, drill=drills.loss_with_drill
         )
         self.model_parts, self.pipeline, self.parallel_options = built.parts, built.pipeline, plan.options
-        self.preference, self.reference_parts, self.reference_logps = None, None, None
-        self.preference_pipeline = None
-        if config.training.dataset == "preference":
-            if config.preference.reference == "precompute" and config.preference.loss not in REFERENCE_FREE:
-                self.reference_logps = PrecomputedReference(len(self.loader.packed.pairs), self.device)
-            references = []  # the frozen copy as built: its parts and, under a pipeline, its own schedule
-
-            def build_copy() -> list[torch.nn.Module]:
-                references.append(build_model(plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed))
-                return references[-1].parts
-
-            self.reference_parts = build_reference(config, lora_enabled(config), build_copy)
-            dp, pp = self.dims.submesh("dp"), self.dims.submesh("pp")
-            self.preference = PreferenceStep(
-                config,
-                self.model_parts,
-                self.reference_parts,
-                self._model_forward,
-                seq_len=config.training.seq_len,
-                dp_degree=self.dims.dp_degree,
-                group=dp.get_group() if dp is not None else None,
-                precomputed=self.reference_logps,
-                pp_group=pp.get_group() if pp is not None else None,
-            )
-            if self.pipeline is not None:
-                self.preference_pipeline = PipelinedPreference(
-                    self.preference, self.pipeline, references[0].pipeline if references else None
-                )
         self.guard = StepGuard(
             config.health,
             rank=info.rank,
@@ -170,16 +133,26 @@ class Trainer:
             and float8.fsdp_all_gather
             and config.quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
         )
-        self.loss_fn, self.train_loss_fn = plan.loss_fn, built.train_loss_fn
-        self.token_weights = built.token_weights
-        self.mtp_loss = plan.loss_fn if isinstance(plan.loss_fn, MTPLoss) else None
-        if self.mtp_loss is not None and self.pipeline is not None:
-            pipeline = self.pipeline
-            self.mtp_loss.ignore_while(lambda: pipeline.inferring_metadata)
+        self.loss_fn = plan.loss_fn
         self.moe = MoEBalancing(self.model_parts, self.dims, has_experts(built.args))
         if config.model.print_after_conversion:
             logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
         self.forward_context = forward_context(config, self.dims, self.device)
+        self.objective = build_objective(
+            plan.objective,
+            ObjectiveContext(
+                plan=plan,
+                device=self.device,
+                parts=self.model_parts,
+                pipeline=self.pipeline,
+                train_loss_fn=built.train_loss_fn,
+                loss_fn=plan.loss_fn,
+                token_weights=built.token_weights,
+                loader=self.loader,
+                forward_context=self.forward_context,
+                build_copy=lambda: build_model(plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed),
+            ),
+        )
         optimizers_class = PartOptimizers
         if config.optimizer.early_step_in_backward:
             check_step_in_backward(config, self.grad_accum_steps)
@@ -225,8 +198,7 @@ class Trainer:
                 "lr_scheduler": self.optimizers.schedule_state(),
                 "dataloader": self.loader,
                 "train_state": self.state,
-                **({"reference": ModelState(self.reference_parts)} if self.reference_parts else {}),
-                **({"reference_logps": self.reference_logps} if self.reference_logps else {}),
+                **self.objective.states(),
             },
             model_args=built.args,
         )
@@ -244,25 +216,9 @@ class Trainer:
         )
         self.closing.callback(self.metrics.close)
         self.validator = None
-        if config.validation.enable and self.preference is not None:
-            v = config.validation
-            self.validator = PreferenceValidator(
-                lambda: build_validation_loader(config, self.tokenizer, dp_rank, dp_degree),
-                self.preference,
-                self._preference_context,
-                seq_len=v.seq_len,
-                device=self.device,
-                freq=v.freq,
-                steps=v.steps,
-            )
-        elif config.validation.enable:
-            v = config.validation
-            self.validator = Validator(
-                lambda: build_validation_loader(config, self.tokenizer, dp_rank, dp_degree),
-                self._validation_loss,
-                device=self.device,
-                freq=v.freq,
-                steps=v.steps,
+        if config.validation.enable:
+            self.validator = self.objective.validator(
+                lambda: build_validation_loader(config, self.tokenizer, dp_rank, dp_degree)
             )
 
     def restore(self) -> bool:
@@ -272,7 +228,7 @@ class Trainer:
         self.state.training_steps = self.plan.steps
         if self.checkpointer is None:
             self._quantize_base()
-            self._start_reference()
+            self.objective.start(self.state.step, self.loader)
             return False
         if self.config.checkpoint.create_seed_checkpoint:
             write_seed_checkpoint(self.checkpointer)
@@ -287,31 +243,8 @@ class Trainer:
             self.checkpointer.states["dataloader"] = self.loader
         load_found(self.checkpointer, found, self.state, self.plan.steps)
         self._quantize_base()
-        self._start_reference()
+        self.objective.start(self.state.step, self.loader)
         return False
-
-    def _start_reference(self) -> None:
-        """Preference tuning from step 0: the reference takes the starting weights, now loaded (a resumed
-        run loaded the reference with the checkpoint), or gives its log-probs of every pair, computed now."""
-        if self.state.step != 0:
-            return
-        if self.reference_parts is not None:
-            copy_starting_weights(self.reference_parts, self.model_parts)
-        if self.reference_logps is not None:
-            dp = self.dims.submesh("dp")
-            precompute_reference(
-                self.reference_logps,
-                self.loader.packed,
-                self.model_parts,
-                self._model_forward,
-                self._preference_context,
-                batch_size=self.config.training.local_batch_size,
-                dp_rank=self.dp_rank,
-                dp_degree=self.dp_degree,
-                group=dp.get_group() if dp is not None else None,
-                window_sums=self.preference_pipeline.reference_sums if self.preference_pipeline else None,
-                pp_group=self.preference.pp_group,
-            )
 
     def _quantize_base(self) -> None:
         """QLoRA: the base, now loaded, into NF4 (see `titan_train.wiring.qlora`)."""
@@ -338,50 +271,37 @@ class Trainer:
                 batch = tuple(t.pin_memory() for t in batch)
             yield tuple(t.to(self.device, non_blocking=pinned) for t in batch)
 
-    def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        """One optimizer step over `grad_accum_steps` micro-batches.
+    def train_step(self, batches: Iterator[tuple[torch.Tensor, ...]]) -> StepResult:
+        """One optimizer step over `grad_accum_steps` micro-batches, each handed to the objective.
 
-        Under FSDP, gradients of all but the last micro-batch accumulate unsharded on each rank and are
-        reduce-scattered once, after the last.
+        The step's micro-batches are taken first, so that the objective can count them (tokens, pairs)
+        before the first forward. Under FSDP, gradients of all but the last micro-batch accumulate
+        unsharded on each rank and are reduce-scattered once, after the last.
         """
         if isinstance(self.optimizers, BackwardStepOptimizers):
             return self._train_step_in_backward(batches)
         self.optimizers.zero_grad()
         loss_sum = torch.zeros((), device=self.device)
-        tokens, data_seconds = 0, 0.0
+        start = time.perf_counter()
+        step_batches = [next(batches) for _ in range(self.grad_accum_steps)]
+        self.objective.begin_step(step_batches)
+        data_seconds = time.perf_counter() - start
+        tokens = 0
         trained = torch.zeros((), dtype=torch.int64, device=self.device)
-        if self.preference is not None:  # the step's pairs are counted before its first forward
-            start = time.perf_counter()
-            step_batches = [next(batches) for _ in range(self.grad_accum_steps)]
-            self.preference.begin_step(step_batches)
-            batches = iter(step_batches)
-            data_seconds += time.perf_counter() - start
-        elif self.token_weights is not None:  # the step's trained tokens are counted before its first forward
-            start = time.perf_counter()
-            batches = iter(self._weigh_step([next(batches) for _ in range(self.grad_accum_steps)]))
-            data_seconds += time.perf_counter() - start
-        for micro in range(self.grad_accum_steps):
+        for micro, batch in enumerate(step_batches):
             for part in self.model_parts:
                 if isinstance(part, FSDPModule):
                     part.set_requires_gradient_sync(micro == self.grad_accum_steps - 1)
-            start = time.perf_counter()
-            inputs, labels, *positions = next(batches)
-            data_seconds += time.perf_counter() - start
+            labels = batch[1]
             tokens += labels.numel()  # counted before context parallelism keeps a slice of the sequence
             trained += (labels != IGNORE_INDEX).sum()  # no host sync: read when the step is logged
-            if self.preference is not None:
-                pairs = self.preference_pipeline or self.preference
-                loss_sum += pairs.forward_backward(
-                    inputs, labels, *positions, context=self._preference_context
-                )
-                continue
-            loss_sum += self._forward_backward(inputs, labels, *positions)
+            loss_sum += self.objective.forward_backward(batch)
         parameters = [p for part in self.model_parts for p in part.parameters()]
         grad_norm = clip_grad_norm_(
             parameters, self.config.training.max_norm, pp_mesh=self.dims.submesh("pp")
         )
         numbers = self.guard.agree(loss_sum, grad_norm)  # the step's one collective: loss, health, signals
-        preference = self.preference.end_step() if self.preference is not None else None
+        objective_metrics = self.objective.end_step()
         if self.checkpointer is not None:
             self.checkpointer.wait_for_staging()  # a background save's copy must see the weights unchanged
         lr = self.optimizers.lr
@@ -396,22 +316,21 @@ class Trainer:
                 for part in self.model_parts:
                     precompute_float8_scales(part)
         moe = self.moe.step(applied)  # expert biases from this step's routing, summed over dp x cp ranks
-        return StepResult(numbers, tokens, trained, data_seconds, moe, preference)
+        return StepResult(numbers, tokens, trained, data_seconds, moe, objective_metrics)
 
-    def _train_step_in_backward(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+    def _train_step_in_backward(self, batches: Iterator[tuple[torch.Tensor, ...]]) -> StepResult:
         """`train_step` with the optimizer stepping in backward; with clipping, a first backward measures
         the norm (see optimizer_in_backward). Context parallelism shards the batch it is given: each
         pass gets its own copy."""
         start = time.perf_counter()
-        inputs, labels, *positions = next(batches)
+        inputs, labels, *rest = next(batches)
         data_seconds = time.perf_counter() - start
-        if self.token_weights is not None:
-            self._weigh_step([(inputs, labels)])
+        self.objective.begin_step([(inputs, labels, *rest)])
         max_norm = self.config.training.max_norm
         coef = 1.0
         if max_norm > 0:
             norm = self.optimizers.measure(
-                lambda: self._forward_backward(inputs.clone(), labels.clone(), *positions)
+                lambda: self.objective.forward_backward((inputs.clone(), labels.clone(), *rest))
             )
             self.moe.discard_counts()  # the stepping pass routes the same tokens again
             coef = min(1.0, max_norm / (norm.item() + 1e-6))  # torch's clip_grads_with_norm_
@@ -419,79 +338,15 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.wait_for_staging()  # parameters move during this backward
         loss, grad_norm = self.optimizers.step(
-            lambda: self._forward_backward(inputs, labels, *positions), coef
+            lambda: self.objective.forward_backward((inputs, labels, *rest)), coef
         )
         moe = self.moe.step(applied=True)  # parameters moved in backward
         numbers = self.guard.agree(loss, grad_norm)
         self.guard.decide(self.state.step + 1, numbers)
-        return StepResult(numbers, labels.numel(), (labels != IGNORE_INDEX).sum(), data_seconds, moe)
-
-    def _weigh_step(self, step_batches: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
-        """Count the step's trained tokens over the data-parallel ranks, so that each micro-batch's loss
-        weighs its share of them (chat rows mask a different share of each row; see valid_token_loss)."""
-        microbatches = self.pipeline.n_microbatches if self.pipeline is not None else 1
-        dp = self.dims.submesh("dp")
-        self.token_weights.begin_step(
-            [batch[1] for batch in step_batches],
-            self.dims.dp_degree * len(step_batches) * microbatches,
-            dp.get_group() if dp is not None else None,
+        objective_metrics = self.objective.end_step()
+        return StepResult(
+            numbers, labels.numel(), (labels != IGNORE_INDEX).sum(), data_seconds, moe, objective_metrics
         )
-        return step_batches
-
-    def _layout_context(self, inputs: torch.Tensor, labels: torch.Tensor):
-        """Loss and context parallelism around a forward pass, as the layout enables them: context
-        parallelism shards the batch and the model's sequence buffers along the sequence."""
-        positions = [buffer for part in self.model_parts for buffer in part.sequence_buffers()]
-        return training_context(
-            self.dims,
-            self.parallel_options,
-            cp_buffers=[inputs, labels, *(b for b, _ in positions)],
-            cp_seq_dims=[1, 1, *(dim for _, dim in positions)],
-            cp_no_restore=[inputs, labels],
-            cp_models=self.model_parts,
-        )
-
-    @contextlib.contextmanager
-    def _preference_context(self) -> Iterator[None]:
-        """The forward context and, under TP, loss parallelism: preference log-probs are taken from the
-        vocabulary-sharded logits (context parallelism is refused for preference data)."""
-        with training_context(self.dims, self.parallel_options), self.forward_context():
-            yield
-
-    def _validation_loss(
-        self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Mean loss of one validation batch, forward only, through the same layout as training."""
-        with self._layout_context(inputs, labels):
-            if self.pipeline is not None:
-                return self.pipeline.evaluate(
-                    inputs, labels, **stage_inputs(self.model_parts, inputs, positions)
-                )
-            with self.forward_context():
-                loss = self.loss_fn(self._model_forward(inputs, positions), labels)
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
-
-    def _model_forward(self, inputs: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """Logits of the one model part; chat rows pass their positions (conversations restart at 0)."""
-        if positions is None:
-            return self.model_parts[0](inputs)
-        return self.model_parts[0](inputs, positions=positions)
-
-    def _forward_backward(
-        self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Loss of one micro-batch, gradients accumulated. Both paths train on `train_loss_fn`, the loss
-        scaled for gradient accumulation (see `micro_batch_loss`)."""
-        with self._layout_context(inputs, labels):
-            if self.pipeline is not None:
-                return self.pipeline.step(
-                    inputs, labels, **stage_inputs(self.model_parts, inputs, positions)
-                ).detach()
-            with self.forward_context():
-                loss = self.train_loss_fn(self._model_forward(inputs, positions), labels)
-            loss.backward()
-        # Under loss parallelism the loss is a replicated DTensor.
-        return loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
 
     def train(self) -> list[float]:
         """Train to the plan's steps (`training.steps`, or `training.epochs` counted), resuming from a
@@ -543,8 +398,6 @@ class Trainer:
                 with stop_on_data_outage(self.state.step, self.checkpointer, self.loader):
                     fetch_seconds = batches.fetch()
                     self.state.apply_saved_rng()  # a resumed run's generators, just before its first step
-                    if self.mtp_loss is not None:
-                        self.mtp_loss.begin_step()
                     step = self.train_step(batches)
                 self.host_memory.keep()  # from the second step on: the first allocated what the run holds
                 self.state.step += 1
@@ -554,7 +407,7 @@ class Trainer:
                 window.trained_tokens += step.trained_tokens
                 window.data_seconds += step.data_seconds + fetch_seconds
                 if self.metrics.should_log(self.state.step):
-                    losses.append(self._log(step.numbers.read(), window, step.moe, step.preference))
+                    losses.append(self._log(step.numbers.read(), window, step.moe, step.objective))
                     window = _Window()
                 if self.validator is not None and self.validator.should_validate(self.state.step):
                     with stop_on_data_outage(self.state.step, self.checkpointer):
@@ -596,23 +449,17 @@ class Trainer:
         numbers: AgreedNumbers,
         window: _Window,
         moe: MoEStepStats | None,
-        preference: dict[str, float] | None = None,
+        objective: dict[str, float] | None = None,
     ) -> float:
         """Log the step; return its loss. The loss is the mean over ranks, and loss_max the largest,
-        as `StepGuard.agree` gathered them: the log line runs no collective of its own."""
+        as `StepGuard.agree` gathered them; the objective's own metrics beside them (MTP's loss is
+        gathered here, on logged steps only)."""
         seconds = time.perf_counter() - window.started
         tps = window.tokens / seconds / self.devices_per_replica
         trained_tps = float(window.trained_tokens) / seconds / self.devices_per_replica
         tflops = self.flops_per_token * tps / 1e12
         memory_gib, memory_pct, memory_active_gib = device_memory(self.device)
-        dp = self.dims.submesh("dp")
-        mtp_loss = None
-        if self.mtp_loss is not None:
-            pipe = self.pipeline
-            last_stage = (pipe.pp_mesh.get_group(), pipe.last_stage_rank) if pipe is not None else None
-            mtp_loss = self.mtp_loss.step_mean(
-                dp.get_group() if dp else None, last_stage=last_stage, device=self.device
-            )
+        objective = {**(objective or {}), **self.objective.log_metrics()}
         self.metrics.log(
             StepMetrics(
                 step=self.state.step,
@@ -634,8 +481,7 @@ class Trainer:
                 expert_load=moe.load() if moe is not None else None,
                 expert_counts=moe.counts if moe is not None else None,
                 aux_loss=moe.aux_loss if moe is not None else None,
-                mtp_loss=mtp_loss,
-                preference=preference,
+                objective=objective or None,
             )
         )
         return numbers.loss_mean

@@ -86,7 +86,7 @@ def validation_outage(trainer: Trainer, rank: int, folder: Path) -> dict:
                 raise SourceUnavailable("dataset: http://127.0.0.1:9/validation.json.gz stopped answering")
             yield (torch.randint(0, 2000, (2, 32)), torch.randint(0, 2000, (2, 32)))
 
-    validator = Validator(batches, trainer._validation_loss, device=trainer.device, freq=1, steps=-1)
+    validator = Validator(batches, trainer.objective.validation_loss, device=trainer.device, freq=1, steps=-1)
     checkpointer = Checkpointer(folder, {"train_state": trainer.state})
     try:
         with stop_on_data_outage(2, checkpointer):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tiny_llama import from_hf_flags
 
+import titan_train.objectives.preference as preference_objective
 import titan_train.trainer as trainer_module
 from titan_train.config import load_job_config
 from titan_train.distributed import init_distributed
@@ -19,8 +20,8 @@ from titan_train.plan import resolve
 def main(folder: Path, data: Path, out: Path) -> None:
     info = init_distributed(300)
     built = []
-    real_build = trainer_module.build_reference
-    trainer_module.build_reference = lambda *a: built.append(copy := real_build(*a)) or copy
+    real_build = preference_objective.build_reference
+    preference_objective.build_reference = lambda *a: built.append(copy := real_build(*a)) or copy
     results = {}
     for reference in ("copy", "precompute"):
         dump = out / reference

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
+from titan_train.config.sft_section import is_preference
 from titan_train.errors import ConfigError
 
 TOKEN_SHARDS = "token_shards"
-PREFERENCE = "preference"
 
 
 def default_steps(config: Any) -> int:
@@ -19,7 +19,7 @@ def default_steps(config: Any) -> int:
 
 def data_choices_fit(config: Any) -> None:
     t, v = config.training, config.validation
-    if t.dataset == PREFERENCE:
+    if is_preference(t):
         given = [
             name
             for name, value in (

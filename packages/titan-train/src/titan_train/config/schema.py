@@ -204,6 +204,13 @@ class Training:
     dataset_path: str | None = opt(
         None, "Read the dataset from this local path instead of its default", path="a dataset file or folder"
     )
+    objective: str = opt(
+        "auto",
+        "(Titan) What a step trains: auto (preference pairs: preference; other data: next_token), next_token, "
+        "preference, or a name a module of experimental.custom_import registers "
+        "(titan_train.objectives.registry.register_objective)",
+        nonempty=True,
+    )
     dataset_split: str = opt(
         "",
         "(Titan) Split to read: of a hub dataset, a save_to_disk DatasetDict, or a folder whose files are named "

@@ -21,10 +21,16 @@ def is_chat(section: Any) -> bool:
     return section.dataset == CHAT
 
 
+def is_preference(section: Any) -> bool:
+    """Whether a `[training]` or `[validation]` section reads preference pairs (`dataset = "preference"`):
+    the one place that tells pairs from other rows."""
+    return section.dataset == PREFERENCE
+
+
 def renders_chat_template(section: Any) -> bool:
     """Whether a section's rows are rendered with the chat template: chat rows (`is_chat`) and preference
-    pairs (see [sft] and [preference])."""
-    return is_chat(section) or section.dataset == PREFERENCE
+    pairs (`is_preference`; see [sft] and [preference])."""
+    return is_chat(section) or is_preference(section)
 
 
 FIELD_NAME = (r"[^\s]+", "a field name without spaces")

@@ -41,10 +41,9 @@ class StepMetrics:
     expert_load: dict[str, dict[str, float]] | None = None
     expert_counts: dict[str, list[float]] | None = None
     aux_loss: float | None = None
-    # Multi-token prediction: the mean of the depths' losses (`loss` is main + mtp_loss_weight * it).
-    mtp_loss: float | None = None
-    # Preference tuning: TRL's rewards/* and logps/* means over the step's pairs.
-    preference: dict[str, float] | None = None
+    # The training objective's own metrics under their names: MTP's mtp_loss (the mean of the depths'
+    # losses; `loss` is main + mtp_loss_weight * it), preference tuning's TRL rewards/* and logps/*.
+    objective: dict[str, float] | None = None
 
 
 # torchtitan's TensorBoard tags, so existing dashboards keep working.
@@ -156,10 +155,8 @@ class MetricsLogger:
         c = _Colors(self.color)
         mfu = f"  {c.magenta}mfu: {m.mfu:.2f}%" if m.mfu is not None else ""
         mfu += _moe_summary(m)
-        if m.mtp_loss is not None:
-            mfu += f"  mtp_loss: {m.mtp_loss:.4f}"
-        if m.preference:
-            mfu += "  " + "  ".join(f"{k}: {v:.4f}" for k, v in m.preference.items())
+        if m.objective:
+            mfu += "  " + "  ".join(f"{k}: {v:.4f}" for k, v in m.objective.items())
         logger.info(
             f"{c.red}step: {m.step:2}  {c.green}loss: {m.loss:7.4f}  {c.yellow}grad_norm: {m.grad_norm:7.4f}  "
             f"{c.turquoise}memory: {m.memory_gib:5.2f}GiB({m.memory_pct:.2f}%)  {c.blue}tps: {round(m.tps):,}  "
@@ -170,11 +167,11 @@ class MetricsLogger:
         record = {
             k: v
             for k, v in asdict(m).items()
-            if (v is not None or k not in (*PER_LAYER_FIELDS, "aux_loss", "mtp_loss")) and k != "preference"
+            if (v is not None or k not in (*PER_LAYER_FIELDS, "aux_loss")) and k != "objective"
         }
-        record.update(m.preference or {})  # under TRL's names, e.g. rewards/margins
+        record.update(m.objective or {})  # under their names, e.g. mtp_loss or TRL's rewards/margins
         tags = {TB_TAGS[k]: v for k, v in record.items() if k in TB_TAGS and k != "step" and v is not None}
-        tags.update(m.preference or {})
+        tags.update({TB_TAGS.get(k, k): v for k, v in (m.objective or {}).items()})
         for layer, load in (m.expert_load or {}).items():
             tags[f"moe/expert_load_max_over_mean/{layer}"] = load["max_over_mean"]
         self._record(self.jsonl, m.step, record, tags)

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 
 from titan_data import (
-    PREFERENCE,
     ChatDataset,
     ChatOptions,
     PreferenceDataset,
@@ -26,7 +25,7 @@ from titan_data import (
 )
 from titan_train.config.data_rules import default_steps
 from titan_train.config.schema import JobConfig
-from titan_train.config.sft_section import is_chat, template_variables
+from titan_train.config.sft_section import is_chat, is_preference, template_variables
 from titan_train.errors import ConfigError
 from titan_train.wiring.data_sources import data_section, epoch_steps, row_filter, section_paths, text_source
 
@@ -98,7 +97,7 @@ def _dataset(config: JobConfig, section, tokenizer: Tokenizer, *, infinite: bool
     documents packed (`token_shards` memory-mapped); under a held-out share, the training data's part (see
     `data_sources`). The data is read once; `make` deals it (the epoch count makes a finite copy)."""
     data, part = data_section(config, section)
-    if data.dataset == PREFERENCE:
+    if is_preference(data):
         pairs = _preference_pairs(config, section, tokenizer)
         return lambda layout, finite=False: PreferenceDataset(
             pairs,

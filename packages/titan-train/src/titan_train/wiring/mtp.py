@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from titan_models.deepseek_v3.mtp import split_mtp_logits
 from titan_parallel import ParallelDims
 from titan_train.config.schema import JobConfig
-from titan_train.config.sft_section import is_chat
+from titan_train.config.sft_section import renders_chat_template
 from titan_train.errors import ConfigError
 from titan_train.registry import LossFn
 
@@ -76,7 +76,7 @@ def mtp_problems(config: JobConfig, dims: ParallelDims, args: Any) -> list[str]:
             "parallelism.context_parallel_degree > 1 (a depth reads tokens k places ahead, on another rank)",
         ),
         (
-            is_chat(config.training) or config.training.dataset == "preference",
+            renders_chat_template(config.training),
             "chat or preference rows (their masked labels would weigh the MTP loss unevenly)",
         ),
     ]

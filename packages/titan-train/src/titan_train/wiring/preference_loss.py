@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
-IGNORE_INDEX = -100
+from titan_data import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

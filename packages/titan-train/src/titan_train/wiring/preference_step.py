@@ -20,7 +20,7 @@ from torch import nn
 
 from titan_data.preference.dataset import NO_SEQUENCE
 from titan_parallel import adapters_off
-from titan_train.config.preference_section import REFERENCE_FREE
+from titan_train.config.preference_section import PreferenceLoss
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
 from titan_train.wiring.preference_loss import (
@@ -105,11 +105,15 @@ class PreferenceStep:
         pp_group: dist.ProcessGroup | None = None,
     ):
         self.precomputed = precomputed  # a PrecomputedReference, read by each pair's dataset index
-        self.p, self.parts, self.reference, self.forward = config.preference, parts, reference, forward
+        self.loss, self.parts, self.reference, self.forward = (
+            PreferenceLoss.of(config.preference),
+            parts,
+            reference,
+            forward,
+        )
         self.seq_len, self.dp_degree, self.group = seq_len, dp_degree, group
         self.pp_group = pp_group  # under a pipeline the metrics add up on the last stage's rank only
-        self.needs_reference = self.p.loss not in REFERENCE_FREE
-        self.nll_weight = 1.0 if self.p.loss == "orpo" else self.p.rpo_alpha
+        self.needs_reference, self.nll_weight = self.loss.needs_reference, self.loss.nll_weight
         if len(parts) != 1 and pp_group is None:
             raise ConfigError(
                 "config: training.dataset = 'preference' needs the model in one part outside a pipeline"
@@ -119,7 +123,7 @@ class PreferenceStep:
         pairs = sum(int(((seq.amax(dim=1) + 1) // 2).sum()) for _, _, _, seq, *_ in step_batches)
         chosen_tokens = 0
         for inputs, labels, _, seq, *_ in step_batches:
-            if self.p.loss == "orpo":
+            if self.loss.nll_over_whole_chosen:
                 chosen_tokens += int((whole_chosen_labels(inputs, labels, seq) != IGNORE_INDEX).sum())
             else:
                 chosen_tokens += int(((labels != IGNORE_INDEX) & (seq >= 0) & (seq % 2 == 0)).sum())
@@ -144,7 +148,7 @@ class PreferenceStep:
 
     def nll_targets(self, inputs, labels, sequence) -> torch.Tensor:
         """The NLL term's targets: ORPO's whole chosen sequences, else the labels (the completions)."""
-        return whole_chosen_labels(inputs, labels, sequence) if self.p.loss == "orpo" else labels
+        return whole_chosen_labels(inputs, labels, sequence) if self.loss.nll_over_whole_chosen else labels
 
     def _pair_terms(self, inputs, labels, positions, sequence, pair, seq_len: int):
         """`terms` of a batch, its logits from the policy's forward here."""
@@ -166,23 +170,23 @@ class PreferenceStep:
         metric values (their sums over the batch's pairs) and the number of pairs."""
         policy = sequence_logps(logits, labels, sequence, 2 * pairs)
         out = pair_losses(
-            self.p.loss,
+            self.loss.kind,
             policy,
             None if reference is None else SequenceLogps(reference, policy.counts),
-            beta=self.p.beta,
-            label_smoothing=self.p.label_smoothing,
-            simpo_gamma=self.p.simpo_gamma,
+            beta=self.loss.beta,
+            label_smoothing=self.loss.label_smoothing,
+            simpo_gamma=self.loss.simpo_gamma,
         )
         nll, nll_tokens = out.losses.new_zeros(()), 0.0
         if self.nll_weight:
-            if self.p.loss == "orpo":
+            if self.loss.nll_over_whole_chosen:
                 nll = -token_logps(logits, nll_targets).sum()
                 nll_tokens = float((nll_targets != IGNORE_INDEX).sum())
             else:
                 nll = -policy.sums[0::2].sum()
                 nll_tokens = float(policy.counts[0::2].sum())
         chosen, rejected, n_chosen, n_rejected = policy.pairs()
-        if self.p.loss in REFERENCE_FREE:  # TRL's CPO and ORPO report average log-probs
+        if self.loss.reports_average_logps:
             chosen, rejected = chosen / n_chosen.clamp_min(1), rejected / n_rejected.clamp_min(1)
         cr, rr = out.chosen_rewards, out.rejected_rewards
         values = (cr, rr, (cr > rr).float(), cr - rr, chosen.detach(), rejected.detach())
@@ -241,16 +245,13 @@ class PreferenceStep:
         return {name: value / max(count, 1) for name, value in zip(METRICS, sums, strict=True)}
 
 
-def build_reference(
-    config: JobConfig, lora: bool, build: Callable[[], list[nn.Module]]
-) -> list[nn.Module] | None:
+def build_reference(source: str | None, build: Callable[[], list[nn.Module]]) -> list[nn.Module] | None:
     """The frozen reference model's parts, built by `build` (the run's own model builder, so it is
-    sharded like the policy), or None where there is none to build: a reference-free loss, or LoRA with
-    `reference = "auto"` (the policy with adapters off), or `"precompute"` (log-probs computed before
-    step 1 by the policy itself, see preference_reference). Its weights are the policy's starting weights,
-    copied in by `copy_starting_weights` once they are loaded."""
-    p = config.preference
-    if p.loss in REFERENCE_FREE or (lora and p.reference == "auto") or p.reference == "precompute":
+    sharded like the policy) where `source` (`PreferenceLoss.reference_source`) is "copy", else None: a
+    reference-free loss, the policy with adapters off, or log-probs precomputed before step 1 by the policy
+    itself (see preference_reference). Its weights are the policy's starting weights, copied in by
+    `copy_starting_weights` once they are loaded."""
+    if source != "copy":
         return None
     parts = build()
     for part in parts:

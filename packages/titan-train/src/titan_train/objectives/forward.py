@@ -1,0 +1,43 @@
+"""The forward pass every objective shares: the one model part's logits, inside the run's layout."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from titan_parallel import training_context
+from titan_train.run_plan import RunPlan
+
+
+def model_forward(
+    parts: list[nn.Module], inputs: torch.Tensor, positions: torch.Tensor | None
+) -> torch.Tensor:
+    """Logits of the one model part; chat rows pass their positions (conversations restart at 0)."""
+    if positions is None:
+        return parts[0](inputs)
+    return parts[0](inputs, positions=positions)
+
+
+def layout_context(plan: RunPlan, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor):
+    """Loss and context parallelism around a forward pass, as the layout enables them: context
+    parallelism shards the batch and the model's sequence buffers along the sequence."""
+    positions = [buffer for part in parts for buffer in part.sequence_buffers()]
+    return training_context(
+        plan.dims,
+        plan.options,
+        cp_buffers=[inputs, labels, *(b for b, _ in positions)],
+        cp_seq_dims=[1, 1, *(dim for _, dim in positions)],
+        cp_no_restore=[inputs, labels],
+        cp_models=parts,
+    )
+
+
+@contextlib.contextmanager
+def whole_sequence_context(plan: RunPlan, forward_context) -> Iterator[None]:
+    """The forward context and, under TP, loss parallelism, for objectives that score whole sequences
+    (context parallelism is refused for them): log-probs are taken from the vocabulary-sharded logits."""
+    with training_context(plan.dims, plan.options), forward_context():
+        yield
