@@ -3,7 +3,7 @@ and TensorBoard, failing on a resident-memory, thread or file-descriptor climb a
 
 The full soak (6,000 steps, bench/RESULTS.md) is the benchmark; this one is short enough for CI and still
 long enough to see the leak the soak first found: with the trainer's scheduled garbage collections of
-the young generations only (a planted `gc.collect(1)` in titan_train/wiring/gc_schedule.py), resident
+the young generations only (a planted `gc.collect(1)` in titan_train/step/gc_schedule.py), resident
 memory grew 5.5 MiB per 1,000 steps here against 0.3 without (1.1 in one CI run: a fit over 1,000 steps
 is noisier than the full soak's), so this soak allows 3 MiB per 1,000 steps and exits 1 above. Open fds
 and threads may grow by 2 per 1,000 steps (soak.py's default): a planted descriptor left open per

@@ -86,8 +86,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_train.objectives.preference_step import (
+    METRICS as PREFERENCE_METRICS,  # TRL's rewards/* and logps/*
+)
 from titan_train.torchrun import run_torchrun
-from titan_train.wiring.preference_step import METRICS as PREFERENCE_METRICS  # TRL's rewards/* and logps/*
 
 # A launch runs inside the first test that reads one of its rows, after the launches whose saves it resumes.
 pytestmark = pytest.mark.timeout(2400)

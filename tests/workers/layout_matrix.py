@@ -36,8 +36,8 @@ from titan_train.cli import USER_ERRORS, plan_run, train_joined
 from titan_train.config import load_job_config
 from titan_train.distributed import init_distributed, shutdown
 from titan_train.registry import get_model_family, register_flavor
+from titan_train.step.gc_schedule import libraries_frozen
 from titan_train.trainer import Trainer
-from titan_train.wiring.gc_schedule import libraries_frozen
 
 # The Llama 3 debug model cut to 2 layers, and to 4 for schedules with two stages per pipeline rank.
 _LLAMA3 = get_model_family("llama3")

@@ -10,8 +10,8 @@ from titan_train.config import load_job_config
 from titan_train.errors import ConfigError
 from titan_train.plan import resolve
 from titan_train.registry import get_model_family
+from titan_train.step.gc_schedule import GarbageCollection, libraries_frozen
 from titan_train.wiring.data import build_tokenizer_for
-from titan_train.wiring.gc_schedule import GarbageCollection, libraries_frozen
 from titan_train.wiring.loss import build_loss_fn
 from titan_train.wiring.model import build_model
 from titan_train.wiring.optimizers import build_lr_schedule, build_optimizer

@@ -11,7 +11,7 @@ import pytest
 PROBE = """
 import resource
 import torch
-from titan_train.wiring.host_memory import keep_freed_host_memory
+from titan_train.step.host_memory import keep_freed_host_memory
 
 def rounds(n):
     faults = []

@@ -36,10 +36,10 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from titan_train.objectives.forward import model_forward, whole_sequence_context
+from titan_train.objectives.preference_loss import sequence_logps
+from titan_train.objectives.preference_step import global_sequences
 from titan_train.objectives.protocol import ObjectiveContext
 from titan_train.objectives.registry import register_objective
-from titan_train.wiring.preference_loss import sequence_logps
-from titan_train.wiring.preference_step import global_sequences
 
 BETA, MOMENTUM = 2.0, 0.9
 

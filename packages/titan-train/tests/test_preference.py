@@ -16,12 +16,12 @@ from tiny_llama import from_hf_flags, save_tiny_llama
 import titan_train.objectives.preference as preference_objective
 from titan_data import PreferenceDataset, build_tokenizer, load_chat_template, load_pairs
 from titan_train.config import load_job_config
+from titan_train.objectives.preference_step import METRICS
 from titan_train.plan import resolve
 from titan_train.torchrun import run_torchrun
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
 from titan_train.wiring.lora_export import PEFT_FOLDER, PEFT_WEIGHTS
-from titan_train.wiring.preference_step import METRICS
 
 BUNDLED = BUNDLED_TOKENIZER.parent / "preference_test" / "preference_test.jsonl"
 PAIRS, SEQ_LEN, STEPS = 8, 128, 4

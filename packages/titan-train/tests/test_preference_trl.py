@@ -19,11 +19,11 @@ import torch
 from tiny_llama import from_hf_flags, save_tiny_llama
 
 from titan_train.config import load_job_config
+from titan_train.objectives.preference_loss import SequenceLogps, pair_losses
+from titan_train.objectives.preference_step import METRICS
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 from titan_train.wiring.data import BUNDLED_TOKENIZER
-from titan_train.wiring.preference_loss import SequenceLogps, pair_losses
-from titan_train.wiring.preference_step import METRICS
 
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")

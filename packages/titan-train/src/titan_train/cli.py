@@ -38,8 +38,8 @@ from titan_train.plan import RunPlan, resolve
 from titan_train.reporting.device_peaks import DEVICE_MEMORY_GIB
 from titan_train.reporting.dry_run import dry_run
 from titan_train.reporting.report import build_report
+from titan_train.step.gc_schedule import libraries_frozen
 from titan_train.trainer import Trainer
-from titan_train.wiring.gc_schedule import libraries_frozen
 
 USER_ERRORS = (ConfigError, DataError, ParallelConfigError, CheckpointError, ModelError)
 

@@ -28,8 +28,11 @@ from titan_train.reporting.memory_estimate import log_estimate_in_child
 from titan_train.reporting.metrics import MetricsLogger, StepMetrics, device_memory, wants_colour
 from titan_train.reporting.profiling import MemorySnapshots, maybe_profile
 from titan_train.reporting.trainable_params import count_trainable, log_trainable
+from titan_train.step import host_memory
+from titan_train.step.gc_schedule import GarbageCollection
+from titan_train.step.muon_after_step import MuonAfterStep
+from titan_train.step.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.train_state import TrainState
-from titan_train.wiring import host_memory
 from titan_train.wiring.checkpointing import (
     build_checkpointer,
     find_checkpoint,
@@ -37,13 +40,10 @@ from titan_train.wiring.checkpointing import (
     write_seed_checkpoint,
 )
 from titan_train.wiring.data import build_loader, build_tokenizer_for, build_validation_loader, planned_steps
-from titan_train.wiring.gc_schedule import GarbageCollection
 from titan_train.wiring.lora import lora_enabled
 from titan_train.wiring.lora_export import write_peft_adapter
 from titan_train.wiring.model import build_model, check_vocabulary
 from titan_train.wiring.moe import MoEBalancing, MoEStepStats, has_experts
-from titan_train.wiring.muon_after_step import MuonAfterStep
-from titan_train.wiring.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
 from titan_train.wiring.optimizers import PartOptimizers, build_lr_schedule, build_optimizer
 from titan_train.wiring.precision import forward_context
 from titan_train.wiring.qlora import DequantizedModelState, qlora_enabled, quantize_parts

@@ -20,9 +20,9 @@ from titan_data import SourceUnavailable
 from titan_train.config import load_job_config
 from titan_train.distributed import init_distributed
 from titan_train.faults.data_outage import DataUnavailable, stop_on_data_outage
+from titan_train.objectives.validation import Validator
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
-from titan_train.wiring.validation import Validator
 
 SMALL = [
     "--training.seq_len",

@@ -19,9 +19,9 @@ from titan_train.commands.checkpoint_model import CheckpointModel
 from titan_train.commands.generate import checkpoint_parser, load_for
 from titan_train.config import JobConfig, load_job_config
 from titan_train.errors import ConfigError
+from titan_train.objectives.validation import Validator
 from titan_train.registry import get_model_family
 from titan_train.wiring.data import build_validation_loader
-from titan_train.wiring.validation import Validator
 
 
 def _parser() -> argparse.ArgumentParser:

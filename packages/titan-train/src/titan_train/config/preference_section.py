@@ -61,7 +61,7 @@ class PreferenceLoss:
     """`[preference]` resolved once into what its loss needs and adds: every reader of the run's preference
     settings asks this object, never `preference.loss` itself."""
 
-    kind: str  # one of LOSSES: the pair loss `titan_train.wiring.preference_loss.pair_losses` computes
+    kind: str  # one of LOSSES: the pair loss `titan_train.objectives.preference_loss.pair_losses` computes
     beta: float
     label_smoothing: float
     simpo_gamma: float

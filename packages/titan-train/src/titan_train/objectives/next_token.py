@@ -10,9 +10,9 @@ from torch.distributed.tensor import DTensor
 
 from titan_train.objectives.forward import layout_context, model_forward
 from titan_train.objectives.protocol import Batch, ObjectiveContext
+from titan_train.objectives.validation import Validator
+from titan_train.step.stage_inputs import stage_inputs
 from titan_train.wiring.mtp import MTPLoss
-from titan_train.wiring.stage_inputs import stage_inputs
-from titan_train.wiring.validation import Validator
 
 
 class NextToken:

@@ -1,5 +1,5 @@
 """Preference tuning (DPO and its family, as TRL defines them) as the run's objective: the pair loss of
-`titan_train.wiring.preference_step`, its reference (a frozen copy, the policy with adapters off, a
+`titan_train.objectives.preference_step`, its reference (a frozen copy, the policy with adapters off, a
 precomputed table, or none), under a pipeline where there is one, and its held-out validation."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import torch
 from titan_ckpt import ModelState
 from titan_train.config.preference_section import PreferenceLoss
 from titan_train.objectives.forward import model_forward, whole_sequence_context
+from titan_train.objectives.preference_pipeline import PipelinedPreference
+from titan_train.objectives.preference_reference import PrecomputedReference, precompute_reference
+from titan_train.objectives.preference_step import PreferenceStep, build_reference, copy_starting_weights
+from titan_train.objectives.preference_validation import PreferenceValidator
 from titan_train.objectives.protocol import Batch, ObjectiveContext
 from titan_train.wiring.lora import lora_enabled
-from titan_train.wiring.preference_pipeline import PipelinedPreference
-from titan_train.wiring.preference_reference import PrecomputedReference, precompute_reference
-from titan_train.wiring.preference_step import PreferenceStep, build_reference, copy_starting_weights
-from titan_train.wiring.preference_validation import PreferenceValidator
 
 
 class Preference:

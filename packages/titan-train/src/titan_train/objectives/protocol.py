@@ -28,7 +28,7 @@ Batch = tuple[torch.Tensor, ...]  # (inputs, labels, *what the data adds: positi
 
 @runtime_checkable
 class Validates(Protocol):
-    """A held-out measurement every `validation.freq` steps (`titan_train.wiring.validation.Validator`)."""
+    """A held-out measurement every `validation.freq` steps (`titan_train.objectives.validation.Validator`)."""
 
     def should_validate(self, step: int) -> bool: ...
 

@@ -25,11 +25,11 @@ from titan_parallel.cuda_kernel_memory import cuda_attention_memory, use_cuda_ke
 from titan_parallel.memory_trace import MemoryTrace, TraceResult
 from titan_parallel.pipeline_replay import ReplayError, can_replay, replaying_microbatches
 from titan_train.plan import RunPlan, counting_args
+from titan_train.step.stage_inputs import stage_inputs
 from titan_train.wiring.model import build_model
 from titan_train.wiring.optimizers import build_optimizer
 from titan_train.wiring.precision import autocast_dtype
 from titan_train.wiring.qlora import qlora_enabled, quantize_parts
-from titan_train.wiring.stage_inputs import stage_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def _one_step(plan, built, optimizers, trace, inputs, labels) -> None:
 
 @contextlib.contextmanager
 def _no_automatic_gc():
-    """The trainer collects garbage between steps, never during one (`wiring.gc_schedule`): what a step
+    """The trainer collects garbage between steps, never during one (`titan_train.step.gc_schedule`): what a step
     leaves in reference cycles stays until the step ends, in the trace as in training."""
     enabled = gc.isenabled()
     gc.collect()

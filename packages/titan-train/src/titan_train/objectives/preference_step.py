@@ -23,7 +23,7 @@ from titan_parallel import adapters_off
 from titan_train.config.preference_section import PreferenceLoss
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
-from titan_train.wiring.preference_loss import (
+from titan_train.objectives.preference_loss import (
     IGNORE_INDEX,
     SequenceLogps,
     pair_losses,

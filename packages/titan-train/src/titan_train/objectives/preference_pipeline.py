@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from titan_parallel import Pipeline
-from titan_train.wiring.preference_loss import sequence_logps
-from titan_train.wiring.preference_step import PreferenceStep, global_sequences, window_slots
-from titan_train.wiring.stage_inputs import stage_inputs
+from titan_train.objectives.preference_loss import sequence_logps
+from titan_train.objectives.preference_step import PreferenceStep, global_sequences, window_slots
+from titan_train.step.stage_inputs import stage_inputs
 
 LABELS, SEQUENCE, REFERENCE, NLL_TARGETS, ROW = range(5)
 

@@ -23,8 +23,8 @@ from torch import nn
 
 from titan_data import PreferenceDataset
 from titan_parallel import adapters_off
-from titan_train.wiring.preference_loss import sequence_logps
-from titan_train.wiring.preference_step import evaluating, global_sequences, window_slots
+from titan_train.objectives.preference_loss import sequence_logps
+from titan_train.objectives.preference_step import evaluating, global_sequences, window_slots
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from titan_train.errors import ConfigError
-from titan_train.wiring.preference_step import PreferenceStep
-from titan_train.wiring.validation import agreed_batches
+from titan_train.objectives.preference_step import PreferenceStep
+from titan_train.objectives.validation import agreed_batches
 
 
 class PreferenceValidator:
