@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
 from torch import nn
 
 from titan_parallel import ParallelDims, ParallelOptions, blocks_of
@@ -99,9 +98,3 @@ class RunPlan:
         """Training FLOPs per token, as the family counts them."""
         p = self.params
         return self.family.flops_per_token(self.model_args, p.total, p.embedding, self.train_seq_len)
-
-    def build_meta_model(self, **overrides) -> nn.Module:
-        """The model on the meta device, from the plan's args with `overrides`."""
-        args = replace(self.model_args, **overrides) if overrides else self.model_args
-        with torch.device("meta"):
-            return self.family.build(args)
