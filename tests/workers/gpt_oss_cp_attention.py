@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from titan_models.gpt_oss import GptOssAttention, build_gpt_oss_masks, gpt_oss_args, gpt_oss_rotary_table
-from titan_models.qwen3.rotary import apply_rotary_half_split
+from titan_models.half_split_rotary import apply_rotary_half_split
 from titan_parallel import context_parallel_ctx
 
 WINDOW = 16

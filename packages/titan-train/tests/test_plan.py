@@ -138,3 +138,17 @@ def test_gpt_oss_context_parallelism_refuses_alltoall_and_block_causal_in_one_li
             resolve(load_job_config([*cp, *flags]), 2, "cpu")
         assert words in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
     assert resolve(load_job_config([*cp, "--model.flavor", "debugmodel"]), 2, "cpu").dims.cp == 2
+
+
+def test_a_family_refuses_context_parallelism_through_its_args_and_the_plan_names_the_flavor():
+    """Llama 4's published attention tunes its temperature by global position: its args' typed
+    `context_parallel_refusal` (titan_train.family_args) refuses cp > 1 at the resolve step; the iRoPE flavor
+    without it is accepted. Planted once (2026-12-02): the refusal returning None lets cp 2 through."""
+    toml = str(Path(__file__).parents[3] / "apps" / "configs" / "llama4_17bx16e.toml")
+    cp2 = ["--job.config_file", toml, "--parallelism.context_parallel_degree", "2"]
+    config = load_job_config([*cp2, "--model.flavor", "17bx16e_published"])
+    with pytest.raises(
+        ConfigError, match=r"context_parallel_degree\(2\): llama4 17bx16e_published tunes its attention"
+    ):
+        resolve(config, 128, "cuda")
+    assert resolve(load_job_config([*cp2, "--model.flavor", "17bx16e_irope"]), 128, "cuda").dims.cp == 2

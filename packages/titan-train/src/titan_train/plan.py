@@ -33,6 +33,11 @@ from titan_parallel import (
 )
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
+from titan_train.family_args import (
+    KeepsPositionFunction,
+    context_parallel_refusal,
+    context_parallel_rotate_methods,
+)
 from titan_train.objectives.registry import objective_name
 from titan_train.registry import ModelFamily, get_model_family
 from titan_train.run_plan import ParamCounts, RunPlan
@@ -57,8 +62,9 @@ def model_seq_len(config: JobConfig) -> int:
 def with_positions(args: Any, positions: int) -> Any:
     """`args` with a rotary table of `positions` rows; a family whose function depends on the table's
     length (its args have `with_positions`) keeps the function the args compute now."""
-    keep_function = getattr(args, "with_positions", None)
-    return keep_function(positions) if keep_function else replace(args, max_seq_len=positions)
+    if isinstance(args, KeepsPositionFunction):
+        return args.with_positions(positions)
+    return replace(args, max_seq_len=positions)
 
 
 def run_model_args(config: JobConfig, family: ModelFamily, **overrides) -> Any:
@@ -220,15 +226,14 @@ def moe_torch_problems(config: JobConfig, dims: ParallelDims, has_experts: bool,
 
 
 def _context_parallel_problems(config: JobConfig, dims: ParallelDims, args: Any) -> list[str]:
-    """Llama 4's attention temperature scales each query by its position in the sequence; under context
-    parallelism a rank holds a slice of it and would take local positions for global ones. A family whose
-    attention context parallelism cannot split says why (`context_parallel_refusal` of its args), and one
-    that computes its own attention names the rotate methods it honours (`context_parallel_rotate_methods`)."""
-    refusal = getattr(args, "context_parallel_refusal", None)
+    """A family whose attention context parallelism cannot split says why (`context_parallel_refusal` of its
+    args), and one that computes its own attention names the rotate methods it honours
+    (`context_parallel_rotate_methods`; both `titan_train.family_args`)."""
+    refusal = context_parallel_refusal(args)
     if dims.cp > 1 and refusal:
         m = config.model
         return [f"parallelism.context_parallel_degree({dims.cp}): {m.name} {m.flavor} {refusal}"]
-    methods = getattr(args, "context_parallel_rotate_methods", None)
+    methods = context_parallel_rotate_methods(args)
     rotate = config.parallelism.context_parallel_rotate_method
     if dims.cp > 1 and methods and rotate not in methods:
         m = config.model
@@ -236,13 +241,6 @@ def _context_parallel_problems(config: JobConfig, dims: ParallelDims, args: Any)
             f"parallelism.context_parallel_rotate_method = {rotate!r}: {m.name} {m.flavor} gathers the whole "
             f"sequence's keys and values for its own attention under context parallelism; set it to "
             f"{' or '.join(map(repr, methods))}"
-        ]
-    if dims.cp > 1 and getattr(args, "attn_temperature_tuning", False) and args.every_n_layers_nope:
-        m = config.model
-        return [
-            f"parallelism.context_parallel_degree({dims.cp}): {m.name} {m.flavor} tunes its attention "
-            "temperature by global position, which Titan does not shard yet; set context_parallel_degree "
-            "to 1, or pick a flavor without attn_temperature_tuning (the _irope ones)"
         ]
     return []
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 from titan_models.decoder_args import attention_checks, require
 from titan_models.moe import MoEArgs
@@ -49,6 +50,8 @@ class DeepSeekV3Args:
     # eps of the final norm; None: torch's RMSNorm default (the dtype's machine epsilon), as torchtitan
     # 0.2.2 builds it. Hugging Face's models use rms_norm_eps (set so when imported from config.json).
     final_norm_eps: float | None = None
+    # The fields that hold a norm epsilon (a published config.json may state its own).
+    norm_epsilon_fields: ClassVar[tuple[str, ...]] = ("norm_eps", "latent_norm_eps", "final_norm_eps")
     attn_backend: str = "sdpa"
     attn_mask_type: str = "causal"
     # Positions the rotary table is built for: a run sets it to its longest sequence.

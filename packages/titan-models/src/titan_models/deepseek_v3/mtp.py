@@ -8,7 +8,7 @@ shared output head after its own final norm. h^0 is the main model's last hidden
 final norm; the embedding and the output head are the main model's (the paper shares them).
 
 Training sees the main logits and each depth's (B, T, V) logits concatenated along the sequence
-(`split_mtp_logits` undoes it): depth k's position i trains on label i + k, so its last k positions,
+(`titan_models.mtp_logits.split_mtp_logits` undoes it): depth k's position i trains on label i + k, so its last k positions,
 which read wrapped-around tokens, weigh nothing (attention is causal: they change no earlier position).
 The loss (lambda / D) * sum_k CE_k is added by the trainer's loss function; evaluation and generation
 (the model in eval mode) see the main logits alone.
@@ -75,13 +75,3 @@ class MultiTokenPredictionHead(nn.Module):
             h = depth(h, embedded_ahead(k), freqs_cis, masks)
             logits.append(output(depth.norm(h)))
         return logits
-
-
-def split_mtp_logits(logits: torch.Tensor, seq_len: int) -> list[torch.Tensor]:
-    """The main logits then each MTP depth's, from a training forward's (B, (1 + D) * seq_len, V)."""
-    total = logits.shape[1]
-    if total % seq_len:
-        raise ValueError(
-            f"logits of {total} positions are not a whole number of {seq_len}-position sequences"
-        )
-    return [logits[:, i * seq_len : (i + 1) * seq_len] for i in range(total // seq_len)]

@@ -26,7 +26,7 @@ from titan_models.attention import attention_tail, flex
 from titan_models.cached_attention import HeadsCache
 from titan_models.gpt_oss.args import GptOssArgs
 from titan_models.gpt_oss.masks import GptOssMasks
-from titan_models.qwen3.rotary import apply_rotary_half_split
+from titan_models.half_split_rotary import apply_rotary_half_split
 
 
 def sink_attention_eager(

@@ -4,7 +4,7 @@ Frequencies that turn more than `ntk_beta` times over the original length are ke
 fewer than `ntk_alpha` times are divided by `rope_factor`, and a linear ramp (not rounded to whole
 indices, as published) blends the band between. YaRN's attention scale, 0.1 ln(factor) + 1, multiplies
 both the cosine and the sine, so queries and keys are each scaled by it: the table's complex entries
-have that magnitude. The layout is half-split (`titan_models.qwen3.rotary`), as gpt-oss's checkpoints.
+have that magnitude. The layout is half-split (`titan_models.half_split_rotary`), as gpt-oss's checkpoints.
 """
 
 from __future__ import annotations

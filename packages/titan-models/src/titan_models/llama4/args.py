@@ -63,6 +63,17 @@ class Llama4Args(DecoderArgs):
     dense_hidden_dim_override: int | None = None
     moe_hidden_dim_override: int | None = None
 
+    @property
+    def context_parallel_refusal(self) -> str | None:
+        """The attention temperature scales each query by its position in the sequence; under context
+        parallelism a rank holds a slice of it and would take local positions for global ones."""
+        if self.attn_temperature_tuning and self.every_n_layers_nope:
+            return (
+                "tunes its attention temperature by global position, which Titan does not shard yet; set "
+                "context_parallel_degree to 1, or pick a flavor without attn_temperature_tuning (the _irope ones)"
+            )
+        return None
+
     def family_checks(self) -> list[tuple[bool, str]]:
         return [
             (self.dim % self.n_heads == 0, f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"),

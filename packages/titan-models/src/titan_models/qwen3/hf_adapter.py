@@ -1,7 +1,7 @@
 """The mapping between our Qwen3 state dicts and Hugging Face's `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`.
 
 Names map one to one as for Llama (`LlamaStateDictAdapter`), plus the per-head query/key norms. Both
-sides rotate halves (see `qwen3.rotary`), so no projection is permuted. Our stacked expert weights
+sides rotate halves (see `titan_models.half_split_rotary`), so no projection is permuted. Our stacked expert weights
 (`moe.experts.w1` of shape (E, hidden, dim)) are Hugging Face's per-expert matrices
 (`mlp.experts.{e}.gate_proj.weight`, (hidden, dim)) stacked along a new first dimension. The
 load-balancing `expert_bias` has no Hugging Face counterpart: an export leaves it out and an import

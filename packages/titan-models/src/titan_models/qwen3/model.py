@@ -16,9 +16,9 @@ from titan_models.attention import Attention
 from titan_models.decoder import Decoder
 from titan_models.decoder_block import DecoderBlock
 from titan_models.feed_forward import FeedForward
+from titan_models.half_split_rotary import apply_rotary_half_split
 from titan_models.moe import MoE
 from titan_models.qwen3.args import Qwen3Args
-from titan_models.qwen3.rotary import apply_rotary_half_split
 from titan_models.qwen3.tensor_parallel_plan import qk_norm_tp_entries
 from titan_models.tensor_parallel_plan import gqa_tp_entries
 

@@ -25,6 +25,7 @@ from titan_ckpt import unheld_state
 from titan_models.errors import ModelError
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
+from titan_train.family_args import moe_args_of, norm_epsilon_fields
 from titan_train.registry import FROM_HF, ModelFamily
 from titan_train.wiring.data import BUNDLED_TOKENIZER
 
@@ -33,7 +34,6 @@ HF_CONFIG = "config.json"
 # refusing: published configs state their own norm epsilon (DeepSeek-V3's 1e-6 against torchtitan's
 # 671B flavor's 1e-5), which moves the function by rounding, not its shape.
 HARMLESS_FIELDS = frozenset({"rms_norm_eps", "latent_norm_eps"})
-_EPSILON_ARGS = ("norm_eps", "latent_norm_eps", "final_norm_eps")
 logger = logging.getLogger(__name__)
 # Files of a Hugging Face tokenizer folder that AutoTokenizer reads (those present are copied).
 TOKENIZER_FILES = (
@@ -134,7 +134,8 @@ def check_hf_export(config: JobConfig, family: ModelFamily, args: Any) -> None:
     # The expert bias is the only such state today; the run trains it unless balancing is off (Qwen3-MoE's
     # default, or model.moe_load_balance_coeff = 0). A bias loaded nonzero and never trained is caught
     # by the export itself, which reads the values.
-    trained = unheld and getattr(getattr(args, "moe_args", None), "update_bias", False)
+    moe = moe_args_of(args)
+    trained = unheld and moe is not None and moe.update_bias
     if trained and not c.hf_export_lossy:
         raise ConfigError(
             f"config: checkpoint.last_save_in_hf: {m.name} {m.flavor} trains {', '.join(unheld)} (auxiliary-loss-free "
@@ -159,7 +160,7 @@ def check_hf_export(config: JobConfig, family: ModelFamily, args: Any) -> None:
 
 def _with_checkpoint_epsilons(args: Any, checkpoint: Any, differences: list[str], folder: Path) -> Any:
     """`args` with the norm epsilons of the checkpoint's args, said in one line."""
-    taken = {name: getattr(checkpoint, name) for name in _EPSILON_ARGS if hasattr(args, name)}
+    taken = {name: getattr(checkpoint, name) for name in norm_epsilon_fields(args)}
     logger.info(
         "config: the Hugging Face checkpoint in %s differs from the flavor only in its norm epsilon (%s); "
         "the run takes the checkpoint's",

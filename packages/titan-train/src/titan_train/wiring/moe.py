@@ -27,11 +27,12 @@ from titan_models.moe import update_expert_bias
 from titan_parallel import ParallelDims, moe_layers_of
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
+from titan_train.family_args import moe_args_of
 
 
 def has_experts(args: Any) -> bool:
     """Whether a family's args describe MoE layers (the MoE families keep their `MoEArgs` in `moe_args`)."""
-    return getattr(args, "moe_args", None) is not None
+    return moe_args_of(args) is not None
 
 
 def moe_run_args(config: JobConfig, args: Any) -> Any:

@@ -1,7 +1,7 @@
 """Multi-token prediction (DeepSeek-V3) in a run: the depths the model is built with, the loss that adds
 theirs, the layouts it runs under, and the number the log line reports.
 
-`model.num_mtp_layers` D builds the family's MTP depths (`titan_models.deepseek_v3.mtp`); in training
+`model.num_mtp_layers` D builds the family's MTP depths (a family whose args have `num_mtp_layers`); in training
 the model returns the main logits followed by each depth's along the sequence. `MTPLoss` turns them
 into the paper's objective, L = L_main + (lambda / D) * sum_k L_k with lambda `model.mtp_loss_weight`,
 where L_k is the configured loss (the mean over labels, as the main loss is) of depth k's positions
@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_models.deepseek_v3.mtp import split_mtp_logits
+from titan_models.mtp_logits import split_mtp_logits
 from titan_parallel import ParallelDims
 from titan_train.config.schema import JobConfig
 from titan_train.config.sft_section import renders_chat_template
 from titan_train.errors import ConfigError
-from titan_train.registry import LossFn
+from titan_train.registry import LossFn, get_model_family, model_family_names
 
 DEFAULT_WEIGHT = 0.1  # the DeepSeek-V3 report's lambda for its last 4.8T tokens (0.3 before)
 
@@ -40,6 +40,12 @@ DEFAULT_WEIGHT = 0.1  # the DeepSeek-V3 report's lambda for its last 4.8T tokens
 def takes_mtp(args: Any) -> bool:
     """Whether a family's args have multi-token-prediction depths to set (DeepSeek-V3's do)."""
     return dataclasses.is_dataclass(args) and "num_mtp_layers" in {f.name for f in dataclasses.fields(args)}
+
+
+def _mtp_families() -> str:
+    """The registered families whose args take MTP depths, for a refusal to name."""
+    names = [n for n in model_family_names() if any(map(takes_mtp, get_model_family(n).flavors.values()))]
+    return ", ".join(f"model.name = {n!r}" for n in names) or "none is registered"
 
 
 def mtp_run_args(config: JobConfig, args: Any) -> Any:
@@ -50,13 +56,13 @@ def mtp_run_args(config: JobConfig, args: Any) -> Any:
         if m.mtp_loss_weight != DEFAULT_WEIGHT:
             raise ConfigError(
                 f"config: model.mtp_loss_weight = {m.mtp_loss_weight} weighs multi-token prediction, but "
-                "model.num_mtp_layers is 0; set model.num_mtp_layers (deepseek_v3) or leave the weight unset"
+                f"model.num_mtp_layers is 0; set model.num_mtp_layers ({_mtp_families()}) or leave the weight unset"
             )
         return args
     if not takes_mtp(args):
         raise ConfigError(
             f"config: model.num_mtp_layers = {m.num_mtp_layers}: {m.name} has no multi-token-prediction "
-            "layers; use model.name = 'deepseek_v3' or set it to 0"
+            f"layers; use a family that has them ({_mtp_families()}) or set it to 0"
         )
     return dataclasses.replace(args, num_mtp_layers=m.num_mtp_layers)
 

@@ -1,7 +1,7 @@
-"""Qwen3's rotary layout: each head's first half rotates against its second half.
+"""The half-split rotary layout: each head's first half rotates against its second half.
 
-Titan's Llama rotates consecutive pairs (Meta's layout). Qwen3 checkpoints, Hugging Face's and
-torchtitan's alike, pair dimension i with i + head_dim / 2, so a Qwen3 model keeps that layout and its
+Titan's Llama rotates consecutive pairs (Meta's layout). Qwen3 and gpt-oss checkpoints, Hugging Face's and
+torchtitan's alike, pair dimension i with i + head_dim / 2, so those families keep that layout and their
 weights need no permutation either way. The rotation itself is Titan's: the halves are viewed as
 pairs, rotated, and viewed back.
 """
