@@ -68,11 +68,20 @@ def _rank_of(pid: int) -> int | None:
 
 
 def _children(pid: int) -> list[int]:
-    try:
-        tasks = Path(f"/proc/{pid}/task").iterdir()
-        return [int(c) for t in tasks for c in (t / "children").read_text().split()]
-    except OSError:
-        return []
+    """The processes whose parent is `pid`, from every /proc/N/stat (the per-thread `children` files are not
+    guaranteed complete while the process runs)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after its last ')'.
+        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+            found.append(int(entry.name))
+    return found
 
 
 def peak_rss_per_rank(cmd: list[str], log: Path, every: float = 0.05) -> list[int]:

@@ -48,7 +48,7 @@ def test_hf_start_and_export_keep_each_rank_within_half_a_model_of_the_median_an
     )
     shutil.rmtree(tmp_path / "run")  # a GB of checkpoint and export
 
-    assert len(peaks) == len(baseline) == RANKS
+    assert len(peaks) == len(baseline) == RANKS, (peaks, baseline)  # every rank was sampled
     shares = [(p - b) / model_bytes for p, b in zip(peaks, baseline, strict=True)]
     spread = bench.spread(peaks, model_bytes)
     mib = [round(p / 2**20) for p in peaks]
