@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from titan_parallel.errors import ParallelConfigError, check_choice
 
 logger = logging.getLogger(__name__)
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "memory_budget")
 
 aten = torch.ops.aten
 
@@ -54,6 +55,11 @@ class ActivationCheckpointing:
     `determinism_check`, `early_stop` and `debug` are torch.utils.checkpoint's own switches, passed
     through as named there. `force_recompute_mm_fqns` (per-op mode): linear layers, named as inside a
     block, whose matmul outputs are recomputed rather than kept.
+
+    `mode` "memory_budget" wraps no block: torch.compile's min-cut partitioner chooses what the compiled
+    graphs save, keeping about `memory_budget` of the activations that saving everything would (0: recompute
+    all it can, 1: recompute nothing it need not), while `compiler_settings()` is held over the run; with
+    `pareto_dir` it also writes the runtime-against-memory curve of every budget there as SVG files.
     """
 
     mode: str = "none"
@@ -63,9 +69,15 @@ class ActivationCheckpointing:
     early_stop: bool = False
     debug: bool = False
     force_recompute_mm_fqns: tuple[str, ...] = ()
+    memory_budget: float = 1.0
+    pareto_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("activation_checkpoint.mode", self.mode, AC_MODES)
+        if not 0.0 <= self.memory_budget <= 1.0:
+            raise ParallelConfigError(
+                f"parallelism: activation_checkpoint.memory_budget must be in [0, 1], got {self.memory_budget}"
+            )
         if self.mode != "selective":
             return
         every = self.selective
@@ -85,6 +97,20 @@ class ActivationCheckpointing:
     def selective_every(self) -> int | None:
         """N for "checkpoint every N-th block", or None for per-op selective checkpointing."""
         return None if self.selective == "op" else int(self.selective)
+
+    def compiler_settings(self) -> contextlib.AbstractContextManager:
+        """The partitioner settings the compiled graphs must be built under (mode "memory_budget"; nothing
+        otherwise): hold it from the first forward until the run ends (graphs compile lazily)."""
+        if self.mode != "memory_budget":
+            return contextlib.nullcontext()
+        import torch._functorch.config as functorch_config
+
+        settings: dict[str, Any] = {"activation_memory_budget": self.memory_budget}
+        if self.pareto_dir is not None:
+            os.makedirs(self.pareto_dir, exist_ok=True)
+            settings |= {"visualize_memory_budget_pareto": True, "memory_budget_pareto_dir": self.pareto_dir}
+        logger.info("activation memory budget %.2f for torch.compile's partitioner", self.memory_budget)
+        return functorch_config.patch(settings)
 
     def apply(self, model: nn.Module, blocks: dict[str, nn.Module]) -> nn.Module:
         """Checkpoint `blocks` of `model` in place as these settings say (after TP, before compile and FSDP)."""
@@ -128,7 +154,7 @@ def apply_ac(
     """
     if mode not in AC_MODES:
         raise ParallelConfigError(f"parallelism: ac mode {mode!r} is unknown; choose one of {list(AC_MODES)}")
-    if mode == "none":
+    if mode in ("none", "memory_budget"):  # memory_budget: the compiler's partitioner decides instead
         return model
     if mode == "full":
         chosen, context_fn = list(blocks.values()), None

@@ -119,6 +119,8 @@ class Trainer:
             plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed, drill=drills.loss_with_drill
         )
         self.model_parts, self.pipeline, self.parallel_options = built.parts, built.pipeline, plan.options
+        # Graphs compile at their first forward: a memory budget must hold until the run ends.
+        self.closing.enter_context(plan.options.activation_checkpoint.compiler_settings())
         self.guard = StepGuard(
             config.health,
             rank=info.rank,

@@ -69,10 +69,13 @@ _RULES = (
         "use comm.mode = 'fake_backend' (a dry run) or run the ranks with torchrun on CPU",
     ),
     _Rule(
-        lambda c: c.activation_checkpoint.mode == "memory_budget",
+        lambda c: (
+            c.activation_checkpoint.mode == "memory_budget"
+            and not (c.compile.enable and "model" in c.compile.components)
+        ),
         lambda c: "activation_checkpoint.mode = 'memory_budget'",
-        "a memory budget is applied by torch.compile's min-cut partitioner, which Titan does not configure",
-        "use mode 'selective' (op or every N blocks) or 'full'; `titan-train dry-run` shows their memory",
+        "a memory budget is applied by torch.compile's min-cut partitioner, so the model must be compiled",
+        "set compile.enable = true with 'model' in compile.components, or use mode 'selective' or 'full'",
     ),
     _Rule(
         lambda c: (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -65,6 +66,12 @@ def parallel_options(
             early_stop=ac.early_stop,
             debug=ac.debug,
             force_recompute_mm_fqns=tuple(ac.per_op_sac_force_recompute_mm_shapes_by_fqns),
+            memory_budget=ac.memory_budget if ac.mode == "memory_budget" else 1.0,
+            pareto_dir=(
+                str(Path(config.job.dump_folder) / "memory_budget_pareto")
+                if ac.mode == "memory_budget" and ac.visualize_memory_budget_pareto
+                else None
+            ),
         ),
         compile=Compile(
             enabled=config.compile.enable and "model" in config.compile.components,
