@@ -75,9 +75,8 @@ class StepResult:
     trained_tokens: torch.Tensor  # this rank's labels that count in the loss (not -100), on the device
     data_seconds: float
     moe: MoEStepStats | None = None  # expert load and aux loss, for a model with experts
-    objective: dict[str, float] | None = (
-        None  # the objective's own: TRL's rewards and log-probs for preference
-    )
+    # The objective's own metrics: TRL's rewards and log-probs for preference tuning.
+    objective: dict[str, float] | None = None
 
 
 class Trainer:

@@ -78,6 +78,6 @@ class ObjectiveContext:
     train_loss_fn: Callable
     loss_fn: Callable
     token_weights: Any  # titan_train.wiring.valid_token_loss.ValidTokenWeights for chat rows, else None
-    loader: Any
+    loader: Any  # as first built: a resume may deal the data into other streams, and `start` gets the run's
     forward_context: Callable  # autocast and the like around a forward (titan_train.wiring.precision)
     build_copy: Callable[[], Any]  # another BuiltModel of the same plan (parts and pipeline)
