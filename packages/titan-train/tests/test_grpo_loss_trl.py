@@ -111,7 +111,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(("loss_type", "level", "beta"), CASES)
-def test_the_loss_and_gradients_equal_trls(folder, tmp_path, loss_type, level, beta):
+def test_the_loss_and_gradients_equal_trls(folder, tmp_path, one_rank, loss_type, level, beta):
+    # `one_rank`: a process group of one already up, as accelerate (inside TRL) expects under pytest-xdist,
+    # where a worker's environment may name a rank it would otherwise rendezvous on.
     trainer = _trl_trainer(
         folder, tmp_path, loss_type=loss_type, importance_sampling_level=level, beta=beta, epsilon_high=0.28
     )
@@ -155,7 +157,7 @@ def test_the_loss_and_gradients_equal_trls(folder, tmp_path, loss_type, level, b
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
-def test_advantages_equal_trls_reward_path(folder, tmp_path, scale):
+def test_advantages_equal_trls_reward_path(scale):
     """TRL's `_generate_and_score_completions` math for rewards (sum_then_normalize), reproduced from its
     trainer's own helper `nanstd` and attributes, against `group_advantages` on rewards with abstentions."""
     from trl.trainer.utils import nanstd

@@ -1,0 +1,87 @@
+"""Reward functions with TRL's GRPOTrainer signature (`titan_train.objectives.rewards`): the built-ins against
+TRL's own `think_format_reward` and against GSM8K- and MATH-style rows written here, a user's `module:function`
+loaded from a file on disk, and the (B, F) table with None as NaN that `grpo_loss.group_advantages` takes.
+Planted once (2026-12-02): `think_format` without its "no second <think>" lookahead fails the TRL comparison."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from titan_train.errors import ConfigError
+from titan_train.objectives.grpo_loss import group_advantages
+from titan_train.objectives.rewards import answer_match, load_reward_function, score, think_format
+
+trl = pytest.importorskip("trl")
+
+
+def test_think_format_equals_trls_think_format_reward():
+    from trl.rewards import think_format_reward
+
+    texts = [
+        "<think>\nreasoning\n</think>\nanswer",
+        "<think>reasoning</think>",
+        "<think>\nreasoning only",
+        "answer first <think>late</think>",
+        "<think>a</think><think>b</think>",
+        "<think>\nmulti\nline\n</think>\n\n#### 4",
+        "",
+    ]
+    conversational = [[{"role": "assistant", "content": t}] for t in texts]
+    expected = think_format_reward(conversational)
+    assert think_format(conversational) == expected
+    assert think_format(texts) == expected  # standard (string) completions read the same
+    assert expected == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_answer_match_reads_gsm8k_and_boxed_answers_and_abstains_without_a_reference():
+    completions = [
+        "She pays 3 * 4 = 12 dollars.\n#### 12",  # GSM8K's own format
+        "The total is $1,234.",  # last number, with a comma and a dollar sign
+        "So the answer is \\boxed{\\frac{1}{2}}.",  # MATH's boxed answer, braces nested
+        "I think it is 7, no wait, 8",  # the last number counts
+        "no number at all",
+        [{"role": "assistant", "content": "#### 5"}],  # a conversational completion
+        "anything",
+    ]
+    answer = ["Natalia... #### 12", "#### 1234", None, "#### 7", "#### 3", "#### 5", None]
+    solution = [None, None, "We get $\\boxed{\\frac{1}{2}}$", None, None, None, "no boxed answer here"]
+    assert answer_match(completions, answer=answer, solution=solution) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, None]
+
+
+def test_a_users_reward_function_is_loaded_by_module_and_name(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def short(completions, completion_ids, **kw):\n    return [1.0 / (1 + len(ids)) for ids in completion_ids]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = load_reward_function("my_rewards:short")
+    assert fn(completions=["a", "b"], completion_ids=[[1], [1, 2, 3]]) == [0.5, 0.25]
+    assert load_reward_function("answer_match") is answer_match
+    for spec, message in (
+        ("nope", "neither a built-in"),
+        ("no_such_module_here:f", "cannot import 'no_such_module_here'"),
+        ("my_rewards:missing", "has no function 'missing'"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_reward_function(spec)
+    sys.modules.pop("my_rewards", None)
+
+
+def test_scores_keep_abstentions_as_nan_and_an_unscorable_completion_gets_no_advantage():
+    completions = ["#### 1", "#### 2", "<think>x</think> #### 1", "#### 9"]
+    columns = {"answer": ["#### 1", "#### 1", "#### 1", None]}
+    functions = [("answer_match", answer_match), ("think_format", think_format)]
+    table = score(
+        functions, prompts=["q"] * 4, completions=completions, completion_ids=[[1]] * 4, columns=columns
+    )
+    assert table[:, 0].tolist()[:3] == [1.0, 0.0, 1.0] and math.isnan(table[3, 0])
+    assert table[:, 1].tolist() == [0.0, 0.0, 1.0, 0.0]
+    advantages, rewards = group_advantages(table, torch.tensor([1.0, 0.5]), num_generations=4)
+    assert rewards.tolist()[:3] == [1.0, 0.0, 1.5]  # the abstaining function's NaN is skipped, not zero
+    with pytest.raises(ValueError, match="returned 1 values for 4 completions"):
+        score(
+            [("bad", lambda **kw: [1.0])], prompts=[], completions=completions, completion_ids=[], columns={}
+        )
