@@ -877,6 +877,7 @@ class Matrix:
 
     def __init__(self, folder: Path):
         self.folder, self.results = folder, {}
+        self.failed: dict[str, str] = {}  # launch -> the first row that saw it fail
 
     def _flags(self, layout: Layout) -> list[str]:
         if layout.resumed_at is None:
@@ -914,8 +915,16 @@ class Matrix:
             self.results[name] = {**value, "dump": out / name}
 
     def __getitem__(self, name: str) -> dict:
+        launch = LAUNCH[name]
+        if launch in self.failed:
+            # Not launched twice: the first failure's output is the one to read.
+            pytest.fail(f"the {launch} launch failed in {self.failed[launch]}; read that test's output")
         if name not in self.results:
-            self._launch(LAUNCH[name])
+            try:
+                self._launch(launch)
+            except BaseException:
+                self.failed.setdefault(launch, name)
+                raise
         return self.results[name]
 
     def metrics(self, name: str) -> dict[str, list[float]]:

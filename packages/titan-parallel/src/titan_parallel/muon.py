@@ -246,10 +246,11 @@ class Muon(torch.optim.Optimizer):
         alike in size): each update is gathered whole (an all-gather), the rank it falls to runs
         Newton-Schulz on it and scatters the result back to every rank's part of the parameter's layout.
         On a GPU the next round's gathers are issued, asynchronously, before this round's Newton-Schulz, so
-        they run under it (NCCL on its own stream). On CPU each round gathers when it starts: gloo's threads
-        share the cores Newton-Schulz runs on, so there is nothing to hide, and a gather left in flight over
-        the scatters on the same group once crashed a rank (SIGSEGV in the 4-rank Muon layout rows under
-        CI's load). Each rank orthogonalises one matrix of a round: 1/ranks of one process's work.
+        they run under it (NCCL on its own stream). On CPU each gather completes before the next matrix's
+        update is computed: gloo's threads share the cores Newton-Schulz runs on, so there is nothing to
+        hide, and a gather left in flight over other work on the same group crashed ranks under CI's load
+        (SIGSEGV over the scatters in the 4-rank Muon rows; SIGABRT over the next update's `lerp` in the
+        2-rank ones). Each rank orthogonalises one matrix of a round: 1/ranks of one process's work.
         """
         mesh = params[0].device_mesh
         ranks = mesh.size()
@@ -260,15 +261,17 @@ class Muon(torch.optim.Optimizer):
         rounds = [order[k : k + ranks] for k in range(0, len(order), ranks)]
         replicate = [Replicate()] * mesh.ndim
 
+        ahead = params[0].device.type == "cuda"
+
         def gather(round_: list[DTensor]) -> list[torch.Tensor]:
             start = time.perf_counter()
             issued = [
-                self._update(p, group).redistribute(mesh, replicate, async_op=True).to_local() for p in round_
+                self._update(p, group).redistribute(mesh, replicate, async_op=ahead).to_local()
+                for p in round_
             ]
             self.timing.gather_s += time.perf_counter() - start
             return issued
 
-        ahead = params[0].device.type == "cuda"
         pending = gather(rounds[0]) if ahead else []
         for r, round_ in enumerate(rounds):
             issued = pending if ahead else gather(round_)
