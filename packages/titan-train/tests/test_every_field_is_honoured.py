@@ -76,6 +76,11 @@ PREFERENCE = (
     "--training.seq_len",
     "64",
 )
+PROMPTS = (
+    "--training.dataset", "prompts", "--training.dataset_path", "prompts.jsonl", "--training.seq_len", "64",
+    "--training.local_batch_size", "4", "--grpo.num_generations", "2", "--grpo.max_prompt_length", "40",
+    "--grpo.max_completion_length", "8", "--grpo.reward_funcs", "probe_rewards:length,probe_rewards:vowels",
+)  # fmt: skip
 JSON_DATA = ("--training.dataset", "json", "--training.dataset_path", "docs.jsonl")
 SPLITS = ("--training.dataset", "json", "--training.dataset_path", "splits")  # a saved DatasetDict
 # Eight windows hold about four documents: the weights decide whose they are.
@@ -563,6 +568,31 @@ def preference_files(root: Path) -> None:
         for a, b in ((1, 2), (2, 2), (3, 4), (5, 1))
     ]
     (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def prompt_files(root: Path) -> None:
+    """Six conversational prompts (two longer than 40 tokens once rendered), two reward functions of
+    continuous value, and rollouts recorded for steps 1 and 2 (three ids per completion)."""
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a} plus {b}?" + " Think." * c}]} for a, b, c in
+            ((1, 2, 0), (2, 2, 9), (3, 4, 0), (5, 1, 12), (6, 1, 1), (2, 7, 2))]  # fmt: skip
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "probe_rewards.py").write_text(
+        "def length(completion_ids, **_):\n    return [len(c) / 8 for c in completion_ids]\n\n"
+        "def vowels(completions, **_):\n"
+        "    return [sum(ch in 'aeiou' for ch in c[0]['content']) / 10 for c in completions]\n"
+    )
+    lines = [
+        {"step": step, "prompt_index": i, "completion_ids": [5 + i, 6 + step + k, 7]}
+        for step in (1, 2) for i in range(len(rows)) for k in range(2)
+    ]  # fmt: skip
+    (root / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def grpo_loss(s: Seen) -> Any:
+    """The loss settings the GRPO objective holds (titan_train.objectives.grpo_loss.GRPOLoss, whose effect
+    test_grpo_loss_trl checks against TRL): on-policy, the ratio is 1, so clipping ranges and the sequence
+    level do not change a step."""
+    return s.outcome or s.trainer.objective.loss
 
 
 def chat_batch(s: Seen) -> Any:
@@ -1280,6 +1310,73 @@ PROBES: dict[str, Probe] = {
         base=PREFERENCE,
         train=True,
         prepare=preference_files,
+    ),
+    "grpo.num_generations": Probe(
+        ("--grpo.num_generations", "4"), metrics, base=PROMPTS, train=True, prepare=prompt_files
+    ),
+    "grpo.max_prompt_length": Probe(
+        ("--grpo.max_prompt_length", "30"), metrics, base=PROMPTS, train=True, prepare=prompt_files
+    ),
+    "grpo.overlong_prompts": Probe(
+        ("--grpo.overlong_prompts", "drop"), metrics, base=PROMPTS, train=True, prepare=prompt_files
+    ),
+    "grpo.max_completion_length": Probe(
+        ("--grpo.max_completion_length", "4"), metrics, base=PROMPTS, train=True, prepare=prompt_files
+    ),
+    "grpo.temperature": Probe(
+        ("--grpo.temperature", "0.5"), metrics, base=PROMPTS, train=True, prepare=prompt_files
+    ),
+    "grpo.top_p": Probe(("--grpo.top_p", "0.3"), metrics, base=PROMPTS, train=True, prepare=prompt_files),
+    "grpo.top_k": Probe(("--grpo.top_k", "3"), metrics, base=PROMPTS, train=True, prepare=prompt_files),
+    "grpo.engine": refused(
+        ("--grpo.engine", "vllm"), r"grpo.engine = 'vllm'", base=PROMPTS, prepare=prompt_files
+    ),
+    "grpo.replay_rollouts": Probe(
+        ("--grpo.replay_rollouts", "rollouts.jsonl"), metrics, base=PROMPTS, train=True, prepare=prompt_files
+    ),
+    "grpo.reward_funcs": Probe(
+        ("--grpo.reward_funcs", "probe_rewards:vowels,probe_rewards:length"),
+        metrics,
+        base=PROMPTS,
+        train=True,
+        prepare=prompt_files,
+    ),
+    "grpo.reward_weights": Probe(
+        ("--grpo.reward_weights", "1,3"), metrics, base=PROMPTS, train=True, prepare=prompt_files
+    ),
+    "grpo.scale_rewards": Probe(
+        ("--grpo.scale_rewards", "none"), metrics, base=PROMPTS, train=True, prepare=prompt_files
+    ),
+    "grpo.loss_type": Probe(
+        ("--grpo.loss_type", "grpo"), metrics, base=PROMPTS, train=True, prepare=prompt_files
+    ),
+    "grpo.beta": Probe(("--grpo.beta", "0.1"), metrics, base=PROMPTS, train=True, prepare=prompt_files),
+    "grpo.epsilon": Probe(("--grpo.epsilon", "0.5"), grpo_loss, base=PROMPTS, prepare=prompt_files),
+    "grpo.epsilon_high": Probe(("--grpo.epsilon_high", "0.5"), grpo_loss, base=PROMPTS, prepare=prompt_files),
+    "grpo.delta": Probe(("--grpo.delta", "2.0"), grpo_loss, base=PROMPTS, prepare=prompt_files),
+    "grpo.importance_sampling_level": Probe(
+        ("--grpo.importance_sampling_level", "sequence"), grpo_loss, base=PROMPTS, prepare=prompt_files
+    ),
+    "grpo.use_bias_correction_kl": Probe(
+        ("--grpo.use_bias_correction_kl", "false"), grpo_loss, base=PROMPTS, prepare=prompt_files
+    ),
+    "grpo.mask_truncated_completions": Probe(
+        ("--grpo.mask_truncated_completions",), metrics, base=PROMPTS, train=True, prepare=prompt_files
+    ),
+    "grpo.num_iterations": refused(
+        ("--grpo.num_iterations", "2"), r"grpo.num_iterations > 1", base=PROMPTS, prepare=prompt_files
+    ),
+    "grpo.sapo_temperature_pos": Probe(
+        ("--grpo.sapo_temperature_pos", "2.0"), grpo_loss, base=PROMPTS, prepare=prompt_files
+    ),
+    "grpo.sapo_temperature_neg": Probe(
+        ("--grpo.sapo_temperature_neg", "2.0"), grpo_loss, base=PROMPTS, prepare=prompt_files
+    ),
+    "grpo.reference": Probe(
+        ("--grpo.reference", "copy"),
+        lambda s: s.outcome or s.trainer.objective.source,
+        base=(*PROMPTS, *LORA, "--grpo.beta", "0.1"),
+        prepare=prompt_files,
     ),
     "sft.format": Probe(("--sft.format", "prompt_completion"), chat_batch, base=CHAT, prepare=chat_files),
     "sft.messages_field": Probe(("--sft.messages_field", "conv"), chat_batch, base=CHAT, prepare=chat_files),

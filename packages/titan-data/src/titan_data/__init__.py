@@ -27,6 +27,9 @@ _HOME = {
     "PREFERENCE": "titan_data.datasets.registry",
     "PreferenceDataset": "titan_data.preference.dataset",
     "PackedTokenDataset": "titan_data.datasets.packed",
+    "PROMPTS": "titan_data.datasets.registry",
+    "Prompt": "titan_data.prompts.rows",
+    "PromptDataset": "titan_data.prompts.dataset",
     "RetryPolicy": "titan_data.datasets.http_files",
     "RowFields": "titan_data.chat.rows",
     "RowsSource": "titan_data.datasets.hf_datasets",
@@ -46,6 +49,7 @@ _HOME = {
     "load_chat_template": "titan_data.chat.template",
     "load_examples": "titan_data.chat.dataset",
     "load_pairs": "titan_data.preference.pairs",
+    "load_prompts": "titan_data.prompts.rows",
     "load_rows": "titan_data.datasets.hf_datasets",
     "mix_rows": "titan_data.datasets.mixture",
     "register_dataset": "titan_data.datasets.registry",
@@ -72,6 +76,9 @@ __all__ = [
     "PREFERENCE",
     "PreferenceDataset",
     "PackedTokenDataset",
+    "PROMPTS",
+    "Prompt",
+    "PromptDataset",
     "RetryPolicy",
     "RowFields",
     "RowsSource",
@@ -91,6 +98,7 @@ __all__ = [
     "load_chat_template",
     "load_examples",
     "load_pairs",
+    "load_prompts",
     "load_rows",
     "mix_rows",
     "register_dataset",
@@ -126,6 +134,7 @@ if TYPE_CHECKING:
         CHAT,
         DATASETS,
         PREFERENCE,
+        PROMPTS,
         check_dataset,
         get_source,
         register_dataset,
@@ -136,6 +145,8 @@ if TYPE_CHECKING:
     from titan_data.loader import TokenLoader
     from titan_data.preference.dataset import PreferenceDataset
     from titan_data.preference.pairs import load_pairs
+    from titan_data.prompts.dataset import PromptDataset
+    from titan_data.prompts.rows import Prompt, load_prompts
     from titan_data.shards.index import ShardIndex
     from titan_data.tokenize_job import tokenize_to_shards
     from titan_data.tokenizers.base import Tokenizer

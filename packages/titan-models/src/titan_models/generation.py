@@ -58,12 +58,14 @@ class Generation:
 
     `tokens[i]`: the new ids of prompt i, ending before its end-of-sequence id or after the token
     that completed a stop string. `texts[i]` (with `decode`): their text, cut before the first stop
-    string. `finish_reasons[i]`: "eos", "stop" or "length".
+    string. `finish_reasons[i]`: "eos", "stop" or "length"; `end_ids[i]`: the id of `eos_ids` that ended
+    row i, else None.
     """
 
     tokens: list[list[int]]
     finish_reasons: list[str]
     texts: list[str] | None = None
+    end_ids: list[int | None] = field(default_factory=list)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     steps: int = 0
@@ -198,6 +200,7 @@ def generate(
         [t for r in rows for t in r.tokens],
         [f for r in rows for f in r.finish_reasons],
         None if decode is None else [t for r in rows for t in r.texts],
+        end_ids=[e for r in rows for e in r.end_ids],
         prefill_seconds=sum(r.prefill_seconds for r in rows),
         decode_seconds=sum(r.decode_seconds for r in rows),
         steps=sum(r.steps for r in rows),
@@ -249,6 +252,7 @@ def _generate(model, prompts, params, decode, pad_id, forwards) -> Generation:
 
     rows = out[:, :steps].tolist()
     new = [row[: kept[i]] for i, row in enumerate(rows)]
+    end_ids = [row[kept[i]] if reasons[i] == "eos" else None for i, row in enumerate(rows)]
     texts = None
     if decode is not None:
         texts = []
@@ -260,6 +264,7 @@ def _generate(model, prompts, params, decode, pad_id, forwards) -> Generation:
         new,
         reasons,
         texts,
+        end_ids=end_ids,
         prefill_seconds=prefill_seconds,
         decode_seconds=decode_seconds,
         steps=steps,

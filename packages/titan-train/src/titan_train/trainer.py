@@ -149,6 +149,7 @@ class Trainer:
                 train_loss_fn=built.train_loss_fn,
                 loss_fn=plan.loss_fn,
                 token_weights=built.token_weights,
+                tokenizer=self.tokenizer,
                 loader=self.loader,
                 forward_context=self.forward_context,
                 build_copy=lambda: build_model(plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed),
@@ -285,7 +286,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         start = time.perf_counter()
         step_batches = [next(batches) for _ in range(self.grad_accum_steps)]
-        self.objective.begin_step(step_batches)
+        step_batches = self.objective.begin_step(step_batches) or step_batches
         data_seconds = time.perf_counter() - start
         tokens = 0
         trained = torch.zeros((), dtype=torch.int64, device=self.device)

@@ -17,6 +17,7 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TOKEN_SHARDS = "token_shards"
 CHAT = "chat"  # conversations for fine-tuning: see titan_data.chat, not a text source
 PREFERENCE = "preference"  # prompt, chosen and rejected for DPO and its family: see titan_data.preference
+PROMPTS = "prompts"  # prompt-only rows for learning from rewards (GRPO): see titan_data.prompts
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,11 @@ DATASETS: dict[str, DatasetEntry] = {
         "dataset_path: .jsonl/.json/.parquet, or a hub dataset id; rendered with the model's chat template",
         None,
     ),
+    PROMPTS: DatasetEntry(
+        "prompt-only rows (TRL's layout: 'prompt' as a conversation or text, other columns for the reward "
+        "functions) at dataset_path: .jsonl/.json/.parquet, or a hub dataset id; see [grpo]",
+        None,
+    ),
     TOKEN_SHARDS: DatasetEntry(
         "token shards written by `titan-data tokenize` at dataset_path, memory-mapped", None
     ),
@@ -116,9 +122,10 @@ def get_source(name: str, path: str | Path | None = None, split: str = "") -> Te
     if name not in DATASETS:
         raise DataError(f"dataset: unknown dataset '{name}'; registered: {', '.join(sorted(DATASETS))}")
     entry = DATASETS[name]
-    if name in (CHAT, PREFERENCE):
+    if name in (CHAT, PREFERENCE, PROMPTS):
         raise DataError(
-            f"dataset: '{name}' holds conversations, not text; build it with ChatDataset or PreferenceDataset"
+            f"dataset: '{name}' holds conversations, not text; build it with ChatDataset, PreferenceDataset "
+            "or PromptDataset"
         )
     if entry.open_source is None:
         raise DataError(f"dataset: '{name}' holds tokens, not text; build it with build_dataset()")
@@ -132,7 +139,7 @@ def get_source(name: str, path: str | Path | None = None, split: str = "") -> Te
 def check_dataset(name: str, path: str | Path | None = None, split: str = "") -> None:
     """Raise DataError, with the fix, unless dataset `name` can be read from `path` now: its files
     exist, or its remote source answers. A trainer calls it before any work."""
-    if name in (CHAT, PREFERENCE):
+    if name in (CHAT, PREFERENCE, PROMPTS):
         if path is None:
             raise DataError(
                 f"dataset: '{name}' needs dataset_path: a {name} file or folder, or a hub dataset id"

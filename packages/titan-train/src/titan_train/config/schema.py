@@ -20,6 +20,7 @@ from titan_train.config.fields import (
     SPLIT_NAME,
     opt,
 )
+from titan_train.config.grpo_section import GRPO
 from titan_train.config.health_section import Health
 from titan_train.config.lora_section import LoRA
 from titan_train.config.muon_section import MuonSettings
@@ -206,8 +207,8 @@ class Training:
     )
     objective: str = opt(
         "auto",
-        "(Titan) What a step trains: auto (preference pairs: preference; other data: next_token), next_token, "
-        "preference, or a name a module of experimental.custom_import registers "
+        "(Titan) What a step trains: auto (preference pairs: preference; prompts: grpo; other data: "
+        "next_token), next_token, preference, grpo, or a name a module of experimental.custom_import registers "
         "(titan_train.objectives.registry.register_objective)",
         nonempty=True,
     )
@@ -502,3 +503,4 @@ class JobConfig:
     lora: LoRA = field(default_factory=LoRA)
     sft: Sft = field(default_factory=Sft)
     preference: Preference = field(default_factory=Preference)
+    grpo: GRPO = field(default_factory=GRPO)

@@ -21,6 +21,7 @@ from typing import Any
 from titan_data import DATASETS
 from titan_train.config.data_rules import data_choices_fit
 from titan_train.config.fields import BOUNDS, get_value, iter_fields, number, unwrap_optional
+from titan_train.config.grpo_section import check_grpo
 from titan_train.config.preference_section import check_preference
 from titan_train.config.sft_section import renders_chat_template
 from titan_train.errors import ConfigError
@@ -257,6 +258,7 @@ COMBINATIONS: tuple[Callable[[Any], None], ...] = (
     _chat_data_fits_the_layout,
     data_choices_fit,
     check_preference,
+    check_grpo,
     _profiler_window_fits,
     _schedule_covers_training,
     _validation_fits_the_layout,

@@ -92,6 +92,23 @@ class GRPOLoss:
     def needs_reference(self) -> bool:
         return self.beta != 0.0
 
+    @property
+    def high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def log_ratio(self, logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """log rho: (B, T) per token, or (B, 1) per sequence (GSPO)."""
+        log_ratio = logps - old_logps
+        if self.importance_sampling == "sequence":
+            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        return log_ratio
+
+    def kl(self, logps: torch.Tensor, ref_logps: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
+        """The (B, T) k3 estimate of the KL to the reference, weighted by rho where corrected."""
+        diff = ref_logps - logps
+        kl = torch.exp(diff) - diff - 1
+        return kl * torch.exp(log_ratio) if self.kl_importance_correction else kl
+
     def per_token(
         self,
         logps: torch.Tensor,
@@ -102,27 +119,22 @@ class GRPOLoss:
     ) -> torch.Tensor:
         """The (B, T) loss of every completion token (before the mask), `advantages` (B,)."""
         a = advantages.unsqueeze(1)
-        log_ratio = logps - old_logps
-        if self.importance_sampling == "sequence":
-            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        log_ratio = self.log_ratio(logps, old_logps, mask)
         rho = torch.exp(log_ratio)
-        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         if self.loss_type == "cispo":
-            loss = -torch.clamp(rho, max=high).detach() * a * logps
+            loss = -torch.clamp(rho, max=self.high).detach() * a * logps
         elif self.loss_type == "sapo":
             tau = torch.where(a > 0, self.sapo_temperature_pos, self.sapo_temperature_neg)
             loss = -torch.sigmoid(tau * (rho - 1)) * 4 / tau * a
         else:
-            clipped = torch.clamp(rho, 1 - self.epsilon, 1 + high)
+            clipped = torch.clamp(rho, 1 - self.epsilon, 1 + self.high)
             if self.delta is not None:
                 rho = torch.clamp(rho, max=self.delta)
             loss = -torch.min(rho * a, clipped * a)
         if self.needs_reference:
             if ref_logps is None:
                 raise ValueError("beta > 0 needs the reference's per-token log-probs")
-            diff = ref_logps - logps
-            kl = torch.exp(diff) - diff - 1
-            loss = loss + self.beta * (kl * torch.exp(log_ratio) if self.kl_importance_correction else kl)
+            loss = loss + self.beta * self.kl(logps, ref_logps, log_ratio)
         return loss.expand_as(logps)
 
     def reduce(

@@ -45,8 +45,10 @@ class TrainingObjective(Protocol):
         """The weights are loaded (step 0: a fresh start; later: a resume) and `loader` is the run's."""
         ...
 
-    def begin_step(self, step_batches: list[Batch]) -> None:
-        """The step's micro-batches, before the first forward."""
+    def begin_step(self, step_batches: list[Batch]) -> list[Batch] | None:
+        """The step's micro-batches, before the first forward. An objective that trains on something the
+        data only starts (learning from rewards: completions of the loader's prompts) returns the
+        micro-batches to train on instead, (inputs, labels, ...) like the data's; None keeps the data's."""
         ...
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
@@ -78,6 +80,7 @@ class ObjectiveContext:
     train_loss_fn: Callable
     loss_fn: Callable
     token_weights: Any  # titan_train.wiring.valid_token_loss.ValidTokenWeights for chat rows, else None
+    tokenizer: Any  # titan_data's Tokenizer of the run
     loader: Any  # as first built: a resume may deal the data into other streams, and `start` gets the run's
     forward_context: Callable  # autocast and the like around a forward (titan_train.wiring.precision)
     build_copy: Callable[[], Any]  # another BuiltModel of the same plan (parts and pipeline)

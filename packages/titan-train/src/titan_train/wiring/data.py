@@ -11,6 +11,7 @@ from titan_data import (
     ChatDataset,
     ChatOptions,
     PreferenceDataset,
+    PromptDataset,
     RowFields,
     StreamLayout,
     Tokenizer,
@@ -21,9 +22,11 @@ from titan_data import (
     load_chat_template,
     load_examples,
     load_pairs,
+    load_prompts,
     mix_rows,
 )
 from titan_train.config.data_rules import default_steps
+from titan_train.config.grpo_section import is_prompts
 from titan_train.config.schema import JobConfig
 from titan_train.config.sft_section import is_chat, is_preference, template_variables
 from titan_train.errors import ConfigError
@@ -60,6 +63,15 @@ def build_validation_loader(
     return _token_loader(config, config.validation, tokenizer, dp_rank, dp_degree, infinite=False)
 
 
+def chat_template(config: JobConfig):
+    """The model's chat template (or `sft.chat_template`), with `sft.template_variables`."""
+    return load_chat_template(
+        config.model.hf_assets_path or BUNDLED_TOKENIZER,
+        config.sft.chat_template,
+        template_variables(config.sft.template_variables),
+    )
+
+
 def chat_options(config: JobConfig) -> ChatOptions:
     """The `[sft]` section as titan-data's options."""
     s = config.sft
@@ -70,11 +82,7 @@ def chat_options(config: JobConfig) -> ChatOptions:
 def _chat_examples(config: JobConfig, section, tokenizer: Tokenizer) -> tuple[list, str]:
     """Conversations rendered with the model's chat template and masked by turn (`[sft]`): one path's, or a
     weighted mixture's, the train or held-out part; and a name that says which (a resume checks it)."""
-    template = load_chat_template(
-        config.model.hf_assets_path or BUNDLED_TOKENIZER,
-        config.sft.chat_template,
-        template_variables(config.sft.template_variables),
-    )
+    template = chat_template(config)
     options = chat_options(config)
     data, part = data_section(config, section)
     keep = row_filter(part, config.validation.holdout_share)
@@ -97,6 +105,16 @@ def _dataset(config: JobConfig, section, tokenizer: Tokenizer, *, infinite: bool
     documents packed (`token_shards` memory-mapped); under a held-out share, the training data's part (see
     `data_sources`). The data is read once; `make` deals it (the epoch count makes a finite copy)."""
     data, part = data_section(config, section)
+    if is_prompts(data):
+        prompts = _prompts(config, section, tokenizer)
+        return lambda layout, finite=False: PromptDataset(
+            prompts,
+            config.grpo.max_prompt_length,
+            pad_id=tokenizer.eos_id,
+            streams=layout,
+            infinite=infinite and not finite,
+            name=str(section.dataset_path),
+        )
     if is_preference(data):
         pairs = _preference_pairs(config, section, tokenizer)
         return lambda layout, finite=False: PreferenceDataset(
@@ -138,11 +156,7 @@ def _dataset(config: JobConfig, section, tokenizer: Tokenizer, *, infinite: bool
 def _preference_pairs(config: JobConfig, section, tokenizer: Tokenizer) -> list:
     """Preference pairs rendered with the chat template as chat rows are ([sft]'s packing, overlong,
     bad_rows, chat_template and template_variables apply), a pair one unit of the stream."""
-    template = load_chat_template(
-        config.model.hf_assets_path or BUNDLED_TOKENIZER,
-        config.sft.chat_template,
-        template_variables(config.sft.template_variables),
-    )
+    template = chat_template(config)
     s = config.sft
     return load_pairs(
         section.dataset_path,
@@ -152,6 +166,20 @@ def _preference_pairs(config: JobConfig, section, tokenizer: Tokenizer) -> list:
         packing=s.packing,
         overlong=s.overlong,
         bad_rows=s.bad_rows,
+    )
+
+
+def _prompts(config: JobConfig, section, tokenizer: Tokenizer) -> list:
+    """Prompt-only rows, conversations rendered with the chat template and its generation prompt ([grpo])."""
+    template = chat_template(config)
+    g = config.grpo
+    return load_prompts(
+        section.dataset_path,
+        template,
+        tokenizer,
+        g.max_prompt_length,
+        overlong=g.overlong_prompts,
+        bad_rows=config.sft.bad_rows,
     )
 
 
@@ -195,9 +223,13 @@ def _token_loader(
     make = _dataset(config, section, tokenizer, infinite=infinite)
     dataset = make(streams)
     d = section.dataloader
+    # Prompts: a micro-batch of local_batch_size completions continues local_batch_size / num_generations prompts.
+    per_batch = section.local_batch_size
+    if is_prompts(section):
+        per_batch //= config.grpo.num_generations
     return TokenLoader(
         dataset,
-        batch_size=section.local_batch_size,
+        batch_size=per_batch,
         num_workers=d.num_workers,
         pin_memory=d.pin_memory and _pinning_applies(section),
         persistent_workers=d.persistent_workers,

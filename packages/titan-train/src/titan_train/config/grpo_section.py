@@ -1,0 +1,195 @@
+"""(Titan) The [grpo] section: learning from rewards on prompt-only rows (`training.dataset = "prompts"`).
+
+torchtitan 0.2.2 has no online RL; the names and defaults follow TRL 1.16's `GRPOConfig`, whose
+definitions the losses equal (titan_train.objectives.grpo_loss). A step's micro-batch holds
+`training.local_batch_size` completions per data-parallel rank: `local_batch_size / num_generations`
+prompts, each continued `num_generations` times (TRL's per_device_train_batch_size and generation batch,
+with steps_per_generation = the gradient accumulation steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from titan_data import PROMPTS
+from titan_train.config.fields import opt
+from titan_train.errors import ConfigError
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+ENGINES = ("titan", "vllm")
+
+
+def is_prompts(section: Any) -> bool:
+    """Whether a `[training]` or `[validation]` section reads prompt-only rows: the one place that says so."""
+    return section.dataset == PROMPTS
+
+
+@dataclass
+class GRPO:
+    num_generations: int = opt(
+        8, "(Titan) Completions sampled per prompt: a group, whose rewards set each other's advantage",
+        minimum=2, maximum=4096,
+    )  # fmt: skip
+    max_prompt_length: int = opt(
+        512, "(Titan) Longest prompt in tokens (chat template and generation prompt included)", minimum=1,
+        maximum=1 << 20,
+    )  # fmt: skip
+    overlong_prompts: str = opt(
+        "truncate",
+        "(Titan) A longer prompt keeps its last max_prompt_length tokens (truncate) or is left out (drop); "
+        "either is counted in the log",
+        choices=("truncate", "drop"),
+    )
+    max_completion_length: int = opt(
+        512, "(Titan) Most tokens generated per completion (TRL's max_completion_length)", minimum=1,
+        maximum=1 << 20,
+    )  # fmt: skip
+    temperature: float = opt(
+        1.0, "(Titan) Sampling temperature; the trained log-probs use the same scaled logits, as TRL's do",
+        above=0, maximum=100,
+    )  # fmt: skip
+    top_p: float = opt(1.0, "(Titan) Nucleus sampling mass; 1: off", above=0, maximum=1)
+    top_k: int = opt(0, "(Titan) Sample among the k most likely tokens; 0: off", minimum=0, maximum=1 << 20)
+    engine: str = opt(
+        "titan",
+        "(Titan) What generates the rollouts: titan (the policy's own KV-cache generator, in the training "
+        "processes) or vllm (not available yet)",
+        choices=ENGINES,
+    )
+    replay_rollouts: str | None = opt(
+        None,
+        "(Titan) Train on the completions recorded in this rollouts file or folder (what a run writes under "
+        "dump_folder/rollouts) instead of generating: a step's prompts must be those recorded for it",
+        path="a rollouts .jsonl file or a folder of them",
+    )
+    reward_funcs: list[str] = opt(
+        [],
+        "(Titan) Reward functions, each a built-in (answer_match, think_format) or 'module:function' with "
+        "TRL's signature (prompts, completions, completion_ids, the row's other columns as keywords)",
+        pattern=(r"[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?", "a built-in name or module:function"),
+    )
+    reward_weights: list[float] = opt(
+        [], "(Titan) Weight of each reward function in the sum; empty: 1 each", minimum=-1e6, maximum=1e6
+    )
+    scale_rewards: str = opt(
+        "group",
+        "(Titan) Advantages divided by the std of the group's rewards (group), of the whole batch's (batch), "
+        "or not (none: Dr. GRPO)",
+        choices=("group", "batch", "none"),
+    )
+    loss_type: str = opt(
+        "dapo",
+        "(Titan) Policy loss as TRL defines it: grpo (mean per completion), bnpo (per token of the "
+        "micro-batch), dr_grpo (per completion x max_completion_length), dapo (per token of the generation "
+        "batch), cispo (clipped importance-sampling weights), sapo (soft gates)",
+        choices=LOSS_TYPES,
+    )
+    beta: float = opt(
+        0.0,
+        "(Titan) Weight of the KL to the reference (k3 estimate); 0: no reference",
+        minimum=0,
+        maximum=1e6,
+    )
+    epsilon: float = opt(0.2, "(Titan) Lower clipping range of the ratio", above=0, below=1)
+    epsilon_high: float = opt(
+        0.0, "(Titan) Upper clipping range (DAPO's clip-higher); 0: epsilon", above=0, maximum=1e6,
+        sentinels=(0.0,),
+    )  # fmt: skip
+    delta: float = opt(
+        0.0, "(Titan) Cap on the ratio before clipping (two-sided GRPO); 0: off", above=1, maximum=1e6,
+        sentinels=(0.0,),
+    )  # fmt: skip
+    importance_sampling_level: str = opt(
+        "token",
+        "(Titan) One ratio per token, or per sequence from the mean log-ratio (sequence: GSPO)",
+        choices=("token", "sequence"),
+    )
+    use_bias_correction_kl: bool = opt(
+        True, "(Titan) The KL term weighted by the importance ratio, as TRL's default does"
+    )
+    mask_truncated_completions: bool = opt(
+        False, "(Titan) Completions that reached max_completion_length without ending count in no loss"
+    )
+    num_iterations: int = opt(
+        1, "(Titan) Optimizer steps per generation batch (TRL's mu); only 1 for now", minimum=1, maximum=1024
+    )
+    sapo_temperature_pos: float = opt(
+        1.0, "(Titan) sapo: gate temperature for positive advantages", above=0, maximum=1e3
+    )
+    sapo_temperature_neg: float = opt(
+        1.05, "(Titan) sapo: gate temperature for negative advantages", above=0, maximum=1e3
+    )
+    reference: str = opt(
+        "auto",
+        "(Titan) With beta > 0, the KL reference: auto (under LoRA/QLoRA the policy with its adapters off, else "
+        "a frozen copy of the starting weights sharded like the policy) or copy (always the frozen copy)",
+        choices=("auto", "copy"),
+    )
+
+
+def _changed(section: GRPO) -> list[str]:
+    return [f"grpo.{f.name}" for f in fields(section) if getattr(section, f.name) != GRPO().__dict__[f.name]]
+
+
+def check_grpo(config) -> None:
+    """Refuse, at start and in one line, what learning from rewards cannot do (yet), and [grpo] set for a run
+    that does not read prompts."""
+    g, t, par = config.grpo, config.training, config.parallelism
+    if not is_prompts(t):
+        changed = _changed(g)
+        if changed:
+            raise ConfigError(
+                f"config: {', '.join(changed)} set, but training.dataset is {t.dataset!r}: [grpo] applies to "
+                "training.dataset = 'prompts'; remove them or train on prompts"
+            )
+        if is_prompts(config.validation) and config.validation.enable:
+            raise ConfigError("config: validation.dataset = 'prompts' needs training.dataset = 'prompts'")
+        return
+    if not g.reward_funcs:
+        raise ConfigError(
+            "config: training.dataset = 'prompts' needs grpo.reward_funcs: built-ins (answer_match, "
+            "think_format) or 'module:function' names"
+        )
+    if g.reward_weights and len(g.reward_weights) != len(g.reward_funcs):
+        raise ConfigError(
+            f"config: grpo.reward_weights has {len(g.reward_weights)} values for {len(g.reward_funcs)} "
+            "grpo.reward_funcs; give one weight per function, or none"
+        )
+    if t.local_batch_size % g.num_generations:
+        raise ConfigError(
+            f"config: training.local_batch_size ({t.local_batch_size}) counts completions and must be a multiple "
+            f"of grpo.num_generations ({g.num_generations}), so that each rank holds whole groups"
+        )
+    if t.seq_len < g.max_prompt_length + g.max_completion_length:
+        raise ConfigError(
+            f"config: training.seq_len ({t.seq_len}) must hold a prompt and its completion: at least "
+            f"grpo.max_prompt_length + grpo.max_completion_length = {g.max_prompt_length + g.max_completion_length}"
+        )
+    refusals = [
+        (g.engine == "vllm", "grpo.engine = 'vllm' (not available yet)", "set grpo.engine = 'titan'"),
+        (g.num_iterations > 1, "grpo.num_iterations > 1 (not available yet)", "set it to 1"),
+        (
+            par.pipeline_parallel_degree > 1,
+            "parallelism.pipeline_parallel_degree > 1 (the titan engine generates on whole models)",
+            "set it to 1",
+        ),
+        (
+            par.context_parallel_degree > 1,
+            "parallelism.context_parallel_degree > 1 (generation does not split sequences)",
+            "set it to 1",
+        ),
+        (
+            par.tensor_parallel_degree > 1 or par.expert_parallel_degree > 1,
+            "tensor or expert parallelism (the titan engine generates under data parallelism only for now)",
+            "use data_parallel_shard_degree or data_parallel_replicate_degree",
+        ),
+        (config.optimizer.early_step_in_backward, "optimizer.early_step_in_backward", "set it to false"),
+        (config.validation.enable, "validation", "set validation.enable = false"),
+        (bool(t.epochs), "training.epochs", "set training.steps"),
+        (bool(t.dataset_mixture), "training.dataset_mixture", "give one training.dataset_path"),
+        (config.compile.enable, "compile.enable (generation's shapes change every token)", "set it to false"),
+    ]
+    for hit, what, fix in refusals:
+        if hit:
+            raise ConfigError(f"config: training.dataset = 'prompts' with {what}: {fix}")

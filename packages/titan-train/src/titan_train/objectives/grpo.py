@@ -1,0 +1,372 @@
+"""Learning from rewards (GRPO and its family, as TRL 1.16's GRPOTrainer computes them) as the run's objective.
+
+Per optimizer step: the step's prompts (the loader's micro-batches) are continued `num_generations` times
+each (`titan_train.objectives.rollouts`), the reward functions score every completion, advantages come from
+each group's rewards over all data-parallel ranks (`grpo_loss.group_advantages`), and the step trains on the
+completions, one micro-batch of `training.local_batch_size` of them per micro-batch of prompts. The policy
+is its own old policy (one optimizer step per generation), so the ratio starts at 1; the reference, with
+beta > 0, is a frozen copy of the starting weights or the base with adapters off, as preference tuning's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titan_ckpt import ModelState
+from titan_data.chat.prompt import end_of_turn_id
+from titan_data.errors import DataError
+from titan_models.generation import SamplingParams
+from titan_parallel import adapters_off
+from titan_train.errors import ConfigError
+from titan_train.objectives.forward import model_forward, whole_sequence_context
+from titan_train.objectives.grpo_loss import GRPOLoss, _nanstd, group_advantages
+from titan_train.objectives.preference_step import build_reference, copy_starting_weights, evaluating
+from titan_train.objectives.protocol import Batch, ObjectiveContext
+from titan_train.objectives.rewards import load_reward_function, score
+from titan_train.objectives.rollouts import (
+    Completions,
+    RecordedRollouts,
+    RolloutLog,
+    generation_eos_ids,
+    rollout_seed,
+    titan_completions,
+    whole_weights,
+)
+from titan_train.wiring.data import chat_template
+from titan_train.wiring.lora import lora_enabled
+from titan_train.wiring.valid_token_loss import IGNORE_INDEX
+
+
+def loss_settings(g) -> GRPOLoss:
+    """`[grpo]` as the loss's settings (0 for epsilon_high and delta: TRL's None)."""
+    return GRPOLoss(
+        loss_type=g.loss_type,
+        beta=g.beta,
+        epsilon=g.epsilon,
+        epsilon_high=g.epsilon_high or None,
+        delta=g.delta or None,
+        importance_sampling=g.importance_sampling_level,
+        kl_importance_correction=g.use_bias_correction_kl,
+        max_completion_length=g.max_completion_length,
+        sapo_temperature_pos=g.sapo_temperature_pos,
+        sapo_temperature_neg=g.sapo_temperature_neg,
+    )
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
+    """(B, T) log-probs of the labels and entropies, from logits scaled by the sampling temperature (0 where
+    a label is ignored)."""
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    valid = labels != IGNORE_INDEX
+    return torch.where(valid, picked, 0.0), torch.where(valid, entropy, 0.0)
+
+
+@dataclass
+class _Micro:
+    """What one training micro-batch needs beside its tokens."""
+
+    advantages: torch.Tensor  # (B,)
+    mask: torch.Tensor  # (B, T) float: the completion tokens that count in the loss
+    ref_logps: torch.Tensor | None
+
+
+class GRPO:
+    """Prompts in, rollouts scored and trained on; TRL's reward, kl, entropy, clip and length metrics out."""
+
+    def __init__(self, ctx: ObjectiveContext):
+        self.ctx, self.plan = ctx, ctx.plan
+        config = ctx.plan.config
+        g = self.settings = config.grpo
+        self.loss = loss_settings(g)
+        self.functions = [(spec, load_reward_function(spec)) for spec in g.reward_funcs]
+        self.names = [getattr(fn, "__name__", spec) for spec, fn in self.functions]
+        self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.functions), dtype=torch.float64)
+        source = None
+        if self.loss.needs_reference:
+            source = "adapters_off" if lora_enabled(config) and g.reference == "auto" else "copy"
+        self.source = source
+        self.reference_parts = build_reference(source, lambda: ctx.build_copy().parts)
+        dp = ctx.plan.dims.submesh("dp")
+        self.dp_group = dp.get_group() if dp is not None else None
+        self.dp_rank, self.dp_degree = (dp.get_local_rank(), dp.size()) if dp is not None else (0, 1)
+        self.tokenizer = ctx.tokenizer
+        self.ends = self._end_ids(config)
+        self.replay = RecordedRollouts(g.replay_rollouts) if g.replay_rollouts else None
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.log = RolloutLog(Path(config.job.dump_folder), rank)
+        self.step_number, self.loader = 0, ctx.loader
+        self.micro: list[_Micro] = []
+        self.metrics: dict[str, float] = {}
+
+    def _end_ids(self, config) -> set[int]:
+        """Where a completion ends: the model's generation config's EOS ids, the tokenizer's EOS and the chat
+        template's end-of-turn id."""
+        ends = {self.tokenizer.eos_id, *generation_eos_ids(config.model.hf_assets_path)}
+        try:
+            ends.add(end_of_turn_id(chat_template(config), self.tokenizer))
+        except DataError:
+            pass  # no chat template: plain-text prompts end at EOS
+        return ends
+
+    def states(self) -> dict:
+        return {"reference": ModelState(self.reference_parts)} if self.reference_parts else {}
+
+    def start(self, step: int, loader) -> None:
+        self.step_number, self.loader = step, loader
+        if step == 0 and self.reference_parts is not None:
+            copy_starting_weights(self.reference_parts, self.ctx.parts)
+
+    # -- a step's rollouts --------------------------------------------------------------------------------
+
+    def _complete(self, indices: list[int], prompts: list[list[int]]) -> Completions:
+        g = self.settings
+        if self.replay is not None:
+            return self.replay.completions(self.step_number, indices, prompts, g.num_generations, self.ends)
+        params = SamplingParams(
+            max_new_tokens=g.max_completion_length,
+            temperature=g.temperature,
+            top_k=g.top_k,
+            top_p=g.top_p,
+            seed=rollout_seed(self.plan.seed, self.step_number, indices),
+            eos_ids=tuple(sorted(self.ends)),
+        )
+        parts = self.ctx.parts
+        with torch.no_grad(), evaluating(parts), whole_weights(parts):
+            return titan_completions(parts[0], prompts, g.num_generations, params, self.tokenizer.eos_id)
+
+    def _rewards(self, rows: list, completions: Completions) -> torch.Tensor:
+        """(B, F) rewards of this rank's completions; ConfigError naming the function and row on a failure."""
+        n = self.settings.num_generations
+        special = self.tokenizer.special_ids
+        texts = [self.tokenizer.decode([i for i in ids if i not in special]) for ids in completions.ids]
+        per_completion = [row for row in rows for _ in range(n)]
+        keys = sorted({k for row in rows for k in row.columns})
+        try:
+            table = score(
+                self.functions,
+                prompts=[row.prompt for row in per_completion],
+                completions=[
+                    [{"role": "assistant", "content": t}] if row.conversational else t
+                    for row, t in zip(per_completion, texts, strict=True)
+                ],
+                completion_ids=completions.ids,
+                columns={k: [row.columns.get(k) for row in per_completion] for k in keys},
+            )
+        except Exception as err:  # a user's function: say which step and rows, then stop
+            raise ConfigError(
+                f"grpo: a reward function failed at step {self.step_number} on the prompts of "
+                f"{rows[0].where}..{rows[-1].where}: {type(err).__name__}: {err}"
+            ) from err
+        bad = torch.isinf(table).any(dim=1).nonzero().flatten().tolist()
+        if bad:
+            raise ConfigError(
+                f"grpo: a reward function returned an infinite reward at step {self.step_number} for a "
+                f"completion of {per_completion[bad[0]].where}; return a finite float or None"
+            )
+        return table
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every data-parallel rank's rows, in rank order (each rank holds the same number)."""
+        if self.dp_group is None:
+            return local
+        out = [torch.empty_like(local) for _ in range(self.dp_degree)]
+        dist.all_gather(out, local.contiguous(), group=self.dp_group)
+        return torch.cat(out)
+
+    def _reward_metrics(self, table: torch.Tensor, completions: Completions) -> dict[str, float]:
+        n, g = self.settings.num_generations, self.settings
+        rewards = (table * self.weights).nansum(dim=1)
+        rewards[torch.isnan(table).all(dim=1)] = math.nan
+        if g.scale_rewards == "batch":
+            std = _nanstd(rewards).expand_as(rewards)
+        else:
+            std = _nanstd(rewards.view(-1, n), dim=1).repeat_interleave(n)
+        metrics = {"reward": torch.nanmean(rewards).item(), "reward_std": _nanstd(rewards).item()}
+        for j, name in enumerate(self.names):
+            metrics[f"rewards/{name}/mean"] = torch.nanmean(table[:, j]).item()
+            metrics[f"rewards/{name}/std"] = _nanstd(table[:, j]).item()
+        metrics["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).double().mean().item()
+        local = torch.tensor(
+            [[len(c), float(t)] for c, t in zip(completions.ids, completions.truncated, strict=True)],
+            dtype=torch.float64,
+            device=self.ctx.device,
+        )
+        lengths, truncated = self._gather(local).cpu().unbind(1)
+        ended = lengths[truncated == 0]
+        metrics.update(
+            {
+                "completions/mean_length": lengths.mean().item(),
+                "completions/min_length": lengths.min().item(),
+                "completions/max_length": lengths.max().item(),
+                "completions/clipped_ratio": truncated.mean().item(),
+                "completions/mean_terminated_length": ended.mean().item() if len(ended) else 0.0,
+            }
+        )
+        return metrics
+
+    def begin_step(self, step_batches: list[Batch]) -> list[Batch]:
+        """The step's rollouts from its prompts, scored, as the micro-batches it trains on."""
+        self.step_number += 1
+        g, device = self.settings, self.ctx.device
+        indices = [int(i) for batch in step_batches for i in batch[2][:, 0].tolist()]
+        rows = [self.loader.packed.prompts[i] for i in indices]
+        prompts = [row.ids.tolist() for row in rows]
+        started = time.perf_counter()
+        completions = self._complete(indices, prompts)
+        generated = time.perf_counter() - started
+        table = self._rewards(rows, completions)
+        rewards_seconds = time.perf_counter() - started - generated
+        everyone = self._gather(table.to(device)).cpu()
+        advantages, _ = group_advantages(everyone, self.weights, g.num_generations, g.scale_rewards)
+        mine = len(completions.ids)
+        advantages = advantages[self.dp_rank * mine : (self.dp_rank + 1) * mine].float()
+        self.metrics = self._reward_metrics(everyone, completions)
+        new_tokens = sum(len(c) for c in completions.ids)
+        self.metrics.update(
+            {
+                "rollout_tps": new_tokens / generated if generated > 0 and self.replay is None else 0.0,
+                "time/generation_s": generated,
+                "time/rewards_s": rewards_seconds,
+            }
+        )
+        self._write_log(indices, prompts, completions, table)
+        batches = self._training_batches(prompts, completions, advantages)
+        tokens = torch.tensor(float(sum(m.mask.sum().item() for m in self.micro)), device=device)
+        if self.dp_group is not None:
+            dist.all_reduce(tokens, group=self.dp_group)
+        self.tokens_in_batch = tokens.item()
+        self.sums = torch.zeros(7, dtype=torch.float64, device=device)
+        return batches
+
+    def _write_log(self, indices, prompts, completions: Completions, table: torch.Tensor) -> None:
+        n = self.settings.num_generations
+        weighted = (table * self.weights).nansum(dim=1)
+        lines = []
+        for k, ids in enumerate(completions.ids):
+            values = [None if math.isnan(v) else v for v in table[k].tolist()]
+            lines.append(
+                {
+                    "prompt_index": indices[k // n],
+                    "prompt_ids": prompts[k // n],
+                    "completion_ids": ids,
+                    "truncated": completions.truncated[k],
+                    "rewards": dict(zip(self.names, values, strict=True)),
+                    "reward": None if all(v is None for v in values) else weighted[k].item(),
+                }
+            )
+        self.log.write(self.step_number, lines)
+
+    def _training_batches(self, prompts, completions: Completions, advantages) -> list[Batch]:
+        """(inputs, labels, micro index) of each micro-batch: prompt then completion, padded on the right to
+        the micro-batch's longest, the labels the completion's tokens; the reference's log-probs now."""
+        g, device, n = self.settings, self.ctx.device, self.settings.num_generations
+        size = self.plan.config.training.local_batch_size
+        pad = self.tokenizer.eos_id
+        self.micro, batches = [], []
+        for m in range(0, len(completions.ids), size):
+            rows = range(m, min(m + size, len(completions.ids)))
+            sequences = [prompts[k // n] + completions.ids[k] for k in rows]
+            width = max(len(s) for s in sequences) - 1
+            inputs = torch.full((len(rows), width), pad, dtype=torch.long)
+            labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+            for r, (k, seq) in enumerate(zip(rows, sequences, strict=True)):
+                inputs[r, : len(seq) - 1] = torch.tensor(seq[:-1])
+                start = len(prompts[k // n]) - 1
+                labels[r, start : len(seq) - 1] = torch.tensor(completions.ids[k])
+            inputs, labels = inputs.to(device), labels.to(device)
+            mask = (labels != IGNORE_INDEX).float()
+            if g.mask_truncated_completions:
+                kept = torch.tensor([not completions.truncated[k] for k in rows], device=device)
+                mask = mask * kept.unsqueeze(1)
+            self.micro.append(
+                _Micro(advantages[m : m + size].to(device), mask, self._reference(inputs, labels))
+            )
+            batches.append((inputs, labels, torch.tensor(len(batches))))
+        return batches
+
+    def _reference(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        if self.source is None:
+            return None
+        with torch.no_grad(), whole_sequence_context(self.plan, self.ctx.forward_context):
+            if self.reference_parts is not None:
+                logits = self.reference_parts[0](inputs)
+            else:
+                with evaluating(self.ctx.parts), adapters_off(self.ctx.parts[0]):
+                    logits = model_forward(self.ctx.parts, inputs, None)
+        return token_logps(logits, labels, self.settings.temperature)[0]
+
+    # -- training on them ---------------------------------------------------------------------------------
+
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        inputs, labels, index = batch
+        micro, loss_fn = self.micro[int(index)], self.loss
+        with whole_sequence_context(self.plan, self.ctx.forward_context):
+            logits = model_forward(self.ctx.parts, inputs, None)
+        logps, entropy = token_logps(logits, labels, self.settings.temperature)
+        old = logps.detach()  # one optimizer step per generation: the policy is its own old policy
+        mask = micro.mask
+        per_token = loss_fn.per_token(logps, old, micro.advantages, mask, micro.ref_logps)
+        if loss_fn.loss_type in ("dapo", "cispo"):
+            loss = loss_fn.reduce(per_token, mask, self.tokens_in_batch / self.dp_degree)
+        else:
+            loss = loss_fn.reduce(per_token, mask) / len(self.micro)
+        loss.backward()
+        self._accumulate(logps.detach(), old, micro, entropy.detach())
+        return loss.detach()
+
+    def _accumulate(self, logps, old, micro: _Micro, entropy) -> None:
+        """Masked sums for TRL's global means: kl, entropy, and the low, high and region clip ratios."""
+        loss_fn, mask, a = self.loss, micro.mask, micro.advantages.unsqueeze(1)
+        log_ratio = loss_fn.log_ratio(logps, old, mask)
+        rho = torch.exp(log_ratio)
+        per_sequence = rho.shape[1] == 1
+        weight, count = (torch.ones_like(rho), float(rho.shape[0])) if per_sequence else (mask, mask.sum())
+        low = ((rho < 1 - loss_fn.epsilon) & (a < 0)).float()
+        high = ((rho > 1 + loss_fn.high) & (a > 0)).float()
+        kl = (
+            loss_fn.kl(logps, micro.ref_logps, log_ratio)
+            if micro.ref_logps is not None
+            else torch.zeros_like(logps)
+        )
+        self.sums += torch.stack(
+            [
+                (kl * mask).sum(),
+                mask.sum(),
+                (entropy * mask).sum(),
+                (low * weight).sum(),
+                (high * weight).sum(),
+                ((low + high).clamp(max=1) * weight).sum(),
+                torch.as_tensor(count, dtype=mask.dtype, device=mask.device),
+            ]
+        ).double()
+
+    def end_step(self) -> dict[str, float]:
+        sums = self.sums.clone()
+        if self.dp_group is not None:
+            dist.all_reduce(sums, group=self.dp_group)
+        tokens, count = sums[1].clamp(min=1).item(), sums[6].clamp(min=1).item()
+        metrics = dict(self.metrics)
+        if self.loss.needs_reference:
+            metrics["kl"] = sums[0].item() / tokens
+        metrics["entropy"] = sums[2].item() / tokens
+        if self.loss.loss_type not in ("cispo", "sapo"):
+            metrics["clip_ratio/low_mean"] = sums[3].item() / count
+            metrics["clip_ratio/high_mean"] = sums[4].item() / count
+            metrics["clip_ratio/region_mean"] = sums[5].item() / count
+        return metrics
+
+    def log_metrics(self) -> dict[str, float]:
+        return {}
+
+    def validator(self, batches: Callable[[], Iterable]):
+        return None  # refused at start (grpo_section.check_grpo)

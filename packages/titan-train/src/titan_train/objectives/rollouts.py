@@ -1,0 +1,141 @@
+"""Rollouts for learning from rewards: a step's completions of its prompts, from the titan engine (the
+policy's own KV-cache generator, in the training processes) or from a recorded file, and the log every run
+writes of them (`dump_folder/rollouts/rank<R>.jsonl`, one line per completion, which `grpo.replay_rollouts`
+reads back).
+
+The titan engine runs on the policy's current weights: under FSDP each rank gathers the whole model once
+(`whole_weights`), generates its own prompts, and frees the gathered weights before training. Sampling is
+seeded by the run's seed, the step and the step's prompts, so a resumed run draws the same completions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from titan_models.generation import SamplingParams, generate
+from titan_train.errors import ConfigError
+
+
+@dataclass
+class Completions:
+    """A step's completions, `num_generations` per prompt in prompt order: token ids ending with the id that
+    ended them (an end-of-turn id), or cut at max_completion_length (`truncated`)."""
+
+    ids: list[list[int]]
+    truncated: list[bool]
+
+
+@contextlib.contextmanager
+def whole_weights(parts: list[nn.Module]) -> Iterator[None]:
+    """Every FSDP-sharded module of `parts` gathered whole on this rank, resharded on exit."""
+    sharded = [m for part in parts for m in part.modules() if isinstance(m, FSDPModule)]
+    for module in sharded:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
+
+
+def generation_eos_ids(folder: str | Path | None) -> list[int]:
+    """The EOS ids a Hugging Face folder's `generation_config.json` (else `config.json`) names, where it has one."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(folder) / name if folder else None
+        if path is not None and path.is_file():
+            ids = json.loads(path.read_text()).get("eos_token_id")
+            if ids is not None:
+                return [ids] if isinstance(ids, int) else [int(i) for i in ids]
+    return []
+
+
+def rollout_seed(seed: int, step: int, indices: Sequence[int]) -> int:
+    """A sampling seed of the run's seed, the step and its prompts: the same after a resume, at any rank count."""
+    return zlib.crc32(f"{seed}:{step}:{','.join(map(str, indices))}".encode())
+
+
+def titan_completions(
+    model: nn.Module,
+    prompts: list[list[int]],
+    num_generations: int,
+    params: SamplingParams,
+    pad_id: int,
+) -> Completions:
+    """Each prompt continued `num_generations` times by `model` (whole, in eval mode), as one batch."""
+    batch = [p for p in prompts for _ in range(num_generations)]
+    out = generate(model, batch, params, pad_id=pad_id)
+    ids = [
+        tokens + ([end] if end is not None else [])
+        for tokens, end in zip(out.tokens, out.end_ids, strict=True)
+    ]
+    return Completions(ids, [reason == "length" for reason in out.finish_reasons])
+
+
+class RolloutLog:
+    """This rank's rollouts, a JSON line per completion, appended as steps go (a resumed run appends after)."""
+
+    def __init__(self, dump: Path, rank: int):
+        self.path = dump / "rollouts" / f"rank{rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, step: int, rows: list[dict]) -> None:
+        with self.path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}) + "\n")
+
+
+class RecordedRollouts:
+    """Completions read back from rollout logs (a file, or a folder of `*.jsonl`), by (step, prompt index)."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+        if not files:
+            raise ConfigError(f"config: grpo.replay_rollouts = {str(path)!r} holds no .jsonl rollout file")
+        self.by_prompt: dict[tuple[int, int], list[dict]] = {}
+        for file in files:
+            for n, line in enumerate(file.read_text().splitlines(), start=1):
+                try:
+                    row = json.loads(line)
+                    key = (int(row["step"]), int(row["prompt_index"]))
+                    row["completion_ids"] = [int(i) for i in row["completion_ids"]]
+                except (ValueError, KeyError, TypeError) as err:
+                    raise ConfigError(
+                        f"config: grpo.replay_rollouts: {file}:{n} is not a rollout line with step, "
+                        f"prompt_index and completion_ids ({err})"
+                    ) from None
+                self.by_prompt.setdefault(key, []).append(row)
+
+    def completions(
+        self,
+        step: int,
+        indices: Sequence[int],
+        prompts: list[list[int]],
+        num_generations: int,
+        ends: set[int],
+    ) -> Completions:
+        """The recorded completions of step `step`'s prompts; ConfigError naming the first that was not recorded
+        for that step, or whose recorded prompt ids differ from the data's."""
+        ids: list[list[int]] = []
+        for index, prompt in zip(indices, prompts, strict=True):
+            rows = self.by_prompt.get((step, index), [])
+            if len(rows) != num_generations:
+                raise ConfigError(
+                    f"config: grpo.replay_rollouts holds {len(rows)} completions of prompt {index} at step {step}, "
+                    f"not grpo.num_generations = {num_generations}: replay the run with its data and settings"
+                )
+            if any("prompt_ids" in r and r["prompt_ids"] != prompt for r in rows):
+                raise ConfigError(
+                    f"config: grpo.replay_rollouts: prompt {index} at step {step} was recorded with other token "
+                    "ids than the data renders now (another tokenizer, template or max_prompt_length)"
+                )
+            ids.extend(r["completion_ids"] for r in rows)
+        return Completions(ids, [not c or c[-1] not in ends for c in ids])
