@@ -146,7 +146,7 @@ def test_users_register_their_own_datasets_by_name(tmp_path):
 def test_unknown_dataset_names_the_registered_ones():
     with pytest.raises(
         DataError,
-        match="unknown dataset 'c5'; registered: c4, c4_test, c4_validation, chat, json, parquet, preference, text, token_shards",
+        match="unknown dataset 'c5'; registered: c4, c4_test, c4_validation, chat, json, parquet, preference, prompts, text, token_shards",
     ):
         get_source("c5")
 

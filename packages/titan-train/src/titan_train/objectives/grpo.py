@@ -123,6 +123,7 @@ class GRPO:
 
     def start(self, step: int, loader) -> None:
         self.step_number, self.loader = step, loader
+        self.log.resume_from(step)
         if step == 0 and self.reference_parts is not None:
             copy_starting_weights(self.reference_parts, self.ctx.parts)
 

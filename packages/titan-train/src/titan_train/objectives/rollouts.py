@@ -80,11 +80,21 @@ def titan_completions(
 
 
 class RolloutLog:
-    """This rank's rollouts, a JSON line per completion, appended as steps go (a resumed run appends after)."""
+    """This rank's rollouts, a JSON line per completion, appended as steps go. A resumed run first drops the
+    lines of steps after the one it resumes from (an interrupted run may have logged a step it never saved),
+    so the file holds each step's rollouts once."""
 
     def __init__(self, dump: Path, rank: int):
         self.path = dump / "rollouts" / f"rank{rank}.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def resume_from(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines()
+        kept = [line for line in lines if line and json.loads(line)["step"] <= step]
+        if len(kept) != len(lines):
+            self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, step: int, rows: list[dict]) -> None:
         with self.path.open("a") as f:
