@@ -140,6 +140,12 @@ def sized_for_test(argv: list[str]) -> list[str]:
     asked = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--training.steps"]
     steps = [] if asked and int(asked[-1]) <= MAX_KEPT_STEPS else ["--training.steps", TEST_STEPS]
     shape = [pair for pair in zip(TEST_SHAPE[::2], TEST_SHAPE[1::2], strict=True) if pair[0] not in argv]
+    # A GRPO config's batch counts completions: one group of num_generations is the smallest.
+    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--job.config_file"]
+    config = tomllib.loads(Path(files[-1]).read_text()) if files and Path(files[-1]).is_file() else {}
+    if config.get("training", {}).get("dataset") == "prompts":
+        group = str(config.get("grpo", {}).get("num_generations", 8))
+        shape = [(k, group if k == "--training.local_batch_size" else v) for k, v in shape]
     return [*argv, *steps, *(token for pair in shape for token in pair)]
 
 

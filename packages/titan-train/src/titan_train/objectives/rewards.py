@@ -11,6 +11,8 @@ function is named as `module:function` (imported) or by a built-in name:
   "... #### 42") or the `solution` column (the content of its last `\\boxed{...}`); the completion's answer is
   its last `\\boxed{...}`, else what follows its last `####`, else its last number. Numbers compare as numbers
   (commas, a leading `$` and a trailing `.` dropped); other answers compare as stripped text.
+- `number_format`: the share of the completion's non-space characters that are digits (1.0: a bare number, as
+  "answer with the number only" asks); 0.0 for an empty completion. A shaping reward beside `answer_match`.
 - `think_format`: 1.0 when the completion starts with one `<think>...</think>` block (no second `<think>`), as
   TRL's `think_format_reward` checks, else 0.0.
 """
@@ -94,11 +96,23 @@ def answer_match(completions, answer=None, solution=None, **_) -> list[float | N
     return rewards
 
 
+def number_format(completions, **_) -> list[float | None]:
+    out: list[float | None] = []
+    for c in completions:
+        chars = [ch for ch in _text(c) if not ch.isspace()]
+        out.append(sum(ch.isdigit() for ch in chars) / len(chars) if chars else 0.0)
+    return out
+
+
 def think_format(completions, **_) -> list[float | None]:
     return [1.0 if _THINK.match(_text(c)) else 0.0 for c in completions]
 
 
-BUILT_IN: dict[str, RewardFunction] = {"answer_match": answer_match, "think_format": think_format}
+BUILT_IN: dict[str, RewardFunction] = {
+    "answer_match": answer_match,
+    "number_format": number_format,
+    "think_format": think_format,
+}
 
 
 def load_reward_function(spec: str) -> RewardFunction:
