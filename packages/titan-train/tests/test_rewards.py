@@ -13,7 +13,13 @@ import torch
 
 from titan_train.errors import ConfigError
 from titan_train.objectives.grpo_loss import group_advantages
-from titan_train.objectives.rewards import answer_match, load_reward_function, score, think_format
+from titan_train.objectives.rewards import (
+    answer_match,
+    load_reward_function,
+    number_format,
+    score,
+    think_format,
+)
 
 trl = pytest.importorskip("trl")
 
@@ -85,3 +91,9 @@ def test_scores_keep_abstentions_as_nan_and_an_unscorable_completion_gets_no_adv
         score(
             [("bad", lambda **kw: [1.0])], prompts=[], completions=completions, completion_ids=[], columns={}
         )
+
+
+def test_number_format_is_the_share_of_digits_among_visible_characters():
+    texts = ["42", " 4 2 ", "x42y", "", "answer: 7", [{"role": "assistant", "content": "12."}]]
+    assert number_format(texts) == [1.0, 1.0, 0.5, 0.0, 1 / 8, 2 / 3]
+    assert load_reward_function("number_format") is number_format
