@@ -1363,8 +1363,8 @@ PROBES: dict[str, Probe] = {
     "grpo.mask_truncated_completions": Probe(
         ("--grpo.mask_truncated_completions",), metrics, base=PROMPTS, train=True, prepare=prompt_files
     ),
-    "grpo.num_iterations": refused(
-        ("--grpo.num_iterations", "2"), r"grpo.num_iterations > 1", base=PROMPTS, prepare=prompt_files
+    "grpo.num_iterations": Probe(
+        ("--grpo.num_iterations", "2"), metrics, base=PROMPTS, train=True, prepare=prompt_files
     ),
     "grpo.sapo_temperature_pos": Probe(
         ("--grpo.sapo_temperature_pos", "2.0"), grpo_loss, base=PROMPTS, prepare=prompt_files

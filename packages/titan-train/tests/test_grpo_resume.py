@@ -5,8 +5,12 @@ rewards, the sampled completions) and end with the same weights. The rollouts ar
 top_k 50) from a generator seeded by the run's seed, the step and its prompts, so the resumed step 3
 draws the completions the interrupted one drew; the rollout log holds each step once.
 
+With grpo.num_iterations = 2, a run killed after step 4 (which trained again on step 3's rollouts) resumes
+from its step-3 save: the rollouts and their old log-probs come back from the checkpoint.
+
 Planted once each (2026-12-02): a resumed log that keeps the interrupted run's lines (no
-`RolloutLog.resume_from`) fails it (step 3 logged twice). Sampling from the global generator instead of
+`RolloutLog.resume_from`) fails it (step 3 logged twice); rollouts left out of the checkpoint (no
+`grpo_rollouts` state) fail the between-reuses case at the resumed step 4 ("not held"). Sampling from the global generator instead of
 the seeded one still passes: the checkpoint restores the global generator too (train_state), so the seed
 is what keeps rollouts independent of everything else that draws from it, not what makes resume exact.
 """
@@ -67,7 +71,7 @@ def _train(tmp: Path, dump: str, *extra: str, env: dict | None = None) -> subpro
 
 def _records(tmp: Path, dump: str) -> list[list]:
     lines = (tmp / dump / "metrics.jsonl").read_text().splitlines()
-    return [[json.loads(line)[k] for k in ("step", *KEYS)] for line in lines]
+    return [[json.loads(line).get(k) for k in ("step", *KEYS)] for line in lines]
 
 
 def _rollouts(tmp: Path, dump: str) -> list[tuple]:
@@ -75,32 +79,53 @@ def _rollouts(tmp: Path, dump: str) -> list[tuple]:
     return [(r["step"], r["prompt_index"], r["completion_ids"]) for r in map(json.loads, lines)]
 
 
+# Two optimizer steps per generation batch, saved after step 3 (a generation step): the resumed step 4
+# trains on step 3's rollouts, which only the checkpoint holds.
+REUSED = (
+    "--grpo.num_iterations",
+    "2",
+    "--grpo.epsilon",
+    "0.05",
+    "--checkpoint.interval",
+    "3",
+    "--training.steps",
+    "5",
+)
+
+
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo_resume")
     _prompts(tmp / "prompts.jsonl")
-    run = _train(tmp, "whole")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for dump, extra in (("whole", ()), ("whole_reused", REUSED)):
+        run = _train(tmp, dump, *extra)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return tmp
 
 
-@pytest.mark.parametrize("kill", ["mid_step", "after_step"])
+@pytest.mark.parametrize("kill", ["mid_step", "after_step", "between_reuses"])
 def test_a_killed_grpo_run_resumes_bit_for_bit(whole, kill):
-    dump = f"resumed_{kill}"
+    dump, reference, extra, saved, last = f"resumed_{kill}", "whole", (), "step-2", 4
     if kill == "mid_step":  # step 3's reward call: after generation, before training
         killed = _train(whole, dump, env={"TITAN_TEST_DIE_AT": "3"})
-    else:
+    elif kill == "after_step":
         killed = _train(whole, dump, "--health.drill", "kill", "--health.drill_step", "3")
-    assert killed.returncode != 0 and (whole / dump / "checkpoint" / "step-2").is_dir()
+    else:  # after step 4, which reused step 3's rollouts (unsaved: the saves are at 3 and 5)
+        reference, extra, saved, last = "whole_reused", REUSED, "step-3", 5
+        killed = _train(whole, dump, *extra, "--health.drill", "kill", "--health.drill_step", "4")
+    assert killed.returncode != 0 and (whole / dump / "checkpoint" / saved).is_dir()
     assert not (whole / dump / "checkpoint" / "step-4").exists()
-    resumed = _train(whole, dump)
+    resumed = _train(whole, dump, *extra)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
 
-    expected, got = _records(whole, "whole"), _records(whole, dump)
-    assert [r[0] for r in expected] == [1, 2, 3, 4]
+    expected, got = _records(whole, reference), _records(whole, dump)
+    assert [r[0] for r in expected] == list(range(1, last + 1))
     assert expected[0][1:] != expected[-1][1:]  # it trained
     assert got == expected
-    assert _rollouts(whole, dump) == _rollouts(whole, "whole")  # each step logged once, the same completions
-    a, b = _model(whole / "whole" / "checkpoint" / "step-4"), _model(whole / dump / "checkpoint" / "step-4")
+    assert _rollouts(whole, dump) == _rollouts(
+        whole, reference
+    )  # each step logged once, the same completions
+    folder = f"checkpoint/step-{last}"
+    a, b = _model(whole / reference / folder), _model(whole / dump / folder)
     assert sorted(a) == sorted(b)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []

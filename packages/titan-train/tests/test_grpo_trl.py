@@ -6,11 +6,14 @@ on rows without a hint) with weights 1 and 0.5. TRL's GRPOTrainer trains STEPS s
 transformers' generate; a subclass records every step's prompt and completion ids as Titan's rollout lines.
 Titan replays them (`grpo.replay_rollouts`) from the same starting weights with the same optimizer: its
 prompts must render to TRL's ids (the replay checks it), and every step's loss, grad_norm, reward metrics,
-entropy and (beta > 0) kl must equal TRL's within 1e-4 relative, for each loss type and for GSPO.
+entropy, clip ratios and (beta > 0) kl must equal TRL's within 1e-4 relative, for each loss type, for GSPO,
+and for grpo with num_iterations 2 (step 2 trains again on step 1's rollouts against the generating
+policy's log-probs: its ratios leave 1 and clip at epsilon 0.02).
 
 Planted once each (2026-12-02): advantages not divided by the group's std fails every case at step 1's
 grad_norm; the KL's sign flipped (ref - logp -> logp - ref) fails dapo-beta's kl; dapo normalised per
-sequence (grpo's reduction) fails dapo's loss.
+sequence (grpo's reduction) fails dapo's loss; the reused step taking the current policy as the old one
+fails grpo-mu2's step-2 loss (0.049 against 0.0063).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ METRICS = (
     "completions/clipped_ratio",
     "completions/mean_terminated_length",
 )
+CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def prompt_rows(count=8, seed=3):
     return rows
 
 
-def trl_run(folder, tmp_path, rows, **options):
+def trl_run(folder, tmp_path, rows, num_iterations=1, **options):
     """TRL's GRPOTrainer on `rows`; its logs per step and the rollouts it generated, as Titan's lines."""
     import grpo_rewards
     from datasets import Dataset
@@ -79,8 +83,9 @@ def trl_run(folder, tmp_path, rows, **options):
             out = super()._generate(prompts)
             prompt_ids, completion_ids = out[0], out[1]
             step = self.state.global_step + 1
+            generation = (step - 1) // num_iterations  # the batches TRL has generated before this one
             for k, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
-                index = ((step - 1) * (B // G) + k // G) % len(rows)
+                index = (generation * (B // G) + k // G) % len(rows)
                 recorded.append(
                     {"step": step, "prompt_index": index, "prompt_ids": list(p), "completion_ids": list(c)}
                 )
@@ -98,6 +103,7 @@ def trl_run(folder, tmp_path, rows, **options):
         max_completion_length=COMPLETION,
         shuffle_dataset=False,
         reward_weights=list(WEIGHTS),
+        num_iterations=num_iterations,
         **options,
     )
     torch.manual_seed(0)
@@ -155,6 +161,10 @@ CASES = {
     "dr_grpo": ({"loss_type": "dr_grpo", "scale_rewards": "none"}, ("--grpo.loss_type", "dr_grpo", "--grpo.scale_rewards", "none")),
     "bnpo": ({"loss_type": "bnpo", "scale_rewards": "batch"}, ("--grpo.loss_type", "bnpo", "--grpo.scale_rewards", "batch")),
     "cispo": ({"loss_type": "cispo", "epsilon_high": 4.0}, ("--grpo.loss_type", "cispo", "--grpo.epsilon_high", "4.0")),
+    "grpo-mu2": (
+        {"loss_type": "grpo", "num_iterations": 2, "epsilon": 0.02, "beta": 0.04},
+        ("--grpo.loss_type", "grpo", "--grpo.num_iterations", "2", "--grpo.epsilon", "0.02", "--grpo.beta", "0.04"),
+    ),
     "gspo": (
         {"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.04},
         ("--grpo.loss_type", "grpo", "--grpo.importance_sampling_level", "sequence", "--grpo.beta", "0.04"),
@@ -169,10 +179,14 @@ def test_every_step_equals_trls_grpo_trainer_on_its_rollouts(tmp_path, model_fol
     theirs, rollouts = trl_run(model_folder, tmp_path, rows, **trl_options)
     ours = titan_run(model_folder, tmp_path, one_rank, rows, rollouts, *flags)
     assert len(ours) == len(theirs) == STEPS
-    keys = ("loss", "grad_norm", *METRICS, *(("kl",) if trl_options.get("beta") else ()))
+    keys = ("loss", "grad_norm", *METRICS, *CLIPS, *(("kl",) if trl_options.get("beta") else ()))
     for step, (mine, ref) in enumerate(zip(ours, theirs, strict=True), 1):
-        for key in keys:
+        # A step that reuses its generation batch logs no reward or completion metrics, in both.
+        assert {k for k in keys if k in mine} == {k for k in keys if k in ref}, (case, step)
+        for key in (k for k in keys if k in ref):
             assert _close(mine[key], ref[key]), (case, step, key, mine[key], ref[key])
+    if trl_options.get("num_iterations"):
+        assert ours[1]["clip_ratio/region_mean"] > 0  # the reused step's ratios left 1 and clipped
     assert ours[-1]["grad_norm"] > 0  # it trained on a signal
     lengths = {len(r["completion_ids"]) for r in rollouts}
     assert len(lengths) > 3 and max(lengths) == COMPLETION  # ended and truncated completions of many lengths

@@ -4,6 +4,10 @@ A window is three rows of `max_length`: the prompt's ids (padded on the right wi
 id is the prompt's and 0 on padding, and the prompt's index in the loaded list (every position), which is
 how the trainer finds the row's other columns for the reward functions. Prompt i goes to stream
 i % num_streams; streams, their saved state and re-dealing are the window datasets'.
+
+With `repeat` > 1 a stream emits each run of `chunk` prompts `repeat` times before the next run (TRL's
+`num_iterations`: one generation batch trained on for several optimizer steps, `chunk` being a step's
+prompts), so the data's position stays where the steps are, and a resume mid-repetition reads the same.
 """
 
 from __future__ import annotations
@@ -31,8 +35,18 @@ class PromptDataset(WindowDataset):
         streams: StreamLayout = ONE_RANK,
         infinite: bool = True,
         name: str = "prompts",
+        repeat: int = 1,
+        chunk: int = 1,
     ):
-        super().__init__(max_length, streams, {"kind": "prompts", "source": name})
+        layout = {
+            "kind": "prompts",
+            "source": name,
+            **({"repeat": repeat, "chunk": chunk} if repeat > 1 else {}),
+        }
+        super().__init__(max_length, streams, layout)
+        if repeat < 1 or chunk < 1:
+            raise DataError(f"dataset: repeat and chunk must be at least 1, got {repeat} and {chunk}")
+        self.repeat, self.chunk = repeat, chunk
         if len(prompts) < self.num_streams:
             raise DataError(
                 f"dataset: {name} has {len(prompts)} prompts, fewer than its {self.num_streams} streams"
@@ -45,11 +59,19 @@ class PromptDataset(WindowDataset):
 
     def _next_window(self, stream: int) -> np.ndarray | None:
         state, indices = self.streams[stream], self.by_stream[stream]
-        if state.next_doc >= len(indices):
-            if not self.infinite:
+        if self.repeat > 1:  # next_doc counts windows: each run of `chunk` prompts comes `repeat` times
+            cycle = self.chunk * self.repeat
+            position = (state.next_doc // cycle) * self.chunk + state.next_doc % self.chunk
+            if position >= len(indices) and not self.infinite:
                 return None
-            state.epoch, state.next_doc = state.epoch + 1, 0
-        index = indices[state.next_doc]
+            state.epoch = position // len(indices)
+            index = indices[position % len(indices)]
+        else:
+            if state.next_doc >= len(indices):
+                if not self.infinite:
+                    return None
+                state.epoch, state.next_doc = state.epoch + 1, 0
+            index = indices[state.next_doc]
         state.next_doc += 1
         ids = self.prompts[index].ids
         window = np.zeros((3, self.seq_len), dtype=np.int64)

@@ -112,7 +112,11 @@ class GRPO:
         False, "(Titan) Completions that reached max_completion_length without ending count in no loss"
     )
     num_iterations: int = opt(
-        1, "(Titan) Optimizer steps per generation batch (TRL's mu); only 1 for now", minimum=1, maximum=1024
+        1,
+        "(Titan) Optimizer steps per generation batch (TRL's mu): after the first, the ratio to the generating "
+        "policy's log-probs leaves 1 and clips",
+        minimum=1,
+        maximum=1024,
     )
     sapo_temperature_pos: float = opt(
         1.0, "(Titan) sapo: gate temperature for positive advantages", above=0, maximum=1e3
@@ -168,7 +172,11 @@ def check_grpo(config) -> None:
         )
     refusals = [
         (g.engine == "vllm", "grpo.engine = 'vllm' (not available yet)", "set grpo.engine = 'titan'"),
-        (g.num_iterations > 1, "grpo.num_iterations > 1 (not available yet)", "set it to 1"),
+        (
+            g.num_iterations > 1 and t.dataloader.num_streams != 0,
+            "grpo.num_iterations > 1 and training.dataloader.num_streams (a generation batch repeats per rank)",
+            "leave num_streams at 0 (one stream per data-parallel rank)",
+        ),
         (
             par.pipeline_parallel_degree > 1,
             "parallelism.pipeline_parallel_degree > 1 (the titan engine generates on whole models)",

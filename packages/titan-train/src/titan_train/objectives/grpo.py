@@ -3,13 +3,17 @@
 Per optimizer step: the step's prompts (the loader's micro-batches) are continued `num_generations` times
 each (`titan_train.objectives.rollouts`), the reward functions score every completion, advantages come from
 each group's rewards over all data-parallel ranks (`grpo_loss.group_advantages`), and the step trains on the
-completions, one micro-batch of `training.local_batch_size` of them per micro-batch of prompts. The policy
-is its own old policy (one optimizer step per generation), so the ratio starts at 1; the reference, with
-beta > 0, is a frozen copy of the starting weights or the base with adapters off, as preference tuning's.
+completions, one micro-batch of `training.local_batch_size` of them per micro-batch of prompts. With one
+optimizer step per generation the policy is its own old policy (the ratio is 1); with `num_iterations` = mu
+> 1 the generating policy's log-probs are kept as the old ones and the next mu - 1 steps train on the same
+rollouts (the data repeats the step's prompts, see titan_data.prompts.dataset), saved with the checkpoint
+so a resume between them trains on what was generated. The reference, with beta > 0, is a frozen copy of
+the starting weights or the base with adapters off, as preference tuning's.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -78,6 +82,28 @@ class _Micro:
     advantages: torch.Tensor  # (B,)
     mask: torch.Tensor  # (B, T) float: the completion tokens that count in the loss
     ref_logps: torch.Tensor | None
+    old_logps: torch.Tensor | None = None  # the generating policy's, with num_iterations > 1
+
+
+class RolloutCache:
+    """A generation batch kept for the steps that reuse it (num_iterations > 1): the prompts' indices, the
+    training micro-batches and what each needs, and the batch's completion-token count; saved per rank."""
+
+    def __init__(self, rank: int, device: torch.device):
+        self.key, self.device = f"rollouts_rank{rank}", device
+        self.held: dict | None = None
+
+    def state_dict(self) -> dict:
+        buffer = io.BytesIO()
+        if self.held is not None:
+            torch.save(self.held, buffer)
+        return {self.key: buffer.getvalue()}
+
+    def load_state_dict(self, state: dict) -> None:
+        data = state.get(self.key, b"")
+        self.held = None
+        if data:
+            self.held = torch.load(io.BytesIO(data), map_location=self.device, weights_only=False)
 
 
 class GRPO:
@@ -105,6 +131,7 @@ class GRPO:
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.log = RolloutLog(Path(config.job.dump_folder), rank)
         self.step_number, self.loader = 0, ctx.loader
+        self.cache = RolloutCache(rank, ctx.device) if g.num_iterations > 1 else None
         self.micro: list[_Micro] = []
         self.metrics: dict[str, float] = {}
 
@@ -119,7 +146,8 @@ class GRPO:
         return ends
 
     def states(self) -> dict:
-        return {"reference": ModelState(self.reference_parts)} if self.reference_parts else {}
+        states = {"reference": ModelState(self.reference_parts)} if self.reference_parts else {}
+        return {**states, **({"grpo_rollouts": self.cache} if self.cache is not None else {})}
 
     def start(self, step: int, loader) -> None:
         self.step_number, self.loader = step, loader
@@ -220,6 +248,9 @@ class GRPO:
         self.step_number += 1
         g, device = self.settings, self.ctx.device
         indices = [int(i) for batch in step_batches for i in batch[2][:, 0].tolist()]
+        self.sums = torch.zeros(7, dtype=torch.float64, device=device)
+        if (self.step_number - 1) % g.num_iterations:
+            return self._reuse(indices)
         rows = [self.loader.packed.prompts[i] for i in indices]
         prompts = [row.ids.tolist() for row in rows]
         started = time.perf_counter()
@@ -246,8 +277,35 @@ class GRPO:
         if self.dp_group is not None:
             dist.all_reduce(tokens, group=self.dp_group)
         self.tokens_in_batch = tokens.item()
-        self.sums = torch.zeros(7, dtype=torch.float64, device=device)
+        if self.cache is not None:
+            self._keep_old_logps(batches)
+            self.cache.held = {
+                "indices": indices,
+                "micro": self.micro,
+                "batches": batches,
+                "tokens_in_batch": self.tokens_in_batch,
+            }
         return batches
+
+    def _keep_old_logps(self, batches: list[Batch]) -> None:
+        """The generating policy's log-probs of its completions, before any step moves it."""
+        parts = self.ctx.parts
+        with torch.no_grad(), evaluating(parts), whole_sequence_context(self.plan, self.ctx.forward_context):
+            for (inputs, labels, _), micro in zip(batches, self.micro, strict=True):
+                logits = model_forward(self.ctx.parts, inputs, None)
+                micro.old_logps = token_logps(logits, labels, self.settings.temperature)[0]
+
+    def _reuse(self, indices: list[int]) -> list[Batch]:
+        """A step after the first of a generation batch: its rollouts again, against their old log-probs."""
+        held = self.cache.held if self.cache is not None else None
+        if held is None or held["indices"] != indices:
+            raise RuntimeError(
+                f"grpo: step {self.step_number} reuses the rollouts of its generation batch, but they are not "
+                "held (a checkpoint from another grpo.num_iterations, or data that moved); resume with the "
+                "settings the run was saved with"
+            )
+        self.micro, self.tokens_in_batch, self.metrics = held["micro"], held["tokens_in_batch"], {}
+        return held["batches"]
 
     def _write_log(self, indices, prompts, completions: Completions, table: torch.Tensor) -> None:
         n = self.settings.num_generations
@@ -314,7 +372,8 @@ class GRPO:
         with whole_sequence_context(self.plan, self.ctx.forward_context):
             logits = model_forward(self.ctx.parts, inputs, None)
         logps, entropy = token_logps(logits, labels, self.settings.temperature)
-        old = logps.detach()  # one optimizer step per generation: the policy is its own old policy
+        # One optimizer step per generation: the policy is its own old policy.
+        old = micro.old_logps if micro.old_logps is not None else logps.detach()
         mask = micro.mask
         per_token = loss_fn.per_token(logps, old, micro.advantages, mask, micro.ref_logps)
         if loss_fn.loss_type in ("dapo", "cispo"):

@@ -106,14 +106,16 @@ def _dataset(config: JobConfig, section, tokenizer: Tokenizer, *, infinite: bool
     `data_sources`). The data is read once; `make` deals it (the epoch count makes a finite copy)."""
     data, part = data_section(config, section)
     if is_prompts(data):
-        prompts = _prompts(config, section, tokenizer)
+        prompts, g = _prompts(config, section, tokenizer), config.grpo
         return lambda layout, finite=False: PromptDataset(
             prompts,
-            config.grpo.max_prompt_length,
+            g.max_prompt_length,
             pad_id=tokenizer.eos_id,
             streams=layout,
             infinite=infinite and not finite,
             name=str(section.dataset_path),
+            repeat=g.num_iterations,
+            chunk=_step_prompts(config, layout.world_size),
         )
     if is_preference(data):
         pairs = _preference_pairs(config, section, tokenizer)
@@ -167,6 +169,13 @@ def _preference_pairs(config: JobConfig, section, tokenizer: Tokenizer) -> list:
         overlong=s.overlong,
         bad_rows=s.bad_rows,
     )
+
+
+def _step_prompts(config: JobConfig, dp_degree: int) -> int:
+    """The prompts one rank's optimizer step continues: its micro-batches' completions / num_generations."""
+    t = config.training
+    accumulation = t.global_batch_size // (t.local_batch_size * dp_degree) if t.global_batch_size > 0 else 1
+    return accumulation * t.local_batch_size // config.grpo.num_generations
 
 
 def _prompts(config: JobConfig, section, tokenizer: Tokenizer) -> list:
