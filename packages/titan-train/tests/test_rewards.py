@@ -14,6 +14,7 @@ import torch
 from titan_train.errors import ConfigError
 from titan_train.objectives.grpo_loss import group_advantages
 from titan_train.objectives.rewards import (
+    BadReward,
     answer_match,
     load_reward_function,
     number_format,
@@ -91,6 +92,10 @@ def test_scores_keep_abstentions_as_nan_and_an_unscorable_completion_gets_no_adv
         score(
             [("bad", lambda **kw: [1.0])], prompts=[], completions=completions, completion_ids=[], columns={}
         )
+    nan = [("nan", lambda **kw: [1.0, None, float("nan"), 0.0])]
+    with pytest.raises(BadReward, match="returned NaN .use None") as raised:
+        score(nan, prompts=[], completions=completions, completion_ids=[], columns={})
+    assert raised.value.index == 2  # the completion whose row the run names
 
 
 def test_number_format_is_the_share_of_digits_among_visible_characters():

@@ -34,7 +34,7 @@ from titan_train.objectives.forward import model_forward, whole_sequence_context
 from titan_train.objectives.grpo_loss import GRPOLoss, _nanstd, group_advantages
 from titan_train.objectives.preference_step import build_reference, copy_starting_weights, evaluating
 from titan_train.objectives.protocol import Batch, ObjectiveContext
-from titan_train.objectives.rewards import load_reward_function, score
+from titan_train.objectives.rewards import BadReward, load_reward_function, score
 from titan_train.objectives.rollouts import (
     Completions,
     RecordedRollouts,
@@ -192,9 +192,14 @@ class GRPO:
                 columns={k: [row.columns.get(k) for row in per_completion] for k in keys},
             )
         except Exception as err:  # a user's function: say which step and rows, then stop
+            index = err.index if isinstance(err, BadReward) else None
+            where = (
+                f"a completion of {per_completion[index].where}"
+                if index is not None
+                else f"the prompts of {rows[0].where}..{rows[-1].where}"
+            )
             raise ConfigError(
-                f"grpo: a reward function failed at step {self.step_number} on the prompts of "
-                f"{rows[0].where}..{rows[-1].where}: {type(err).__name__}: {err}"
+                f"grpo: a reward function failed at step {self.step_number} on {where}: {type(err).__name__}: {err}"
             ) from err
         bad = torch.isinf(table).any(dim=1).nonzero().flatten().tolist()
         if bad:

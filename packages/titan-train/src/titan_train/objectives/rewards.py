@@ -134,6 +134,14 @@ def load_reward_function(spec: str) -> RewardFunction:
     return fn
 
 
+class BadReward(ValueError):
+    """A reward function's answer that cannot be used: the wrong count, or NaN at completion `index`."""
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.index = index
+
+
 def score(
     functions: Sequence[tuple[str, RewardFunction]],
     *,
@@ -142,13 +150,20 @@ def score(
     completion_ids: list[list[int]],
     columns: dict[str, list],
 ) -> torch.Tensor:
-    """(B, F) float64 rewards, NaN where a function returned None (see `grpo_loss.group_advantages`)."""
+    """(B, F) float64 rewards, NaN where a function returned None (see `grpo_loss.group_advantages`); BadReward
+    for a wrong count or a NaN (None says "not applicable"; NaN is a function's bug, named with its row)."""
     out = torch.empty(len(completions), len(functions), dtype=torch.float64)
     for j, (spec, fn) in enumerate(functions):
         values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         if len(values) != len(completions):
-            raise ValueError(
+            raise BadReward(
                 f"reward function {spec} returned {len(values)} values for {len(completions)} completions"
             )
-        out[:, j] = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
+        floats = [math.nan if v is None else float(v) for v in values]
+        nan = next(
+            (k for k, (v, f) in enumerate(zip(values, floats, strict=True)) if v is not None and f != f), None
+        )
+        if nan is not None:
+            raise BadReward(f"reward function {spec} returned NaN (use None for 'not applicable')", nan)
+        out[:, j] = torch.tensor(floats, dtype=torch.float64)
     return out
