@@ -3,7 +3,8 @@ bundled arithmetic prompts, the titan engine sampling 8 answers per prompt, answ
 the mean reward rises clearly within 12 steps. Then the engine is the policy: the run, resumed from its
 step-12 save with greedy sampling (top_k 1) for one more step, generates for step 13 exactly the tokens
 transformers' greedy `generate` gives on the step-12 Hugging Face export from the same prompt ids, stopped
-at the same end ids (the tokenizer's EOS and the template's <|eot_id|>).
+at the same end ids (the tokenizer's EOS and the template's <|eot_id|>). `titan-train report` draws the
+reward curve.
 """
 
 import json
@@ -26,6 +27,7 @@ STEPS = 12
 
 def _run(dump: Path, *flags: str) -> None:
     base = ["--job.dump_folder", str(dump), "--metrics.log_freq", "1", "--metrics.disable_color_printing"]
+    base += ["--metrics.enable_tensorboard"]
     save = ["--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.last_save_in_hf"]
     cmd = [sys.executable, "-m", "titan_train.cli", "--job.config_file", str(CONFIG), *base, *save, *flags]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
@@ -46,6 +48,16 @@ def test_debug_grpo_config_raises_the_mean_reward(grpo_run):
     assert sorted(rewards) == list(range(1, STEPS + 2))
     first, last = sum(rewards[s] for s in (1, 2, 3)) / 3, sum(rewards[s] for s in (10, 11, 12)) / 3
     assert first < 0.3 and last > first + 0.4, rewards
+
+
+def test_report_draws_the_reward_curve(grpo_run, tmp_path):
+    from titan_train.reporting.report import build_report, draw, find_event_folder, read_scalars
+
+    records = [json.loads(line) for line in (grpo_run / "metrics.jsonl").read_text().splitlines()]
+    figure = draw(read_scalars(find_event_folder(grpo_run)), tmp_path / "fig.png", title="grpo")
+    (reward,) = [ax for ax in figure.axes if ax.get_title() == "reward"]
+    assert list(reward.lines[0].get_ydata()) == pytest.approx([r["reward"] for r in records])
+    assert any(row.startswith("reward") for row in build_report(grpo_run, tmp_path / "r.png").table)
 
 
 def test_the_engine_generates_what_transformers_generates_on_the_steps_export(grpo_run):

@@ -1,7 +1,7 @@
 """`titan-train report DUMP_FOLDER`: a run's curves in one PNG and a summary table, from its TensorBoard events.
 
-People would rather look than read: the PNG shows loss (with validation loss), throughput, MFU (or
-TFLOP/s where the device's peak is unknown) and memory against the step.
+People would rather look than read: the PNG shows loss (with validation loss), a GRPO run's mean reward,
+throughput, MFU (or TFLOP/s where the device's peak is unknown) and memory against the step.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ Series = dict[str, tuple[list[int], list[float]]]
 # (panel title, y label, tags drawn in it: the first one present wins for single-series panels)
 PANELS = (
     ("loss", "loss", (TB_TAGS["loss"], VALIDATION_TAGS["loss"])),
+    ("reward", "mean reward", ("reward",)),  # learning from rewards (TRL's name, the objective's metric)
     ("throughput", "tokens/s per device", (TB_TAGS["tps"],)),
     ("model FLOPs utilisation", "MFU %", (TB_TAGS["mfu"],)),
     ("achieved TFLOP/s", "TFLOP/s per device", (TB_TAGS["tflops"],)),
@@ -29,6 +30,7 @@ SUMMARY_TAGS = {
     "loss": TB_TAGS["loss"],
     "validation loss": VALIDATION_TAGS["loss"],
     "grad_norm": TB_TAGS["grad_norm"],
+    "reward": "reward",
     "tokens/s per device": TB_TAGS["tps"],
     "TFLOP/s": TB_TAGS["tflops"],
     "MFU %": TB_TAGS["mfu"],
