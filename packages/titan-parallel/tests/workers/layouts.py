@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from clean_exit import exit_now
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from toy_transformer import SEQ, VOCAB, ToyTransformer, cross_entropy
@@ -358,3 +359,4 @@ def main(out_path: str, names: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
+    exit_now()  # see clean_exit

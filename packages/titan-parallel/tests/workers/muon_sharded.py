@@ -6,6 +6,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from clean_exit import exit_now
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -159,3 +160,4 @@ def qk_clip(mesh, generator) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    exit_now()  # see clean_exit
