@@ -31,7 +31,7 @@ from titan_models.generation import SamplingParams
 from titan_parallel import adapters_off
 from titan_train.errors import ConfigError
 from titan_train.objectives.forward import model_forward, whole_sequence_context
-from titan_train.objectives.grpo_loss import GRPOLoss, _nanstd, group_advantages
+from titan_train.objectives.grpo_loss import GRPOLoss, group_advantages, nanstd
 from titan_train.objectives.preference_step import build_reference, copy_starting_weights, evaluating
 from titan_train.objectives.protocol import Batch, ObjectiveContext
 from titan_train.objectives.rewards import BadReward, load_reward_function, score
@@ -222,13 +222,13 @@ class GRPO:
         rewards = (table * self.weights).nansum(dim=1)
         rewards[torch.isnan(table).all(dim=1)] = math.nan
         if g.scale_rewards == "batch":
-            std = _nanstd(rewards).expand_as(rewards)
+            std = nanstd(rewards).expand_as(rewards)
         else:
-            std = _nanstd(rewards.view(-1, n), dim=1).repeat_interleave(n)
-        metrics = {"reward": torch.nanmean(rewards).item(), "reward_std": _nanstd(rewards).item()}
+            std = nanstd(rewards.view(-1, n), dim=1).repeat_interleave(n)
+        metrics = {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item()}
         for j, name in enumerate(self.names):
             metrics[f"rewards/{name}/mean"] = torch.nanmean(table[:, j]).item()
-            metrics[f"rewards/{name}/std"] = _nanstd(table[:, j]).item()
+            metrics[f"rewards/{name}/std"] = nanstd(table[:, j]).item()
         metrics["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).double().mean().item()
         local = torch.tensor(
             [[len(c), float(t)] for c, t in zip(completions.ids, completions.truncated, strict=True)],

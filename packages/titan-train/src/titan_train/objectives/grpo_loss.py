@@ -34,7 +34,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 SCALES = ("group", "batch", "none")
 
 
-def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """The standard deviation with Bessel's correction over the non-NaN values (NaN with fewer than two)."""
     mean = torch.nanmean(x, dim=dim, keepdim=True)
     count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
@@ -58,10 +58,10 @@ def group_advantages(
     mean = torch.nanmean(groups, dim=1).repeat_interleave(num_generations)
     advantages = rewards - mean
     if scale == "group":
-        std = _nanstd(groups, dim=1).repeat_interleave(num_generations) if num_generations > 1 else None
+        std = nanstd(groups, dim=1).repeat_interleave(num_generations) if num_generations > 1 else None
         advantages = advantages / (std + 1e-4) if std is not None else advantages / 1e-4
     elif scale == "batch":
-        advantages = advantages / (_nanstd(rewards) + 1e-4)
+        advantages = advantages / (nanstd(rewards) + 1e-4)
     return torch.where(unscorable, torch.zeros_like(advantages), advantages), rewards
 
 
