@@ -133,7 +133,10 @@ class GRPO:
 
 
 def _changed(section: GRPO) -> list[str]:
-    return [f"grpo.{f.name}" for f in fields(section) if getattr(section, f.name) != GRPO().__dict__[f.name]]
+    defaults = GRPO()
+    return [
+        f"grpo.{f.name}" for f in fields(section) if getattr(section, f.name) != getattr(defaults, f.name)
+    ]
 
 
 def check_grpo(config) -> None:
