@@ -167,13 +167,14 @@ def test_download_script_without_the_hub_says_so(tmp_path):
     assert "cannot reach the Hugging Face hub for meta-llama/Llama-3.1-8B" in result.stderr
 
 
-def test_the_8b_sft_config_passes_the_start_checks_for_one_node_and_refuses_context_parallelism(
+def test_the_8b_sft_config_passes_the_start_checks_for_one_node_with_and_without_context_parallelism(
     tmp_path, caplog
 ):
     """The 8B SFT config as a user launches it (chat data named by its hub id, the checkpoint imported from
     Hugging Face files): `titan-train check --ngpu 8`, which run_train.sh runs before torchrun, passes every
-    start-up check, the import's flavor check against the published config.json included; with context
-    parallelism it stops in one line naming the reason."""
+    start-up check, the import's flavor check against the published config.json included, also with
+    context parallelism over its packed rows (ptrr); with a rotate method that gathering cannot honour it
+    stops in one line naming the reason."""
     assets = tmp_path / "Llama-3.1-8B-Instruct"
     assets.mkdir()
     published = REPO / "packages/titan-train/tests/published_configs/Llama-3.1-8B.json"
@@ -189,10 +190,17 @@ def test_the_8b_sft_config_passes_the_start_checks_for_one_node_and_refuses_cont
     )
     assert c.checkpoint.initial_load_in_hf and c.checkpoint.last_save_in_hf
     caplog.clear()
-    cp = ("--parallelism.context_parallel_degree", "2")
-    assert run(["check", "--ngpu", "8", *config, *paths, *cp]) == 2
+    cp = (
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.context_parallel_load_balancer",
+        "ptrr",
+    )
+    assert run(["check", "--ngpu", "8", *config, *paths, *cp]) == 0
+    alltoall = ("--parallelism.context_parallel_rotate_method", "alltoall")
+    assert run(["check", "--ngpu", "8", *config, *paths, *cp, *alltoall]) == 2
     (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert "context_parallel_degree = 2" in line and "ring attention is causal only" in line
+    assert "context_parallel_rotate_method = 'alltoall'" in line and "over packed documents gathers" in line
 
 
 @pytest.mark.parametrize(

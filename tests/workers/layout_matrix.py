@@ -109,6 +109,9 @@ def facts(trainer: Trainer) -> dict:
         "cp_rotate_method": trainer.parallel_options.context_parallel.rotate_method
         if trainer.dims.cp > 1
         else None,
+        "cp_load_balancer": trainer.parallel_options.context_parallel.load_balancer
+        if trainer.dims.cp > 1
+        else None,
         "wq_placements": [str(p) for p in wq.placements] if isinstance(wq, DTensor) else None,
         "wq_local_type": type(wq.to_local()).__name__ if isinstance(wq, DTensor) else None,
         "tp_styles": [tp_style(blocks[0].attention.wq), tp_style(blocks[0].attention)],

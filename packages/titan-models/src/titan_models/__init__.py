@@ -1,7 +1,7 @@
 """Llama 2/3 model definitions, flavors, attention backends, FLOP counting, HF weight mapping and generation."""
 
 from titan_models.args import ATTENTION_BACKENDS, MASK_TYPES, ModelArgs, RopeScaling
-from titan_models.attention_masks import document_ids
+from titan_models.attention_masks import document_ids, documents_from_positions
 from titan_models.errors import BackendUnavailableError, ModelConfigError, ModelError, WeightMappingError
 from titan_models.flavors import LLAMA2_FLAVORS, LLAMA3_FLAVORS, llama2_args, llama3_args
 from titan_models.flops import count_parameters, flops_per_token
@@ -31,6 +31,7 @@ __all__ = [
     "args_from_hf_config",
     "count_parameters",
     "document_ids",
+    "documents_from_positions",
     "flops_per_token",
     "forward_cached",
     "generate",

@@ -12,7 +12,13 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from titan_models.args import ModelArgs
-from titan_models.attention_masks import AttentionMask, VarlenMask, causal_block_mask, flex_can_run
+from titan_models.attention_masks import (
+    AttentionMask,
+    GatheredMask,
+    VarlenMask,
+    causal_block_mask,
+    flex_can_run,
+)
 from titan_models.cached_attention import HeadsCache
 from titan_models.errors import BackendUnavailableError, ModelConfigError
 from titan_models.rope import apply_rotary
@@ -117,13 +123,15 @@ def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, mask: AttentionMask
 ) -> torch.Tensor:
     """Attention of (batch, heads, seq, head_dim) queries over fewer or equal key/value heads."""
+    if isinstance(mask, GatheredMask):  # context parallel: every rank's keys and values
+        k, v, mask = mask.gather(k, 2), mask.gather(v, 2), mask.mask
     if isinstance(mask, VarlenMask):
         return _varlen(q, k, v, mask)
     if mask is None and backend == "flex" and flex_can_run(q.device):
         mask = causal_block_mask(q.shape[2], str(q.device))
     if isinstance(mask, BlockMask):
         return flex(q, k, v, mask)
-    if backend == "flash":
+    if backend == "flash" and mask is None:
         return _flash(q, k, v)
     n_rep = q.shape[1] // k.shape[1]
     k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
@@ -33,7 +35,29 @@ class VarlenMask:
     seq_len: int
 
 
-AttentionMask = torch.Tensor | BlockMask | VarlenMask | None
+class SequenceShard(Protocol):
+    """What context parallelism hands a model (structurally: `titan_parallel.SequenceShard`)."""
+
+    positions: torch.Tensor  # the global position of each local token: (seq,), or (batch or 1, seq)
+    documents: torch.Tensor | None  # (batch, seq): each local token's packed document, or None
+
+    def gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    def all_positions(self) -> torch.Tensor: ...
+
+    def all_documents(self) -> torch.Tensor | None: ...
+
+
+@dataclass(frozen=True)
+class GatheredMask:
+    """Under context parallelism: the mask of this rank's queries over the whole sequence's keys, which
+    the attention gathers from every rank (`gather(tensor, dim)`) before it attends."""
+
+    mask: torch.Tensor | BlockMask
+    gather: Callable[[torch.Tensor, int], torch.Tensor]
+
+
+AttentionMask = torch.Tensor | BlockMask | VarlenMask | GatheredMask | None
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -68,6 +92,26 @@ def varlen_mask(doc_ids: torch.Tensor) -> VarlenMask:
     total = torch.tensor([batch * seq_len], device=doc_ids.device)
     cu_seqlens = torch.cat([first, total]).to(torch.int32)
     return VarlenMask(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), seq_len)
+
+
+def gathered_attention_mask(shard: SequenceShard, batch: int, use_flex: bool) -> GatheredMask:
+    """This rank's queries (the positions `shard` dealt it) over the gathered sequence: earlier-or-same
+    positions, of the same document where `shard` numbers documents."""
+    q_pos, kv_pos = shard.positions, shard.all_positions()
+    q_pos, kv_pos = q_pos.expand(batch, -1), kv_pos.expand(batch, -1)
+    q_doc, kv_doc = shard.documents, shard.all_documents()
+    if use_flex:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            keep = kv_pos[b, kv_idx] <= q_pos[b, q_idx]
+            return keep if q_doc is None else keep & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
+
+        mask = create_block_mask(mask_mod, batch, None, q_pos.shape[1], kv_pos.shape[1], device=q_pos.device)
+        return GatheredMask(mask, shard.gather)
+    keep = kv_pos[:, None, :] <= q_pos[:, :, None]
+    if q_doc is not None:
+        keep = keep & (q_doc[:, :, None] == kv_doc[:, None, :])
+    return GatheredMask(keep[:, None], shard.gather)
 
 
 def block_causal_block_mask(doc_ids: torch.Tensor) -> BlockMask:

@@ -16,11 +16,13 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from titan_models.attention import check_attention_backend
 from titan_models.attention_masks import (
+    SequenceShard,
     build_attention_mask,
     document_ids,
     document_mask,
     documents_from_positions,
     flex_can_run,
+    gathered_attention_mask,
 )
 from titan_models.errors import ModelConfigError, ModelError
 from titan_models.init import DEPTH_SCALED, INPUT_PROJECTIONS, init_parameters
@@ -76,6 +78,19 @@ class Decoder(nn.Module):
         its own attention masks (gpt-oss's windows and sinks, Llama 4's chunks), which have no
         document mask from restarting positions yet. The trainer refuses packing at start with it."""
         return cls._attention_masks is Decoder._attention_masks
+
+    _gathered: SequenceShard | None = None
+
+    def set_gathered_sequence(self, shard: SequenceShard | None) -> None:
+        """Attend over the sequence gathered through `shard` until called with None: context parallelism
+        over packed documents, or with ptrr's dealing (`titan_parallel.gathered_context_parallel`). Rotary
+        angles follow the shard's positions (or the row's own, for chat rows), the mask its documents."""
+        if shard is not None and not self.takes_positions():
+            raise ModelError(
+                f"model: {type(self).__name__} builds its own attention masks, which context parallelism over "
+                "packed documents (or ptrr) cannot deal per row; use the headtail load balancer on unpacked rows"
+            )
+        self._gathered = shard
 
     def _attention_masks(self, doc_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> Any:
         """What every block's attention takes as its mask (Llama 4 passes a pair)."""
@@ -223,6 +238,8 @@ class Decoder(nn.Module):
         `positions` (batch, seq), for rows of packed conversations, restart at 0 at each one: rotary
         angles follow them and attention stays within each conversation, whatever `attn_mask_type`.
         """
+        if self._gathered is not None:
+            return self._forward_gathered(tokens, positions)
         if positions is not None:
             return self._forward_at(tokens, positions)
         seq_len = tokens.shape[1]
@@ -261,3 +278,12 @@ class Decoder(nn.Module):
         use_flex = self.args.attn_backend == "flex" and flex_can_run(device)
         masks = document_mask(self.args, documents_from_positions(positions), use_flex)
         return self._blocks_forward(tokens, self.freqs_cis[positions], masks)
+
+    def _forward_gathered(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """`forward` over this rank's dealt tokens: rotary at their global positions (or their rows' own
+        `positions`), attention over the gathered sequence."""
+        shard, batch = self._gathered, tokens.shape[0]
+        rotary = positions if positions is not None else shard.positions.expand(batch, -1)
+        use_flex = self.args.attn_backend == "flex" and flex_can_run(tokens.device)
+        mask = gathered_attention_mask(shard, batch, use_flex)
+        return self._blocks_forward(tokens, self.freqs_cis[rotary], mask)

@@ -15,6 +15,11 @@ from titan_parallel.expert_parallel import (
 from titan_parallel.float8 import Float8Training, apply_float8, precompute_float8_scales
 from titan_parallel.float8_tensor_parallel import float8_tp_plan
 from titan_parallel.fsdp import DataParallelOptions, apply_experts_fsdp, apply_fsdp, blocks_of
+from titan_parallel.gathered_context_parallel import (
+    LOAD_BALANCERS,
+    gathered_context_parallel,
+    ptrr_block_size,
+)
 from titan_parallel.grad_norm import clip_grad_norm_
 from titan_parallel.load_balance import sum_tokens_per_expert
 from titan_parallel.lora import (
@@ -39,6 +44,7 @@ from titan_parallel.parameter_names import plain_name
 from titan_parallel.pipeline import Pipeline, build_pipeline, pipeline_stages
 from titan_parallel.pipeline_options import PipelineOptions
 from titan_parallel.protocols import (
+    HasGatheredSequenceAttention,
     HasHiddenMatrices,
     HasInitWeights,
     HasLinearsNotAdapted,
@@ -83,6 +89,7 @@ __all__ = [
     "HasPipelineUnits",
     "HasQueryKeyHeads",
     "HasSequenceBuffers",
+    "HasGatheredSequenceAttention",
     "HasShardedSequenceAttention",
     "HasTensorParallelPlan",
     "LoRA",
@@ -120,6 +127,9 @@ __all__ = [
     "clip_grad_norm_",
     "clip_query_key",
     "context_parallel_ctx",
+    "gathered_context_parallel",
+    "LOAD_BALANCERS",
+    "ptrr_block_size",
     "float8_tp_plan",
     "init_lora",
     "initial_lora_weight",

@@ -15,6 +15,7 @@ from torch.distributed.tensor.experimental._attention import _cp_options, set_ro
 
 from titan_parallel.cpu_ring_attention import cpu_ring_attention
 from titan_parallel.errors import ParallelConfigError, UnsupportedDeviceError, check_choice
+from titan_parallel.gathered_context_parallel import LOAD_BALANCERS, gathered_context_parallel
 from titan_parallel.protocols import HasShardedSequenceAttention
 from titan_parallel.sequence_shard import SequenceShard
 
@@ -27,15 +28,40 @@ ROTATE_METHODS = ("allgather", "alltoall")
 class ContextParallelOptions:
     """How context parallelism shards and attends: torchtitan's `[parallelism] context_parallel_*` settings.
 
-    `rotate_method`: how key/value shards travel ("allgather" or "alltoall"). `load_balance`: each rank
-    holds chunks i and 2*cp-1-i of a causal sequence, so every rank does the same attention work.
+    `rotate_method`: how key/value shards travel ("allgather" or "alltoall"). `load_balancer`: "headtail"
+    (each rank holds chunks i and 2*cp-1-i of a causal sequence, so every rank does the same attention
+    work), "ptrr" (blocks dealt by their work under the row's mask) or None (one contiguous chunk each).
+    Packed documents and ptrr attend over gathered keys (`titan_parallel.gathered_context_parallel`).
     """
 
     rotate_method: str = "allgather"
-    load_balance: bool = True
+    load_balancer: str | None = "headtail"
 
     def __post_init__(self) -> None:
         check_choice("context_parallel.rotate_method", self.rotate_method, ROTATE_METHODS)
+        if self.load_balancer is not None:
+            check_choice("context_parallel.load_balancer", self.load_balancer, LOAD_BALANCERS)
+
+    @property
+    def load_balance(self) -> bool:
+        return self.load_balancer is not None
+
+    def gathers(self, documents: torch.Tensor | None) -> bool:
+        """Whether a step over `documents` (None: unpacked causal rows) attends over gathered keys rather
+        than through torch's ring: packed documents need their mask, ptrr its per-row dealing."""
+        return documents is not None or self.load_balancer == "ptrr"
+
+    def gathered(
+        self,
+        cp_mesh: DeviceMesh,
+        batch: Sequence[torch.Tensor],
+        documents: torch.Tensor | None,
+        models: Sequence[nn.Module],
+    ) -> contextlib.AbstractContextManager[None]:
+        """`gathered_context_parallel` over `batch` with this load balancer."""
+        return gathered_context_parallel(
+            cp_mesh, batch, documents=documents, load_balancer=self.load_balancer, models=models
+        )
 
     def sharding(
         self,

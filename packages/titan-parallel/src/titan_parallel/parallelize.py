@@ -146,6 +146,8 @@ def training_context(
     cp_seq_dims: Sequence[int] = (),
     cp_no_restore: Sequence[torch.Tensor] = (),
     cp_models: Sequence[nn.Module] = (),
+    cp_batch: Sequence[torch.Tensor] = (),
+    cp_documents: torch.Tensor | None = None,
 ) -> Iterator[None]:
     """Wrap forward and backward (or `Pipeline.step`) in loss parallelism and context parallelism as enabled.
 
@@ -153,7 +155,9 @@ def training_context(
     buffer of every model part, with their sequence dims in `cp_seq_dims`; tensors in
     `cp_no_restore` (typically the batch) are left sharded afterwards. `cp_models` (the model parts)
     lets a model whose attention ring attention cannot compute attend over the gathered sequence
-    (`context_parallel_ctx`).
+    (`context_parallel_ctx`). With `cp_documents` (batch, seq: each token's packed document) or the ptrr
+    load balancer, the (batch, seq, ...) tensors of `cp_batch` are dealt per row instead and the models
+    attend over gathered keys (`titan_parallel.gathered_context_parallel`); no model buffer is sharded.
     """
     options = options or ParallelOptions()
     with contextlib.ExitStack() as stack:
@@ -165,13 +169,17 @@ def training_context(
                     f"parallelism: cp({dims.cp}) > 1 but no cp_buffers were given; pass the inputs, labels and "
                     "position buffers so each rank keeps its part of the sequence"
                 )
-            stack.enter_context(
-                options.context_parallel.sharding(
-                    dims.submesh("cp"),
-                    cp_buffers,
-                    cp_seq_dims,
-                    no_restore_buffers=set(cp_no_restore),
-                    models=cp_models,
+            cp = options.context_parallel
+            if cp.gathers(cp_documents):
+                stack.enter_context(cp.gathered(dims.submesh("cp"), cp_batch, cp_documents, cp_models))
+            else:
+                stack.enter_context(
+                    cp.sharding(
+                        dims.submesh("cp"),
+                        cp_buffers,
+                        cp_seq_dims,
+                        no_restore_buffers=set(cp_no_restore),
+                        models=cp_models,
+                    )
                 )
-            )
         yield

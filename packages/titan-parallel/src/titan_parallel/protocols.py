@@ -164,6 +164,18 @@ class HasShardedSequenceAttention(Protocol):
 
 
 @runtime_checkable
+class HasGatheredSequenceAttention(Protocol):
+    """A model that can attend over a sequence dealt per row (`titan_parallel.gathered_context_parallel`):
+    its rotary angles follow the dealt positions and its mask their documents, so context parallelism
+    splits packed documents and ptrr's blocks."""
+
+    def set_gathered_sequence(self, shard: SequenceShard | None) -> None:
+        """Attend through `shard` (per-row positions (batch or 1, local length), `documents` or None, a
+        differentiable gather) until called again with None."""
+        ...
+
+
+@runtime_checkable
 class HasPackedDocuments(Protocol):
     """A model whose attention stays within the packed documents it finds in the token ids (block-causal):
     a pipeline stage without the embedding sees hidden states, not ids, and is given the documents."""

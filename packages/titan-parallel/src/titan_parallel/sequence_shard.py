@@ -27,12 +27,15 @@ class SequenceShard:
     """The context-parallel group and the global positions of this rank's tokens.
 
     `positions` (long, this rank's sequence length) is sharded by the same call that shards the batch,
-    so it holds whatever positions torch's load balancer dealt this rank (chunks i and 2*cp-1-i, or one
-    contiguous chunk), never a formula that could drift from it.
+    so it holds whatever positions the load balancer dealt this rank (chunks i and 2*cp-1-i, one
+    contiguous chunk, or ptrr's blocks), never a formula that could drift from it. Dealt per row
+    (`titan_parallel.gathered_context_parallel`) it is (batch or 1, local length), and `documents`
+    (batch, local length) numbers the packed document of each token (None: one causal sequence).
     """
 
     group: ProcessGroup
     positions: torch.Tensor
+    documents: torch.Tensor | None = None
 
     def gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Every rank's `tensor` concatenated along `dim` in rank order, differentiable (gradients summed
@@ -41,4 +44,8 @@ class SequenceShard:
 
     def all_positions(self) -> torch.Tensor:
         """The global position of each element of `gather(t, dim)` along `dim`."""
-        return self.gather(self.positions, 0)
+        return self.gather(self.positions, self.positions.ndim - 1)
+
+    def all_documents(self) -> torch.Tensor | None:
+        """The document of each element of `gather(t, dim)` along `dim` (batch, whole length), or None."""
+        return None if self.documents is None else self.gather(self.documents, 1)

@@ -293,7 +293,7 @@ CASES = {
         ParallelOptions(context_parallel=ContextParallelOptions(rotate_method="alltoall")),
     ),
     "cp_no_load_balance": lambda: run_layout(
-        {"dp_shard": 1, "cp": 2}, ParallelOptions(context_parallel=ContextParallelOptions(load_balance=False))
+        {"dp_shard": 1, "cp": 2}, ParallelOptions(context_parallel=ContextParallelOptions(load_balancer=None))
     ),
     "pp_1F1B": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("1F1B"), n_layers=4),
     "pp_GPipe": lambda: run_layout({"dp_shard": 1, "pp": 2}, schedule("GPipe"), n_layers=4),

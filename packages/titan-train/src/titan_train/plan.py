@@ -32,6 +32,8 @@ from titan_parallel import (
     pipeline_stages,
 )
 from titan_train.config.schema import JobConfig
+from titan_train.config.sft_section import is_chat
+from titan_train.config.validate import family_takes_positions
 from titan_train.errors import ConfigError
 from titan_train.family_args import (
     KeepsPositionFunction,
@@ -113,6 +115,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
         model = family.build(counting_args(args))
     problems.extend(_expert_problems(config, dims, model))
     problems.extend(_context_parallel_problems(config, dims, args))
+    problems.extend(_gathered_context_parallel_problems(config, dims, args))
     problems.extend(mtp_problems(config, dims, args))
     problems.extend(moe_torch_problems(config, dims, bool(moe_layers_of(model)), torch.__version__))
     problems.extend(lora_target_problems(config, model))
@@ -223,6 +226,34 @@ def moe_torch_problems(config: JobConfig, dims: ParallelDims, has_experts: bool,
             "compile.components"
         )
     return problems
+
+
+def _gathered_context_parallel_problems(config: JobConfig, dims: ParallelDims, args: Any) -> list[str]:
+    """Context parallelism over packed documents (chat rows, block-causal text) or with ptrr deals each row
+    to the ranks and gathers keys (`titan_parallel.gathered_context_parallel`): the family must take
+    per-token positions, and the gather is the only rotation it honours."""
+    p = config.parallelism
+    packed = is_chat(config.training) or args.attn_mask_type == "block_causal"
+    if dims.cp == 1 or not (packed or p.context_parallel_load_balancer == "ptrr"):
+        return []
+    what = "packed documents" if packed else "the ptrr load balancer"
+    m, degree = config.model, f"parallelism.context_parallel_degree({dims.cp})"
+    if not family_takes_positions(m.name):
+        return [
+            f"{degree} over {what}: {m.name} {m.flavor} builds its own attention masks, which cannot be dealt "
+            "per row; use load balancer 'headtail' on unpacked causal rows, or context_parallel_degree = 1"
+        ]
+    if p.context_parallel_rotate_method != "allgather":
+        return [
+            f"parallelism.context_parallel_rotate_method = {p.context_parallel_rotate_method!r}: context "
+            f"parallelism over {what} gathers every rank's keys and values; set it to 'allgather'"
+        ]
+    if dims.pp > 1:
+        return [
+            f"{degree} over {what} with pipeline_parallel_degree({dims.pp}): the stages' dealt positions "
+            "are not carried yet; use data or tensor parallelism beside context parallelism"
+        ]
+    return []
 
 
 def _context_parallel_problems(config: JobConfig, dims: ParallelDims, args: Any) -> list[str]:

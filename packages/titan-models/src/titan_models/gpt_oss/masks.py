@@ -14,24 +14,14 @@ positions, and its attention sees every rank's keys, gathered: the masks are the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from titan_models.attention_masks import flex_can_run
+from titan_models.attention_masks import SequenceShard, flex_can_run
 from titan_models.errors import ModelConfigError
 from titan_models.gpt_oss.args import GptOssArgs
-
-
-class SequenceShard(Protocol):
-    """What context parallelism hands the model (structurally: titan_parallel.SequenceShard)."""
-
-    positions: torch.Tensor  # the global position of each local token
-
-    def gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
-
-    def all_positions(self) -> torch.Tensor: ...
 
 
 class GptOssMasks(NamedTuple):

@@ -90,7 +90,8 @@ class Parallelism:
     )
     context_parallel_load_balancer: str | None = opt(
         "headtail",
-        "How CP balances causal work over ranks: headtail (SDPA), ptrr (flex), None: off",
+        "How CP balances attention work over ranks: headtail (rank i holds chunks i and 2cp-1-i), ptrr "
+        "(blocks dealt by their work under the rows' document masks), None: one chunk each",
         choices=("headtail", "ptrr"),
     )
     context_parallel_rotate_method: str = opt(

@@ -78,15 +78,6 @@ _RULES = (
         "set compile.enable = true with 'model' in compile.components, or use mode 'selective' or 'full'",
     ),
     _Rule(
-        lambda c: (
-            c.parallelism.context_parallel_degree > 1
-            and c.parallelism.context_parallel_load_balancer == "ptrr"
-        ),
-        lambda c: "parallelism.context_parallel_load_balancer = 'ptrr'",
-        "ptrr balances flex attention's block masks, and Titan's context parallelism runs SDPA ring attention",
-        "use 'headtail' (the default) or None (no balancing)",
-    ),
-    _Rule(
         lambda c: c.metrics.enable_wandb and importlib.util.find_spec("wandb") is None,
         lambda c: "metrics.enable_wandb = true",
         "the wandb package is not installed",

@@ -210,7 +210,7 @@ def _names_are_registered(config: Any) -> None:
             )
 
 
-def _takes_positions(family_name: str) -> bool:
+def family_takes_positions(family_name: str) -> bool:
     """Whether the family's model takes per-token positions (`Decoder.takes_positions`), so that packed
     conversations stay apart; a model class that does not say takes them."""
     build = get_model_family(family_name).build
@@ -237,20 +237,12 @@ def _chat_data_fits_the_layout(config: Any) -> None:
                 f"folder of {section.dataset} rows, or a Hugging Face dataset id"
             )
     # A packed row's conversations are kept apart by positions that restart (`Decoder.takes_positions`).
-    if chat and config.sft.packing and not _takes_positions(config.model.name):
-        takers = [name for name in model_family_names() if _takes_positions(name)]
+    if chat and config.sft.packing and not family_takes_positions(config.model.name):
+        takers = [name for name in model_family_names() if family_takes_positions(name)]
         raise ConfigError(
             f"config: {chat[0]}.dataset = 'chat' with sft.packing = true: model.name '{config.model.name}' "
             "builds its own attention masks and cannot keep packed conversations apart yet; set "
             f"sft.packing = false (one conversation per row) or fine-tune a {' or '.join(takers)} model"
-        )
-    degree = config.parallelism.context_parallel_degree
-    if chat and degree > 1:
-        raise ConfigError(
-            f"config: {chat[0]}.dataset = 'chat' with parallelism.context_parallel_degree = {degree}: context "
-            "parallelism splits each row's sequence and its ring attention is causal only, so the document "
-            "mask that keeps packed conversations apart cannot be split with it; use data, tensor or "
-            "pipeline parallelism"
         )
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from titan_models import documents_from_positions
 from titan_parallel import training_context
 from titan_train.run_plan import RunPlan
 
@@ -21,18 +22,40 @@ def model_forward(
     return parts[0](inputs, positions=positions)
 
 
-def layout_context(plan: RunPlan, parts: list[nn.Module], inputs: torch.Tensor, labels: torch.Tensor):
+def layout_context(
+    plan: RunPlan,
+    parts: list[nn.Module],
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    positions: torch.Tensor | None = None,
+):
     """Loss and context parallelism around a forward pass, as the layout enables them: context
-    parallelism shards the batch and the model's sequence buffers along the sequence."""
-    positions = [buffer for part in parts for buffer in part.sequence_buffers()]
+    parallelism shards the batch (with chat rows' `positions`) and the model's sequence buffers along the
+    sequence, or, over packed documents, deals the batch per row with each token's document."""
+    buffers = [buffer for part in parts for buffer in part.sequence_buffers()]
+    batch = [inputs, labels] if positions is None else [inputs, labels, positions]
     return training_context(
         plan.dims,
         plan.options,
-        cp_buffers=[inputs, labels, *(b for b, _ in positions)],
-        cp_seq_dims=[1, 1, *(dim for _, dim in positions)],
+        cp_buffers=[inputs, labels, *(b for b, _ in buffers)],
+        cp_seq_dims=[1, 1, *(dim for _, dim in buffers)],
         cp_no_restore=[inputs, labels],
         cp_models=parts,
+        cp_batch=batch,
+        cp_documents=_documents(plan, parts, inputs, positions),
     )
+
+
+def _documents(
+    plan: RunPlan, parts: list[nn.Module], inputs: torch.Tensor, positions: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Each token's packed document over the whole rows, found before context parallelism splits them:
+    conversations restart their positions, block-causal text ends documents at the model's eos."""
+    if plan.dims.cp == 1:
+        return None
+    if positions is not None:
+        return documents_from_positions(positions)
+    return parts[0].packed_document_ids(inputs)
 
 
 @contextlib.contextmanager

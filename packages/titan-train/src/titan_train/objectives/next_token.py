@@ -44,7 +44,8 @@ class NextToken:
         dp = dims.submesh("dp")
         self.ctx.token_weights.begin_step(
             [batch[1] for batch in step_batches],
-            dims.dp_degree * len(step_batches) * microbatches,
+            # Context-parallel ranks each average their part of the rows' labels: as many shares again.
+            dims.dp_degree * dims.cp * len(step_batches) * microbatches,
             dp.get_group() if dp is not None else None,
         )
 
@@ -54,7 +55,7 @@ class NextToken:
         inputs, labels, *positions = batch
         position = positions[0] if positions else None
         ctx = self.ctx
-        with layout_context(self.plan, ctx.parts, inputs, labels):
+        with layout_context(self.plan, ctx.parts, inputs, labels, position):
             if ctx.pipeline is not None:
                 return ctx.pipeline.step(inputs, labels, **stage_inputs(ctx.parts, inputs, position)).detach()
             with ctx.forward_context():
@@ -82,7 +83,7 @@ class NextToken:
     ) -> torch.Tensor:
         """Mean loss of one validation batch, forward only, through the same layout as training."""
         ctx = self.ctx
-        with layout_context(self.plan, ctx.parts, inputs, labels):
+        with layout_context(self.plan, ctx.parts, inputs, labels, positions):
             if ctx.pipeline is not None:
                 return ctx.pipeline.evaluate(inputs, labels, **stage_inputs(ctx.parts, inputs, positions))
             with ctx.forward_context():

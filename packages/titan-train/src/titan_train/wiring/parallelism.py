@@ -91,7 +91,7 @@ def parallel_options(
         ),
         context_parallel=ContextParallelOptions(
             rotate_method=p.context_parallel_rotate_method,
-            load_balance=p.context_parallel_load_balancer is not None,
+            load_balancer=p.context_parallel_load_balancer,
         ),
     )
 
