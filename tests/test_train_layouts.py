@@ -70,7 +70,9 @@ and log-prob metrics at every step, relative to the value or to 1 below it: with
 6.4e-7 PP). The frozen copy's sums left out of the last stage's target failed dpo_pp (step 1's loss 2.21, not
 0.693); each microbatch's pairs averaged instead of the step's failed dpo_pp_precompute (loss 16% off), which
 128-token windows, one pair each, cannot show. ORPO under PP 2 on the 160-token windows (`orpo_pp` against
-`one_process_orpo`): loss 8.7e-8, grad_norm equal, weights 9.5e-7.
+`one_process_orpo`): loss 8.7e-8, grad_norm equal, weights 9.5e-7. Under CP 2 (`dpo_cp2`, `dpo_cp2_ptrr`, `orpo_cp2`;
+windows dealt per row, per-sequence sums added over the group): loss and grad_norm equal to 1e-6 (2026-12-02); the
+sums carrying no gradient back across the group halved dpo_cp2's grad_norm.
 
 Muon (`optimizer.name = "Muon"`) under FSDP 2, TP 2, PP 2 (1F1B), HSDP (2 x 2), FSDP 2 x TP 2 and, on the qwen3 MoE cut,
 EP 2 and EP 2 x ETP 2 (= TP 2; each expert's matrix split, gathered whole), against Muon in one process, with
@@ -809,6 +811,22 @@ LAYOUTS = {
         weights_atol=CHAT_WEIGHTS_ATOL,
     ),
     "dpo_compile": Layout(1, (*DPO, "--compile.enable"), {"compiled_blocks": 2}, reference="one_process_dpo"),
+    # Context parallelism: each window dealt to the ranks once its sequences are numbered, per-sequence sums
+    # added up over the group (preference_step); head-tail and ptrr, DPO against its frozen copy and ORPO.
+    "dpo_cp2": Layout(
+        2,
+        (*DPO, CP, "2"),
+        {"degrees": {"cp": 2}, "cp_load_balancer": "headtail"},
+        reference="one_process_dpo",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
+    "dpo_cp2_ptrr": Layout(
+        2,
+        (*DPO, CP, "2", *PTRR),
+        {"degrees": {"cp": 2}, "cp_load_balancer": "ptrr"},
+        reference="one_process_dpo",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
     # Two pipeline stages (1F1B, a microbatch a window): the pair loss on the last stage, the frozen copy's
     # log-probs from its own forward-only pipeline pass over the same microbatches.
     "dpo_pp": Layout(
@@ -831,6 +849,13 @@ LAYOUTS = {
     ),
     # ORPO (no reference; its NLL term over the chosen sequences' tokens, the NLL targets a plane of the target).
     "one_process_orpo": Layout(1, (*DPO, *UNEVEN, *ORPO), {"degrees": {}}, reference="one_process_orpo"),
+    "orpo_cp2": Layout(
+        2,
+        (*DPO, *UNEVEN, *ORPO, CP, "2"),
+        {"degrees": {"cp": 2}},
+        reference="one_process_orpo",
+        weights_atol=CHAT_WEIGHTS_ATOL,
+    ),
     "orpo_pp": Layout(
         2,
         (*DPO, *UNEVEN, *ORPO, *pp("1F1B")),

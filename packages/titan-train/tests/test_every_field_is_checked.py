@@ -249,6 +249,10 @@ def test_every_bad_value_of_every_field_is_refused_in_one_line_naming_the_field(
             r"validation with preference.reference = 'precompute'",
         ),
         (
+            {**PREFERENCE, "preference.reference": "precompute", "parallelism.context_parallel_degree": 2},
+            r"preference.reference = 'precompute' with parallelism.context_parallel_degree = 2",
+        ),
+        (
             {
                 **PREFERENCE,
                 "validation.enable": True,

@@ -148,6 +148,7 @@ def training_context(
     cp_models: Sequence[nn.Module] = (),
     cp_batch: Sequence[torch.Tensor] = (),
     cp_documents: torch.Tensor | None = None,
+    context_parallel: bool = True,
 ) -> Iterator[None]:
     """Wrap forward and backward (or `Pipeline.step`) in loss parallelism and context parallelism as enabled.
 
@@ -158,12 +159,13 @@ def training_context(
     (`context_parallel_ctx`). With `cp_documents` (batch, seq: each token's packed document) or the ptrr
     load balancer, the (batch, seq, ...) tensors of `cp_batch` are dealt per row instead and the models
     attend over gathered keys (`titan_parallel.gathered_context_parallel`); no model buffer is sharded.
+    `context_parallel=False`: loss parallelism only, for a caller that deals its sequences itself.
     """
     options = options or ParallelOptions()
     with contextlib.ExitStack() as stack:
         if dims.tp > 1 and options.tensor_parallel.loss_parallel:
             stack.enter_context(loss_parallel_ctx(True))
-        if dims.cp > 1:
+        if dims.cp > 1 and context_parallel:
             if not cp_buffers:
                 raise ParallelConfigError(
                     f"parallelism: cp({dims.cp}) > 1 but no cp_buffers were given; pass the inputs, labels and "

@@ -32,7 +32,7 @@ from titan_parallel import (
     pipeline_stages,
 )
 from titan_train.config.schema import JobConfig
-from titan_train.config.sft_section import is_chat
+from titan_train.config.sft_section import is_chat, is_preference
 from titan_train.config.validate import family_takes_positions
 from titan_train.errors import ConfigError
 from titan_train.family_args import (
@@ -233,7 +233,8 @@ def _gathered_context_parallel_problems(config: JobConfig, dims: ParallelDims, a
     to the ranks and gathers keys (`titan_parallel.gathered_context_parallel`): the family must take
     per-token positions, and the gather is the only rotation it honours."""
     p = config.parallelism
-    packed = is_chat(config.training) or args.attn_mask_type == "block_causal"
+    rows = config.training
+    packed = is_chat(rows) or is_preference(rows) or args.attn_mask_type == "block_causal"
     if dims.cp == 1 or not (packed or p.context_parallel_load_balancer == "ptrr"):
         return []
     what = "packed documents" if packed else "the ptrr load balancer"

@@ -118,11 +118,11 @@ def check_preference(config) -> None:
             )
         return
     par = config.parallelism
-    if par.context_parallel_degree > 1:
+    if par.context_parallel_degree > 1 and loss.reference_source(lora) == "precompute":
         raise ConfigError(
-            f"config: training.dataset = 'preference' with parallelism.context_parallel_degree = "
-            f"{par.context_parallel_degree}: preference tuning trains with data, tensor, expert and pipeline "
-            "parallelism and gradient accumulation only for now; set it to 1"
+            f"config: preference.reference = 'precompute' with parallelism.context_parallel_degree = "
+            f"{par.context_parallel_degree}: the table is filled by whole windows, which context parallelism "
+            "deals to its ranks; set preference.reference = 'copy' (or 'auto'), or context_parallel_degree = 1"
         )
     if par.pipeline_parallel_degree > 1:
         check_pipelined_preference(config)

@@ -60,7 +60,22 @@ def _documents(
 
 @contextlib.contextmanager
 def whole_sequence_context(plan: RunPlan, forward_context) -> Iterator[None]:
-    """The forward context and, under TP, loss parallelism, for objectives that score whole sequences
-    (context parallelism is refused for them): log-probs are taken from the vocabulary-sharded logits."""
-    with training_context(plan.dims, plan.options), forward_context():
+    """The forward context and, under TP, loss parallelism, for objectives that score whole sequences:
+    log-probs are taken from the vocabulary-sharded logits. Context parallelism, where such an objective
+    takes it, is dealt by the objective itself (`sequence_dealer`), once its sequences are numbered."""
+    with training_context(plan.dims, plan.options, context_parallel=False), forward_context():
         yield
+
+
+def sequence_dealer(plan: RunPlan, parts: list[nn.Module]):
+    """Under context parallelism, `deal(batch, positions)`: a context that deals the (batch, seq) tensors
+    of `batch` to the ranks per row, with the documents the rows' restarting `positions` give, while
+    `parts` attend over the gathered sequence; None without context parallelism."""
+    if plan.dims.cp == 1:
+        return None
+    mesh, options = plan.dims.submesh("cp"), plan.options.context_parallel
+
+    def deal(batch: list[torch.Tensor], positions: torch.Tensor):
+        return options.gathered(mesh, batch, documents_from_positions(positions), parts)
+
+    return deal

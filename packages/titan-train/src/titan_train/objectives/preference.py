@@ -11,7 +11,7 @@ import torch
 
 from titan_ckpt import ModelState
 from titan_train.config.preference_section import PreferenceLoss
-from titan_train.objectives.forward import model_forward, whole_sequence_context
+from titan_train.objectives.forward import model_forward, sequence_dealer, whole_sequence_context
 from titan_train.objectives.preference_pipeline import PipelinedPreference
 from titan_train.objectives.preference_reference import PrecomputedReference, precompute_reference
 from titan_train.objectives.preference_step import PreferenceStep, build_reference, copy_starting_weights
@@ -51,6 +51,8 @@ class Preference:
             group=self.dp_group,
             precomputed=self.reference_logps,
             pp_group=pp.get_group() if pp is not None else None,
+            deal=sequence_dealer(self.plan, [*ctx.parts, *(self.reference_parts or [])]),
+            cp_group=dims.submesh("cp").get_group() if dims.cp > 1 else None,
         )
         self.pipelined = None
         if ctx.pipeline is not None:

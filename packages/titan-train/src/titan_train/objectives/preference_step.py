@@ -7,6 +7,11 @@ data-parallel ranks, and each micro-batch backpropagates its pairs' sum times dp
 that data parallelism's gradient average and gradient accumulation's sum give the gradient of the
 global mean, as one process computes it on the whole batch (the token loss does the same over tokens,
 see valid_token_loss).
+
+Under context parallelism each row is dealt to the ranks once its sequences are numbered (`deal`): every
+rank sums the log-probs of its own tokens per sequence, and the sums (and, for ORPO's token NLL, its sum
+and count) are added up over the context-parallel group before the loss, so each rank holds the pairs'
+whole sums; the sum's backward hands each rank the gradient of its tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from torch import nn
 
 from titan_data.preference.dataset import NO_SEQUENCE
@@ -103,6 +109,8 @@ class PreferenceStep:
         group: dist.ProcessGroup | None,
         precomputed=None,
         pp_group: dist.ProcessGroup | None = None,
+        deal: Callable | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ):
         self.precomputed = precomputed  # a PrecomputedReference, read by each pair's dataset index
         self.loss, self.parts, self.reference, self.forward = (
@@ -113,6 +121,8 @@ class PreferenceStep:
         )
         self.seq_len, self.dp_degree, self.group = seq_len, dp_degree, group
         self.pp_group = pp_group  # under a pipeline the metrics add up on the last stage's rank only
+        # Under context parallelism: deal(batch, positions) deals the rows, and sums add up over cp_group.
+        self.deal, self.cp_group = deal, cp_group
         self.needs_reference, self.nll_weight = self.loss.needs_reference, self.loss.nll_weight
         if len(parts) != 1 and pp_group is None:
             raise ConfigError(
@@ -144,7 +154,14 @@ class PreferenceStep:
                     for part in self.parts:
                         stack.enter_context(adapters_off(part))
                     logits = self.forward(inputs, positions)
-            return sequence_logps(logits, labels, sequence, n).sums
+            return self._over_cp(sequence_logps(logits, labels, sequence, n).sums)
+
+    def _over_cp(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the context-parallel ranks (differentiably: each rank gets its tokens'
+        gradient), or as is without context parallelism."""
+        if self.cp_group is None:
+            return value
+        return dist_nn.all_reduce(value, group=self.cp_group)
 
     def nll_targets(self, inputs, labels, sequence) -> torch.Tensor:
         """The NLL term's targets: ORPO's whole chosen sequences, else the labels (the completions)."""
@@ -156,19 +173,22 @@ class PreferenceStep:
         inputs, labels, positions, sequence = [
             t.reshape(-1, seq_len) for t in (inputs, labels, positions, sequence)
         ]
-        reference = self._reference_logps(inputs, labels, positions, sequence, 2 * pairs)
-        if self.needs_reference and self.precomputed is not None:
-            reference = self.precomputed.lookup(pair.reshape(sequence.shape), sequence, 2 * pairs)
-        logits = self.forward(inputs, positions)
-        return self.terms(
-            logits, labels, sequence, pairs, reference, self.nll_targets(inputs, labels, sequence)
-        )
+        nll_targets = self.nll_targets(inputs, labels, sequence)  # of whole rows, before they are dealt
+        dealt = [inputs, labels, positions, sequence, nll_targets]
+        with self.deal(dealt, positions) if self.deal is not None else contextlib.nullcontext():
+            reference = self._reference_logps(inputs, labels, positions, sequence, 2 * pairs)
+            if self.needs_reference and self.precomputed is not None:
+                reference = self.precomputed.lookup(pair.reshape(sequence.shape), sequence, 2 * pairs)
+            logits = self.forward(inputs, positions)
+            return self.terms(logits, labels, sequence, pairs, reference, nll_targets)
 
     def terms(self, logits, labels, sequence, pairs: int, reference, nll_targets):
         """Per pair of a batch (`sequence` numbered across it, `pairs` of them; `reference`: the reference's
         sum per sequence, or None): the losses and rewards; the chosen NLL's sum and token count; the
         metric values (their sums over the batch's pairs) and the number of pairs."""
         policy = sequence_logps(logits, labels, sequence, 2 * pairs)
+        if self.cp_group is not None:
+            policy = SequenceLogps(self._over_cp(policy.sums), self._over_cp(policy.counts))
         out = pair_losses(
             self.loss.kind,
             policy,
@@ -180,8 +200,8 @@ class PreferenceStep:
         nll, nll_tokens = out.losses.new_zeros(()), 0.0
         if self.nll_weight:
             if self.loss.nll_over_whole_chosen:
-                nll = -token_logps(logits, nll_targets).sum()
-                nll_tokens = float((nll_targets != IGNORE_INDEX).sum())
+                nll = -self._over_cp(token_logps(logits, nll_targets).sum())
+                nll_tokens = float(self._over_cp((nll_targets != IGNORE_INDEX).sum()))
             else:
                 nll = -policy.sums[0::2].sum()
                 nll_tokens = float(policy.counts[0::2].sum())
