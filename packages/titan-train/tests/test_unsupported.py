@@ -20,7 +20,7 @@ RUNNABLE = ("--activation_checkpoint.mode", "none")
     "flags,message",
     [
         (["--fault_tolerance.enable"], "torchft fault tolerance is not supported"),
-        (["--comm.mode", "local_tensor"], "simulating every rank in one process is not supported"),
+        (["--comm.mode", "local_tensor"], "LocalTensorMode cannot run FSDP2"),
         (
             ["--parallelism.expert_parallel_comm_backend", "deepep"],
             "DeepEP's all-to-all kernels are not wired",
@@ -77,3 +77,40 @@ def test_the_command_exits_with_the_message_before_joining_a_process_group(caplo
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert errors and "fault_tolerance.enable = true" in errors[0] and "set it to false" in errors[0]
     assert not dist.is_initialized()
+
+
+def test_local_tensor_refusal_names_what_torch_lacks_fsdp2_under_local_tensor_mode(tmp_path):
+    """The reason `comm.mode = 'local_tensor'` gives, checked on this torch in a child process (a fake
+    group of 2 ranks): tensor parallelism trains under LocalTensorMode, FSDP2's forward and backward fail
+    on freeing a parameter's storage. Once torch runs FSDP2 there, this test fails: honour the mode."""
+    import subprocess
+    import sys
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        "from torch import nn\n"
+        "from torch.distributed._local_tensor import LocalTensorMode\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "dist.init_process_group('fake', rank=0, world_size=2, store=FakeStore())\n"
+        "m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n"
+        "with LocalTensorMode(2):\n"
+        "    mesh = init_device_mesh('cpu', (2,))\n"
+        "    if sys.argv[1] == 'fsdp':\n"
+        "        fully_shard(m, mesh=mesh)\n"
+        "    else:\n"
+        "        parallelize_module(m, mesh, {'0': ColwiseParallel(), '2': RowwiseParallel()})\n"
+        "    m(torch.randn(4, 8)).sum().backward()\n"
+        "print('trained')\n"
+    )
+    runs = {
+        layout: subprocess.run(
+            [sys.executable, str(probe), layout], capture_output=True, text=True, timeout=300
+        )
+        for layout in ("tp", "fsdp")
+    }
+    assert runs["tp"].returncode == 0 and "trained" in runs["tp"].stdout, runs["tp"].stderr[-2000:]
+    assert runs["fsdp"].returncode != 0 and "resize_() on an invalid python storage" in runs["fsdp"].stderr

@@ -65,8 +65,12 @@ _RULES = (
     _Rule(
         lambda c: c.comm.mode == "local_tensor",
         lambda c: "comm.mode = 'local_tensor'",
-        "simulating every rank in one process is not supported",
-        "use comm.mode = 'fake_backend' (a dry run) or run the ranks with torchrun on CPU",
+        "torch's LocalTensorMode cannot run FSDP2, Titan's data-parallel layer (its forward frees each "
+        "unsharded parameter with storage.resize_(0), which a LocalTensor's storage refuses, torch 2.15; "
+        "torchtitan 0.2.2 builds its model in this mode and skips training), and every simulated rank would "
+        "read one process's batch",
+        "use comm.mode = 'fake_backend' (a dry run: the plan, memory and layout checks for NGPU ranks) or run "
+        "the ranks with torchrun --nproc_per_node N on CPU (gloo)",
     ),
     _Rule(
         lambda c: (
