@@ -135,6 +135,12 @@ def estimate_memory(plan: RunPlan, *, fake: bool = True, capacity: int | None = 
         notes.append(
             "compile is traced as eager (an upper bound: inductor fuses element-wise ops and saves less)"
         )
+        if config.activation_checkpoint.mode == "memory_budget":
+            notes.append(
+                f"activation_checkpoint.memory_budget {config.activation_checkpoint.memory_budget} is applied "
+                "by the compiler's partitioner, so it is traced without checkpointing: an upper bound (mode "
+                "'full' traces the lower one)"
+            )
     n_layers = plan.model_args.n_layers
     p = config.parallelism
     per_rank = 1
