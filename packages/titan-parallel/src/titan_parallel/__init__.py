@@ -41,6 +41,7 @@ from titan_parallel.pipeline_options import PipelineOptions
 from titan_parallel.protocols import (
     HasHiddenMatrices,
     HasInitWeights,
+    HasLatentQueryKeyHeads,
     HasLinearsNotAdapted,
     HasMoELayers,
     HasPackedDocuments,
@@ -50,10 +51,11 @@ from titan_parallel.protocols import (
     HasSequenceBuffers,
     HasShardedSequenceAttention,
     HasTensorParallelPlan,
+    LatentQueryKeyHeads,
     ParallelizableModel,
     TrainableModel,
 )
-from titan_parallel.qk_clip import clip_query_key
+from titan_parallel.qk_clip import clip_latent_query_key, clip_query_key
 from titan_parallel.qlora import (
     NF4_BLOCK_SIZE,
     dequantized,
@@ -76,6 +78,7 @@ __all__ = [
     "Float8Training",
     "HasHiddenMatrices",
     "HasInitWeights",
+    "HasLatentQueryKeyHeads",
     "HasLinearsNotAdapted",
     "HasMoELayers",
     "HasPackedDocuments",
@@ -85,6 +88,7 @@ __all__ = [
     "HasSequenceBuffers",
     "HasShardedSequenceAttention",
     "HasTensorParallelPlan",
+    "LatentQueryKeyHeads",
     "LoRA",
     "MXTraining",
     "Muon",
@@ -118,6 +122,7 @@ __all__ = [
     "build_pipeline",
     "check_targets",
     "clip_grad_norm_",
+    "clip_latent_query_key",
     "clip_query_key",
     "context_parallel_ctx",
     "float8_tp_plan",
