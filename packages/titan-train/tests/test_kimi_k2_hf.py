@@ -75,6 +75,7 @@ CHAT_TEMPLATE = (
     "{%- for m in messages -%}"
     "{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
     "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- elif m['role'] == 'tool' -%}<|im_system|>tool<|im_middle|>"
     "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
     "{{ m['content'] }}<|im_end|>"
     "{%- endfor -%}"
@@ -260,7 +261,7 @@ def test_kimi_tokenizer_folder_encodes_as_kimis_regex_and_bpe_with_its_special_t
     for piece in regex.split("(" + "|".join(regex.escape(t) for t in by_text) + ")", text):
         expected += [by_text[piece]] if piece in by_text else reference_encode(piece, ranks)
     assert ids == expected
-    assert ids[:3] == [first + 10, *reference_encode("system", ranks)[:1], *ids[2:3]]
+    assert ids[0] == first + 10  # <|im_system|>
     assert ids[-1] == first + 17 and ids.count(first + 2) == 2  # <|im_middle|> last, <|im_end|> per turn
 
 
@@ -341,3 +342,70 @@ def test_kimi_folder_generates_transformers_greedy_text_trains_and_exports_throu
     ours = load_checkpoint_model(config, export, device="cpu").model
     assert generate(ours, prompts, params).tokens == _greedy(exported, prompts)
     assert build_tokenizer(export).encode(TEXTS[0]) == tokenizer.encode(TEXTS[0])
+
+
+def test_chat_sft_on_the_kimi_folder_takes_its_template_and_tokens_step_one_loss_equals_transformers(
+    kimi_folder, tmp_path
+):
+    """Chat SFT from the Kimi folder (its template, its tokenizer, loss on the assistant turns): the first
+    step's loss equals transformers' DeepseekV3ForCausalLM on the conversations encoded here (Kimi's regex and
+    BPE, the markers as Kimi's ids), the targets each assistant reply and its <|im_end|>, never a user or tool
+    turn. Kimi's roles each start with a token of their own: with messages split only where the assistant's
+    start token is (Titan's rule before Kimi), the user and tool turns after an answer were trained and the
+    loss was 9.26 against 9.19."""
+    folder, reference = kimi_folder
+    ranks = _ranks()
+    first = len(ranks)
+    by_text = {t: first + o for o, t in KIMI_SPECIALS.items()}
+    conversations = [
+        [{"role": "user", "content": "the ring"}, {"role": "assistant", "content": "it is the theatre"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "and 12 of the"},
+            {"role": "assistant", "content": "reading 你好"},
+            {"role": "tool", "content": "42"},
+            {"role": "assistant", "content": "at 42"},
+            {"role": "user", "content": "in the"},
+            {"role": "assistant", "content": "end"},
+        ],
+    ]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+    header = [by_text["<|im_assistant|>"], *reference_encode("assistant", ranks), by_text["<|im_middle|>"]]
+    total, count = 0.0, 0
+    for messages in conversations:
+        text = load_chat_template(folder).render(messages)
+        ids = []
+        for piece in regex.split("(" + "|".join(regex.escape(t) for t in by_text) + ")", text):
+            ids += [by_text[piece]] if piece in by_text else reference_encode(piece, ranks)
+        trained = torch.zeros(len(ids), dtype=torch.bool)
+        for i in range(len(ids) - len(header) + 1):
+            if ids[i : i + len(header)] == header:
+                start = i + len(header)
+                trained[start : ids.index(by_text["<|im_end|>"], start) + 1] = True
+        with torch.no_grad():
+            logits = reference(torch.tensor([ids])).logits[0, :-1].double()
+        losses = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
+        total += losses[trained[1:]].sum().item()
+        count += int(trained[1:].sum())
+        assert len(ids) <= 128  # whole conversations: none cut at seq_len
+    dump = tmp_path / "sft"
+    flags = [
+        *FLAGS,
+        "--model.hf_assets_path",
+        str(folder),
+        "--training.steps",
+        "1",
+        "--training.seq_len",
+        "128",
+    ]
+    flags += [
+        "--checkpoint.enable",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path",
+        str(folder),
+    ]
+    flags += ["--training.dataset", "chat", "--training.dataset_path", str(data), "--sft.packing", "false"]
+    assert run(["--job.dump_folder", str(dump), *flags, "--sft.loss_on", "assistant"]) == 0
+    (line,) = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    assert line["loss"] == pytest.approx(total / count, abs=1e-5)
