@@ -178,6 +178,54 @@ def test_bad_arguments_are_refused_naming_the_field(bad, field):
 
 
 def test_flavors_have_torchtitans_names():
-    assert list(DEEPSEEK_V3_FLAVORS) == ["debugmodel", "debugmodel_flex_attn", "16B", "236B", "671B"]
+    torchtitans = ["debugmodel", "debugmodel_flex_attn", "16B", "236B", "671B"]
+    assert list(DEEPSEEK_V3_FLAVORS) == [*torchtitans, "kimi_k2", "kimi_k2_debugmodel"]
     with pytest.raises(ModelConfigError, match="debugmodel"):
         deepseek_v3_args("7B")
+
+
+def test_kimi_k2_has_the_published_size_and_its_debug_model_its_structure():
+    """Kimi K2's model card: 1T parameters in total, 32B activated (the input embedding left out, as for
+    DeepSeek's figures above), 61 layers of which 1 dense, 384 experts, 8 a token, 1 shared, 64 heads.
+    Its published config.json as the named flavor: packages/titan-train/tests/test_hf_published_formats.py.
+    The debug flavor keeps every structural choice and shrinks only the widths and counts."""
+    total, active, active_no_embedding = _counts("kimi_k2")
+    assert (round(total / 1e12), round(active_no_embedding / 1e9)) == (1, 32)
+    assert (total, active) == (1_026_408_209_408, 32_861_477_888)
+    kimi, debug = DEEPSEEK_V3_FLAVORS["kimi_k2"], DEEPSEEK_V3_FLAVORS["kimi_k2_debugmodel"]
+    m = kimi.moe_args
+    assert (
+        kimi.n_layers,
+        kimi.n_dense_layers,
+        kimi.n_heads,
+        m.num_experts,
+        m.top_k,
+        m.num_shared_experts,
+    ) == (
+        61,
+        1,
+        64,
+        384,
+        8,
+        1,
+    )
+    same = (
+        "n_dense_layers",
+        "rope_theta",
+        "rope_factor",
+        "original_seq_len",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+    )
+    same += ("yarn", "norm_eps", "latent_norm_eps", "final_norm_eps")
+    assert all(getattr(debug, f) == getattr(kimi, f) for f in same)
+    routing = ("score_func", "route_norm", "route_scale", "score_before_experts", "num_shared_experts")
+    assert all(getattr(debug.moe_args, f) == getattr(m, f) for f in routing)
+    assert debug.moe_args.num_expert_groups is m.num_expert_groups is None and debug.q_lora_rank > 0
+    model = DeepSeekV3Model(replace(debug, max_seq_len=16))
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, debug.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens)
+    F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    assert logits.shape == (2, 16, debug.vocab_size) and model.layers["1"].moe.experts.w1.grad is not None

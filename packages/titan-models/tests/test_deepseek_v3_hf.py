@@ -134,6 +134,9 @@ def test_config_round_trip_and_field_by_field_differences():
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_scaling": {**_YARN, "mscale": 1.0}}, "rope_scaling.mscale"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling.rope_type"),
+        # Kimi K2.5's multimodal folder, and a Kimi-named class Titan does not read weights for.
+        ({"model_type": "kimi_k25"}, "model_type 'kimi_k25'"),
+        ({"model_type": "kimi_k2", "architectures": ["KimiK2ForCausalLM"]}, "architectures"),
     ],
 )
 def test_configs_titan_cannot_compute_are_refused_naming_the_field(change, field):
@@ -141,6 +144,19 @@ def test_configs_titan_cannot_compute_are_refused_naming_the_field(change, field
     with pytest.raises(ModelConfigError, match=field) as err:
         args_from_hf_config(config)
     assert "\n" not in str(err.value)
+
+
+def test_a_kimi_k2_config_reads_as_deepseek_v3s():
+    """Kimi K2's folders name model_type kimi_k2 (architectures DeepseekV3ForCausalLM, auto_map to custom
+    code): the same args as the config under DeepSeek-V3's own name."""
+    config = to_hf_config(replace(DEEPSEEK_V3_FLAVORS["kimi_k2"], eos_id=0))
+    kimi = {
+        **config,
+        "model_type": "kimi_k2",
+        "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"},
+    }
+    assert args_from_hf_config(kimi) == args_from_hf_config(config)
+    assert hf_config_differences(args_from_hf_config(config), kimi) == []
 
 
 def test_export_refuses_routing_transformers_cannot_compute():

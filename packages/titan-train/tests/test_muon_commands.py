@@ -48,3 +48,17 @@ def test_qk_clip_where_it_cannot_act_is_refused_in_one_line(tmp_path, caplog, fl
         assert run(argv) == 2
     (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert line.startswith(says), line
+
+
+@pytest.mark.parametrize(("flavor", "heads"), [("debugmodel", 96), ("kimi_k2_debugmodel", 32)])
+def test_qk_clip_runs_on_deepseek_v3_mla_through_the_trainer(tmp_path, caplog, flavor, heads):
+    """A deepseek_v3 run (MLA; Kimi K2's with a query latent) with a tau every head exceeds starts, and its
+    first step clips every head of every block and says so (the weights' rule: test_qk_clip_mla.py)."""
+    argv = ["--job.dump_folder", str(tmp_path), "--training.seq_len", "32", "--training.steps", "1"]
+    argv += ["--model.name", "deepseek_v3", "--model.flavor", flavor, "--activation_checkpoint.mode", "none"]
+    argv += ["--optimizer.name", "Muon", "--optimizer.muon.qk_clip_tau", "1e-6"]
+    with caplog.at_level(logging.INFO, logger="titan_train.step.muon_after_step"):
+        assert run(argv) == 0
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("qk-clip:")]
+    start = f"qk-clip: step 1: {heads} heads above tau 1e-06 scaled to it: layers.0.attention head 0 ("
+    assert line.startswith(start), line

@@ -155,6 +155,25 @@ def attention_tail(
     return output_projection(wo, out)
 
 
+@torch.no_grad()
+def fold_max_logits(
+    max_logits: torch.Tensor, q: torch.Tensor, k: torch.Tensor, mask: AttentionMask, scale: float
+) -> None:
+    """Fold one pass's largest pre-softmax logit `scale * q.k` per query head into `max_logits` (QK-clip
+    reads it), over the positions the mask lets attend (a boolean mask as given; any other mask counts
+    as causal). `q` (batch, seq, heads, dim), `k` (batch, seq, heads or fewer, dim)."""
+    q, k = q.transpose(1, 2).float(), k.transpose(1, 2).float()
+    k = _repeat_kv(k, q.shape[1] // k.shape[1])
+    scores = (q @ k.transpose(-2, -1)) * scale
+    seq = q.shape[2]
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    peak = scores.masked_fill(~allowed, -torch.inf).amax(dim=(0, 2, 3))
+    torch.maximum(max_logits, peak, out=max_logits)
+
+
 class Attention(nn.Module):
     """Self-attention with rotary embeddings and grouped-query heads."""
 
@@ -199,25 +218,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         xq, xk, xv = self.project(x, freqs_cis)
         if self.max_logits is not None and torch.is_grad_enabled():  # training passes, not validation
-            self._keep_max_logits(xq, xk, mask)
+            fold_max_logits(self.max_logits, xq, xk, mask, self.head_dim**-0.5)
         return attention_tail(self.wo, xq, xk, xv, attend, self.backend, mask)
 
     def record_max_logits(self, on: bool) -> None:
         """Keep (or stop keeping) the largest logit per query head in `max_logits`."""
         device = self.wq.weight.device
         self.max_logits = torch.full((self.n_heads,), -torch.inf, device=device) if on else None
-
-    @torch.no_grad()
-    def _keep_max_logits(self, xq: torch.Tensor, xk: torch.Tensor, mask: AttentionMask) -> None:
-        """Fold this pass's largest q.k / sqrt(head_dim) per query head, over the positions the mask lets
-        attend (a boolean mask as given; any other mask counts as causal), into `max_logits`."""
-        q, k = xq.transpose(1, 2).float(), xk.transpose(1, 2).float()
-        k = _repeat_kv(k, q.shape[1] // k.shape[1])
-        scores = (q @ k.transpose(-2, -1)) / self.head_dim**0.5
-        seq = q.shape[2]
-        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-            allowed = mask
-        else:
-            allowed = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-        peak = scores.masked_fill(~allowed, -torch.inf).amax(dim=(0, 2, 3))
-        torch.maximum(self.max_logits, peak, out=self.max_logits)

@@ -47,6 +47,7 @@ from titan_parallel.protocols import (
     HasGatheredSequenceAttention,
     HasHiddenMatrices,
     HasInitWeights,
+    HasLatentQueryKeyHeads,
     HasLinearsNotAdapted,
     HasMoELayers,
     HasPackedDocuments,
@@ -56,10 +57,11 @@ from titan_parallel.protocols import (
     HasSequenceBuffers,
     HasShardedSequenceAttention,
     HasTensorParallelPlan,
+    LatentQueryKeyHeads,
     ParallelizableModel,
     TrainableModel,
 )
-from titan_parallel.qk_clip import clip_query_key
+from titan_parallel.qk_clip import clip_latent_query_key, clip_query_key
 from titan_parallel.qlora import (
     NF4_BLOCK_SIZE,
     dequantized,
@@ -82,6 +84,7 @@ __all__ = [
     "Float8Training",
     "HasHiddenMatrices",
     "HasInitWeights",
+    "HasLatentQueryKeyHeads",
     "HasLinearsNotAdapted",
     "HasMoELayers",
     "HasPackedDocuments",
@@ -92,6 +95,7 @@ __all__ = [
     "HasGatheredSequenceAttention",
     "HasShardedSequenceAttention",
     "HasTensorParallelPlan",
+    "LatentQueryKeyHeads",
     "LoRA",
     "MXTraining",
     "Muon",
@@ -125,6 +129,7 @@ __all__ = [
     "build_pipeline",
     "check_targets",
     "clip_grad_norm_",
+    "clip_latent_query_key",
     "clip_query_key",
     "context_parallel_ctx",
     "gathered_context_parallel",

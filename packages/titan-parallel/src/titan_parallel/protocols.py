@@ -139,6 +139,37 @@ class HasQueryKeyHeads(Protocol):
         ...
 
 
+class LatentQueryKeyHeads(Protocol):
+    """One multi-head latent attention (DeepSeek-V2/V3's MLA) as QK-clip scales it: head h's logit is
+    softmax_scale * (q_nope_h . k_nope_h + q_pe_h . k_pe), with q_nope_h, q_pe_h rows of the query
+    up-projection, k_nope_h rows of the key/value up-projection and k_pe one rotary key every head shares."""
+
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    max_logits: torch.Tensor | None
+    """[heads] float32, the largest whole logit per head while recording; None otherwise."""
+
+    def query_key_up_projections(self) -> tuple[nn.Parameter, nn.Parameter]:
+        """(query weight [heads * (nope_dim + rope_dim), in]: per head nope_dim q_nope rows then rope_dim
+        q_pe rows; key/value weight [heads * (nope_dim + v_dim), latent]: per head k_nope rows then v rows)."""
+        ...
+
+
+@runtime_checkable
+class HasLatentQueryKeyHeads(Protocol):
+    """A model with multi-head latent attention whose head-specific query and key parts are rows of
+    linear up-projections (QK-clip for MLA, `titan_parallel.qk_clip.clip_latent_query_key`)."""
+
+    def record_max_logits(self, on: bool) -> None:
+        """Start (or stop) keeping each attention's largest pre-softmax logit per query head."""
+        ...
+
+    def latent_query_key_heads(self) -> dict[str, LatentQueryKeyHeads]:
+        """Attention FQN -> that attention."""
+        ...
+
+
 @runtime_checkable
 class HasSequenceBuffers(Protocol):
     """A model holding buffers indexed by sequence position, which context parallelism shards as it

@@ -4,9 +4,12 @@ attention head whose largest pre-softmax logit in that step exceeded `tau`.
 For head h with S_h = max over the step's batch of q_h . k_h / sqrt(head_dim) and S_h > tau, Kimi K2
 (arXiv 2507.20534, section 2.1) sets gamma_h = tau / S_h and multiplies the head's query rows and key
 rows each by sqrt(gamma_h), so that its logits scale by gamma_h and the largest one, on that batch,
-becomes tau. Heads at or under tau are left alone. (For MLA, K2 scales the head-specific parts q_C, k_C
-by sqrt(gamma) and the rotary query q_R by gamma, leaving the shared rotary key k_R alone; models with
-MLA do not answer `HasQueryKeyHeads`, so they are refused.)
+becomes tau. Heads at or under tau are left alone.
+
+Multi-head latent attention (`clip_latent_query_key`): head h's logit is the sum of a head-specific part
+q_C . k_C (q_nope, k_nope) and a rotary part q_R . k_R whose key k_R every head shares. K2 scales q_C and
+k_C each by sqrt(gamma_h) and q_R by gamma_h, leaving k_R alone: both parts, so the whole logit, scale by
+gamma_h, and no other head's logits move.
 
 With grouped-query attention a key head serves several query heads, so one key scale cannot give each
 its own gamma. Here the key head g scales by sqrt(min gamma over its query heads) and each query head h
@@ -23,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from titan_parallel.protocols import HasQueryKeyHeads
+from titan_parallel.protocols import HasLatentQueryKeyHeads, HasQueryKeyHeads
 
 
 def clip_query_key(
@@ -34,9 +37,7 @@ def clip_query_key(
     heads = model.query_key_heads()
     if not heads:
         return []
-    peaks = torch.cat([logits.float() for _, _, logits in heads.values()])
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+    peaks = _peaks_over_ranks([logits for _, _, logits in heads.values()], group)
     clipped = []
     offset = 0
     for name, (wq, wk, logits) in heads.items():
@@ -56,6 +57,46 @@ def clip_query_key(
         _scale_rows(wk, key_gamma.sqrt().repeat_interleave(head_dim))
         clipped += [(name, int(h), float(peak[h])) for h in over.nonzero().flatten()]
     return clipped
+
+
+def clip_latent_query_key(
+    model: HasLatentQueryKeyHeads, tau: float, group: dist.ProcessGroup | None = None
+) -> list[tuple[str, int, float]]:
+    """QK-clip for multi-head latent attention: per head above tau, q_nope's and k_nope's rows scale by
+    sqrt(gamma), q_pe's rows by gamma, the shared rotary key not at all; then the record restarts.
+    Returns (attention FQN, head, its largest logit) for each head clipped."""
+    heads = model.latent_query_key_heads()
+    if not heads:
+        return []
+    peaks = _peaks_over_ranks([attention.max_logits for attention in heads.values()], group)
+    clipped = []
+    offset = 0
+    for name, attention in heads.items():
+        n = attention.max_logits.numel()
+        peak = peaks[offset : offset + n]
+        offset += n
+        attention.max_logits.fill_(-torch.inf)
+        over = peak > tau
+        if not bool(over.any()):
+            continue
+        gamma = torch.where(over, tau / peak, torch.ones_like(peak))[:, None]
+        half = gamma.sqrt()
+        query, key_value = attention.query_key_up_projections()
+        nope, rope, v = attention.nope_dim, attention.rope_dim, attention.v_dim
+        _scale_rows(query, torch.cat([half.expand(n, nope), gamma.expand(n, rope)], dim=1).flatten())
+        _scale_rows(
+            key_value, torch.cat([half.expand(n, nope), torch.ones_like(gamma).expand(n, v)], dim=1).flatten()
+        )
+        clipped += [(name, int(h), float(peak[h])) for h in over.nonzero().flatten()]
+    return clipped
+
+
+def _peaks_over_ranks(records: list[torch.Tensor], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The recorded peaks, concatenated, as the largest over `group`'s ranks."""
+    peaks = torch.cat([logits.float() for logits in records])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+    return peaks
 
 
 @torch.no_grad()

@@ -9,7 +9,9 @@ last question; harmony ends the last answer with <|return|>, earlier ones with <
 Where the template marks them with `{% generation %}` blocks, those are the spans. Otherwise the spans
 are the assistant blocks: the template's generation prompt (what it appends for the model to answer)
 names the assistant header, and its first control token starts every message (<|im_start|>,
-<|start_header_id|>, <|start|>). A message whose text starts with that header is the assistant's;
+<|start_header_id|>, <|start|>), or, in templates that start each role with a token of its own (Kimi K2's
+<|im_user|>, <|im_assistant|>, <|im_system|>), the first control token of a user or tool message
+appended after an answer starts those. A message whose text starts with that header is the assistant's;
 consecutive ones (harmony's reasoning, tool call and answer) form one block. A block is trained from the
 end of its header (as much of the generation prompt as the text repeats there, so Qwen3's empty think
 block under `enable_thinking = false` is prompt, not target) to its last control token (the end-of-turn
@@ -56,6 +58,7 @@ class _Header:
     message_start: str
     assistant: str
     prompt: str
+    other_starts: tuple[str, ...] = ()  # what starts a user or tool message where that differs
 
 
 @lru_cache(maxsize=64)
@@ -91,12 +94,36 @@ def _header(template: ChatTemplate, tokenizer: Tokenizer, tools_json: str) -> _H
     start = _control_texts(tokenizer).match(assistant)
     if start is None or start.end() == len(assistant):
         return None
-    return _Header(start.group(), assistant, prompt)
+    others = _other_starts(template, tokenizer, tools, start.group())
+    return _Header(start.group(), assistant, prompt, others)
+
+
+def _other_starts(
+    template: ChatTemplate, tokenizer: Tokenizer, tools: list | None, assistant: str
+) -> tuple[str, ...]:
+    """The first control token of a user and of a tool message appended after an answer, where it is not
+    the assistant's own start (templates with a start token per role); none where a render is refused or
+    does not extend the answer's."""
+    answer = template.render(list(_PROBE), tools=tools)
+    starts = []
+    for message in (
+        {"role": "user", "content": "Bye"},
+        {"role": "tool", "content": "42", "tool_call_id": "0"},
+    ):
+        try:
+            longer = template.render([*_PROBE, message], tools=tools)
+        except DataError:
+            continue
+        first = _control_texts(tokenizer).search(longer, len(answer)) if longer.startswith(answer) else None
+        if first is not None and first.group() not in (assistant, *starts):
+            starts.append(first.group())
+    return tuple(starts)
 
 
 def _assistant_spans(text: str, header: _Header, controls: re.Pattern) -> list[tuple[int, int]]:
     """(start, end) character spans of the assistant blocks of a rendered conversation."""
-    starts = [m.start() for m in re.finditer(re.escape(header.message_start), text)] + [len(text)]
+    message_start = "|".join(re.escape(t) for t in (header.message_start, *header.other_starts))
+    starts = [m.start() for m in re.finditer(message_start, text)] + [len(text)]
     spans: list[tuple[int, int]] = []
     block_start = None
     for here, after in zip(starts, starts[1:], strict=False):

@@ -74,19 +74,25 @@ def save_tiktoken_ranks(ranks: dict[bytes, int], path: Path) -> None:
     Path(path).write_text("\n".join(lines) + "\n")
 
 
-class TikTokenTokenizer(Tokenizer):
-    """Llama 3 tokenizer: BPE from a tiktoken `tokenizer.model`, special tokens numbered after it."""
+class TiktokenBPE(Tokenizer):
+    """Byte-level BPE from a tiktoken rank file, with a pre-tokenisation pattern and special tokens
+    numbered after the ranks: what the Llama 3 and Kimi K2 formats share (each names its own)."""
 
-    def __init__(self, path: str | Path):
-        path = Path(path)
-        ranks = load_tiktoken_ranks(path)
-        num_base = len(ranks)
-        self.special_tokens = {tok: num_base + i for i, tok in enumerate(llama3_special_tokens())}
+    def __init__(
+        self,
+        path: Path,
+        ranks: dict[bytes, int],
+        pattern: str,
+        special_tokens: dict[str, int],
+        bos: str,
+        eos: str,
+    ):
+        self.special_tokens = special_tokens
         self._model = tiktoken.Encoding(
-            name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=self.special_tokens
+            name=path.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special_tokens
         )
-        self.bos_id = self.special_tokens["<|begin_of_text|>"]
-        self.eos_id = self.special_tokens["<|end_of_text|>"]
+        self.bos_id = special_tokens[bos]
+        self.eos_id = special_tokens[eos]
         self.path = path
 
     @property
@@ -100,11 +106,13 @@ class TikTokenTokenizer(Tokenizer):
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         # Special-token text inside documents is encoded as plain text, never as control tokens.
         ids = self._model.encode_ordinary(text)
+        bos = bos and self.add_bos
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
     def encode_array(self, text: str, *, bos: bool = False, eos: bool = False) -> np.ndarray:
         # disallowed_special=(): special-token text is plain text here too (checked equal to encode_ordinary)
         ids = self._model.encode_to_numpy(text, disallowed_special=())
+        bos = bos and self.add_bos
         if not (bos or eos):
             return ids
         framed = np.empty(len(ids) + bos + eos, dtype=np.uint32)
@@ -122,3 +130,13 @@ class TikTokenTokenizer(Tokenizer):
 
     def decode(self, ids: list[int]) -> str:
         return self._model.decode(list(ids))
+
+
+class TikTokenTokenizer(TiktokenBPE):
+    """Llama 3 tokenizer: BPE from a tiktoken `tokenizer.model`, special tokens numbered after it."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        ranks = load_tiktoken_ranks(path)
+        specials = {tok: len(ranks) + i for i, tok in enumerate(llama3_special_tokens())}
+        super().__init__(path, ranks, LLAMA3_PATTERN, specials, "<|begin_of_text|>", "<|end_of_text|>")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from titan_models.attention import attend, attention_tail
+from titan_models.attention import attend, attention_tail, fold_max_logits
 from titan_models.attention_masks import AttentionMask
 from titan_models.cached_attention import HeadsCache
 from titan_models.deepseek_v3.args import DeepSeekV3Args
@@ -41,7 +41,9 @@ class MultiHeadLatentAttention(nn.Module):
     part of the key (`qk_rope_head_dim`) is computed once and shared by every head.
 
     Parameter names are torchtitan 0.2.2's: `wq` (or `wq_a`, `q_norm`, `wq_b`), `wkv_a`, `kv_norm`,
-    `wkv_b`, `wo`.
+    `wkv_b`, `wo`. Rows of `wq`/`wq_b` are head by head, each `qk_nope_head_dim` rows of q_nope then
+    `qk_rope_head_dim` of q_pe; rows of `wkv_b` head by head, k_nope then v; the last `qk_rope_head_dim`
+    rows of `wkv_a` are the shared rotary key. QK-clip reads that layout (`query_key_up_projections`).
     """
 
     kv_cache = LatentCache()
@@ -56,6 +58,7 @@ class MultiHeadLatentAttention(nn.Module):
             args.qk_rope_head_dim,
             args.v_head_dim,
         )
+        self.n_heads = args.n_heads
         qk_dim = args.qk_head_dim
         latent_eps = args.norm_eps if args.latent_norm_eps is None else args.latent_norm_eps
         if self.q_lora_rank == 0:
@@ -72,6 +75,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.shared_rope_key = nn.Identity()
         # The kernels scale scores by 1/sqrt(qk_dim); folding the ratio into q gives YaRN's scale instead.
         self.q_factor = args.softmax_scale * qk_dim**0.5
+        # Largest pre-softmax logit per query head since last filled with -inf, while recording (QK-clip).
+        self.max_logits: torch.Tensor | None = None
 
     def project(
         self, x: torch.Tensor, freqs_cis: torch.Tensor
@@ -103,4 +108,20 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         q, latent, k_pe = self.project(x, freqs_cis)
         k, v = self.expand(latent, k_pe)
+        if self.max_logits is not None and torch.is_grad_enabled():  # training passes, not validation
+            # q carries the softmax scale times sqrt(qk_dim), which the kernels divide out again.
+            fold_max_logits(self.max_logits, q, k, mask, q.shape[-1] ** -0.5)
         return attention_tail(self.wo, q, k, v, attend, self.backend, mask)
+
+    def record_max_logits(self, on: bool) -> None:
+        """Keep (or stop keeping) the largest logit per query head, the whole of
+        softmax_scale * (q_nope.k_nope + q_pe.k_pe), in `max_logits`."""
+        device = self.wkv_b.weight.device
+        self.max_logits = torch.full((self.n_heads,), -torch.inf, device=device) if on else None
+
+    def query_key_up_projections(self) -> tuple[nn.Parameter, nn.Parameter]:
+        """The weights whose rows make each head's query (`wq`, or `wq_b` after the query latent's norm:
+        q_nope rows then q_pe rows per head) and its own key part (`wkv_b`: k_nope rows then v rows per
+        head). The shared rotary key (`wkv_a`'s last rows) is in neither."""
+        query = self.wq if self.q_lora_rank == 0 else self.wq_b
+        return query.weight, self.wkv_b.weight

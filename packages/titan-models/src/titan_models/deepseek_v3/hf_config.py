@@ -4,6 +4,10 @@ Hugging Face's DeepSeek-V3 routes with sigmoid scores and weights the experts' o
 rotates interleaved pairs (`rope_interleave`), the layout Titan uses, so no weight is permuted; its YaRN
 applies whenever config.json names it; the norms on the query and key/value latents use eps 1e-6.
 Anything it cannot express is refused with the field that differs.
+
+Kimi K2's folders publish the same model under `model_type` "kimi_k2" (architectures still
+DeepseekV3ForCausalLM, `auto_map` naming their copy of DeepSeek's code): read as DeepSeek-V3's. An export
+writes `model_type` "deepseek_v3", which transformers loads without custom code.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from titan_models.moe import MoEArgs
 
 logger = logging.getLogger(__name__)
 
+# DeepSeek's own, and Kimi K2's name for the same architecture.
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+_ARCHITECTURE = "DeepseekV3ForCausalLM"
 HF_LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default, which its q_a/kv_a layernorms keep
 _DEFAULTS = {
     "model_type": "deepseek_v3",
@@ -70,7 +77,7 @@ def _describe(args: DeepSeekV3Args) -> dict[str, Any]:
     """The config.json fields of `args`, whether or not Hugging Face can compute them."""
     m = args.moe_args
     config: dict[str, Any] = {
-        "architectures": ["DeepseekV3ForCausalLM"],
+        "architectures": [_ARCHITECTURE],
         "model_type": "deepseek_v3",
         "hidden_size": args.dim,
         "intermediate_size": args.inter_dim,
@@ -147,7 +154,10 @@ def to_hf_config(
 
 def _import_problems(config: dict[str, Any]) -> list[str]:
     get = lambda key: config.get(key, _DEFAULTS.get(key))  # noqa: E731
-    problems = shared.basic_problems(get, ("deepseek_v3",), "MLA")
+    problems = shared.basic_problems(get, MODEL_TYPES, "MLA")
+    architectures = config.get("architectures") or [_ARCHITECTURE]
+    if architectures != [_ARCHITECTURE]:
+        problems.append(f"architectures {architectures} (Titan reads {_ARCHITECTURE}'s weights only)")
     if not get("rope_interleave"):
         problems.append("rope_interleave false (Titan rotates interleaved pairs)")
     if get("tie_word_embeddings"):

@@ -104,6 +104,20 @@ class DeepSeekV3Model(Decoder):
     def build_block(self, layer: int) -> nn.Module:
         return deepseek_v3_block(layer, self.args)
 
+    def record_max_logits(self, on: bool) -> None:
+        """Have every MLA keep its largest logit per head (QK-clip reads it: `latent_query_key_heads`)."""
+        for attention in self.latent_query_key_heads().values():
+            attention.record_max_logits(on)
+
+    def latent_query_key_heads(self) -> dict[str, MultiHeadLatentAttention]:
+        """Attention FQN -> its MLA (the MTP depths' included), whose up-projections QK-clip scales."""
+        heads = {f"layers.{name}.attention": block.attention for name, block in self.layers.items()}
+        if self.mtp is not None:
+            heads |= {
+                f"mtp.layers.{i}.block.attention": d.block.attention for i, d in self.mtp.layers.items()
+            }
+        return heads
+
     def final_norm_eps(self) -> float | None:
         return self.args.final_norm_eps
 

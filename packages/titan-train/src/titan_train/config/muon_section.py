@@ -59,7 +59,8 @@ class MuonSettings:
     qk_clip_tau: float | None = opt(
         None,
         "(Titan) QK-clip (Kimi K2): after each step, scale the query and key rows of every attention head whose "
-        "largest logit exceeded this by sqrt(tau / logit); None: off. Llama-family attention, no tensor parallelism",
+        "largest logit exceeded this so that its logits scale by tau / logit; None: off. Llama (MHA, GQA) and "
+        "DeepSeek-V3 (MLA) attention, no tensor or context parallelism",
         above=0,
         maximum=1e6,
     )

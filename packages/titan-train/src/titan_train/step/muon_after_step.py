@@ -3,25 +3,42 @@ optimizer step's time went (Newton-Schulz, gathering the split matrices whole fo
 not hidden under Newton-Schulz, and scattering the results back).
 
 QK-clip reads the largest attention logit per head that the model kept during the step's forward
-passes (`titan_parallel.HasQueryKeyHeads`), the largest over the data-parallel ranks, and scales the
-query and key rows of the heads above tau (`titan_parallel.clip_query_key`). It needs every head whole
-on a rank and every key a query attends to in the rank's own forward: tensor and context parallelism
-split those, so they are refused at start, as are models whose logits are not plain q.k of linear
-projections (a norm after the projection, MLA).
+passes, the largest over the data-parallel ranks, and scales the query and key rows of the heads above
+tau: `titan_parallel.clip_query_key` for a model answering `HasQueryKeyHeads` (Llama's MHA and GQA),
+`clip_latent_query_key` for one answering `HasLatentQueryKeyHeads` (DeepSeek-V3's MLA). It needs every
+head whole on a rank and every key a query attends to in the rank's own forward: tensor and context
+parallelism split those, so they are refused at start, as are models answering neither (a norm after
+the projections undoes a row scale).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-import torch
 from torch import nn
 
-from titan_parallel import HasQueryKeyHeads, Muon, ParallelDims, clip_query_key
+from titan_parallel import (
+    HasLatentQueryKeyHeads,
+    HasQueryKeyHeads,
+    Muon,
+    ParallelDims,
+    clip_latent_query_key,
+    clip_query_key,
+)
 from titan_train.config import JobConfig
 from titan_train.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+
+def _clip_for(part: nn.Module) -> Callable | None:
+    """The QK-clip that acts on `part`'s attention, by the protocol it answers; None if neither."""
+    if isinstance(part, HasQueryKeyHeads):
+        return clip_query_key
+    if isinstance(part, HasLatentQueryKeyHeads):
+        return clip_latent_query_key
+    return None
 
 
 class MuonAfterStep:
@@ -45,13 +62,14 @@ class MuonAfterStep:
                     f"{where}: QK-clip needs each attention head and its keys whole on a rank, and {name} "
                     f"parallelism ({degree}) splits them; unset qk_clip_tau or train without {name} parallelism"
                 )
+        self.clips = [_clip_for(part) for part in parts]
+        if None in self.clips:
+            raise ConfigError(
+                f"{where}: {config.model.name}'s attention logits are not q.k of plain linear projections "
+                "(a norm after them), so scaling rows cannot clip them; QK-clip supports the Llama and "
+                "DeepSeek-V3 families; unset qk_clip_tau"
+            )
         for part in parts:
-            if not isinstance(part, HasQueryKeyHeads):
-                raise ConfigError(
-                    f"{where}: {config.model.name}'s attention logits are not q.k of plain linear projections "
-                    "(a norm after them, or MLA), so scaling rows cannot clip them; QK-clip supports the "
-                    "Llama family; unset qk_clip_tau"
-                )
             part.record_max_logits(True)
         dp = dims.submesh("dp")
         self.group = dp.get_group() if dp is not None else None
@@ -59,12 +77,11 @@ class MuonAfterStep:
     def after_step(self, step: int, applied: bool, log: bool) -> None:
         """Clip after an applied step (else only restart the logits' record); log Muon's time at `log` steps."""
         if self.tau is not None:
-            for part in self.parts:
+            for part, clip in zip(self.parts, self.clips, strict=True):
                 if applied:
-                    self._log_clipped(step, clip_query_key(part, self.tau, self.group))
+                    self._log_clipped(step, clip(part, self.tau, self.group))
                 else:
-                    for _, _, logits in part.query_key_heads().values():
-                        logits.fill_(-torch.inf)
+                    part.record_max_logits(True)  # a fresh record at -inf
         if log and self.optimizers:
             self._log_time(step)
 

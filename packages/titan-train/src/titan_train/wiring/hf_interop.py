@@ -44,6 +44,8 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "vocab.json",  # BPE tokenizers' slow files (Qwen's folders ship them beside tokenizer.json)
     "merges.txt",
+    "tiktoken.model",  # Kimi K2's BPE ranks, and the tokenizer code its tokenizer_config.json's auto_map names
+    "tokenization_kimi.py",
 )
 CHAT_TEMPLATE = "chat_template.jinja"  # where transformers 5 writes a tokenizer's chat template
 GENERATION_CONFIG = "generation_config.json"
