@@ -59,13 +59,13 @@ def dealing_order(
             f"parallelism: context parallel over a sequence of {seq_len} positions with load balancer "
             f"{balancer!r} cuts it into {chunks} equal chunks; use a seq_len that is a multiple of {chunks}"
         )
-    balancers = _torch_balancers()
     if balancer is None:
         return torch.arange(seq_len, device=device)[None]
+    head_tail, ptrr = _torch_balancers()
     if balancer == "headtail":
-        return balancers.HeadTail(seq_len, cp, device)._generate_indices().to(device)
+        return head_tail(seq_len, cp, device)._generate_indices().to(device)
     mask = _block_causal_block_mask(documents, batch, seq_len, block, device)
-    return balancers.PTRR(mask, cp)._generate_indices().to(device)
+    return ptrr(mask, cp)._generate_indices().to(device)
 
 
 def _block_causal_block_mask(documents: torch.Tensor | None, batch: int, seq_len: int, block: int, device):
@@ -82,12 +82,8 @@ def _block_causal_block_mask(documents: torch.Tensor | None, batch: int, seq_len
     return create_block_mask(document_mask_mod, batch, 1, seq_len, seq_len, device=device, BLOCK_SIZE=block)
 
 
-class _Balancers:
-    def __init__(self, head_tail, ptrr):
-        self.HeadTail, self.PTRR = head_tail, ptrr
-
-
-def _torch_balancers() -> _Balancers:
+def _torch_balancers() -> tuple[type, type]:
+    """torch's head-tail and ptrr load balancer classes (private API), or a clear error naming the torch."""
     try:
         from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
             _HeadTailLoadBalancer,
@@ -98,7 +94,7 @@ def _torch_balancers() -> _Balancers:
             f"parallelism: context parallel load balancing needs torch's load balancers, missing here ({e}); "
             f"this torch is {torch.__version__}, titan-parallel is tested on 2.11 and 2.15"
         ) from e
-    return _Balancers(_HeadTailLoadBalancer, _PTRRLoadBalancer)
+    return _HeadTailLoadBalancer, _PTRRLoadBalancer
 
 
 def _deal(tensor: torch.Tensor, order: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
