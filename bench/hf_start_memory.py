@@ -16,6 +16,7 @@ bounds the export run's at 0.5. `tests/test_hf_start_memory.py` checks the same 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -56,6 +57,24 @@ def write_llama(folder: Path, dim: int, layers: int) -> int:
     return sum(p.numel() * 4 for p in model.parameters())
 
 
+# A process that ran a Trainer without torchrun keeps RANK/LOCAL_RANK=0 in its environment
+# (titan_train.distributed), and a worker forked by torchrun but not yet exec'd shows torchrun's environment:
+# launched with them, that worker would read as rank 0 for good and its rank would go unsampled.
+_LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def _launcher_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+
+
 def _rank_of(pid: int) -> int | None:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -88,7 +107,7 @@ def peak_rss_per_rank(cmd: list[str], log: Path, every: float = 0.05) -> list[in
     """Run `cmd` (a torchrun) and return each rank's peak RSS in bytes, sampled every `every` seconds."""
     peaks: dict[int, int] = {}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_launcher_env())
     stop = threading.Event()
 
     def sample():

@@ -142,8 +142,10 @@ def test_gpt_oss_context_parallelism_refuses_alltoall_and_block_causal_in_one_li
 
 def test_a_family_refuses_context_parallelism_through_its_args_and_the_plan_names_the_flavor():
     """Llama 4's published attention tunes its temperature by global position: its args' typed
-    `context_parallel_refusal` (titan_train.family_args) refuses cp > 1 at the resolve step; the iRoPE flavor
-    without it is accepted. Planted once (2026-12-02): the refusal returning None lets cp 2 through."""
+    `context_parallel_refusal` (titan_train.family_args) refuses cp > 1 at the resolve step. The iRoPE flavor
+    without it packs documents in chunked masks of its own, which a row dealt to the ranks cannot carry: refused
+    for that; the causal flavor is accepted. Planted once (2026-12-02): the refusal returning None lets cp 2
+    through."""
     toml = str(Path(__file__).parents[3] / "apps" / "configs" / "llama4_17bx16e.toml")
     cp2 = ["--job.config_file", toml, "--parallelism.context_parallel_degree", "2"]
     config = load_job_config([*cp2, "--model.flavor", "17bx16e_published"])
@@ -151,4 +153,8 @@ def test_a_family_refuses_context_parallelism_through_its_args_and_the_plan_name
         ConfigError, match=r"context_parallel_degree\(2\): llama4 17bx16e_published tunes its attention"
     ):
         resolve(config, 128, "cuda")
-    assert resolve(load_job_config([*cp2, "--model.flavor", "17bx16e_irope"]), 128, "cuda").dims.cp == 2
+    with pytest.raises(
+        ConfigError, match=r"over packed documents: llama4 17bx16e_irope builds its own attention"
+    ):
+        resolve(load_job_config([*cp2, "--model.flavor", "17bx16e_irope"]), 128, "cuda")
+    assert resolve(load_job_config([*cp2, "--model.flavor", "17bx16e"]), 128, "cuda").dims.cp == 2

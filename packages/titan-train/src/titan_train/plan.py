@@ -242,7 +242,8 @@ def _gathered_context_parallel_problems(config: JobConfig, dims: ParallelDims, a
     if not family_takes_positions(m.name):
         return [
             f"{degree} over {what}: {m.name} {m.flavor} builds its own attention masks, which cannot be dealt "
-            "per row; use load balancer 'headtail' on unpacked causal rows, or context_parallel_degree = 1"
+            "per row; pick a flavor with attn_mask_type 'causal' on unpacked rows and load balancer "
+            "'headtail', or set context_parallel_degree = 1"
         ]
     if p.context_parallel_rotate_method != "allgather":
         return [
