@@ -11,6 +11,9 @@ says only what differs from `HeadsCache`:
 - gpt-oss: the sink joins the softmax denominator, even layers see only the last `window`
   positions (`titan_models.gpt_oss.attention.SinkWindowCache`);
 - DeepSeek-V3 (MLA): the compressed latent (`titan_models.deepseek_v3.attention.LatentCache`).
+
+A recurrent layer (Qwen3.5's Gated DeltaNet) keeps no keys per slot: its hook is a `StateCache`, fixed-size
+buffers its own `step` reads and updates (`titan_models.qwen3_5.linear_attention.RecurrentStateCache`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ from torch import nn
 
 class HeadsCache:
     """Keys and values per key/value head, (batch, kv_heads, slot, head_dim) each: Llama and Qwen3."""
+
+    def buffers(
+        self, attention: nn.Module, batch: int, max_len: int, dtype: torch.dtype, device
+    ) -> list[torch.Tensor]:
+        """The zeroed buffers of one layer: `shapes` with `max_len` slots second to last."""
+        return [
+            torch.zeros(batch, *shape[:-1], max_len, shape[-1], dtype=dtype, device=device)
+            for shape in self.shapes(attention)
+        ]
 
     def shapes(self, attention: nn.Module) -> list[tuple[int, ...]]:
         """The shape of each cached tensor, the slot dimension left out (it goes second to last)."""
@@ -57,13 +69,34 @@ class HeadsCache:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+class StateCache:
+    """The hook of a recurrent layer: buffers of a fixed size, whatever the length, and the step that
+    reads and updates them for the new tokens."""
+
+    def buffers(
+        self, attention: nn.Module, batch: int, max_len: int, dtype: torch.dtype, device
+    ) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def context(self, attention: nn.Module) -> int:
+        """How many slots before the new tokens `step` is given the segments of."""
+        raise NotImplementedError
+
+    def step(
+        self, attention: nn.Module, x: torch.Tensor, buffers: list[torch.Tensor], segments: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer's output for the new tokens `x` (batch, new, dim). `segments` (batch, context + new):
+        each slot's document id, -1 for left padding and for slots before the first."""
+        raise NotImplementedError
+
+
 @runtime_checkable
 class CachedAttention(Protocol):
     """An attention module the KV cache can run: it names its hook (an instance shared by the class)."""
 
-    kv_cache: HeadsCache
+    kv_cache: HeadsCache | StateCache
 
 
-def cache_hook(attention: nn.Module) -> HeadsCache:
+def cache_hook(attention: nn.Module) -> HeadsCache | StateCache:
     """The hook `attention` brings (see `CachedAttention`)."""
     return attention.kv_cache

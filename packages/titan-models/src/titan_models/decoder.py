@@ -8,6 +8,7 @@ hooks parallelisms call) lives here once, so a fix to it reaches every family.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -136,7 +137,13 @@ class Decoder(nn.Module):
             input_projections=self.input_projections,
             depth_scaled=self.depth_scaled,
             draw_dtype=self.init_draw_dtype,
+            family_filler=self.parameter_filler,
         )
+
+    def parameter_filler(self, name: str) -> Callable[[torch.Tensor, torch.Generator], None] | None:
+        """A family's own initialisation of parameter `name` (`init_parameters`' family_filler); None:
+        Titan's shared rules."""
+        return None
 
     def moe_layers(self) -> dict[str, nn.Module]:
         """FQN -> MoE module, for the blocks this model (or pipeline stage) holds; empty for dense ones.

@@ -89,11 +89,14 @@ def init_parameters(
     input_projections: tuple[str, ...] = INPUT_PROJECTIONS,
     depth_scaled: tuple[str, ...] = DEPTH_SCALED,
     draw_dtype: torch.dtype | None = None,
+    family_filler: Callable[[str], Filler | None] | None = None,
 ) -> None:
     """Fill every parameter of `model` (plain or DTensor, on any device) from `seed` and its name.
 
     `draw_dtype` is the dtype a full tensor is drawn in before the copy (None: the parameter's own);
-    DeepSeek-V3 draws in float32, as it always has. LoRA adapters are left to the converter that added them.
+    DeepSeek-V3 draws in float32, as it always has. `family_filler(name)` is asked first and may name a
+    family's own rule (Qwen3.5's zero-centred norms, decay rates, convolution); None: `filler_for`'s.
+    LoRA adapters are left to the converter that added them.
     """
     for name, param in model.named_parameters():
         if _ADAPTER.search(name):
@@ -103,5 +106,6 @@ def init_parameters(
             seed * 1_000_003 + zlib.crc32(name.encode())
         )
         full = torch.empty(param.shape, dtype=draw_dtype or local.dtype, device=local.device)
-        filler_for(name, args, input_projections, depth_scaled)(full, generator)
+        own = family_filler(name) if family_filler is not None else None
+        (own or filler_for(name, args, input_projections, depth_scaled))(full, generator)
         local.copy_(_local_slice(full, param) if isinstance(param, DTensor) else full)

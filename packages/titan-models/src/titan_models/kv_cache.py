@@ -19,34 +19,27 @@ import torch
 from torch import nn
 
 from titan_models.attention import output_projection
-from titan_models.cached_attention import CachedAttention, cache_hook
+from titan_models.cached_attention import CachedAttention, StateCache, cache_hook
 from titan_models.errors import ModelError
 
 
 class KVCache:
     """Static buffers of every block for `batch` rows of up to `max_len` slots.
 
-    `layers[i]` holds what block i's attention caches (shapes from its hook, the slot dimension second
-    to last). `length` slots are filled, the same number in every row; `valid` marks the slots that
+    `layers[i]` holds what block i's attention caches (its hook's `buffers`: keys and values with the
+    slot dimension second to last, or a recurrent layer's fixed-size state). `length` slots are filled, the same number in every row; `valid` marks the slots that
     hold a real token (False: left padding), `positions` each slot's position in its row.
     """
 
     def __init__(
         self,
-        layer_shapes: list[list[tuple[int, ...]]],
+        layers: list[list[torch.Tensor]],
         batch: int,
         max_len: int,
         *,
-        dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ):
-        self.layers = [
-            [
-                torch.zeros(batch, *shape[:-1], max_len, shape[-1], dtype=dtype, device=device)
-                for shape in shapes
-            ]
-            for shapes in layer_shapes
-        ]
+        self.layers = layers
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.positions = torch.zeros(batch, max_len, dtype=torch.long, device=device)
         self.doc_ids = torch.zeros(batch, max_len, dtype=torch.long, device=device)
@@ -70,8 +63,18 @@ class KVCache:
                 "(max_seq_len); build the model with a larger max_seq_len, or ask for fewer tokens"
             )
         weight = model.tok_embeddings.weight
-        shapes = [cache_hook(b.attention).shapes(b.attention) for b in model.layers.values()]
-        return cls(shapes, batch, max_len, dtype=weight.dtype, device=weight.device)
+        layers = [
+            cache_hook(b.attention).buffers(b.attention, batch, max_len, weight.dtype, weight.device)
+            for b in model.layers.values()
+        ]
+        return cls(layers, batch, max_len, device=weight.device)
+
+    def segments(self, start: int, end: int) -> torch.Tensor:
+        """(batch, end - start) document id of each slot, -1 for left padding and for slots before the first."""
+        ids = torch.where(self.valid, self.doc_ids, -1)
+        before = max(0, -start)
+        filled = ids[:, max(start, 0) : end]
+        return torch.cat([torch.full_like(ids[:, :before], -1), filled], dim=1) if before else filled
 
 
 def supports_kv_cache(model: nn.Module) -> bool:
@@ -163,7 +166,12 @@ def forward_cached(
     freqs_cis = model.freqs_cis[positions]
     h = model.tok_embeddings(tokens)
     for layer, block in enumerate(model.layers.values()):
-        h = h + _attend(block.attention, block.attention_norm(h), freqs_cis, cache, layer, start, mask)
+        x, hook = block.attention_norm(h), cache_hook(block.attention)
+        if isinstance(hook, StateCache):
+            segments = cache.segments(start - hook.context(block.attention), end)
+            h = h + hook.step(block.attention, x, cache.layers[layer], segments)
+        else:
+            h = h + _attend(block.attention, x, freqs_cis, cache, layer, start, mask)
         ffn = block.moe if block.moe_enabled else block.feed_forward
         h = h + ffn(block.ffn_norm(h))
     cache.length = end

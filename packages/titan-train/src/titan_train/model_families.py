@@ -1,4 +1,4 @@
-"""The mixture-of-experts families (DeepSeek-V3, Qwen3, Llama 4, gpt-oss), registered under torchtitan 0.2.2's
+"""The mixture-of-experts families (DeepSeek-V3, Qwen3, Llama 4, gpt-oss, Qwen3.5), registered under torchtitan 0.2.2's
 model names (`--model.name deepseek_v3 --model.flavor debugmodel`).
 
 `titan_train.registry` registers `MOE_FAMILIES` through `register_model_family`, as it does Llama's, so
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from titan_models import deepseek_v3, gpt_oss, llama4, qwen3
+from titan_models import deepseek_v3, gpt_oss, llama4, qwen3, qwen3_5
 from titan_models.moe import count_active_parameters
 from titan_train.model_family import HFMapping, ModelFamily
 
@@ -53,6 +53,10 @@ def _gpt_oss_flops(args: Any, total: int, embedding: int, seq_len: int) -> float
     active = count_active_parameters(model)
     embedding_active = active - count_active_parameters(model, exclude_embedding=True)
     return gpt_oss.gpt_oss_flops_per_token(args, active, embedding_active, seq_len)
+
+
+def _qwen3_5_flops(args: Any, total: int, embedding: int, seq_len: int) -> float:
+    return qwen3_5.qwen3_5_flops_per_token(args, _on_meta(qwen3_5.Qwen3_5Model, args), seq_len)
 
 
 def _hf(module: Any, adapter: Callable[..., Any]) -> HFMapping:
@@ -92,5 +96,13 @@ MOE_FAMILIES = (
         gpt_oss.GptOssModel,
         _gpt_oss_flops,
         hf=_hf(gpt_oss, gpt_oss.GptOssStateDictAdapter),
+    ),
+    # Dense and MoE flavors alike: Gated DeltaNet hybrids (titan_models.qwen3_5).
+    ModelFamily(
+        "qwen3_5",
+        qwen3_5.QWEN3_5_FLAVORS,
+        qwen3_5.Qwen3_5Model,
+        _qwen3_5_flops,
+        hf=_hf(qwen3_5, qwen3_5.Qwen3_5StateDictAdapter),
     ),
 )
