@@ -7,6 +7,7 @@ delta-rule state restart at each document), for loss and gradients; documents fo
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 import torch
@@ -62,9 +63,7 @@ def test_a_packed_row_equals_its_documents_run_one_by_one_in_loss_and_gradients(
         positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
         logits = model(row, positions=positions)
     starts = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
-    packed_loss = sum(
-        _loss(logits[:, a:b], doc) for (a, b), doc in zip(zip(starts, starts[1:]), docs, strict=True)
-    )
+    packed_loss = sum(_loss(logits[:, a:b], doc) for (a, b), doc in zip(pairwise(starts), docs, strict=True))
     packed = _grads(model, packed_loss)
 
     alone_loss = sum(_loss(model(doc[None]), doc) for doc in docs)

@@ -120,6 +120,11 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     problems.extend(moe_torch_problems(config, dims, bool(moe_layers_of(model)), torch.__version__))
     problems.extend(lora_target_problems(config, model))
     problems.extend(qlora_problems(config, dims, model))
+    if dims.tp > 1:  # a family without a tensor-parallel plan says so when asked for it
+        try:
+            model.tp_plan()
+        except ModelError as err:
+            problems.append(f"parallelism.tensor_parallel_degree({dims.tp}): {err}")
     if dims.pp > 1:  # the stages build_pipeline would cut, checked without building them
         try:
             pipeline_stages(model.pipeline_units(), list(blocks_of(model)), dims.pp, options.pipeline)

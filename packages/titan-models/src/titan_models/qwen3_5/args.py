@@ -98,6 +98,15 @@ class Qwen3_5Args(DecoderArgs):
         ]
 
     @property
+    def context_parallel_refusal(self) -> str | None:
+        """Under context parallelism a rank holds a slice of each sequence, and the linear layers' state
+        (and convolution window) would have to pass from rank to rank, which Titan does not do yet."""
+        return (
+            "has Gated DeltaNet layers whose recurrent state Titan does not pass between context-parallel "
+            "ranks yet; set context_parallel_degree to 1"
+        )
+
+    @property
     def rotary_dim(self) -> int:
         """How many leading dimensions of each full-attention head rotate."""
         return int(self.head_dim * self.partial_rotary_factor)

@@ -34,6 +34,8 @@ _DEBUG = dict(
 
 QWEN3_5_FLAVORS: dict[str, Qwen3_5Args] = {
     "debugmodel": Qwen3_5Args(**_DEBUG),
+    # Packed documents kept apart in both kinds of layer (block-causal attention, restarting state).
+    "debugmodel_flex_attn": Qwen3_5Args(**_DEBUG, attn_backend="flex", attn_mask_type="block_causal"),
     "debugmodel_moe": Qwen3_5Args(
         **_DEBUG, moe_inter_dim=128, shared_hidden_dim=128, moe_args=qwen3_5_moe_args(8, 2)
     ),

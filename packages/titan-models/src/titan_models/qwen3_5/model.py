@@ -138,6 +138,11 @@ class Qwen3_5Model(Decoder):
         masks = HybridMasks(document_mask(self.args, documents, use_flex), documents)
         return self._blocks_forward(tokens, self.freqs_cis[positions], masks)
 
+    def hidden_matrices(self) -> dict[str, int]:
+        """The shared rule's matrices without the convolutions' taps (channels x taps: one small filter
+        per channel, not a matrix Muon should orthogonalise)."""
+        return {n: d for n, d in super().hidden_matrices().items() if not n.endswith("conv_weight")}
+
     def attention_tp_entries(self) -> dict[str, ParallelStyle]:
         raise ModelConfigError(
             "model: qwen3_5 has no tensor-parallel plan yet (its linear-attention heads are not split); "
