@@ -5,17 +5,22 @@ model's logits; what Titan does not build for the family is refused at the resol
 from __future__ import annotations
 
 import json
+import logging
 import math
+import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from titan_models import load_safetensors_sharded
 from titan_train.cli import run
 from titan_train.commands.checkpoint_model import load_checkpoint_model
 from titan_train.config import load_job_config
 from titan_train.errors import ConfigError
 from titan_train.plan import resolve
+from titan_train.wiring.data import BUNDLED_TOKENIZER
 
 FLAGS = (
     *("--model.name", "qwen3_5", "--training.seq_len", "48"),
@@ -66,3 +71,56 @@ def test_layouts_titan_does_not_build_for_qwen3_5_are_refused_at_resolve_in_one_
     with pytest.raises(ConfigError, match=match) as caught:
         resolve(config, 2, "cpu")
     assert "\n" not in str(caught.value)
+
+
+def _image_text_folder(folder):
+    """A transformers `Qwen3_5ForConditionalGeneration` folder as the Hub publishes one (`text_config` beside
+    `vision_config`, text weights under `model.language_model.`, the tower under `model.visual.`), in bf16,
+    random weights, with the bundled tokenizer."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from titan_models.qwen3_5 import Qwen3_5StateDictAdapter, qwen3_5_args
+
+    text = Qwen3_5StateDictAdapter(replace(qwen3_5_args("debugmodel"), n_layers=4)).hf_config()
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"]
+    )
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=g) - (2.0 if name.endswith("A_log") else 0.0))
+    model.to(torch.bfloat16).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(BUNDLED_TOKENIZER / name, folder / name)
+    return folder
+
+
+def test_a_published_image_text_folder_trains_from_its_text_weights_and_exports_them_back(tmp_path, caplog):
+    """`from_hf` reads `text_config`, Titan's streamed import (one block at a time) loads the text weights and
+    says the tower is skipped; one step at lr 1e-9 exported in bf16 gives back every text tensor (to the 1e-9
+    that step moves weights within a rounding step of zero), where weights not loaded would differ by ~0.1."""
+    base = _image_text_folder(tmp_path / "base")
+    dump = tmp_path / "run"
+    flags = [
+        *("--job.dump_folder", str(dump), "--model.name", "qwen3_5", "--model.flavor", "from_hf"),
+        *("--model.hf_assets_path", str(base), "--training.steps", "1", "--optimizer.lr", "1e-9"),
+        *("--training.seq_len", "48", "--training.local_batch_size", "1", "--lr_scheduler.warmup_steps", "0"),
+        *("--activation_checkpoint.mode", "none", "--checkpoint.enable", "--checkpoint.initial_load_in_hf"),
+        "--checkpoint.last_save_in_hf",
+    ]  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        assert run(flags) == 0
+    assert "vision tower" in caplog.text and "model.visual." in caplog.text
+    original = load_safetensors_sharded(base)
+    text = {
+        "model." + k.removeprefix("model.language_model."): t
+        for k, t in original.items()
+        if k.startswith("model.language_model.") or k == "lm_head.weight"
+    }
+    exported = load_safetensors_sharded(dump / "checkpoint" / "step-1")
+    assert exported.keys() == {"lm_head.weight" if k == "model.lm_head.weight" else k for k in text}
+    for name, tensor in text.items():
+        name = "lm_head.weight" if name == "model.lm_head.weight" else name
+        assert exported[name].dtype == torch.bfloat16, name
+        torch.testing.assert_close(exported[name], tensor, atol=1e-8, rtol=0)
