@@ -47,15 +47,15 @@ def recurrent_gated_delta(
     if state is None:
         state = torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=v.device)
     state = state.float()
+    keep = (~resets).float() if resets is not None else torch.ones(b, s, device=k.device)
+    # Unbound once: indexing inside the loop would make backward write a full-size gradient per token.
+    steps = zip(*(t.unbind(1) for t in (q, k, v, g.exp(), beta, keep)), strict=True)
     out = []
-    for t in range(s):
-        if resets is not None:
-            state = state * (~resets[:, t]).float()[:, None, None, None]
-        state = state * g[:, t].exp()[..., None, None]
-        kt = k[:, t]
-        correction = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, kt))
+    for qt, kt, vt, decay, bt, kept in steps:
+        state = state * (kept[:, None, None, None] * decay[..., None, None])
+        correction = bt[..., None] * (vt - torch.einsum("bhkv,bhk->bhv", state, kt))
         state = state + kt[..., :, None] * correction[..., None, :]
-        out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+        out.append(torch.einsum("bhkv,bhk->bhv", state, qt))
     return torch.stack(out, dim=1), state
 
 
@@ -110,11 +110,16 @@ def chunked_gated_delta(
     if state is None:
         state = torch.zeros(b, h, dk, dv, dtype=torch.float32, device=k.device)
     state = state.float()
+    # Per chunk, unbound once: indexing inside the loop would make backward write a full-size gradient
+    # per chunk (quadratic in the sequence).
+    keys_out = (kc * end_decay[..., None]).transpose(-1, -2)
+    per_chunk = (u_free, u_from_state, q_start, scores, keys_out, start_decay[..., -1])
     out = []
-    for n in range(qc.shape[2]):
-        u = u_free[:, :, n] - u_from_state[:, :, n] @ state
-        out.append(q_start[:, :, n] @ state + scores[:, :, n] @ u)
-        written = (kc[:, :, n] * end_decay[:, :, n, :, None]).transpose(-1, -2) @ u
-        state = start_decay[:, :, n, -1, None, None] * state + written
+    for free, from_state, q_n, scores_n, keys_n, decay_n in zip(
+        *(t.unbind(2) for t in per_chunk), strict=True
+    ):
+        u = free - from_state @ state
+        out.append(q_n @ state + scores_n @ u)
+        state = decay_n[..., None, None] * state + keys_n @ u
     o = torch.stack(out, dim=2).reshape(b, h, -1, dv)[:, :, :s]
     return o.transpose(1, 2), state
