@@ -26,6 +26,7 @@ PACKED, MOE = "debugmodel_flex_attn", "debugmodel_moe"
 # name -> (flavor, ranks, per-rank batch, flags)
 LAYOUTS = {
     "fsdp2": (PACKED, 2, "2", (f"{P}data_parallel_shard_degree", "2")),
+    "tp2": (PACKED, 2, "4", (f"{P}tensor_parallel_degree", "2")),
     "pp2": (PACKED, 2, "4", (f"{P}pipeline_parallel_degree", "2", f"{P}pipeline_parallel_schedule", "1F1B")),
     "ep2": (MOE, 2, "2", (f"{P}data_parallel_shard_degree", "2", f"{P}expert_parallel_degree", "2")),
     "ac_full": (PACKED, 1, "4", ("--activation_checkpoint.mode", "full")),

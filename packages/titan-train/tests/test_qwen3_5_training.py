@@ -51,23 +51,24 @@ def test_the_debug_flavor_trains_and_its_export_reloads_in_transformers_with_equ
 
 
 @pytest.mark.parametrize(
-    ("flag", "degree", "match"),
+    ("flavor", "flag", "match"),
     [
         (
+            "debugmodel",
             "context_parallel_degree",
-            2,
-            r"context_parallel_degree\(2\): qwen3_5 debugmodel has Gated DeltaNet",
+            r"context_parallel_degree\(2\): qwen3_5 debugmodel has Gated",
         ),
         (
+            "debugmodel_moe",
             "tensor_parallel_degree",
-            2,
-            r"tensor_parallel_degree\(2\): model: qwen3_5 has no tensor-parallel plan",
+            r"tensor_parallel_degree\(2\): model: qwen3_5 MoE flavors",
         ),
     ],
 )
-def test_layouts_titan_does_not_build_for_qwen3_5_are_refused_at_resolve_in_one_line(flag, degree, match):
-    """Planted: `context_parallel_refusal` returning None lets cp 2 through to a silently wrong run."""
-    config = load_job_config([*FLAGS, "--model.flavor", "debugmodel", f"--parallelism.{flag}", str(degree)])
+def test_layouts_titan_does_not_build_for_qwen3_5_are_refused_at_resolve_in_one_line(flavor, flag, match):
+    """Context parallelism, and tensor parallelism of the MoE flavors. Planted: `context_parallel_refusal`
+    returning None lets cp 2 through to a silently wrong run."""
+    config = load_job_config([*FLAGS, "--model.flavor", flavor, f"--parallelism.{flag}", "2"])
     with pytest.raises(ConfigError, match=match) as caught:
         resolve(config, 2, "cpu")
     assert "\n" not in str(caught.value)

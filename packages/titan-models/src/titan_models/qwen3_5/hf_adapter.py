@@ -1,9 +1,10 @@
 """The mapping between our Qwen3.5 state dicts and Hugging Face's (`Qwen3_5ForCausalLM`,
 `Qwen3_5MoeForCausalLM`, and the text weights of `Qwen3_5ForConditionalGeneration` folders).
 
-Names map one to one; both sides rotate halves and keep each head's query beside its gate in `q_proj`, so
-nothing is permuted. The convolution's weight drops Hugging Face's singleton channel dimension
-((C, 1, K) <-> (C, K)); our stacked experts (`moe.experts.w1`, (E, hidden, dim)) are the per-expert
+Names map one to one; both sides rotate halves and keep each head's query beside its gate in `q_proj`. The
+linear layers' `in_proj_qkv` rows and convolution channels are permuted from Hugging Face's order (every
+query, every key, every value) into ours (grouped by key head, `qwen3_5.linear_attention`), and the
+convolution's weight drops Hugging Face's singleton channel dimension ((C, 1, K) <-> (C, K)); our stacked experts (`moe.experts.w1`, (E, hidden, dim)) are the per-expert
 matrices transformers writes (`mlp.experts.{e}.gate_proj.weight`). An image-text folder's weights under
 `model.language_model.` are read as the text model's; its vision tower (`model.visual.`) and its
 multi-token-prediction head (`mtp.`) are skipped, and said so.
@@ -56,10 +57,30 @@ _SHARED = {
 }
 _EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _CONV = re.compile(r"attention\.conv_weight$")
+_GROUPED = re.compile(r"attention\.(conv_weight|in_proj_qkv\.weight)$")
 _STACKED = re.compile(r"^layers\.\d+\.moe\.experts\.w[123]$")
 _WRAPPER_PARTS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 _IMAGE_TEXT_PREFIX = "model.language_model."
 _SKIPPED = ("model.visual.", "mtp.")
+
+
+def _grouped_order(args: Qwen3_5Args) -> torch.Tensor:
+    """For each of our `in_proj_qkv` rows, the Hugging Face row it holds: per key head g, its query rows,
+    its key rows, then the value rows of the value heads it serves."""
+    dk, dv = args.linear_key_head_dim, args.linear_value_head_dim
+    heads, per_key = args.linear_num_key_heads, args.linear_num_value_heads // args.linear_num_key_heads
+    keys = heads * dk
+    order = [
+        torch.cat(
+            [
+                torch.arange(g * dk, (g + 1) * dk),
+                keys + torch.arange(g * dk, (g + 1) * dk),
+                2 * keys + torch.arange(g * per_key * dv, (g + 1) * per_key * dv),
+            ]
+        )
+        for g in range(heads)
+    ]
+    return torch.cat(order)
 
 
 class Qwen3_5StateDictAdapter:
@@ -78,6 +99,8 @@ class Qwen3_5StateDictAdapter:
                 for w, proj in _EXPERT.items():
                     self._to_hf_names[f"{ours}moe.experts.{w}.{e}"] = f"{theirs}mlp.experts.{e}.{proj}.weight"
         self._from_hf_names = {theirs: ours for ours, theirs in self._to_hf_names.items()}
+        self._grouped = _grouped_order(args)  # ours[i] = theirs[_grouped[i]]
+        self._ungrouped = torch.argsort(self._grouped)
 
     def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """Our names and layout -> `Qwen3_5(Moe)ForCausalLM`'s."""
@@ -89,7 +112,12 @@ class Qwen3_5StateDictAdapter:
             else:
                 state[name] = tensor
         state = checked_keys(self.args, state, self._to_hf_names, "output.weight", "Titan", "Qwen3.5 model")
-        return {self._to_hf_names[k]: (t.unsqueeze(1) if _CONV.search(k) else t) for k, t in state.items()}
+        return {self._to_hf_names[k]: self._to_hf_layout(k, t) for k, t in state.items()}
+
+    def _to_hf_layout(self, name: str, tensor: Tensor) -> Tensor:
+        if _GROUPED.search(name):
+            tensor = tensor[self._ungrouped]
+        return tensor.unsqueeze(1) if _CONV.search(name) else tensor
 
     def _text_weights(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
         """A text model's weights, an image-text folder's read under the text model's names."""
@@ -119,6 +147,8 @@ class Qwen3_5StateDictAdapter:
             key = self._from_hf_names[name]
             if _CONV.search(key):
                 tensor = tensor.squeeze(1)
+            if _GROUPED.search(key):
+                tensor = tensor[self._grouped]
             stacked, _, e = key.rpartition(".")
             if _STACKED.match(stacked):
                 experts.setdefault(stacked, {})[int(e)] = tensor

@@ -1,6 +1,12 @@
 """Qwen3.5's Gated DeltaNet layer: projections, a short causal depthwise convolution, the gated delta
 rule (`qwen3_5.gated_delta`), then a gated RMSNorm and the output projection.
 
+`in_proj_qkv` (and the convolution's channels) are grouped by query/key head: for each key head its
+query, its key, then the values of the value heads it serves (Hugging Face's file lists all queries, then
+all keys, then all values: the mapping permutes the rows). A contiguous slice of rows is then a set of
+whole head groups, so tensor parallelism splits the layer by head with plain column sharding
+(`qwen3_5.tensor_parallel_plan`), and every size below is read from the local tensors.
+
 Documents are `segments` (batch, seq) ids: the convolution does not reach across a change of segment and
 the delta-rule state empties at one, so packed documents compute what each computes alone. Generation
 keeps, per layer, the last `conv_kernel - 1` convolution inputs and the state (`RecurrentStateCache`)
@@ -14,11 +20,12 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_models.cached_attention import StateCache
 from titan_models.qwen3_5.args import Qwen3_5Args
 from titan_models.qwen3_5.gated_delta import chunked_gated_delta, recurrent_gated_delta
-from titan_models.qwen3_5.norms import GatedRMSNorm
+from titan_models.qwen3_5.norms import HeadRMSNorm
 
 
 def causal_conv(
@@ -39,6 +46,11 @@ def causal_conv(
     return F.silu(out[:, window:])
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a parameter tensor parallelism sharded by head (the whole tensor otherwise)."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
 
@@ -53,8 +65,8 @@ def resets_of(segments: torch.Tensor | None, before: torch.Tensor | None = None)
 
 
 class GatedDeltaNet(nn.Module):
-    """One linear-attention token mixer, with Hugging Face's projection names (`in_proj_qkv` holds the
-    queries, keys and values of every head, in that order) and Titan's `wo` for the output projection."""
+    """One linear-attention token mixer, with Hugging Face's projection names (`in_proj_qkv` in head
+    groups, see the module docstring) and Titan's `wo` for the output projection."""
 
     def __init__(self, args: Qwen3_5Args):
         super().__init__()
@@ -69,7 +81,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(self.conv_channels, args.linear_conv_kernel_dim))
         self.A_log = nn.Parameter(torch.empty(self.value_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.value_heads))
-        self.norm = GatedRMSNorm(self.value_dim, eps=args.norm_eps)
+        self.norm = HeadRMSNorm(self.value_dim, eps=args.norm_eps)
         self.wo = nn.Linear(values, args.dim, bias=False)
 
     kv_cache: StateCache  # set below, once the class exists
@@ -106,22 +118,24 @@ class GatedDeltaNet(nn.Module):
             qkv = torch.cat([window.to(qkv.dtype), qkv], dim=1)
             segments = torch.cat([window_segments, segments], dim=1)
             before = segments[:, self.conv_window - 1]
-        mixed = causal_conv(qkv, self.conv_weight, segments, self.conv_window if window is not None else 0)
+        conv = _local(self.conv_weight)
+        mixed = causal_conv(qkv, conv, segments, self.conv_window if window is not None else 0)
         if window is not None:
             segments = segments[:, self.conv_window :]
-        keys = self.key_heads * self.key_dim
-        q, k, v = mixed.split([keys, keys, self.value_heads * self.value_dim], dim=-1)
         per_key = self.value_heads // self.key_heads
-        q = _l2_normalised(q.float().view(bs, seq, self.key_heads, self.key_dim)) / math.sqrt(self.key_dim)
-        k = _l2_normalised(k.float().view(bs, seq, self.key_heads, self.key_dim))
+        groups = mixed.view(bs, seq, -1, 2 * self.key_dim + per_key * self.value_dim)
+        q, k, v = groups.split([self.key_dim, self.key_dim, per_key * self.value_dim], dim=-1)
+        q = _l2_normalised(q.float()) / math.sqrt(self.key_dim)
+        k = _l2_normalised(k.float())
         q, k = q.repeat_interleave(per_key, dim=2), k.repeat_interleave(per_key, dim=2)
-        v = v.view(bs, seq, self.value_heads, self.value_dim)
+        v = v.reshape(bs, seq, -1, self.value_dim)
         beta = self.in_proj_b(x).float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        a = self.in_proj_a(x).float() + _local(self.dt_bias).float()
+        g = -_local(self.A_log).float().exp() * F.softplus(a)
         rule = recurrent_gated_delta if recurrent else chunked_gated_delta
         out, state = rule(q, k, v, g, beta, resets_of(segments, before), state)
-        z = self.in_proj_z(x).view(bs, seq, self.value_heads, self.value_dim)
-        out = self.norm(out.to(x.dtype), z).reshape(bs, seq, -1)
+        z = self.in_proj_z(x).view(bs, seq, -1, self.value_dim)
+        out = (self.norm(out.to(x.dtype)) * F.silu(z.float())).to(x.dtype).reshape(bs, seq, -1)
         return self.wo(out), qkv[:, -self.conv_window :], state
 
 
@@ -135,7 +149,7 @@ class RecurrentStateCache(StateCache):
     ) -> list[torch.Tensor]:
         a = attention
         return [
-            torch.zeros(batch, a.conv_window, a.conv_channels, dtype=dtype, device=device),
+            torch.zeros(batch, a.conv_window, _local(a.conv_weight).shape[0], dtype=dtype, device=device),
             torch.zeros(batch, a.value_heads, a.key_dim, a.value_dim, dtype=torch.float32, device=device),
         ]
 

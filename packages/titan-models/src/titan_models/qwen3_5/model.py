@@ -35,6 +35,7 @@ from titan_models.qwen3_5.attention import GatedAttention
 from titan_models.qwen3_5.linear_attention import GatedDeltaNet
 from titan_models.qwen3_5.moe import GatedSharedExpertMoE
 from titan_models.qwen3_5.norms import ZeroCentredRMSNorm
+from titan_models.qwen3_5.tensor_parallel_plan import HeadShardedParameters, qwen3_5_attention_tp_entries
 from titan_models.rope import rotary_frequencies
 
 
@@ -144,7 +145,18 @@ class Qwen3_5Model(Decoder):
         return {n: d for n, d in super().hidden_matrices().items() if not n.endswith("conv_weight")}
 
     def attention_tp_entries(self) -> dict[str, ParallelStyle]:
-        raise ModelConfigError(
-            "model: qwen3_5 has no tensor-parallel plan yet (its linear-attention heads are not split); "
-            "train it with tp=1"
-        )
+        return qwen3_5_attention_tp_entries()
+
+    def tp_plan(
+        self, *, sequence_parallel: bool = True, loss_parallel: bool = True
+    ) -> dict[str, ParallelStyle]:
+        """The shared decoder plan with both kinds of layer split by head (`qwen3_5.tensor_parallel_plan`);
+        MoE flavors are refused: their gated shared expert has no split yet."""
+        if self.args.moe_args is not None:
+            raise ModelConfigError(
+                "model: qwen3_5 MoE flavors have no tensor-parallel plan yet (the gated shared expert is not "
+                "split); train them with tp=1 (expert parallelism splits their experts)"
+            )
+        plan = super().tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        plan["layers.*.attention"] = HeadShardedParameters(plan.get("layers.*.attention"))
+        return plan
