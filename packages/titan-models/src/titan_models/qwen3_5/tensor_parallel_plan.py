@@ -15,6 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
+from titan_models.errors import ModelConfigError
+from titan_models.qwen3_5.linear_attention import GatedDeltaNet
+
 HEAD_SHARDED = ("conv_weight", "A_log", "dt_bias")
 
 
@@ -27,6 +30,13 @@ class HeadShardedParameters(ParallelStyle):
         self.inner = inner
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        if isinstance(module, GatedDeltaNet) and module.key_heads % tp:
+            # A rank must hold whole head groups; an uneven split would cut one.
+            raise ModelConfigError(
+                f"model: tensor_parallel_degree ({tp}) must divide linear_num_key_heads ({module.key_heads}) "
+                "of qwen3_5's linear layers; pick a degree that divides it"
+            )
         for name in HEAD_SHARDED:
             param = module._parameters.get(name)
             if param is not None:
