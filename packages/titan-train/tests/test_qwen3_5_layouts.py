@@ -1,6 +1,7 @@
 """Qwen3.5 under two-rank layouts (gloo ranks through torchrun) and in one process with activation
-checkpointing or compile trains as the plain one-process run: FSDP 2 and PP 2 (1F1B) on the packed debug
-flavor (block-causal rows, so the linear layers restart at every document), EP 2 (with FSDP 2) on the MoE
+checkpointing or compile trains as the plain one-process run: CP 2 on the causal debug flavor (the linear
+layers gathering the whole sequence, full attention torch's ring attention), FSDP 2, TP 2 and PP 2 (1F1B)
+on the packed debug flavor (block-causal rows, so the linear layers restart at every document), EP 2 (with FSDP 2) on the MoE
 debug flavor; the same global batch of 4 rows dealt from 4 streams, loss and grad_norm within 1e-5
 relative of one process at every step."""
 
@@ -26,6 +27,12 @@ PACKED, MOE = "debugmodel_flex_attn", "debugmodel_moe"
 # name -> (flavor, ranks, per-rank batch, flags)
 LAYOUTS = {
     "fsdp2": (PACKED, 2, "2", (f"{P}data_parallel_shard_degree", "2")),
+    "cp2": (
+        "debugmodel",
+        2,
+        "4",
+        (f"{P}context_parallel_degree", "2", f"{P}context_parallel_rotate_method", "allgather"),
+    ),
     "tp2": (PACKED, 2, "4", (f"{P}tensor_parallel_degree", "2")),
     "pp2": (PACKED, 2, "4", (f"{P}pipeline_parallel_degree", "2", f"{P}pipeline_parallel_schedule", "1F1B")),
     "ep2": (MOE, 2, "2", (f"{P}data_parallel_shard_degree", "2", f"{P}expert_parallel_degree", "2")),
@@ -42,7 +49,7 @@ def _metrics(dump):
 def one_process(tmp_path_factory):
     """flavor -> the plain one-process run's metrics (batch 4)."""
     runs = {}
-    for flavor in (PACKED, MOE):
+    for flavor in (PACKED, MOE, "debugmodel"):
         dump = tmp_path_factory.mktemp(f"one_{flavor}")
         assert (
             run(

@@ -54,9 +54,9 @@ def test_the_debug_flavor_trains_and_its_export_reloads_in_transformers_with_equ
     ("flavor", "flag", "match"),
     [
         (
-            "debugmodel",
+            "debugmodel_flex_attn",
             "context_parallel_degree",
-            r"context_parallel_degree\(2\): qwen3_5 debugmodel has Gated",
+            r"context_parallel_degree\(2\): qwen3_5 debugmodel_flex_attn packs",
         ),
         (
             "debugmodel_moe",
@@ -66,7 +66,7 @@ def test_the_debug_flavor_trains_and_its_export_reloads_in_transformers_with_equ
     ],
 )
 def test_layouts_titan_does_not_build_for_qwen3_5_are_refused_at_resolve_in_one_line(flavor, flag, match):
-    """Context parallelism, and tensor parallelism of the MoE flavors. Planted: `context_parallel_refusal`
+    """Context parallelism of packed rows, and tensor parallelism of the MoE flavors. Planted: `context_parallel_refusal`
     returning None lets cp 2 through to a silently wrong run."""
     config = load_job_config([*FLAGS, "--model.flavor", flavor, f"--parallelism.{flag}", "2"])
     with pytest.raises(ConfigError, match=match) as caught:

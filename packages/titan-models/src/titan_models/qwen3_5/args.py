@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from titan_models.decoder_args import DecoderArgs
 from titan_models.moe import MoEArgs
@@ -97,14 +98,19 @@ class Qwen3_5Args(DecoderArgs):
             ),
         ]
 
+    # Under context parallelism the linear layers gather the whole sequence (`set_sequence_shard`).
+    context_parallel_rotate_methods: ClassVar[tuple[str, ...]] = ("allgather",)
+
     @property
     def context_parallel_refusal(self) -> str | None:
-        """Under context parallelism a rank holds a slice of each sequence, and the linear layers' state
-        (and convolution window) would have to pass from rank to rank, which Titan does not do yet."""
-        return (
-            "has Gated DeltaNet layers whose recurrent state Titan does not pass between context-parallel "
-            "ranks yet; set context_parallel_degree to 1"
-        )
+        """Packed documents under context parallelism: the linear layers would need every rank's
+        document ids, which the sharded step does not gather."""
+        if self.attn_mask_type == "block_causal":
+            return (
+                "packs documents (block_causal), whose boundaries the linear layers cannot see across "
+                "context-parallel ranks yet; set context_parallel_degree to 1 or use a causal flavor"
+            )
+        return None
 
     @property
     def rotary_dim(self) -> int:

@@ -93,8 +93,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask) -> torch.Tensor:
         """(batch, seq, dim) -> (batch, seq, dim); `mask` is the model's `HybridMasks` (its documents)."""
-        out, _, _ = self.mix(x, mask.documents if mask is not None else None)
-        return out
+        shard = mask.sequence_shard if mask is not None else None
+        if shard is None:
+            return self.mix(x, mask.documents if mask is not None else None)[0]
+        # Context parallelism: the state must run through the whole sequence in order. Every rank gathers
+        # it (its backward sums each rank's gradients back to the sender), runs the layer, keeps its tokens.
+        order = torch.argsort(shard.all_positions().to(x.device))
+        whole = shard.gather(x, 1)[:, order]
+        return self.mix(whole, None)[0][:, shard.positions.to(x.device)]
 
     def mix(
         self,

@@ -41,11 +41,13 @@ from titan_models.rope import rotary_frequencies
 
 @dataclass(frozen=True)
 class HybridMasks:
-    """What each block takes: the full-attention mask, and the (batch, seq) document ids the linear
-    layers restart at (None: one document per row)."""
+    """What each block takes: the full-attention mask, the (batch, seq) document ids the linear layers
+    restart at (None: one document per row), and under context parallelism this rank's `SequenceShard`
+    (`titan_parallel.sequence_shard`), over which the linear layers gather the whole sequence."""
 
     attention: AttentionMask
     documents: torch.Tensor | None
+    sequence_shard: Any = None
 
 
 class Qwen3_5Block(DecoderBlock):
@@ -129,9 +131,16 @@ class Qwen3_5Model(Decoder):
     def takes_positions(cls) -> bool:
         return True
 
+    _sequence_shard = None
+
+    def set_sequence_shard(self, shard: Any) -> None:
+        """Under context parallelism (handed for the step, then None): the linear layers run over the whole
+        sequence gathered through `shard`; full attention stays torch's ring attention."""
+        self._sequence_shard = shard
+
     def _attention_masks(self, doc_ids: torch.Tensor | None, seq_len: int, device: torch.device) -> Any:
         documents = doc_ids if self.args.attn_mask_type == "block_causal" else None
-        return HybridMasks(build_attention_mask(self.args, doc_ids, device), documents)
+        return HybridMasks(build_attention_mask(self.args, doc_ids, device), documents, self._sequence_shard)
 
     def _forward_at(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         documents = documents_from_positions(positions)
