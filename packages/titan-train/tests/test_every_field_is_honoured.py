@@ -1329,8 +1329,29 @@ PROBES: dict[str, Probe] = {
     "grpo.top_p": Probe(("--grpo.top_p", "0.3"), metrics, base=PROMPTS, train=True, prepare=prompt_files),
     "grpo.top_k": Probe(("--grpo.top_k", "3"), metrics, base=PROMPTS, train=True, prepare=prompt_files),
     "grpo.engine": refused(
-        ("--grpo.engine", "vllm"), r"grpo.engine = 'vllm'", base=PROMPTS, prepare=prompt_files
+        ("--grpo.engine", "vllm", "--grpo.vllm_project", "no_vllm_here"),
+        r"grpo.engine = 'vllm' needs the vLLM environment .*uv sync --project apps/vllm --locked",
+        base=PROMPTS,
+        prepare=prompt_files,
     ),
+    # The vllm_* fields apply to the vllm engine (test_grpo_vllm runs it): with the titan engine, refused.
+    **{
+        f"grpo.{name}": refused(
+            (f"--grpo.{name}", value),
+            rf"grpo.{name} set, but grpo.engine is 'titan'",
+            base=PROMPTS,
+            prepare=prompt_files,
+        )
+        for name, value in (
+            ("vllm_url", "http://127.0.0.1:1"),
+            ("vllm_project", "elsewhere"),
+            ("vllm_gpu_memory_utilization", "0.3"),
+            ("vllm_importance_sampling_correction", "false"),
+            ("vllm_importance_sampling_mode", "token_truncate"),
+            ("vllm_importance_sampling_clip_max", "2.0"),
+            ("vllm_importance_sampling_clip_min", "0.5"),
+        )
+    },  # fmt: skip
     "grpo.replay_rollouts": Probe(
         ("--grpo.replay_rollouts", "rollouts.jsonl"), metrics, base=PROMPTS, train=True, prepare=prompt_files
     ),

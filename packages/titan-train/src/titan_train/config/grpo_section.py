@@ -10,14 +10,18 @@ with steps_per_generation = the gradient accumulation steps).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from titan_data import PROMPTS
+from titan_train.config.converters import LORA
 from titan_train.config.fields import opt
 from titan_train.errors import ConfigError
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 ENGINES = ("titan", "vllm")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+VLLM_INSTALL = "uv sync --project apps/vllm --locked"
 
 
 def is_prompts(section: Any) -> bool:
@@ -54,8 +58,46 @@ class GRPO:
     engine: str = opt(
         "titan",
         "(Titan) What generates the rollouts: titan (the policy's own KV-cache generator, in the training "
-        "processes) or vllm (not available yet)",
+        "processes) or vllm (a vLLM server in its own environment, apps/vllm, sent the policy's weights before "
+        "each generation)",
         choices=ENGINES,
+    )
+    vllm_url: str | None = opt(
+        None,
+        "(Titan) With engine vllm: the URL of a running rollout server (apps/vllm/serve.py); unset: the run "
+        "starts one from grpo.vllm_project and stops it at exit",
+        pattern=(r"https?://[^\s/]+(:\d+)?/?", "http://HOST:PORT"),
+    )
+    vllm_project: str = opt(
+        "apps/vllm",
+        "(Titan) With engine vllm and no vllm_url: the uv project whose .venv runs serve.py (install: "
+        f"{VLLM_INSTALL})",
+        nonempty=True,
+    )
+    vllm_gpu_memory_utilization: float = opt(
+        0.15,
+        "(Titan) With engine vllm and no vllm_url: vLLM's gpu_memory_utilization, the share of the device's "
+        "memory for its KV cache (of host memory on the CPU build)",
+        above=0,
+        maximum=1,
+    )
+    vllm_importance_sampling_correction: bool = opt(
+        True,
+        "(Titan) With engine vllm: weigh each token's loss by the truncated or masked ratio of the trainer's "
+        "to vLLM's probability of it (TRL's vllm_importance_sampling_correction)",
+    )
+    vllm_importance_sampling_mode: str = opt(
+        "sequence_mask",
+        "(Titan) How that ratio is taken: per token or per sequence (the product), clipped to [clip_min, "
+        "clip_max] (truncate) or zeroed outside it (mask); TRL's modes and default",
+        choices=IS_MODES,
+    )
+    vllm_importance_sampling_clip_max: float = opt(
+        3.0, "(Titan) Upper bound C_max of the ratio (TRL's vllm_importance_sampling_clip_max)", above=0,
+        maximum=1e6,
+    )  # fmt: skip
+    vllm_importance_sampling_clip_min: float = opt(
+        0.0, "(Titan) Lower bound C_min of the ratio; 0: none (TRL's None)", minimum=0, maximum=1e6
     )
     replay_rollouts: str | None = opt(
         None,
@@ -174,7 +216,11 @@ def check_grpo(config) -> None:
             f"grpo.max_prompt_length + grpo.max_completion_length = {g.max_prompt_length + g.max_completion_length}"
         )
     refusals = [
-        (g.engine == "vllm", "grpo.engine = 'vllm' (not available yet)", "set grpo.engine = 'titan'"),
+        (
+            g.engine == "vllm" and LORA in config.model.converters,
+            "grpo.engine = 'vllm' and LoRA (the weight push sends whole Hugging Face exports, not adapters)",
+            "set grpo.engine = 'titan'",
+        ),
         (
             g.num_iterations > 1 and t.dataloader.num_streams != 0,
             "grpo.num_iterations > 1 and training.dataloader.num_streams (a generation batch repeats per rank)",
@@ -204,3 +250,32 @@ def check_grpo(config) -> None:
     for hit, what, fix in refusals:
         if hit:
             raise ConfigError(f"config: training.dataset = 'prompts' with {what}: {fix}")
+    _check_vllm(g)
+
+
+def _check_vllm(g: GRPO) -> None:
+    """The vllm_* fields apply to the vllm engine, the start settings only where the run starts the server,
+    and the engine needs its environment installed (or a server's URL)."""
+    changed = [name for name in _changed(g) if name.startswith("grpo.vllm_")]
+    if g.engine != "vllm" and changed:
+        raise ConfigError(
+            f"config: {', '.join(changed)} set, but grpo.engine is {g.engine!r}: they apply to "
+            "grpo.engine = 'vllm'; remove them or set the engine"
+        )
+    if g.engine != "vllm":
+        return
+    if g.vllm_url is not None:
+        starting = [n for n in changed if n in ("grpo.vllm_project", "grpo.vllm_gpu_memory_utilization")]
+        if starting:
+            raise ConfigError(
+                f"config: {', '.join(starting)} set with grpo.vllm_url: they apply to a server the run starts; "
+                "give them to the server at the URL, or unset grpo.vllm_url"
+            )
+        return
+    project = Path(g.vllm_project)
+    if not (project / "serve.py").is_file() or not (project / ".venv" / "bin" / "python").is_file():
+        raise ConfigError(
+            f"config: grpo.engine = 'vllm' needs the vLLM environment in grpo.vllm_project = {str(project)!r} "
+            f"(serve.py and .venv/bin/python): install it with `{VLLM_INSTALL}` from the repository root, or "
+            "give grpo.vllm_url"
+        )

@@ -44,6 +44,8 @@ from titan_train.objectives.rollouts import (
     titan_completions,
     whole_weights,
 )
+from titan_train.objectives.sampling_correction import importance_weights, logp_gap
+from titan_train.objectives.vllm_engine import VLLMEngine, sampling_tensor
 from titan_train.wiring.data import chat_template
 from titan_train.wiring.lora import lora_enabled
 from titan_train.wiring.valid_token_loss import IGNORE_INDEX
@@ -83,6 +85,7 @@ class _Micro:
     mask: torch.Tensor  # (B, T) float: the completion tokens that count in the loss
     ref_logps: torch.Tensor | None
     old_logps: torch.Tensor | None = None  # the generating policy's, with num_iterations > 1
+    sampling_logps: torch.Tensor | None = None  # (B, T) the engine's, where it reports them (vllm)
 
 
 class RolloutCache:
@@ -130,6 +133,9 @@ class GRPO:
         self.replay = RecordedRollouts(g.replay_rollouts) if g.replay_rollouts else None
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.log = RolloutLog(Path(config.job.dump_folder), rank)
+        self.engine = None
+        if g.engine == "vllm" and self.replay is None:
+            self.engine = VLLMEngine(ctx.plan, ctx.tokenizer, Path(config.job.dump_folder))
         self.step_number, self.loader = 0, ctx.loader
         self.cache = RolloutCache(rank, ctx.device) if g.num_iterations > 1 else None
         self.micro: list[_Micro] = []
@@ -170,6 +176,8 @@ class GRPO:
             eos_ids=tuple(sorted(self.ends)),
         )
         parts = self.ctx.parts
+        if self.engine is not None:
+            return self.engine.completions(parts, self.step_number - 1, prompts, g.num_generations, params)
         with torch.no_grad(), evaluating(parts), whole_weights(parts):
             return titan_completions(parts[0], prompts, g.num_generations, params, self.tokenizer.eos_id)
 
@@ -254,6 +262,8 @@ class GRPO:
         g, device = self.settings, self.ctx.device
         indices = [int(i) for batch in step_batches for i in batch[2][:, 0].tolist()]
         self.sums = torch.zeros(7, dtype=torch.float64, device=device)
+        # |gap| sum, count, max; ratio sum, count, max of -ratio (its min), max
+        self.sampling_sums = torch.tensor([0, 0, 0, 0, 0, -math.inf, 0], dtype=torch.float64, device=device)
         if (self.step_number - 1) % g.num_iterations:
             return self._reuse(indices)
         rows = [self.loader.packed.prompts[i] for i in indices]
@@ -276,6 +286,8 @@ class GRPO:
                 "time/rewards_s": rewards_seconds,
             }
         )
+        if self.engine is not None:
+            self.metrics["time/weight_sync_s"] = self.engine.push_seconds
         self._write_log(indices, prompts, completions, table)
         batches = self._training_batches(prompts, completions, advantages)
         tokens = torch.tensor(float(sum(m.mask.sum().item() for m in self.micro)), device=device)
@@ -326,6 +338,7 @@ class GRPO:
                     "truncated": completions.truncated[k],
                     "rewards": dict(zip(self.names, values, strict=True)),
                     "reward": None if all(v is None for v in values) else weighted[k].item(),
+                    **({"logprobs": completions.logprobs[k]} if completions.logprobs is not None else {}),
                 }
             )
         self.log.write(self.step_number, lines)
@@ -352,8 +365,13 @@ class GRPO:
             if g.mask_truncated_completions:
                 kept = torch.tensor([not completions.truncated[k] for k in rows], device=device)
                 mask = mask * kept.unsqueeze(1)
+            sampling = None
+            if completions.logprobs is not None:
+                sampling = sampling_tensor(completions.logprobs, labels, rows)
             self.micro.append(
-                _Micro(advantages[m : m + size].to(device), mask, self._reference(inputs, labels))
+                _Micro(
+                    advantages[m : m + size].to(device), mask, self._reference(inputs, labels), None, sampling
+                )
             )
             batches.append((inputs, labels, torch.tensor(len(batches))))
         return batches
@@ -380,7 +398,8 @@ class GRPO:
         # One optimizer step per generation: the policy is its own old policy.
         old = micro.old_logps if micro.old_logps is not None else logps.detach()
         mask = micro.mask
-        per_token = loss_fn.per_token(logps, old, micro.advantages, mask, micro.ref_logps)
+        weights = self._sampling_weights(old, micro)
+        per_token = loss_fn.per_token(logps, old, micro.advantages, mask, micro.ref_logps, weights)
         if loss_fn.loss_type in ("dapo", "cispo"):
             loss = loss_fn.reduce(per_token, mask, self.tokens_in_batch / self.dp_degree)
         else:
@@ -388,6 +407,55 @@ class GRPO:
         loss.backward()
         self._accumulate(logps.detach(), old, micro, entropy.detach())
         return loss.detach()
+
+    def _sampling_weights(self, old: torch.Tensor, micro: _Micro) -> torch.Tensor | None:
+        """vllm's importance-sampling weights of the generating policy (`old`) to the engine's sampling, with
+        the gap between them counted for TRL's sampling metrics (on the steps that generated)."""
+        g, sampling = self.settings, micro.sampling_logps
+        if sampling is None:
+            return None
+        mask = micro.mask
+        weights = importance_weights(
+            old.detach(),
+            sampling,
+            mask,
+            g.vllm_importance_sampling_mode,
+            g.vllm_importance_sampling_clip_min,
+            g.vllm_importance_sampling_clip_max,
+        )
+        if self.metrics:
+            total, count, largest = logp_gap(old.detach(), sampling, mask)
+            flat = weights.flatten() if weights.shape[1] == 1 else weights[mask.bool()]
+            s = self.sampling_sums
+            s[0] += total
+            s[1] += count
+            s[2] = max(s[2].item(), largest)
+            s[3] += flat.sum().item()
+            s[4] += flat.numel()
+            if flat.numel():
+                s[5] = max(s[5].item(), -flat.min().item())
+                s[6] = max(s[6].item(), flat.max().item())
+        return weights if g.vllm_importance_sampling_correction else None
+
+    def _sampling_metrics(self) -> dict[str, float]:
+        """TRL's sampling/* metrics of the step's generation, over every data-parallel rank."""
+        s = self.sampling_sums.clone()
+        if self.dp_group is not None:
+            sums, tops = s[[0, 1, 3, 4]], s[[2, 5, 6]]
+            dist.all_reduce(sums, group=self.dp_group)
+            dist.all_reduce(tops, op=dist.ReduceOp.MAX, group=self.dp_group)
+            s[[0, 1, 3, 4]], s[[2, 5, 6]] = sums, tops
+        if s[1] == 0:
+            return {}
+        metrics = {
+            "sampling/sampling_logp_difference/mean": s[0].item() / s[1].item(),
+            "sampling/sampling_logp_difference/max": s[2].item(),
+        }
+        if self.settings.vllm_importance_sampling_correction and s[4] > 0:
+            metrics["sampling/importance_sampling_ratio/min"] = -s[5].item()
+            metrics["sampling/importance_sampling_ratio/mean"] = s[3].item() / s[4].item()
+            metrics["sampling/importance_sampling_ratio/max"] = s[6].item()
+        return metrics
 
     def _accumulate(self, logps, old, micro: _Micro, entropy) -> None:
         """Masked sums for TRL's global means: kl, entropy, and the low, high and region clip ratios."""
@@ -421,6 +489,8 @@ class GRPO:
             dist.all_reduce(sums, group=self.dp_group)
         tokens, count = sums[1].clamp(min=1).item(), sums[6].clamp(min=1).item()
         metrics = dict(self.metrics)
+        if self.engine is not None and self.metrics:
+            metrics.update(self._sampling_metrics())
         if self.loss.needs_reference:
             metrics["kl"] = sums[0].item() / tokens
         metrics["entropy"] = sums[2].item() / tokens

@@ -116,8 +116,10 @@ class GRPOLoss:
         advantages: torch.Tensor,
         mask: torch.Tensor,
         ref_logps: torch.Tensor | None = None,
+        sampling_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The (B, T) loss of every completion token (before the mask), `advantages` (B,)."""
+        """The (B, T) loss of every completion token (before the mask), `advantages` (B,); the policy term
+        times `sampling_weights` where given (vllm's importance-sampling correction, before the KL, as TRL)."""
         a = advantages.unsqueeze(1)
         log_ratio = self.log_ratio(logps, old_logps, mask)
         rho = torch.exp(log_ratio)
@@ -131,6 +133,8 @@ class GRPOLoss:
             if self.delta is not None:
                 rho = torch.clamp(rho, max=self.delta)
             loss = -torch.min(rho * a, clipped * a)
+        if sampling_weights is not None:
+            loss = loss * sampling_weights
         if self.needs_reference:
             if ref_logps is None:
                 raise ValueError("beta > 0 needs the reference's per-token log-probs")

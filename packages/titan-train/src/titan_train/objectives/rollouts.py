@@ -27,10 +27,12 @@ from titan_train.errors import ConfigError
 @dataclass
 class Completions:
     """A step's completions, `num_generations` per prompt in prompt order: token ids ending with the id that
-    ended them (an end-of-turn id), or cut at max_completion_length (`truncated`)."""
+    ended them (an end-of-turn id), or cut at max_completion_length (`truncated`); from an engine that
+    reports them (vllm), the log-prob it sampled each token at."""
 
     ids: list[list[int]]
     truncated: list[bool]
+    logprobs: list[list[float]] | None = None
 
 
 @contextlib.contextmanager

@@ -1,0 +1,158 @@
+"""The vllm rollout engine is the policy (issue 59): GRPO with `grpo.engine = "vllm"` on a tiny Llama saved by
+transformers (2 layers, head_dim 32: vLLM's CPU attention has no kernel for 16) with the ChatML tokenizer of
+test_preference_trl, and a generation config ending completions at 300 ids, so they end at many lengths.
+
+One vLLM server (apps/vllm/serve.py in the apps/vllm environment, started by the engine's own
+`start_server`) serves two runs through `grpo.vllm_url`: STEPS optimizer steps sampling at temperature 1,
+saving a Hugging Face export of the step, then the run resumed for one more step with top_k 1 (greedy).
+- After STEPS weight pushes, vLLM's greedy completions of step STEPS + 1 equal transformers' greedy
+  `generate` on the step-STEPS export (the checkpoint's, not the pushed folder), stopped at the same ids.
+- The log-probs vLLM reports for the tokens it sampled equal the trainer's forward log-probs of those
+  tokens within LOGP_BOUND at every sampled step (`sampling/sampling_logp_difference/max`, TRL's metric),
+  and, at step 1, transformers' own log-probs on the starting folder.
+
+Planted once each (2026-12-02): the weight push before step 2 skipped fails the log-prob test (step 2's
+difference 0.19); the push before step 3 skipped fails the greedy test.
+Skipped when the apps/vllm environment is not installed (`uv sync --project apps/vllm --locked`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_grpo_trl import prompt_rows
+from test_preference_trl import chatml_model
+from tiny_llama import from_hf_flags
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from titan_train.config import load_job_config
+from titan_train.objectives.vllm_engine import start_server, stop_server
+from titan_train.plan import resolve
+from titan_train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[3]
+PROJECT = REPO / "apps" / "vllm"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (PROJECT / ".venv" / "bin" / "python").is_file(),
+        reason="the vLLM environment is not installed: uv sync --project apps/vllm --locked",
+    ),
+]
+
+STEPS, B, G, COMPLETION, LR = 2, 8, 4, 8, 2e-2
+ENDS = list(range(100, 400))
+LOGP_BOUND = 1e-3  # float32 on both sides; vLLM's CPU kernels sum in another order than torch's
+
+
+def _save_model(folder: Path) -> None:
+    """transformers' tiny Llama with 2 heads of 64 / 2 = 32, random weights and norms, over chatml_model's."""
+    config = LlamaConfig(
+        vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=1792, eos_token_id=1793,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(p.shape))
+    model.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1792, "eos_token_id": ENDS}))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = chatml_model(tmp_path_factory.mktemp("vllm_chatml"))
+    _save_model(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(folder, tmp_path_factory):
+    started = time.perf_counter()
+    log = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    process, url = start_server(
+        PROJECT, folder, max_model_len=96, gpu_memory_utilization=0.15, seed=0, dtype="float32", log=log
+    )
+    print(f"vLLM server up in {time.perf_counter() - started:.0f} s")
+    yield url
+    stop_server(process)
+
+
+@pytest.fixture(scope="module")
+def dump(folder, server, one_rank, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_grpo")
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows()))
+    dump = root / "titan"
+    flags = [
+        *from_hf_flags(folder, dump),
+        "--training.dataset", "prompts",
+        "--training.dataset_path", str(data),
+        "--training.seq_len", "96",
+        "--training.local_batch_size", str(B),
+        "--grpo.num_generations", str(G),
+        "--grpo.max_prompt_length", "48",
+        "--grpo.max_completion_length", str(COMPLETION),
+        "--grpo.reward_funcs", "grpo_rewards:vowel_share,grpo_rewards:hint_length",
+        "--grpo.engine", "vllm",
+        "--grpo.vllm_url", server,
+        "--optimizer.lr", str(LR),
+        "--lr_scheduler.decay_ratio", "0",
+        "--checkpoint.last_save_in_hf",
+    ]  # fmt: skip
+    Trainer(resolve(load_job_config([*flags, "--training.steps", str(STEPS)]), 1, "cpu"), one_rank).train()
+    resumed = [*flags, "--training.steps", str(STEPS + 1), "--grpo.top_k", "1"]
+    Trainer(resolve(load_job_config(resumed), 1, "cpu"), one_rank).train()
+    return dump
+
+
+def _rollouts(dump: Path, step: int) -> list[dict]:
+    lines = (dump / "rollouts" / "rank0.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["step"] == step]
+
+
+def _ends(folder: Path) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return sorted({*ENDS, tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")})
+
+
+def test_vllm_greedy_after_the_pushes_equals_transformers_on_the_steps_export(dump, folder):
+    model = LlamaForCausalLM.from_pretrained(
+        dump / "checkpoint" / f"step-{STEPS}", dtype=torch.float32
+    ).eval()
+    ends, rows = _ends(folder), _rollouts(dump, STEPS + 1)
+    assert len(rows) == B
+    for row in rows:
+        ids = torch.tensor([row["prompt_ids"]])
+        with torch.no_grad():
+            out = model.generate(
+                ids, max_new_tokens=COMPLETION, do_sample=False, eos_token_id=ends, pad_token_id=ends[0]
+            )
+        assert out[0, ids.shape[1] :].tolist() == row["completion_ids"], row["prompt_index"]
+    lengths = {len(r["completion_ids"]) for s in (1, 2) for r in _rollouts(dump, s)}
+    assert len(lengths) > 2  # sampled completions ended at several lengths: the stop ids reached vLLM
+
+
+def test_vllm_logprobs_equal_the_trainers_forward_logprobs(dump, folder):
+    records = {r["step"]: r for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+    gaps = {s: records[s]["sampling/sampling_logp_difference/max"] for s in range(1, STEPS + 1)}
+    print(f"max |trainer - vLLM| log-prob per step: {gaps}")
+    assert all(g <= LOGP_BOUND for g in gaps.values()), gaps
+    assert all(0 <= records[s]["sampling/importance_sampling_ratio/min"] <= 3.0 for s in gaps)
+    # Independent of Titan: transformers' log-probs (temperature 1) of step 1's tokens on the start folder.
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    worst = 0.0
+    for row in _rollouts(dump, 1):
+        prompt, completion = row["prompt_ids"], row["completion_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+        mine = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        worst = max(worst, (mine - torch.tensor(row["logprobs"])).abs().max().item())
+    print(f"max |transformers - vLLM| log-prob at step 1: {worst:.2e}")
+    assert worst <= LOGP_BOUND
