@@ -157,8 +157,9 @@ class VLLMEngine:
                 self._start(folder)
             else:
                 call(self.url, "/reload", {"path": str(folder.resolve())})
-            if self.pushed is not None and self.pushed != folder:
-                shutil.rmtree(self.pushed, ignore_errors=True)
+            for old in self.folder.glob("step-*"):  # the previous push (an earlier run's too)
+                if old != folder:
+                    shutil.rmtree(old, ignore_errors=True)
             url = [self.url]
         if dist.is_initialized():
             dist.broadcast_object_list(url, src=0)
