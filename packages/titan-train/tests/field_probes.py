@@ -109,6 +109,12 @@ def launch(root: Path, argv: list[str], monkeypatch, *, world: int = 1, train: b
         patch.delenv("MASTER_PORT", raising=False)
         patch.chdir(root)
         patch.syspath_prepend(str(root))  # modules a probe writes there (custom_import)
+        if "--fault_tolerance.enable" in argv:  # torchft's lighthouse, which the run asks for its quorums
+            from titan_train.fault_tolerance import LIGHTHOUSE_ENV, start_lighthouse
+
+            lighthouse = start_lighthouse(1)
+            patch.setenv(LIGHTHOUSE_ENV, lighthouse.address())
+            patch.setattr(seen, "lighthouse", lighthouse, raising=False)
         _spy(patch, seen, train)
         if world > 1:
             from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -123,6 +129,8 @@ def launch(root: Path, argv: list[str], monkeypatch, *, world: int = 1, train: b
         try:
             seen.status = cli.run(argv)
         finally:
+            if getattr(seen, "lighthouse", None) is not None:
+                seen.lighthouse.shutdown()
             root_logger.removeHandler(handler)
             root_logger.setLevel(level)
             if dist.is_initialized():

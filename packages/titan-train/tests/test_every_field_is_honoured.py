@@ -150,6 +150,9 @@ register_flavor(
 MTP = ("--model.name", "deepseek_v3", "--model.flavor", "probe_mtp")
 LORA = ("--model.converters", "lora")
 MUON = ("--optimizer.name", "Muon")
+FT_ONE = ("--fault_tolerance.enable", "--fault_tolerance.group_size", "1")
+FT_TWO = ("--fault_tolerance.enable", "--fault_tolerance.group_size", "2")
+DILOCO = ("--fault_tolerance.semi_sync_method", "diloco", "--fault_tolerance.sync_steps", "2")
 
 
 @dataclass(frozen=True)
@@ -1132,19 +1135,38 @@ PROBES: dict[str, Probe] = {
     "memory_estimation.disable_fake_mode": Probe(
         ("--memory_estimation.disable_fake_mode",), memory_estimate, base=("--memory_estimation.enable",)
     ),
-    # [fault_tolerance]: torchft is refused, with every field that configures it
-    "fault_tolerance.enable": refused(("--fault_tolerance.enable",), "torchft"),
+    # [fault_tolerance]: torchft's Manager for a group of one rank, its lighthouse started by `launch`
+    "fault_tolerance.enable": Probe(FT_ONE, logged("started its torchft manager")),
+    "fault_tolerance.process_group": refused(
+        ("--fault_tolerance.process_group", "nccl"), "NCCL needs CUDA", base=FT_ONE
+    ),
+    "fault_tolerance.process_group_timeout_ms": Probe(
+        ("--fault_tolerance.process_group_timeout_ms", "5000"),
+        lambda s: s.trainer.replicas.manager._pg._timeout,
+        base=FT_ONE,
+    ),
+    "fault_tolerance.replica_id": Probe(("--fault_tolerance.replica_id", "1"), first_batch, base=FT_TWO),
+    # The groups deal the data as one larger data-parallel dimension: the loader's share of it.
+    "fault_tolerance.group_size": Probe(
+        ("--fault_tolerance.group_size", "2"), lambda s: (s.trainer.dp_rank, s.trainer.dp_degree), base=FT_ONE
+    ),
+    "fault_tolerance.min_replica_size": Probe(
+        ("--fault_tolerance.min_replica_size", "2"),
+        lambda s: s.trainer.replicas.manager._min_replica_size,
+        base=FT_TWO,
+    ),
     **{
         f"fault_tolerance.{name}": refused(
-            ("--fault_tolerance.enable", f"--fault_tolerance.{name}", value), "torchft"
+            (*DILOCO, f"--fault_tolerance.{name}", value), "LocalSGD and DiLoCo are not wired", base=FT_ONE
         )
         for name, value in (
-            ("process_group", "nccl"),
-            ("process_group_timeout_ms", "5000"),
-            ("replica_id", "1"),
-            ("group_size", "2"),
-            ("min_replica_size", "2"),
-            ("semi_sync_method", "diloco"),
+            ("semi_sync_method", "local_sgd"),
+            ("sync_steps", "4"),
+            ("should_quantize", "true"),
+            ("fragment_sync_delay", "1"),
+            ("fragment_update_alpha", "0.5"),
+            ("module_fqns_per_model_fragment", "tok_embeddings,layers.0;layers.1,norm,output"),
+            ("num_fragments", "2"),
         )
     },
     # [experimental]

@@ -19,7 +19,26 @@ RUNNABLE = ("--activation_checkpoint.mode", "none")
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--fault_tolerance.enable"], "torchft fault tolerance is not supported"),
+        (
+            [
+                "--fault_tolerance.enable",
+                "--fault_tolerance.group_size",
+                "1",
+                "--fault_tolerance.semi_sync_method",
+                "diloco",
+            ],
+            "LocalSGD and DiLoCo are not wired into Titan's step yet",
+        ),
+        (
+            [
+                "--fault_tolerance.enable",
+                "--fault_tolerance.group_size",
+                "1",
+                "--fault_tolerance.process_group",
+                "nccl",
+            ],
+            "NCCL needs CUDA GPUs; use 'gloo'",
+        ),
         (["--comm.mode", "local_tensor"], "LocalTensorMode cannot run FSDP2"),
         (
             ["--parallelism.expert_parallel_comm_backend", "deepep"],
@@ -72,10 +91,18 @@ def test_wandb_without_the_package_says_how_to_install_it(monkeypatch):
 
 
 def test_the_command_exits_with_the_message_before_joining_a_process_group(caplog, tmp_path):
-    code = run([*RUNNABLE, "--job.dump_folder", str(tmp_path), "--fault_tolerance.enable"])
+    code = run(
+        [
+            *RUNNABLE,
+            "--job.dump_folder",
+            str(tmp_path),
+            "--parallelism.expert_parallel_comm_backend",
+            "deepep",
+        ]
+    )
     assert code == 2
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert errors and "fault_tolerance.enable = true" in errors[0] and "set it to false" in errors[0]
+    assert errors and "expert_parallel_comm_backend = 'deepep'" in errors[0] and "use 'standard'" in errors[0]
     assert not dist.is_initialized()
 
 

@@ -30,6 +30,7 @@ from titan_train.distributed import (
     shutdown,
 )
 from titan_train.errors import ConfigError
+from titan_train.fault_tolerance.lighthouse import check_lighthouse
 from titan_train.faults.exit_status import CollectiveHang, EarlyStop
 from titan_train.faults.hang_diagnosis import describe_init_failure
 from titan_train.faults.peer_watch import watching_peers
@@ -103,6 +104,8 @@ def plan_run(config: JobConfig) -> RunPlan:
     run joins its process group: a mistake costs seconds and is one line (exit status 2)."""
     world_size, device_type = launched_world_size(), "cuda" if torch.cuda.is_available() else "cpu"
     check_run(config, world_size=world_size, device_type=device_type)
+    if config.fault_tolerance.enable:
+        check_lighthouse()  # only group rank 0 talks to it, but every rank would wait on a missing one
     check_comm_backend(config, device_type)
     return resolve(config, world_size, device_type)
 

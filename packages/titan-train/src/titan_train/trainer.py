@@ -17,6 +17,7 @@ from titan_ckpt import ModelState, OptimizerState
 from titan_parallel import clip_grad_norm_, precompute_float8_scales
 from titan_train.config import config_to_dict
 from titan_train.distributed import DistInfo
+from titan_train.fault_tolerance import HealState, ReplicaGroup
 from titan_train.faults.data_outage import StepBatches, stop_on_data_outage
 from titan_train.faults.drills import FaultDrills
 from titan_train.faults.step_guard import AgreedNumbers, StepGuard, StepNumbers
@@ -77,6 +78,7 @@ class StepResult:
     moe: MoEStepStats | None = None  # expert load and aux loss, for a model with experts
     # The objective's own metrics: TRL's rewards and log-probs for preference tuning.
     objective: dict[str, float] | None = None
+    committed: bool = True  # False: a replica group failed during the step, which is trained again
 
 
 class Trainer:
@@ -109,6 +111,21 @@ class Trainer:
 
         self.tokenizer = build_tokenizer_for(config)
         check_vocabulary(plan, self.tokenizer)
+        dump = Path(config.job.dump_folder)
+        self.replicas = None
+        if (
+            config.fault_tolerance.enable
+        ):  # torchft replica groups: the data is split over every group's ranks
+            ft = config.fault_tolerance
+            self.replicas = ReplicaGroup(
+                ft,
+                rank=info.rank,
+                world_size=info.world_size,
+                dump=dump,
+                semi_sync=ft.semi_sync_method is not None,
+            )
+            self.closing.callback(self.replicas.close)
+            dp_rank, dp_degree = self.replicas.data_rank(dp_rank, dp_degree)
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.plan = plan = plan.with_steps(planned_steps(config, self.tokenizer, dp_degree))
         self.loader = build_loader(config, self.tokenizer, dp_rank, dp_degree, num_streams=plan.num_streams)
@@ -166,6 +183,9 @@ class Trainer:
         )
         self.muon = MuonAfterStep(config, self.model_parts, self.optimizers.optimizers, self.dims)
         self.state = TrainState(rank=info.rank)
+        if self.replicas is not None:
+            others = {"lr_scheduler": self.optimizers.schedule_state(), "train_state": self.state}
+            self.replicas.register(HealState(self.model_parts, self.optimizers.optimizers, others))
         self.step_lr = config.optimizer.lr  # the lr of the last step taken, for its log line
         # A replica (one data-parallel rank's batch) spans tp * cp * pp devices.
         self.devices_per_replica = self.dims.tp * self.dims.cp * self.dims.pp
@@ -190,7 +210,6 @@ class Trainer:
             logger.info("memory estimate: tracing one step on %s tensors in a child process", how)
             log_estimate_in_child(plan)
 
-        dump = Path(config.job.dump_folder)
         self._write_config(dump)
         self.checkpointer = build_checkpointer(
             plan,
@@ -283,6 +302,8 @@ class Trainer:
         if isinstance(self.optimizers, BackwardStepOptimizers):
             return self._train_step_in_backward(batches)
         self.optimizers.zero_grad()
+        if self.replicas is not None:
+            self.replicas.begin_step()
         loss_sum = torch.zeros((), device=self.device)
         start = time.perf_counter()
         step_batches = [next(batches) for _ in range(self.grad_accum_steps)]
@@ -299,6 +320,8 @@ class Trainer:
             trained += (labels != IGNORE_INDEX).sum()  # no host sync: read when the step is logged
             loss_sum += self.objective.forward_backward(batch)
         parameters = [p for part in self.model_parts for p in part.parameters()]
+        if self.replicas is not None:
+            self.replicas.average_gradients(parameters)
         grad_norm = clip_grad_norm_(
             parameters, self.config.training.max_norm, pp_mesh=self.dims.submesh("pp")
         )
@@ -306,9 +329,12 @@ class Trainer:
         objective_metrics = self.objective.end_step()
         if self.checkpointer is not None:
             self.checkpointer.wait_for_staging()  # a background save's copy must see the weights unchanged
+        # The replica groups agree to commit (a healing group receives the live state here); if not, no update.
+        committed = self.replicas is None or self.replicas.commit(self.state.step + 1)
+        skip = numbers.skip if committed else torch.ones_like(numbers.skip)
         lr = self.optimizers.lr
         applied = self.optimizers.step_unless(
-            numbers.skip, lambda: self.guard.decide(self.state.step + 1, numbers)
+            skip, lambda: self.guard.decide(self.state.step + 1, numbers) and committed
         )
         step = self.state.step + 1
         self.muon.after_step(step, applied, log=self.metrics.should_log(step))
@@ -318,7 +344,7 @@ class Trainer:
                 for part in self.model_parts:
                     precompute_float8_scales(part)
         moe = self.moe.step(applied)  # expert biases from this step's routing, summed over dp x cp ranks
-        return StepResult(numbers, tokens, trained, data_seconds, moe, objective_metrics)
+        return StepResult(numbers, tokens, trained, data_seconds, moe, objective_metrics, committed)
 
     def _train_step_in_backward(self, batches: Iterator[tuple[torch.Tensor, ...]]) -> StepResult:
         """`train_step` with the optimizer stepping in backward; with clipping, a first backward measures
@@ -401,6 +427,8 @@ class Trainer:
                     fetch_seconds = batches.fetch()
                     self.state.apply_saved_rng()  # a resumed run's generators, just before its first step
                     step = self.train_step(batches)
+                if not step.committed:
+                    continue  # a replica group failed during it: the step is trained again
                 self.host_memory.keep()  # from the second step on: the first allocated what the run holds
                 self.state.step += 1
                 self.state.tokens_seen += step.tokens * self.dims.dp_degree
@@ -429,6 +457,8 @@ class Trainer:
                 gc_schedule.step(self.state.step)
                 snapshots.step(self.state.step)
                 profiler.step()
+            if self.replicas is not None:
+                self.replicas.record_digest(self.state.step)
         logger.info("training done at step %d", self.state.step)
         return losses
 
@@ -484,6 +514,7 @@ class Trainer:
                 expert_counts=moe.counts if moe is not None else None,
                 aux_loss=moe.aux_loss if moe is not None else None,
                 objective=objective or None,
+                fault_tolerance=self.replicas.counts.metrics() if self.replicas is not None else None,
             )
         )
         return numbers.loss_mean

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from titan_train.config.converters import CONVERTERS
 from titan_train.config.custom_module import import_user_module
+from titan_train.config.fault_tolerance_section import FaultTolerance
 from titan_train.config.fields import (
     MAX_RANKS,
     MAX_SECONDS,
@@ -394,21 +395,6 @@ class MemoryEstimation:
     enable: bool = opt(False, "Log an estimate of memory per rank before training")
     disable_fake_mode: bool = opt(
         False, "Trace the memory estimate's step on real tensors (real memory and compute), not fake ones"
-    )
-
-
-@dataclass
-class FaultTolerance:
-    enable: bool = opt(False, "torchft fault-tolerant replicas")
-    process_group: str = opt("gloo", "torchft process group", choices=("gloo", "nccl"))
-    process_group_timeout_ms: int = opt(
-        10000, "torchft process group timeout", minimum=1, maximum=MAX_SECONDS * 1000
-    )
-    replica_id: int = opt(0, "torchft replica id of this job", minimum=0, maximum=MAX_RANKS)
-    group_size: int = opt(0, "Number of torchft replica groups", minimum=0, maximum=MAX_RANKS)
-    min_replica_size: int = opt(1, "Fewest replicas a step needs", minimum=1, maximum=MAX_RANKS)
-    semi_sync_method: str | None = opt(
-        None, "Semi-synchronous method; None: synchronous", choices=("local_sgd", "diloco")
     )
 
 

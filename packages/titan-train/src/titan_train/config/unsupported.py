@@ -57,10 +57,10 @@ _RULES = (
         "use 'standard'",
     ),
     _Rule(
-        lambda c: c.fault_tolerance.enable,
-        lambda c: "fault_tolerance.enable = true",
-        "torchft fault tolerance is not supported by Titan",
-        "set it to false; Titan resumes from its atomic checkpoints instead",
+        lambda c: c.fault_tolerance.enable and c.fault_tolerance.semi_sync_method is not None,
+        lambda c: f"fault_tolerance.semi_sync_method = {c.fault_tolerance.semi_sync_method!r}",
+        "LocalSGD and DiLoCo are not wired into Titan's step yet",
+        "leave semi_sync_method unset: gradients are then averaged over the replica groups every step",
     ),
     _Rule(
         lambda c: c.comm.mode == "local_tensor",
@@ -104,6 +104,16 @@ def refuse_unsupported(config: Any, device_type: str) -> None:
                 f"of compute capability 10.0 or newer (B200, GB200), and this run is on {missing}; use "
                 "recipe_name = 'mxfp8_emulated' to test MX numerics here, or quantize.linear.float8"
             )
+    ft = config.fault_tolerance
+    if ft.enable and ft.should_quantize and device_type != "cuda":
+        raise UnsupportedConfigError(
+            f"config: fault_tolerance.should_quantize = true on {device_type}: torchft quantizes with Triton "
+            "kernels on CUDA only; set it to false"
+        )
+    if ft.enable and ft.process_group == "nccl" and device_type != "cuda":
+        raise UnsupportedConfigError(
+            f"config: fault_tolerance.process_group = 'nccl' on {device_type}: NCCL needs CUDA GPUs; use 'gloo'"
+        )
     if config.profiling.enable_memory_snapshot and device_type != "cuda":
         raise UnsupportedConfigError(
             "config: profiling.enable_memory_snapshot = true: memory snapshots record the CUDA caching "

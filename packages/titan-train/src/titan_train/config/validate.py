@@ -20,6 +20,7 @@ from typing import Any
 
 from titan_data import DATASETS
 from titan_train.config.data_rules import data_choices_fit
+from titan_train.config.fault_tolerance_section import check_fault_tolerance
 from titan_train.config.fields import BOUNDS, get_value, iter_fields, number, unwrap_optional
 from titan_train.config.grpo_section import check_grpo
 from titan_train.config.preference_section import check_preference
@@ -251,6 +252,7 @@ COMBINATIONS: tuple[Callable[[Any], None], ...] = (
     data_choices_fit,
     check_preference,
     check_grpo,
+    check_fault_tolerance,
     _profiler_window_fits,
     _schedule_covers_training,
     _validation_fits_the_layout,

@@ -44,6 +44,9 @@ class StepMetrics:
     # The training objective's own metrics under their names: MTP's mtp_loss (the mean of the depths'
     # losses; `loss` is main + mtp_loss_weight * it), preference tuning's TRL rewards/* and logps/*.
     objective: dict[str, float] | None = None
+    # torchft replica groups: this step's quorum size and what failures cost the group so far
+    # (titan_train.fault_tolerance.ReplicaCounts), as ft_* fields.
+    fault_tolerance: dict[str, float] | None = None
 
 
 # torchtitan's TensorBoard tags, so existing dashboards keep working.
@@ -157,6 +160,9 @@ class MetricsLogger:
         mfu += _moe_summary(m)
         if m.objective:
             mfu += "  " + "  ".join(f"{k}: {v:.4f}" for k, v in m.objective.items())
+        if m.fault_tolerance:
+            ft = m.fault_tolerance
+            mfu += f"  quorum: {ft['ft_quorum_size']}  steps_missed: {ft['ft_steps_missed']}"
         logger.info(
             f"{c.red}step: {m.step:2}  {c.green}loss: {m.loss:7.4f}  {c.yellow}grad_norm: {m.grad_norm:7.4f}  "
             f"{c.turquoise}memory: {m.memory_gib:5.2f}GiB({m.memory_pct:.2f}%)  {c.blue}tps: {round(m.tps):,}  "
@@ -167,11 +173,14 @@ class MetricsLogger:
         record = {
             k: v
             for k, v in asdict(m).items()
-            if (v is not None or k not in (*PER_LAYER_FIELDS, "aux_loss")) and k != "objective"
+            if (v is not None or k not in (*PER_LAYER_FIELDS, "aux_loss"))
+            and k not in ("objective", "fault_tolerance")
         }
-        record.update(m.objective or {})  # under their names, e.g. mtp_loss or TRL's rewards/margins
+        record.update(m.objective or {})
+        record.update(m.fault_tolerance or {})  # under their names, e.g. mtp_loss or TRL's rewards/margins
         tags = {TB_TAGS[k]: v for k, v in record.items() if k in TB_TAGS and k != "step" and v is not None}
         tags.update({TB_TAGS.get(k, k): v for k, v in (m.objective or {}).items()})
+        tags.update({f"fault_tolerance/{k[3:]}": v for k, v in (m.fault_tolerance or {}).items()})
         for layer, load in (m.expert_load or {}).items():
             tags[f"moe/expert_load_max_over_mean/{layer}"] = load["max_over_mean"]
         self._record(self.jsonl, m.step, record, tags)

@@ -1,0 +1,122 @@
+"""[fault_tolerance] input a run cannot use stops it at start in one line naming the value and the fix.
+
+The replica-group drill itself (a lighthouse, 2 groups, a SIGKILL, a heal) is tests/test_fault_tolerance.py.
+"""
+
+import importlib.util
+import socket
+
+import pytest
+
+from titan_train.config import load_job_config
+from titan_train.errors import ConfigError
+from titan_train.fault_tolerance import LIGHTHOUSE_ENV, check_lighthouse, start_lighthouse
+
+FT = ("--activation_checkpoint.mode", "none", "--fault_tolerance.enable")
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ((), "group_size = 0; set fault_tolerance.group_size to the number of replica groups"),
+        (
+            ("--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", "2"),
+            r"replica_id \(2\) >= group_size \(2\)",
+        ),
+        (
+            ("--fault_tolerance.group_size", "2", "--fault_tolerance.min_replica_size", "3"),
+            r"min_replica_size \(3\) > group_size \(2\): no step could ever commit",
+        ),
+        (
+            ("--fault_tolerance.group_size", "2", "--fault_tolerance.sync_steps", "10"),
+            "fault_tolerance.sync_steps set without fault_tolerance.semi_sync_method",
+        ),
+        (
+            (
+                "--fault_tolerance.group_size",
+                "2",
+                "--fault_tolerance.semi_sync_method",
+                "local_sgd",
+                "--fault_tolerance.num_fragments",
+                "2",
+            ),
+            "num_fragments set with semi_sync_method = 'local_sgd'",
+        ),
+        (
+            (
+                "--fault_tolerance.group_size",
+                "2",
+                "--fault_tolerance.semi_sync_method",
+                "diloco",
+                "--fault_tolerance.num_fragments",
+                "3",
+                "--fault_tolerance.sync_steps",
+                "10",
+            ),
+            r"sync_steps \(10\) must be a multiple of the 3 fragments",
+        ),
+        (
+            (
+                "--fault_tolerance.group_size",
+                "2",
+                "--fault_tolerance.semi_sync_method",
+                "diloco",
+                "--fault_tolerance.num_fragments",
+                "2",
+                "--fault_tolerance.sync_steps",
+                "4",
+                "--fault_tolerance.fragment_sync_delay",
+                "2",
+            ),
+            r"fragment_sync_delay \(2\) must be below sync_steps / fragments \(2\)",
+        ),
+        (
+            ("--fault_tolerance.group_size", "2", "--optimizer.early_step_in_backward"),
+            "the optimizer steps inside backward, before the replica groups agree",
+        ),
+    ],
+)
+def test_bad_fault_tolerance_input_is_refused_in_one_line(flags, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_job_config([*FT, *flags])
+    assert "\n" not in str(err.value)
+
+
+def test_fault_tolerance_fields_without_enable_are_refused_not_ignored():
+    with pytest.raises(
+        ConfigError, match="fault_tolerance.replica_id set, but fault_tolerance.enable is false"
+    ):
+        load_job_config(["--fault_tolerance.replica_id", "1"])
+
+
+def test_without_torchft_the_message_gives_the_install_command(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else find_spec(name, *a)
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"needs torchft, which is not installed; run uv sync .* pip install 'torchft>=0.2.0'",
+    ):
+        load_job_config([*FT, "--fault_tolerance.group_size", "2"])
+
+
+def test_a_lighthouse_that_cannot_be_reached_is_one_line_at_start(monkeypatch):
+    monkeypatch.delenv(LIGHTHOUSE_ENV, raising=False)
+    with pytest.raises(ConfigError, match="TORCHFT_LIGHTHOUSE is not set; start a lighthouse"):
+        check_lighthouse()
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv(LIGHTHOUSE_ENV, f"http://127.0.0.1:{port}")
+    with pytest.raises(ConfigError, match=f"127.0.0.1:{port}: the torchft lighthouse cannot be reached"):
+        check_lighthouse(timeout_seconds=2)
+
+
+def test_the_wheels_lighthouse_starts_and_is_reachable(monkeypatch):
+    lighthouse = start_lighthouse(1)
+    try:
+        monkeypatch.setenv(LIGHTHOUSE_ENV, lighthouse.address())
+        assert check_lighthouse() == lighthouse.address()
+    finally:
+        lighthouse.shutdown()
