@@ -70,7 +70,10 @@ class DrillResult:
         return len(a) == 2 and a == b
 
     def heal_line(self) -> str:
-        return next((line for line in self.groups[1].log.splitlines() if "healed from a live" in line), "")
+        """Group 1's last heal, as it logged it."""
+        return next(
+            (line for line in reversed(self.groups[1].log.splitlines()) if "healed from a live" in line), ""
+        )
 
 
 def _records(dump: Path) -> dict[int, dict]:

@@ -451,6 +451,11 @@ def first_weights(s: Seen) -> float:
     return round(float(next(s.trainer.model_parts[0].parameters()).detach().double().sum()), 6)
 
 
+def trained_weights(s: Seen) -> float:
+    """Every weight summed once training has ended."""
+    return round(float(sum(p.detach().double().sum() for p in s.trainer.model_parts[0].parameters())), 6)
+
+
 def fsdp_state(s: Seen) -> Any:
     """How FSDP holds the first block: offload policy, gradient reduction dtype, resharded after forward."""
     state = s.trainer.model_parts[0].layers["0"]._get_fsdp_state()._fsdp_param_group
@@ -1155,17 +1160,25 @@ PROBES: dict[str, Probe] = {
         lambda s: s.trainer.replicas.manager._min_replica_size,
         base=FT_TWO,
     ),
+    # Semi-synchronous training on a group of one: DiLoCo's outer step (and its schedule) moves the weights.
+    "fault_tolerance.semi_sync_method": Probe(DILOCO, trained_weights, base=FT_ONE, train=True),
+    "fault_tolerance.sync_steps": Probe(
+        ("--fault_tolerance.sync_steps", "1"), trained_weights, base=(*FT_ONE, *DILOCO), train=True
+    ),
+    "fault_tolerance.should_quantize": refused(
+        ("--fault_tolerance.should_quantize",), "Triton kernels on CUDA only", base=(*FT_ONE, *DILOCO)
+    ),
     **{
-        f"fault_tolerance.{name}": refused(
-            (*DILOCO, f"--fault_tolerance.{name}", value), "LocalSGD and DiLoCo are not wired", base=FT_ONE
+        f"fault_tolerance.{name}": Probe(
+            (f"--fault_tolerance.{name}", value), trained_weights, base=(*FT_ONE, *DILOCO), train=True
         )
         for name, value in (
-            ("semi_sync_method", "local_sgd"),
-            ("sync_steps", "4"),
-            ("should_quantize", "true"),
             ("fragment_sync_delay", "1"),
             ("fragment_update_alpha", "0.5"),
-            ("module_fqns_per_model_fragment", "tok_embeddings,layers.0;layers.1,norm,output"),
+            (
+                "module_fqns_per_model_fragment",
+                "tok_embeddings,layers.0,layers.1,layers.2;layers.3,layers.4,layers.5,norm,output",
+            ),
             ("num_fragments", "2"),
         )
     },

@@ -7,10 +7,13 @@ import importlib.util
 import socket
 
 import pytest
+from torch import nn
 
 from titan_train.config import load_job_config
+from titan_train.config.fault_tolerance_section import FaultTolerance
 from titan_train.errors import ConfigError
 from titan_train.fault_tolerance import LIGHTHOUSE_ENV, check_lighthouse, start_lighthouse
+from titan_train.fault_tolerance.semi_sync import model_fragments, semi_sync_training
 
 FT = ("--activation_checkpoint.mode", "none", "--fault_tolerance.enable")
 
@@ -120,3 +123,36 @@ def test_the_wheels_lighthouse_starts_and_is_reachable(monkeypatch):
         assert check_lighthouse() == lighthouse.address()
     finally:
         lighthouse.shutdown()
+
+
+class _Three(nn.Module):
+    """Three top-level modules in forward order, as a model's pipeline units."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def pipeline_units(self) -> list[str]:
+        return ["a", "b", "c"]
+
+
+def _diloco(**fields) -> FaultTolerance:
+    return FaultTolerance(enable=True, group_size=2, semi_sync_method="diloco", **fields)
+
+
+def test_diloco_fragments_split_the_model_or_say_why_not():
+    model = _Three()
+    split = model_fragments(model, _diloco(num_fragments=2, sync_steps=2))
+    assert [[id(m) for m in f] for f in split] == [[id(model.a)], [id(model.b), id(model.c)]]
+    with pytest.raises(
+        ConfigError, match=r"num_fragments \(4\) is more than the model's 3 top-level modules"
+    ):
+        model_fragments(model, _diloco(num_fragments=4, sync_steps=4))
+    with pytest.raises(ConfigError, match="names 'd', which is not a module of the model"):
+        model_fragments(model, _diloco(module_fqns_per_model_fragment=[["a", "d"], ["b", "c"]]))
+    with pytest.raises(
+        ConfigError, match=r"leaves c.weight \(and 1 more\) in no fragment, so it would never sync"
+    ):
+        model_fragments(model, _diloco(module_fqns_per_model_fragment=[["a"], ["b"]]))
+    with pytest.raises(ConfigError, match=r"with 2 model parts \(pipeline parallelism\)"):
+        semi_sync_training(None, _diloco(), [_Three(), _Three()], [None, None])

@@ -26,8 +26,9 @@ RUNNABLE = ("--activation_checkpoint.mode", "none")
                 "1",
                 "--fault_tolerance.semi_sync_method",
                 "diloco",
+                "--fault_tolerance.should_quantize",
             ],
-            "LocalSGD and DiLoCo are not wired into Titan's step yet",
+            "torchft quantizes with Triton kernels on CUDA only",
         ),
         (
             [

@@ -388,6 +388,8 @@ class Trainer:
         with self.closing as closing:
             if self.restore():
                 return []
+            if self.replicas is not None:  # LocalSGD's or DiLoCo's hooks on the restored weights
+                closing.enter_context(self.replicas.training(self.model_parts, self.optimizers.optimizers))
             closing.callback(self.host_memory.close)
             self.metrics.resume_from(self.state.step)
             c, rank, dump = self.config, self.info.rank, Path(self.config.job.dump_folder)

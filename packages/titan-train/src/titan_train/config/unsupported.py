@@ -57,12 +57,6 @@ _RULES = (
         "use 'standard'",
     ),
     _Rule(
-        lambda c: c.fault_tolerance.enable and c.fault_tolerance.semi_sync_method is not None,
-        lambda c: f"fault_tolerance.semi_sync_method = {c.fault_tolerance.semi_sync_method!r}",
-        "LocalSGD and DiLoCo are not wired into Titan's step yet",
-        "leave semi_sync_method unset: gradients are then averaged over the replica groups every step",
-    ),
-    _Rule(
         lambda c: c.comm.mode == "local_tensor",
         lambda c: "comm.mode = 'local_tensor'",
         "torch's LocalTensorMode cannot run FSDP2, Titan's data-parallel layer (its forward frees each "

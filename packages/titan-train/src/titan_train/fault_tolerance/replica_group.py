@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 
 from titan_train.fault_tolerance.heal_state import HealState, local_shard
 from titan_train.fault_tolerance.lighthouse import LIGHTHOUSE_ENV
+from titan_train.fault_tolerance.semi_sync import semi_sync_training
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class ReplicaGroup:
     def __init__(self, settings, *, rank: int, world_size: int, dump: Path, semi_sync: bool = False):
         import torchft
 
-        self.settings, self.rank, self.dump = settings, rank, dump
+        self.settings, self.rank, self.dump, self.semi_sync = settings, rank, dump, semi_sync
         timeout = timedelta(milliseconds=settings.process_group_timeout_ms)
         pg_class = torchft.ProcessGroupGloo if settings.process_group == "gloo" else torchft.ProcessGroupNCCL
         self.counts = ReplicaCounts()
@@ -86,6 +88,9 @@ class ReplicaGroup:
             timeout=max(timeout, timedelta(seconds=60)),
             store_addr="localhost" if self._store is not None else None,
             store_port=self._store.port if self._store is not None else None,
+            # Every group builds the same initial weights from the run's seed, so the first quorum need not
+            # copy them (torchft's advice); a group that joins behind the others still heals.
+            init_sync=False,
         )
         logger.info(
             "fault tolerance: replica group %d of %d started its torchft manager (lighthouse at %s)",
@@ -108,8 +113,16 @@ class ReplicaGroup:
         assert self.heal_state is not None
         self._healed_bytes = self.heal_state.load_state_dict(state)
 
+    def training(self, parts: list[nn.Module], optimizers: list[Optimizer]):
+        """The context the loop trains in: LocalSGD's or DiLoCo's optimizer hooks under `semi_sync_method`
+        (entered once the weights are restored: DiLoCo keeps them as the first outer step's origin)."""
+        return semi_sync_training(self.manager, self.settings, parts, optimizers)
+
     def begin_step(self) -> None:
-        """Ask for this step's quorum; it forms while the forward pass runs."""
+        """Ask for this step's quorum; it forms while the forward pass runs (semi-synchronous methods ask
+        at their syncs)."""
+        if self.semi_sync:
+            return
         self._began = time.perf_counter()
         self._step_at_begin = self.manager.current_step()
         self._healed_bytes = 0
@@ -125,6 +138,8 @@ class ReplicaGroup:
 
         A group that is healing (or a failed all-reduce) leaves zeros, and torchft divides by the groups
         that take part, so the average is over live gradients only."""
+        if self.semi_sync:
+            return
         grads = [local_shard(p.grad) for p in parameters if p.grad is not None]
         for dtype in sorted({g.dtype for g in grads}, key=str):
             same = [g for g in grads if g.dtype == dtype]
@@ -137,8 +152,9 @@ class ReplicaGroup:
 
     def commit(self, step: int) -> bool:
         """Whether every rank of this group may step the optimizer for `step` (torchft's should_commit,
-        which first applies a heal's state); counts and logs what it cost."""
-        committed = self.manager.should_commit()
+        which first applies a heal's state); counts and logs what it cost. Semi-synchronous methods commit
+        at their syncs, inside the optimizer's step: every step is taken, the quorum is the last sync's."""
+        committed = self.semi_sync or self.manager.should_commit()
         counts = self.counts
         quorum = self.manager.num_participants()
         if quorum != counts.quorum_size:
