@@ -268,7 +268,8 @@ def classify(command: Command) -> Plan | None:
     if argv[:3] == ["uv", "pip", "install"]:
         return Plan("subprocess", [*argv, "--dry-run"], env)
     if argv[:2] == ["uv", "sync"]:
-        return Plan("subprocess", [*argv, "--locked", "--dry-run"], env)
+        locked = [] if "--locked" in argv else ["--locked"]
+        return Plan("subprocess", [*argv, *locked, "--dry-run"], env)
     if argv[:1] in (["./apps/run_train.sh"], ["apps/run_train.sh"]):
         return Plan("launch", argv, env)
     if argv[:1] == ["sbatch"]:
