@@ -74,6 +74,7 @@ LONGEST_FIRST = (
     "tests/test_fault_tolerance.py",  # the torchft kill drill: two replica groups, one killed and healed
     "packages/titan-train/tests/test_qwen3_5_layouts.py",  # FSDP/PP/EP/TP/CP against one one-process run
     "tests/test_fault_tolerance_semi_sync.py",
+    "tests/test_fault_tolerance_checkpoints.py",  # ~120: three launches of 2 groups through run_train.sh
 )
 
 

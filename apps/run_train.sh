@@ -10,6 +10,11 @@
 # from every rank and torchrun's traceback); SKIP_CHECK=1 skips it. COMM_BACKEND: nccl (default) or
 # nvshmem, the library behind collectives on symmetric memory (async tensor parallelism; needs CUDA and
 # NVSHMEM, see docs/performance.md); a value that cannot work stops the launch in that check.
+# Fault tolerance (torchft; docs/fault_tolerance.md): FT_REPLICA_GROUPS=N starts N replica groups of NGPU
+# ranks on this node, one torchrun each with its --fault_tolerance.replica_id (with GPUs, each group its
+# own NGPU devices), and a torchft lighthouse for them unless TORCHFT_LIGHTHOUSE names one
+# (FT_LIGHTHOUSE_PORT, default 29510); the status is the highest a group exits with. torchtitan's way,
+# one group per call with TORCHFT_LIGHTHOUSE set and the --fault_tolerance flags, works unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,8 +47,48 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 if [ "${DRY_RUN}" = "1" ]; then
     exec "${PYTHON[@]}" -m titan_train.cli dry-run --ngpu "${NGPU}" --job.config_file "${CONFIG_FILE}" "$@"
 fi
+FT_REPLICA_GROUPS=${FT_REPLICA_GROUPS:-0}
+if [ "${FT_REPLICA_GROUPS}" != "0" ]; then
+    case "${FT_REPLICA_GROUPS}" in
+        *[!0-9]*) echo "FT_REPLICA_GROUPS=${FT_REPLICA_GROUPS} is not a number of replica groups" >&2; exit 2 ;;
+    esac
+    set -- "$@" --fault_tolerance.enable --fault_tolerance.group_size "${FT_REPLICA_GROUPS}"
+fi
 if [ "${SKIP_CHECK:-0}" != "1" ]; then
     "${PYTHON[@]}" -m titan_train.cli check --ngpu "${NGPU}" --job.config_file "${CONFIG_FILE}" "$@" || exit $?
+fi
+if [ "${FT_REPLICA_GROUPS}" != "0" ]; then
+    pids=()
+    stop_all() { kill "${pids[@]}" 2>/dev/null || true; }
+    trap stop_all INT TERM
+    if [ -z "${TORCHFT_LIGHTHOUSE:-}" ]; then
+        port=${FT_LIGHTHOUSE_PORT:-29510}
+        if command -v torchft_lighthouse >/dev/null 2>&1; then LIGHTHOUSE=(torchft_lighthouse); else LIGHTHOUSE=(uv run torchft_lighthouse); fi
+        "${LIGHTHOUSE[@]}" --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 --bind "[::]:${port}" &
+        lighthouse=$!
+        trap 'kill "${lighthouse}" 2>/dev/null || true' EXIT
+        export TORCHFT_LIGHTHOUSE="http://localhost:${port}"
+        for _ in $(seq 100); do  # listening before the groups look for it (they refuse a missing one)
+            (echo >"/dev/tcp/localhost/${port}") 2>/dev/null && break
+            sleep 0.1
+        done
+    fi
+    gpus=$("${PYTHON[@]}" -c "import torch; print(torch.cuda.device_count())" || true)
+    gpus=${gpus:-0}
+    for ((group = 0; group < FT_REPLICA_GROUPS; group++)); do
+        if [ "${gpus}" -gt 0 ]; then
+            export CUDA_VISIBLE_DEVICES=$(seq -s, $((group * NGPU)) $(((group + 1) * NGPU - 1)))
+        fi
+        "${TORCHRUN[@]}" --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+            --local-ranks-filter "${LOG_RANK}" --role "group${group}_rank" --tee 3 \
+            -m titan_train.cli --job.config_file "${CONFIG_FILE}" "$@" --fault_tolerance.replica_id "${group}" &
+        pids+=($!)
+    done
+    status=0
+    for pid in "${pids[@]}"; do
+        wait "${pid}" || { code=$?; [ "${code}" -gt "${status}" ] && status=${code}; }
+    done
+    exit "${status}"
 fi
 exec "${TORCHRUN[@]}" --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fault_runs import environment, free_port, torchrun_command, worker_pid  # noqa: E402
 
 from titan_train.fault_tolerance import LIGHTHOUSE_ENV, start_lighthouse  # noqa: E402
+from titan_train.fault_tolerance.group_folders import group_output_folder  # noqa: E402
 
 ALONE = 1  # steps group 0 commits with a quorum of 1 after the kill before it is paused
 WORKERS = Path(__file__).parent / "workers"
@@ -117,9 +118,10 @@ def run_drill(folder: Path, kill_step: int, steps: int, timeout: float = 500, *e
             )
             log = folder / f"group{replica}.log"
             job = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-            jobs.append((dump, log, job))
+            outputs = group_output_folder(dump, replica)  # metrics.jsonl and digests (not the checkpoints)
+            jobs.append((outputs, log, job))
             if replica == 0:
-                _wait(lambda d=dump: 1 in _records(d), [job], started + timeout)
+                _wait(lambda d=outputs: 1 in _records(d), [job], started + timeout)
                 _signal_group(job, signal.SIGSTOP)
         (dump0, _, group0), (_, log1, group1) = jobs
         deadline = started + timeout

@@ -83,7 +83,9 @@ class Checkpointer:
     Face loads and exports; `hf_unheld_effect` (see `titan_ckpt.hf_export.write_hf_export`) only for the
     export's warning about state the format cannot hold. A state may list `optional_keys`: keys of its state dict that a checkpoint
     may lack (its load_state_dict then gets the dict without them), and `older_keys`: {key: the name
-    it had in older checkpoints}, read under the old name where a checkpoint holds only that. All ranks must construct the
+    it had in older checkpoints}, read under the old name where a checkpoint holds only that. With
+    `shared_folder`, other jobs write into `folder` too (torchft's replica groups): their `.partial`
+    folders may be saves in flight, so `plan_load` leaves them alone. All ranks must construct the
     Checkpointer and call `load`, `maybe_save` and `close` together. Before each optimizer step, call
     `wait_for_staging`.
     """
@@ -100,6 +102,7 @@ class Checkpointer:
         hf_unheld_effect: Callable[[], tuple[int, int] | None] | None = None,
         frozen_base: FrozenBase | None = None,
         process_group: dist.ProcessGroup | None = None,
+        shared_folder: bool = False,
     ):
         saving, loading, last_save = (
             saving or SavePolicy(),
@@ -126,6 +129,7 @@ class Checkpointer:
                 "for this model; none was given"
             )
         self.folder = Path(folder)
+        self.shared_folder = shared_folder
         self.states = dict(states)
         self.saving, self.loading, self.last_save = saving, loading, last_save
         self.hf_adapter, self.hf_unheld_effect = hf_adapter, hf_unheld_effect
@@ -156,10 +160,10 @@ class Checkpointer:
     def plan_load(self) -> LoadResult:
         """Decide what `load` restores (the same decision on every rank), without loading or logging it.
 
-        Interrupted saves are removed first. A caller may adapt to the decision (a state rebuilt to
+        Interrupted saves are removed first (not in a shared folder). A caller may adapt to the decision (a state rebuilt to
         match the checkpoint, say) and add a note to it before passing it to `load`.
         """
-        if self._rank() == 0:
+        if self._rank() == 0 and not self.shared_folder:
             remove_partial_folders(self.folder)
         barrier(self._group)
         wanted = [name for name in self.states if name not in self.loading.exclude_from_loading]

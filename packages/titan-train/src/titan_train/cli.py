@@ -30,6 +30,7 @@ from titan_train.distributed import (
     shutdown,
 )
 from titan_train.errors import ConfigError
+from titan_train.fault_tolerance.group_folders import separate_group_outputs
 from titan_train.fault_tolerance.lighthouse import check_lighthouse
 from titan_train.faults.exit_status import CollectiveHang, EarlyStop
 from titan_train.faults.hang_diagnosis import describe_init_failure
@@ -106,6 +107,7 @@ def plan_run(config: JobConfig) -> RunPlan:
     check_run(config, world_size=world_size, device_type=device_type)
     if config.fault_tolerance.enable:
         check_lighthouse()  # only group rank 0 talks to it, but every rank would wait on a missing one
+        separate_group_outputs(config)
     check_comm_backend(config, device_type)
     return resolve(config, world_size, device_type)
 

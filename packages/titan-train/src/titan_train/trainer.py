@@ -222,6 +222,7 @@ class Trainer:
                 **self.objective.states(),
             },
             model_args=built.args,
+            replicas=self.replicas,
         )
         if self.checkpointer is not None:
             self.closing.enter_context(self.checkpointer)

@@ -189,6 +189,15 @@ class ReplicaGroup:
             )
         return committed
 
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes the shared full checkpoint now: the group that is rank 0 of the last
+        quorum (the same answer on every rank of a group; none while healing). Before a semi-synchronous
+        run's first sync there is no quorum yet: group 0 writes."""
+        rank = self.manager.participating_rank()
+        if rank is None:
+            return self.semi_sync and self.settings.replica_id == 0
+        return rank == 0
+
     def record_digest(self, step: int) -> str:
         """Log and write (dump/fault_tolerance/digest_rank{r}.json) a hash of this rank's weights and
         optimizer state: two groups' rank r hold the same state exactly when their digests agree."""

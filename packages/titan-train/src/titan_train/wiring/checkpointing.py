@@ -32,6 +32,8 @@ from titan_ckpt import (
 from titan_parallel import moe_layers_of, plain_name
 from titan_train.config.schema import JobConfig
 from titan_train.errors import ConfigError
+from titan_train.fault_tolerance.checkpoints import GroupCheckpointer, data_position_folder
+from titan_train.fault_tolerance.replica_group import ReplicaGroup
 from titan_train.registry import FROM_HF, ModelFamily
 from titan_train.run_plan import RunPlan
 from titan_train.train_state import TrainState
@@ -72,10 +74,13 @@ def _hf_export(plan: RunPlan, model_args: Any) -> tuple[HFStateDictAdapter | Non
     return adapter, hf_export_files(config, tokenizer.bos_id, tokenizer.eos_id)
 
 
-def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any) -> Checkpointer | None:
+def build_checkpointer(
+    plan: RunPlan, states: dict[str, Any], *, model_args: Any, replicas: ReplicaGroup | None = None
+) -> Checkpointer | GroupCheckpointer | None:
     """The run's Checkpointer (None when checkpoint.enable is false); `states` as titan-ckpt takes them,
     `model_args` those the model was built from (for Hugging Face weights, mapped by the plan's
-    family). The settings passed `check_run` (titan_train.config.run_checks)."""
+    family). Under torchft (`replicas`), the groups' shared layout (`GroupCheckpointer`). The settings
+    passed `check_run` (titan_train.config.run_checks)."""
     config = plan.config
     c = config.checkpoint
     if not c.enable:
@@ -93,23 +98,27 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
     unheld_effect = None
     if hf_adapter is not None and c.last_save_in_hf and unheld_state(hf_adapter):
         unheld_effect = _bias_effect(states["model"].model_parts)
-    return Checkpointer(
-        Path(config.job.dump_folder) / c.folder,
+    folder = Path(config.job.dump_folder) / c.folder
+    saving = SavePolicy(
+        interval=c.interval,
+        keep_latest_k=c.keep_latest_k,
+        async_mode=c.async_mode,
+        enable_first_step_checkpoint=c.enable_first_step_checkpoint,
+        load_only=c.load_only,
+    )
+    full = Checkpointer(
+        folder,
         states,
-        saving=SavePolicy(
-            interval=c.interval,
-            keep_latest_k=c.keep_latest_k,
-            async_mode=c.async_mode,
-            enable_first_step_checkpoint=c.enable_first_step_checkpoint,
-            load_only=c.load_only,
-        ),
+        shared_folder=replicas is not None,
+        saving=saving,
         loading=LoadPolicy(
             load_step=c.load_step,
             initial_load_path=initial_load_path,
             initial_load_model_only=c.initial_load_model_only,
             initial_load_in_hf=c.initial_load_in_hf,
             initial_load_in_hf_quantized=c.initial_load_in_hf_quantized,
-            exclude_from_loading=c.exclude_from_loading,
+            # Under torchft each group's data position is its own, beside the full checkpoint.
+            exclude_from_loading=[*c.exclude_from_loading, *(["dataloader"] if replicas is not None else [])],
         ),
         last_save=LastSavePolicy(
             model_only=c.last_save_model_only,
@@ -123,6 +132,14 @@ def build_checkpointer(plan: RunPlan, states: dict[str, Any], *, model_args: Any
         hf_adapter=hf_adapter,
         hf_unheld_effect=unheld_effect,
         frozen_base=_frozen_base(plan, states) if lora_enabled(config) else None,
+    )
+    if replicas is None:
+        return full
+    positions = data_position_folder(folder, config.fault_tolerance.replica_id)
+    return GroupCheckpointer(
+        full,
+        Checkpointer(positions, {"dataloader": states["dataloader"]}, saving=saving),
+        replicas.writes_checkpoints,
     )
 
 
