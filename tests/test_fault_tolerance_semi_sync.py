@@ -21,7 +21,7 @@ from titan_train.fault_tolerance import LIGHTHOUSE_ENV, start_lighthouse  # noqa
 SYNC, ROUNDS = 3, 2
 
 
-def _run_groups(tmp_path: Path, method: str) -> list[dict[str, torch.Tensor]]:
+def _run_groups(tmp_path: Path, method: str, *extra: str, sync: int = SYNC) -> list[dict[str, torch.Tensor]]:
     lighthouse = start_lighthouse(2)  # every sync waits for both groups: no failure is injected here
     env = {**os.environ, LIGHTHOUSE_ENV: lighthouse.address(), "PYTHONUNBUFFERED": "1"}
     env.pop("MASTER_ADDR", None)
@@ -33,9 +33,10 @@ def _run_groups(tmp_path: Path, method: str) -> list[dict[str, torch.Tensor]]:
                     str(WORKERS / "semi_sync_group.py"),
                     str(r),
                     method,
-                    str(SYNC),
+                    str(sync),
                     str(ROUNDS),
                     str(tmp_path / f"g{r}.pt"),
+                    *extra,
                 ],
                 env=env,
                 stdout=subprocess.PIPE,
@@ -98,3 +99,24 @@ def test_semi_sync_training_on_two_groups_equals_the_algorithm_written_out(tmp_p
             )
     start = dict(build()[0].named_parameters())
     assert any((start[n] - want[n]).abs().max() > 1e-3 for n in want)  # training moved the weights
+
+
+@pytest.mark.slow
+def test_streaming_diloco_syncs_one_fragment_every_sync_steps_over_fragments(tmp_path):
+    """Streaming DiLoCo, 2 fragments (the toy's two pipeline units), sync_steps 4: one fragment syncs every 4 / 2
+    inner steps, in turn (torchft: fragment = outer step mod fragments), so after steps 2, 6 the first
+    fragment is the same in both groups and the second is not, after steps 4, 8 the other way round, and
+    after every other step both differ (each group's own batches). Planted: the fragments' sync interval
+    taken as sync_steps instead of sync_steps / num_fragments fails it."""
+    _run_groups(tmp_path, "diloco", "2", sync=4)
+    steps = [torch.load(tmp_path / f"g{r}.pt.steps") for r in (0, 1)]
+    fragments = {"inp": 0, "out": 1}
+    seen = []
+    for a, b in zip(*steps, strict=True):
+        same = [all(torch.equal(a[n], b[n]) for n in a if n.startswith(f"{f}.")) for f in fragments]
+        seen.append(same)
+    want = []
+    for step in range(1, 4 * ROUNDS + 1):
+        synced = (step // 2 - 1) % 2 if step % 2 == 0 else None
+        want.append([synced == i for i in fragments.values()])
+    assert seen == want, seen

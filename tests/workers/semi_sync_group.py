@@ -1,7 +1,9 @@
 """One replica group of one rank training a small model under `semi_sync_method` through Titan's
 `ReplicaGroup` (torchft's LocalSGD or DiLoCo), as tests/test_fault_tolerance_semi_sync.py runs two of them.
 
-    python semi_sync_group.py REPLICA_ID METHOD SYNC_STEPS ROUNDS OUT.pt   (TORCHFT_LIGHTHOUSE set)
+    python semi_sync_group.py REPLICA_ID METHOD SYNC_STEPS ROUNDS OUT.pt [NUM_FRAGMENTS]   (TORCHFT_LIGHTHOUSE set)
+
+OUT.pt holds the final weights; OUT.pt.steps the weights after every step (a list).
 
 Group r's batch at step t is drawn from generator seed 1000 * r + t (`batch`), so the test can replay it.
 """
@@ -42,10 +44,16 @@ def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
 
 
-def main(replica: int, method: str, sync_steps: int, rounds: int, out: str) -> None:
+def main(replica: int, method: str, sync_steps: int, rounds: int, out: str, num_fragments: int = 1) -> None:
     settings = FaultTolerance(
-        enable=True, group_size=2, replica_id=replica, semi_sync_method=method, sync_steps=sync_steps
+        enable=True,
+        group_size=2,
+        replica_id=replica,
+        semi_sync_method=method,
+        sync_steps=sync_steps,
+        num_fragments=num_fragments,
     )
+    steps = []
     model, optimizer = build()
     group = ReplicaGroup(settings, rank=0, world_size=1, dump=Path(tempfile.mkdtemp()), semi_sync=True)
     group.register(HealState([model], [optimizer], {}))
@@ -58,9 +66,18 @@ def main(replica: int, method: str, sync_steps: int, rounds: int, out: str) -> N
             group.average_gradients(list(model.parameters()))
             assert group.commit(step + 1)
             optimizer.step()
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
+            steps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    torch.save(steps[-1], out)
+    torch.save(steps, out + ".steps")
     group.close()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    main(
+        int(sys.argv[1]),
+        sys.argv[2],
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+        sys.argv[5],
+        *map(int, sys.argv[6:]),
+    )
