@@ -88,8 +88,9 @@ sequence) and, on its MoE cut, EP 2; on packed documents (block-causal, the line
 `one_process_qwen3_5_packed`) under FSDP 2, TP 2, PP 2, full activation checkpointing and compile: loss within
 2.4e-7 relative, grad_norm 1.1e-7, weights 4.0e-5 (the decay path, QWEN3_5_WEIGHTS_ATOL; 2026-12-02). Every rank
 taking the first heads' A_log and dt_bias under TP put qwen3_5_tp's step-1 loss 2.0e-4 relative off; each rank
-running the linear layer over its own sequence shard under CP put qwen3_5_cp2's 4.4e-5 off. The qwen3_5 rows cost
-about 12 CPU-seconds on rank 0, the compiled one 19 more (142 s of wall time on a loaded machine).
+running the linear layer over its own sequence shard under CP put qwen3_5_cp2's 4.4e-5 off. The qwen3_5 rows but
+the compiled one cost about 11 CPU-seconds on rank 0 (18 s of wall time, quiet machine); the compiled one 19 more
+with a cold inductor cache (142 s of wall time while the suite ran beside it; 6 s warm and quiet).
 
 Measured on a 2-core CPU with torch 2.15 (float32): every exact layout within 2.4e-7 relative of one
 process on loss and grad_norm at every step, weights within 4.8e-6 (compile; 4.2e-6 for CP + FSDP);
