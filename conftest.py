@@ -72,7 +72,6 @@ LONGEST_FIRST = (
     # landed 2026-12-02 from wip/ (single runs, two workers)
     "packages/titan-train/tests/test_grpo_vllm.py",  # ~120: vLLM's engine starts twice (skips without apps/vllm)
     "tests/test_fault_tolerance.py",  # the torchft kill drill: two replica groups, one killed and healed
-    "packages/titan-train/tests/test_qwen3_5_layouts.py",  # FSDP/PP/EP/TP/CP against one one-process run
     "tests/test_fault_tolerance_semi_sync.py",
     "tests/test_fault_tolerance_checkpoints.py",  # ~120: three launches of 2 groups through run_train.sh
 )

@@ -82,6 +82,16 @@ by float noise round differently, and the weights only agreed to 7.0e-4 of their
 29x slower on this CPU. Saved under FSDP 2 at step 3 and resumed under FSDP 2 x TP 2: the losses of steps 4 and 5
 equal to the bit.
 
+Qwen3.5, its debug models cut to a gated full-attention block then a Gated DeltaNet block (`one_process_qwen3_5`),
+under FSDP 2, TP 2 (both kinds of layer split by head), PP 2 (1F1B), CP 2 (the linear layer gathering the whole
+sequence) and, on its MoE cut, EP 2; on packed documents (block-causal, the linear layer restarting at each;
+`one_process_qwen3_5_packed`) under FSDP 2, TP 2, PP 2, full activation checkpointing and compile: loss within
+2.4e-7 relative, grad_norm 1.1e-7, weights 4.0e-5 (the decay path, QWEN3_5_WEIGHTS_ATOL; 2026-12-02). Every rank
+taking the first heads' A_log and dt_bias under TP put qwen3_5_tp's step-1 loss 2.0e-4 relative off; each rank
+running the linear layer over its own sequence shard under CP put qwen3_5_cp2's 4.4e-5 off. The qwen3_5 rows but
+the compiled one cost about 11 CPU-seconds on rank 0 (18 s of wall time, quiet machine); the compiled one 19 more
+with a cold inductor cache (142 s of wall time while the suite ran beside it; 6 s warm and quiet).
+
 Measured on a 2-core CPU with torch 2.15 (float32): every exact layout within 2.4e-7 relative of one
 process on loss and grad_norm at every step, weights within 4.8e-6 (compile; 4.2e-6 for CP + FSDP);
 float8 drifts up to 7.8e-5 (loss, rowwise) and 1.8e-4 (grad_norm, tensorwise).
@@ -249,6 +259,16 @@ EP, ETP = f"{P}expert_parallel_degree", f"{P}expert_tensor_parallel_degree"
 # tensor stayed within 2.6e-5 of its norm (2026-11-27).
 GPT_OSS = ("--model.name", "gpt_oss", "--model.flavor", "tiny")
 GPT_OSS_WEIGHTS_REL = 2e-4
+# Qwen3.5's debug models cut to a full-attention block then a Gated DeltaNet block (tests/workers/
+# layout_matrix.py), dense and MoE (8 experts, top 2), each against its own one process.
+QWEN3_5 = ("--model.name", "qwen3_5", "--model.flavor", "debugmodel_2_layers")
+QWEN3_5_MOE = ("--model.name", "qwen3_5", "--model.flavor", "debugmodel_moe_2_layers")
+# Packed documents (block-causal attention; the linear layer's convolution and state restart at each document).
+QWEN3_5_PACKED = ("--model.flavor", "debugmodel_flex_attn_2_layers")
+# The linear layer's decay path (A_log, dt_bias, in_proj_a: gradients summed over every token's gate) moves with
+# the summation order of a batch split: one process on the same 4 rows in 2 micro-batches of 2 moved A_log by
+# 3.0e-5, as FSDP 2 and PP 2 did; CP 2 4.0e-5 (2026-12-02). 2.5x that; every other weight within 9e-6.
+QWEN3_5_WEIGHTS_ATOL = 1e-4
 LORA = ("--model.converters", "lora", "--lora.target_modules", "all-linear", "--lora.rank", "4")
 QLORA = (*LORA, "--lora.quantize_base", "nf4")
 # QLoRA's adapters start with B = 0, so Adam's first updates of A divide tiny gradients by their own size: the
@@ -340,6 +360,25 @@ def moe(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
 def gpt_oss(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
     kwargs = {"weights_atol": None, "weights_rel": GPT_OSS_WEIGHTS_REL, **kwargs}
     return Layout(nproc, (*GPT_OSS, *flags), facts, reference="one_process_gpt_oss", **kwargs)
+
+
+def qwen3_5(nproc: int, flags: tuple[str, ...], facts: dict, **kwargs) -> Layout:
+    kwargs = {"reference": "one_process_qwen3_5", "weights_atol": QWEN3_5_WEIGHTS_ATOL, **kwargs}
+    return Layout(nproc, (*QWEN3_5, *flags), facts, **kwargs)
+
+
+def linear_attention(
+    qkv: list[str] | None, qkv_local: list[int], a_log: list[str] | None, a_log_local: list[int]
+):
+    """The first Gated DeltaNet layer as a layout leaves it: its q/k/v projection's and decay's splits."""
+    return {
+        "linear_attention": {
+            "in_proj_qkv_placements": qkv,
+            "in_proj_qkv_local_shape": qkv_local,
+            "A_log_placements": a_log,
+            "A_log_local_shape": a_log_local,
+        }
+    }
 
 
 def pp(schedule: str, *flags: str) -> tuple[str, ...]:
@@ -590,6 +629,62 @@ LAYOUTS = {
         (CP, "2", f"{P}context_parallel_rotate_method", "alltoall"),
         {},
         refused="gpt_oss tiny gathers the whole sequence's keys and values",
+    ),
+    # Qwen3.5: FSDP 2, TP 2 (both kinds of layer split by head), PP 2 (1F1B: the full-attention block on rank 0,
+    # the linear one on rank 1), CP 2 (the linear layer gathering the whole sequence) and, on the MoE cut, EP 2.
+    "one_process_qwen3_5": qwen3_5(1, (), linear_attention(None, [512, 256], None, [8])),
+    "qwen3_5_fsdp": qwen3_5(
+        2,
+        local_batch(2),
+        {"degrees": {"dp_shard": 2}, **linear_attention(["S(0)"], [256, 256], ["S(0)"], [4])},
+    ),
+    "qwen3_5_tp": qwen3_5(
+        2,
+        (TP, "2"),
+        {
+            "degrees": {"tp": 2},
+            "wq_placements": ["S(0)"],
+            "loss_parallel": True,
+            **linear_attention(["S(0)"], [256, 256], ["S(0)"], [4]),
+        },
+    ),
+    "qwen3_5_pp2": qwen3_5(2, pp("1F1B"), {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE}),
+    "qwen3_5_cp2": qwen3_5(
+        2,
+        (CP, "2", f"{P}context_parallel_rotate_method", "allgather"),
+        {"degrees": {"cp": 2}, "cp_rotate_method": "allgather"},
+    ),
+    # On packed documents (the block-causal cut, its own one process): FSDP 2, TP 2, PP 2, full activation
+    # checkpointing and compile (packed rows under CP are refused: test_qwen3_5_training.py).
+    "one_process_qwen3_5_packed": qwen3_5(
+        1, QWEN3_5_PACKED, {"attn_backend": "flex"}, reference="one_process_qwen3_5_packed"
+    ),
+    **{
+        f"qwen3_5_packed_{name}": qwen3_5(
+            nproc, (*QWEN3_5_PACKED, *flags), facts, reference="one_process_qwen3_5_packed"
+        )
+        for name, nproc, flags, facts in [
+            ("fsdp", 2, local_batch(2), {"degrees": {"dp_shard": 2}, "fsdp": True}),
+            (
+                "tp",
+                2,
+                (TP, "2"),
+                {"degrees": {"tp": 2}, **linear_attention(["S(0)"], [256, 256], ["S(0)"], [4])},
+            ),
+            ("pp2", 2, pp("1F1B"), {"schedule": "Schedule1F1B", "stage_blocks": ONE_STAGE}),
+            ("ac_full", 1, ("--activation_checkpoint.mode", "full"), {"checkpointed_blocks": 2}),
+            ("compile", 1, ("--compile.enable",), {"compiled_blocks": 2}),
+        ]
+    },
+    "one_process_qwen3_5_moe": Layout(
+        1, QWEN3_5_MOE, experts(1, 1, None, None, [8, 128, 256]), reference="one_process_qwen3_5_moe"
+    ),
+    "qwen3_5_moe_ep2": Layout(
+        2,
+        (*QWEN3_5_MOE, EP, "2", *local_batch(2)),
+        experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 128, 256]),
+        reference="one_process_qwen3_5_moe",
+        weights_atol=QWEN3_5_WEIGHTS_ATOL,
     ),
     # Shared experts (one per layer, hidden 32) under tp (split over it), ep borrowing tp, and pp, against
     # one process.

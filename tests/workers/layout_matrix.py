@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from titan_models.qwen3_5.linear_attention import GatedDeltaNet
 from titan_parallel import dequantized, moe_layers_of
 from titan_train.cli import USER_ERRORS, plan_run, train_joined
 from titan_train.config import load_job_config
@@ -50,6 +51,13 @@ register_flavor(
     _LLAMA3.args_for("debugmodel", n_layers=2, attn_mask_type="block_causal"),
 )
 register_flavor("llama3", "debug_2_layers_varlen", _LLAMA3.args_for("debugmodel_varlen_attn", n_layers=2))
+# Qwen3.5's debug models (dense, dense on packed documents, MoE) cut to one block of each kind: full attention first, so block 0 answers
+# the facts' questions about `wq` as every family's does, then a Gated DeltaNet linear-attention block.
+_QWEN3_5, _QWEN3_5_TYPES = get_model_family("qwen3_5"), ("full_attention", "linear_attention")
+for _flavor in ("debugmodel", "debugmodel_flex_attn", "debugmodel_moe"):
+    register_flavor(
+        "qwen3_5", f"{_flavor}_2_layers", _QWEN3_5.args_for(_flavor, n_layers=2, layer_types=_QWEN3_5_TYPES)
+    )
 
 
 def train_layout(argv: list[str], info) -> Trainer:
@@ -130,7 +138,22 @@ def facts(trainer: Trainer) -> dict:
         "shared_experts": shared_expert_facts(trainer),
         "lora_placements": lora_facts(blocks[0]),
         "mtp": mtp_facts(trainer),
+        "linear_attention": linear_attention_facts(blocks),
     }
+
+
+def linear_attention_facts(blocks: list) -> dict | None:
+    """How the first Gated DeltaNet layer rank 0 holds is split: its fused q/k/v projection's and its
+    per-head decay's placements and local shapes (None: no such layer)."""
+    layers = [block.attention for block in blocks if isinstance(block.attention, GatedDeltaNet)]
+    if not layers:
+        return None
+    facts = {}
+    for name, param in (("in_proj_qkv", layers[0].in_proj_qkv.weight), ("A_log", layers[0].A_log)):
+        split = isinstance(param, DTensor)
+        facts[f"{name}_placements"] = [str(p) for p in param.placements] if split else None
+        facts[f"{name}_local_shape"] = list(param.to_local().shape if split else param.shape)
+    return facts
 
 
 def mtp_facts(trainer: Trainer) -> dict | None:
@@ -215,7 +238,9 @@ def run_rows(rows: dict, info, out: Path) -> dict:
         try:
             trainer = train_layout([*overrides, "--job.dump_folder", str(dump)], info)
             write_weights(trainer, dump / f"weights_rank{info.rank}.pt")
-            result = {"facts": facts(trainer)}
+            # Only rank 0's facts are written; another rank may hold no block that answers them (a pipeline
+            # stage of Gated DeltaNet blocks has no `wq`).
+            result = {"facts": facts(trainer) if info.rank == 0 else {}}
         except USER_ERRORS as err:
             result = {"refused": f"{type(err).__name__}: {err}"}
         trainer = None
