@@ -16,13 +16,10 @@ from torch import Tensor
 from titan_models.deepseek_v3.args import DeepSeekV3Args
 from titan_models.deepseek_v3.hf_config import to_hf_config
 from titan_models.errors import WeightMappingError
-from titan_models.hf_adapter import _WRAPPER_PARTS
+from titan_models.hf_name_table import TOP_LEVEL, NameTableAdapter, in_block, per_expert
+from titan_models.moe.expert_stacking import stack_experts, unstack_experts
+from titan_models.moe.hf_state import EXPERT_BIAS
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _ATTENTION = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wq_a.weight": "self_attn.q_a_proj.weight",
@@ -47,7 +44,6 @@ _MOE = {
     "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
     "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
 }
-_EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w2": "down_proj", "moe.experts.w3": "up_proj"}
 # A multi-token-prediction depth's own tensors (`deepseek_v3.mtp`); its block maps as any MoE block's.
 _MTP = {
     "enorm.weight": "enorm.weight",
@@ -62,7 +58,7 @@ _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 logger = logging.getLogger(__name__)
 
 
-class DeepSeekV3StateDictAdapter:
+class DeepSeekV3StateDictAdapter(NameTableAdapter):
     """Converts full (unsharded) state dicts to and from `DeepseekV3ForCausalLM`'s for one model shape.
 
     A model without an expert bias (`load_balance_coeff=None`) exports a zero
@@ -73,6 +69,8 @@ class DeepSeekV3StateDictAdapter:
     has one; `mtp_layers` names more) are skipped on import.
     """
 
+    to_hf_config = staticmethod(to_hf_config)
+
     def __init__(
         self,
         args: DeepSeekV3Args,
@@ -81,105 +79,80 @@ class DeepSeekV3StateDictAdapter:
         eos_id: int | None = None,
         mtp_layers: int = 0,
     ):
-        self.args = args
-        self.bos_id, self.eos_id = bos_id, eos_id
         self.mtp_layers = mtp_layers
         self.has_bias = args.moe_args.load_balance_coeff is not None
-        self._names = dict(_TOP_LEVEL)  # ours -> theirs, experts apart
-        for layer in range(args.n_layers):
-            for ours, theirs in self._block_names(layer).items():
-                self._names[f"layers.{layer}.{ours}"] = f"model.layers.{layer}.{theirs}"
-        # (Titan prefix, Hugging Face layer) of every MoE block, the MTP depths' included.
-        self._moe_layers = [(f"layers.{i}.", i) for i in range(args.n_layers) if args.is_moe_layer(i)]
         self._mtp = range(args.n_layers, args.n_layers + args.num_mtp_layers)
-        for layer in self._mtp:
-            prefix = f"mtp.layers.{layer}."
-            block = {f"block.{ours}": theirs for ours, theirs in self._block_names(layer).items()}
-            for ours, theirs in (_MTP | block).items():
-                self._names[prefix + ours] = f"model.layers.{layer}.{theirs}"
-            self._moe_layers.append((prefix + "block.", layer))
+        super().__init__(args, bos_id=bos_id, eos_id=eos_id)
         self.hf_keep_dtype = ("e_score_correction_bias",)  # float32 in transformers, whatever the dtype
 
-    def _block_names(self, layer: int) -> dict[str, str]:
-        """Block `layer`'s names, ours -> theirs (within the block), routed experts apart."""
+    def name_table(self) -> dict[str, str]:
+        """The blocks' names, then each MTP depth's own tensors and block (HF layer n_layers + d)."""
+        names = dict(TOP_LEVEL)
+        for layer in range(self.args.n_layers):
+            names |= self._block_names(f"layers.{layer}.", layer)
+        for layer in self._mtp:
+            prefix, theirs = f"mtp.layers.{layer}.", f"model.layers.{layer}."
+            names |= in_block(prefix, theirs, _MTP) | self._block_names(prefix + "block.", layer)
+        return names
+
+    def _block_names(self, ours: str, layer: int) -> dict[str, str]:
+        """Block `layer`'s names under our prefix `ours`, ours -> theirs, each routed expert its own."""
         block = dict(_ATTENTION)
         for name in ("wq", "wq_a", "q_norm", "wq_b"):
             if (name == "wq") != (self.args.q_lora_rank == 0):
                 block.pop(f"attention.{name}.weight")
-        return block | (_MOE if self.args.is_moe_layer(layer) else _DENSE)
+        theirs = f"model.layers.{layer}."
+        if not self.args.is_moe_layer(layer):
+            return in_block(ours, theirs, block | _DENSE)
+        return in_block(ours, theirs, block | _MOE) | per_expert(ours, theirs, self.args.moe_args.num_experts)
 
-    def _hf_expert_names(self, layer: int, ours: str) -> list[str]:
-        return [
-            f"model.layers.{layer}.mlp.experts.{j}.{_EXPERTS[ours]}.weight"
-            for j in range(self.args.moe_args.num_experts)
-        ]
+    def _shape(self) -> str:
+        a = self.args
+        return f"{a.n_layers} layers, {a.n_dense_layers} dense, {a.moe_args.num_experts} experts"
 
-    def _check(self, have: set[str], expected: set[str], kind: str) -> None:
-        missing, unknown = sorted(expected - have), sorted(have - expected)
-        if missing or unknown:
-            raise WeightMappingError(
-                f"model: the {kind} state dict does not fit this model ({self.args.n_layers} layers, "
-                f"{self.args.n_dense_layers} dense, {self.args.moe_args.num_experts} experts): missing "
-                f"{missing[:5]}, unexpected {unknown[:5]}; check the model flavor against the checkpoint"
-            )
+    def _absent_biases(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The neutral (zero) bias for each expert bias a model without one does not hold."""
+        if self.has_bias:
+            return {}
+        e = self.args.moe_args.num_experts
+        absent = (n for n in self._to_hf_names if n.endswith(EXPERT_BIAS) and n not in state)
+        return {
+            n: torch.zeros(e, dtype=torch.float32) for n in absent
+        }  # one tensor each: files refuse shared ones
 
-    def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Titan's names and stacked experts -> `DeepseekV3ForCausalLM`'s names, one matrix per expert."""
-        state = {_WRAPPER_PARTS.sub("", name): t for name, t in state_dict.items()}
-        expected = set(self._names)
-        expected |= {prefix + ours for prefix, _ in self._moe_layers for ours in _EXPERTS}
-        if not self.has_bias:
-            expected -= {n for n in expected if n.endswith("moe.expert_bias")}
-        self._check(set(state), expected, "Titan")
-        hf = {}
-        for ours, theirs in self._names.items():
-            if ours in state:
-                hf[theirs] = state[ours]
-            else:  # an expert bias this model does not keep: the neutral one
-                hf[theirs] = torch.zeros(self.args.moe_args.num_experts, dtype=torch.float32)
-        for prefix, layer in self._moe_layers:
-            for ours in _EXPERTS:
-                stacked = state[prefix + ours]
-                for j, name in enumerate(self._hf_expert_names(layer, ours)):
-                    hf[name] = stacked[j]
-        for layer in self._mtp:
-            for theirs, ours in _MTP_SHARED.items():
-                hf[f"model.layers.{layer}.{theirs}"] = state[ours]
-        return hf
+    def _ours_for_hf(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        return unstack_experts(state) | self._absent_biases(state)
 
-    def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        """`DeepseekV3ForCausalLM`'s names and per-expert matrices -> Titan's (what `load_state_dict` takes)."""
-        skipped = self._mtp_layers_in(hf_state_dict)
+    def _hf_copies(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Each MTP layer's copies of the main embedding and output head."""
+        return {
+            f"model.layers.{layer}.{theirs}": state[ours]
+            for layer in self._mtp
+            for theirs, ours in _MTP_SHARED.items()
+        }
+
+    def _hf_for_ours(self, hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The checkpoint without the MTP layers the model does not train and the MTP layers' copies."""
+        skipped = self._mtp_layers_in(hf_state)
         shared = {f"model.layers.{layer}.{theirs}" for layer in self._mtp for theirs in _MTP_SHARED}
         state = {
             k: t
-            for k, t in hf_state_dict.items()
+            for k, t in hf_state.items()
             if not ((m := _HF_LAYER.match(k)) and int(m.group(1)) in skipped) and k not in shared
         }
         self._check_mtp_present(state)
-        theirs_to_ours = {theirs: ours for ours, theirs in self._names.items()}
-        expert_names = {
-            prefix: {ours: self._hf_expert_names(layer, ours) for ours in _EXPERTS}
-            for prefix, layer in self._moe_layers
-        }
-        expected = set(theirs_to_ours) | {
-            name for by in expert_names.values() for names in by.values() for name in names
-        }
-        self._check(set(state), expected, "Hugging Face")
-        ours = {}
-        for theirs, name in theirs_to_ours.items():
-            if name.endswith("moe.expert_bias") and not self.has_bias:
-                if state[theirs].abs().max() > 0:
+        return state
+
+    def _ours_from_hf(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Experts stacked; a model without an expert bias takes only a zero one, and keeps none."""
+        if not self.has_bias:
+            for name in [n for n in state if n.endswith(EXPERT_BIAS)]:
+                if state.pop(name).abs().max() > 0:
                     raise WeightMappingError(
-                        f"model: {theirs} is not zero but this model has no expert bias; set "
+                        f"model: {self._to_hf_names[name]} is not zero but this model has no expert bias; set "
                         "moe_args.load_balance_coeff to keep it"
                     )
-                continue
-            ours[name] = state[theirs]
-        for prefix, by_weight in expert_names.items():
-            for name, hf_names in by_weight.items():
-                ours[prefix + name] = torch.stack([state[h] for h in hf_names])
-        return ours
+        return stack_experts(state)
 
     def _check_mtp_present(self, state: dict[str, Tensor]) -> None:
         """Refuse in one line a checkpoint without the MTP layers this model trains."""
@@ -210,7 +183,3 @@ class DeepSeekV3StateDictAdapter:
                 ", ".join(map(str, found)),
             )
         return found
-
-    def hf_config(self) -> dict:
-        """The `config.json` of the equivalent `DeepseekV3ForCausalLM` (see `hf_config.to_hf_config`)."""
-        return to_hf_config(self.args, bos_id=self.bos_id, eos_id=self.eos_id)

@@ -16,14 +16,9 @@ from torch import Tensor
 
 from titan_models.gpt_oss.args import GptOssArgs
 from titan_models.gpt_oss.hf_config import to_hf_config
-from titan_models.hf_adapter import _WRAPPER_PARTS, checked_keys
-from titan_models.moe.hf_state import TRAINING_STATE, hf_unheld_state, zero_expert_biases
+from titan_models.hf_name_table import TOP_LEVEL, NameTableAdapter, in_block
+from titan_models.moe.hf_state import hf_unheld_state, without_training_state, zero_expert_biases
 
-_TOP_LEVEL = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _IN_BLOCK = {
     **{
         f"attention.{ours}.{kind}": f"self_attn.{theirs}.{kind}"
@@ -43,51 +38,31 @@ _IN_BLOCK = {
 _TRANSPOSED = ("moe.experts.mlp1_weight", "moe.experts.mlp2_weight")
 
 
-class GptOssStateDictAdapter:
-    """Converts full (unsharded) gpt-oss state dicts to and from `GptOssForCausalLM`, for one model shape.
+class GptOssStateDictAdapter(NameTableAdapter):
+    """Converts full (unsharded) gpt-oss state dicts to and from `GptOssForCausalLM`, for one model shape."""
 
-    With tied embeddings `to_hf` leaves out `lm_head.weight` and `from_hf` restores `output.weight`."""
+    model_name = "gpt-oss model"
+    to_hf_config = staticmethod(to_hf_config)
 
     def __init__(self, args: GptOssArgs, *, bos_id: int | None = None, eos_id: int | None = None):
-        self.args = args
-        self.bos_id, self.eos_id = bos_id, eos_id
-        self._to_hf_names = dict(_TOP_LEVEL)
-        for layer in range(args.n_layers):
-            for ours, theirs in _IN_BLOCK.items():
-                self._to_hf_names[f"layers.{layer}.{ours}"] = f"model.layers.{layer}.{theirs}"
-        self._from_hf_names = {theirs: ours for ours, theirs in self._to_hf_names.items()}
+        super().__init__(args, bos_id=bos_id, eos_id=eos_id)
         # The trained expert bias, which GptOssForCausalLM has no place for (titan_models.moe.hf_state).
         self.hf_unheld_state = hf_unheld_state(args.moe_args)
 
-    def _checked(self, state: dict[str, Tensor], names: dict[str, str], head: str, kind: str) -> dict:
-        return checked_keys(self.args, state, names, head, kind, model="gpt-oss model")
+    def name_table(self) -> dict[str, str]:
+        names = dict(TOP_LEVEL)
+        for layer in range(self.args.n_layers):
+            names |= in_block(f"layers.{layer}.", f"model.layers.{layer}.", _IN_BLOCK)
+        return names
 
-    def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Our names and layout -> `GptOssForCausalLM`'s bf16 names and layout (the expert bias left out)."""
-        ours = {
-            _WRAPPER_PARTS.sub("", name): t
-            for name, t in state_dict.items()
-            if not name.endswith(TRAINING_STATE)
-        }
-        hf = {}
-        for name, tensor in self._checked(ours, self._to_hf_names, "output.weight", "Titan").items():
-            hf[self._to_hf_names[name]] = tensor.transpose(1, 2) if name.endswith(_TRANSPOSED) else tensor
-        return hf
+    def _ours_for_hf(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        return without_training_state(state)  # the expert bias left out
 
-    def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        """`GptOssForCausalLM`'s names and layout -> ours, with a zero expert bias where our MoE keeps one."""
-        ours = {}
-        for name, tensor in self._checked(
-            hf_state_dict, self._from_hf_names, "lm_head.weight", "Hugging Face"
-        ).items():
-            our_name = self._from_hf_names[name]
-            ours[our_name] = tensor.transpose(1, 2) if our_name.endswith(_TRANSPOSED) else tensor
-        if self.args.tie_word_embeddings:
-            ours["output.weight"] = ours["tok_embeddings.weight"]
-        return ours | zero_expert_biases(
-            self.args.moe_args, [f"layers.{i}." for i in range(self.args.n_layers)]
-        )
+    def _to_hf_layout(self, name: str, tensor: Tensor) -> Tensor:
+        return tensor.transpose(1, 2) if name.endswith(_TRANSPOSED) else tensor
 
-    def hf_config(self) -> dict:
-        """The `config.json` of the equivalent `GptOssForCausalLM` (see `gpt_oss.hf_config.to_hf_config`)."""
-        return to_hf_config(self.args, bos_id=self.bos_id, eos_id=self.eos_id)
+    _from_hf_layout = _to_hf_layout  # a transpose undoes itself
+
+    def _ours_from_hf(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        blocks = [f"layers.{i}." for i in range(self.args.n_layers)]
+        return state | zero_expert_biases(self.args.moe_args, blocks)

@@ -1,6 +1,6 @@
 """The mapping between our Llama 4 state dicts and Hugging Face's `Llama4ForCausalLM` (text).
 
-Names map as for Llama (`LlamaStateDictAdapter`) with Llama 4's feed-forward names. Hugging Face's
+Names map as for Llama (`LLAMA_BLOCK`) with Llama 4's feed-forward names. Hugging Face's
 Llama 4 rotates consecutive pairs, as we do, so no projection is permuted. The routed experts are
 fused there: `feed_forward.experts.gate_up_proj` (E, dim, 2 * hidden) holds each expert's gate
 (our `w1`, (E, hidden, dim)) and up (`w3`) projections transposed and side by side, and
@@ -17,12 +17,12 @@ import logging
 import torch
 from torch import Tensor
 
-from titan_models.hf_adapter import LlamaStateDictAdapter
+from titan_models.hf_adapter import LLAMA_BLOCK
+from titan_models.hf_name_table import EXPERT_PROJECTIONS, TOP_LEVEL, NameTableAdapter, in_block
 from titan_models.llama4.args import Llama4Args
 from titan_models.llama4.hf_config import to_hf_config
-from titan_models.moe.hf_state import TRAINING_STATE, hf_unheld_state, zero_expert_biases
+from titan_models.moe.hf_state import hf_unheld_state, without_training_state, zero_expert_biases
 
-_DENSE = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 # Our names for the fused tensors while they are renamed (never seen outside this module).
 _GATE_UP, _DOWN = "moe.experts.gate_up", "moe.experts.down"
 _TEXT_PREFIX = "language_model."
@@ -49,42 +49,48 @@ def _text_model(hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     }
 
 
-class Llama4StateDictAdapter(LlamaStateDictAdapter):
+class Llama4StateDictAdapter(NameTableAdapter):
     """Converts full (unsharded) Llama 4 state dicts to and from `Llama4ForCausalLM`'s, for one model shape."""
+
+    to_hf_config = staticmethod(to_hf_config)
 
     def __init__(self, args: Llama4Args, *, bos_id: int | None = None, eos_id: int | None = None):
         super().__init__(args, bos_id=bos_id, eos_id=eos_id)
-        for layer in range(args.n_layers):
-            ours, theirs = f"layers.{layer}.", f"model.layers.{layer}.feed_forward."
-            for w, proj in _DENSE.items():
-                del self._to_hf_names[f"{ours}feed_forward.{w}.weight"]
-                if not args.is_moe_layer(layer):
-                    self._to_hf_names[f"{ours}feed_forward.{w}.weight"] = f"{theirs}{proj}.weight"
-            if args.is_moe_layer(layer):
-                self._to_hf_names |= {
-                    f"{ours}moe.shared_experts.{w}.weight": f"{theirs}shared_expert.{proj}.weight"
-                    for w, proj in _DENSE.items()
-                }
-                self._to_hf_names |= {
-                    f"{ours}moe.router.gate.weight": f"{theirs}router.weight",
-                    f"{ours}{_GATE_UP}": f"{theirs}experts.gate_up_proj",
-                    f"{ours}{_DOWN}": f"{theirs}experts.down_proj",
-                }
-        self._from_hf_names = {theirs: ours for ours, theirs in self._to_hf_names.items()}
         # The trained expert bias, which Llama4ForCausalLM has no place for (titan_models.moe.hf_state).
         self.hf_unheld_state = hf_unheld_state(args.moe_args)
 
-    def _heads_of(self, name: str) -> int | None:
-        return None  # both sides rotate consecutive pairs: nothing to permute
+    def name_table(self) -> dict[str, str]:
+        attention = {k: v for k, v in LLAMA_BLOCK.items() if not k.startswith("feed_forward.")}
+        names = dict(TOP_LEVEL)
+        for layer in range(self.args.n_layers):
+            ours, theirs = f"layers.{layer}.", f"model.layers.{layer}."
+            names |= in_block(ours, theirs, attention)
+            ffn = theirs + "feed_forward."
+            if not self.args.is_moe_layer(layer):
+                names |= {
+                    f"{ours}feed_forward.{w}.weight": f"{ffn}{proj}.weight"
+                    for w, proj in EXPERT_PROJECTIONS.items()
+                }
+                continue
+            names |= {
+                f"{ours}moe.shared_experts.{w}.weight": f"{ffn}shared_expert.{proj}.weight"
+                for w, proj in EXPERT_PROJECTIONS.items()
+            }
+            names |= {
+                f"{ours}moe.router.gate.weight": f"{ffn}router.weight",
+                f"{ours}{_GATE_UP}": f"{ffn}experts.gate_up_proj",
+                f"{ours}{_DOWN}": f"{ffn}experts.down_proj",
+            }
+        return names
 
-    def to_hf(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Our names and layout -> `Llama4ForCausalLM`'s (the expert bias is left out)."""
+    def _ours_for_hf(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The routed experts fused as Hugging Face holds them; the expert bias left out."""
         fused: dict[str, Tensor] = {}
-        for name, t in state_dict.items():
-            if name.endswith((*TRAINING_STATE, "moe.experts.w3")):
+        for name, t in without_training_state(state).items():
+            if name.endswith("moe.experts.w3"):
                 continue
             if name.endswith("moe.experts.w1"):
-                w3 = state_dict[name[: -len("w1")] + "w3"]
+                w3 = state[name[: -len("w1")] + "w3"]
                 fused[name[: -len("moe.experts.w1")] + _GATE_UP] = torch.cat(
                     [t.transpose(1, 2), w3.transpose(1, 2)], dim=2
                 ).contiguous()
@@ -92,14 +98,16 @@ class Llama4StateDictAdapter(LlamaStateDictAdapter):
                 fused[name[: -len("moe.experts.w2")] + _DOWN] = t.transpose(1, 2).contiguous()
             else:
                 fused[name] = t
-        return super().to_hf(fused)
+        return fused
 
-    def from_hf(self, hf_state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        """`Llama4ForCausalLM`'s (or a multimodal checkpoint's text model's) names and layout -> ours, with a zero
-        expert bias where our MoE layers keep one."""
+    def _hf_for_ours(self, hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
+        return _text_model(hf_state)
+
+    def _ours_from_hf(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The fused experts split back into ours, with a zero expert bias where our MoE layers keep one."""
         ours: dict[str, Tensor] = {}
         moe_blocks = []
-        for name, t in super().from_hf(_text_model(hf_state_dict)).items():
+        for name, t in state.items():
             if name.endswith(_GATE_UP):
                 prefix = name[: -len(_GATE_UP)]
                 w1, w3 = t.chunk(2, dim=2)
@@ -111,7 +119,3 @@ class Llama4StateDictAdapter(LlamaStateDictAdapter):
             else:
                 ours[name] = t
         return ours | zero_expert_biases(self.args.moe_args, moe_blocks)
-
-    def hf_config(self) -> dict:
-        """The `config.json` of the equivalent `Llama4ForCausalLM` (see `llama4.hf_config.to_hf_config`)."""
-        return to_hf_config(self.args, bos_id=self.bos_id, eos_id=self.eos_id)

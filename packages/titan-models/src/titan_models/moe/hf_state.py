@@ -31,6 +31,11 @@ def hf_unheld_state(moe_args: MoEArgs | None) -> tuple[str, ...]:
     return (EXPERT_BIAS,) if keeps_expert_bias(moe_args) else ()
 
 
+def without_training_state(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`state_dict` without the load-balancing state (`TRAINING_STATE`), for a class that holds none of it."""
+    return {name: t for name, t in state_dict.items() if not name.endswith(TRAINING_STATE)}
+
+
 def zero_expert_biases(moe_args: MoEArgs | None, blocks: Iterable[str]) -> dict[str, Tensor]:
     """A zero float32 expert bias for each MoE block prefix in `blocks` (`"layers.3."`), where the model
     keeps one ({} where not): an imported model starts balancing from scratch."""

@@ -30,10 +30,6 @@ from titan_train.registry import FROM_HF, ModelFamily
 from titan_train.wiring.data import BUNDLED_TOKENIZER
 
 HF_CONFIG = "config.json"
-# Differences from the flavor that a run takes from the checkpoint (with one log line) instead of
-# refusing: published configs state their own norm epsilon (DeepSeek-V3's 1e-6 against torchtitan's
-# 671B flavor's 1e-5), which moves the function by rounding, not its shape.
-HARMLESS_FIELDS = frozenset({"rms_norm_eps", "latent_norm_eps"})
 logger = logging.getLogger(__name__)
 # Files of a Hugging Face tokenizer folder that AutoTokenizer reads (those present are copied).
 TOKENIZER_FILES = (
@@ -108,8 +104,15 @@ def model_args(config: JobConfig, family: ModelFamily, **overrides) -> Any:
         )
         hf_map = hf_mapping(family, "checkpoint.initial_load_in_hf")
         differences = hf_map.config_differences(args, hf)  # the run's args (seq_len decides YaRN)
-        if differences and all(d.split(":", 1)[0] in HARMLESS_FIELDS for d in differences):
-            args = _with_checkpoint_epsilons(args, hf_map.args_from_config(hf), differences, folder)
+        taken = _with_checkpoint_epsilons(args, hf_map, hf) if differences else None
+        if taken is not None:
+            logger.info(
+                "config: the Hugging Face checkpoint in %s differs from the flavor only in its norm epsilon (%s); "
+                "the run takes the checkpoint's",
+                folder,
+                "; ".join(differences),
+            )
+            args = taken
         elif differences:
             raise ConfigError(
                 f"config: the Hugging Face checkpoint in {folder} is not {m.name} {m.flavor}: "
@@ -160,16 +163,17 @@ def check_hf_export(config: JobConfig, family: ModelFamily, args: Any) -> None:
         ) from err
 
 
-def _with_checkpoint_epsilons(args: Any, checkpoint: Any, differences: list[str], folder: Path) -> Any:
-    """`args` with the norm epsilons of the checkpoint's args, said in one line."""
-    taken = {name: getattr(checkpoint, name) for name in norm_epsilon_fields(args)}
-    logger.info(
-        "config: the Hugging Face checkpoint in %s differs from the flavor only in its norm epsilon (%s); "
-        "the run takes the checkpoint's",
-        folder,
-        "; ".join(differences),
-    )
-    return replace(args, **taken)
+def _with_checkpoint_epsilons(args: Any, hf_map: Any, hf: dict) -> Any | None:
+    """`args` with the checkpoint's norm epsilons (the fields the family's args name, `norm_epsilon_fields`)
+    where those are all it differs in, else None. Published configs state their own epsilon (DeepSeek-V3's 1e-6
+    against torchtitan's 671B flavor's 1e-5), which moves the function by rounding, not its shape: a run takes
+    it instead of refusing."""
+    try:
+        checkpoint = hf_map.args_from_config(hf)
+    except (ModelError, ConfigError):
+        return None  # a shape Titan cannot read is no epsilon difference: the caller names the differences
+    taken = replace(args, **{name: getattr(checkpoint, name) for name in norm_epsilon_fields(args)})
+    return None if hf_map.config_differences(taken, hf) else taken
 
 
 def export_base_folder(config: JobConfig) -> Path | None:
