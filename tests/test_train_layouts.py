@@ -300,6 +300,37 @@ DPO = (
 UNEVEN = ("--training.seq_len", "160")
 ORPO = ("--preference.loss", "orpo")
 
+# GRPO (issue 59) on replayed rollouts: the bundled arithmetic prompts, 2 completions each, whose ids and lengths
+# (1 to 8 tokens) `write_grpo_rollouts` draws for every step, so no layout generates; dapo (normalised by the
+# step's completion tokens over every rank), beta 0.05 (a frozen copy, or the base with adapters off under
+# LoRA), rewards scaled over the batch (so each advantage reads every rank's rewards).
+PROMPTS_DATA = (
+    Path(__file__).parents[1] / "packages/titan-data/src/titan_data/assets/prompts_test/prompts_test.jsonl"
+)
+ROLLOUTS = "<grpo rollouts>"  # the file the matrix writes in its folder (Matrix._flags)
+GRPO = (
+    *("--training.dataset", "prompts", "--training.dataset_path", str(PROMPTS_DATA)),
+    *("--grpo.num_generations", "2", "--grpo.max_prompt_length", "48", "--grpo.max_completion_length", "8"),
+    *("--grpo.reward_funcs", "grpo_layout_rewards:low_id_share", "--grpo.beta", "0.05"),
+    *("--grpo.scale_rewards", "batch", "--grpo.replay_rollouts", ROLLOUTS),
+)  # fmt: skip
+GRPO_METRICS = ("reward", "reward_std", "kl", "entropy")  # TRL's names; each step's, over the global batch
+
+
+def write_grpo_rollouts(path: Path, steps: int = STEPS, prompts: int = 64, generations: int = 2) -> None:
+    """A rollout log (titan_train.objectives.rollouts) of `generations` completions of each of the first
+    `prompts` prompts at every step, drawn from a seeded generator: 1 to 8 ids below the tokenizer's 2048,
+    none an end id (each counts as cut at max_completion_length)."""
+    g = torch.Generator().manual_seed(59)
+    lines = []
+    for step in range(1, steps + 1):
+        for index in range(prompts):
+            for _ in range(generations):
+                length = int(torch.randint(1, 9, (), generator=g))
+                ids = torch.randint(100, 2000, (length,), generator=g).tolist()
+                lines.append(json.dumps({"step": step, "prompt_index": index, "completion_ids": ids}))
+    path.write_text("".join(line + "\n" for line in lines))
+
 
 # DeepSeek-V3's MoE layer with a shared expert (tests/workers/tiny_moe_flavor.py), with the sequence-wise
 # auxiliary loss on, against its own one process.
@@ -1007,6 +1038,50 @@ LAYOUTS = {
         {**MUON_FACTS, **experts(2, 2, ["efsdp", "ep", "etp"], ["_S(0, 2)", "S(0)", "S(1)"], [4, 32, 64])},
         reference="one_process_muon_moe",
     ),
+    # GRPO on replayed rollouts (GRPO above): FSDP 2, TP 2 (log-probs and entropies from the vocabulary-sharded
+    # logits), EP 2 on the qwen3 MoE cut, LoRA and QLoRA under FSDP 2 (the reference: the base with adapters
+    # off), each against the same run in one process; pipeline parallelism and generating under TP are refused.
+    "one_process_grpo": Layout(1, GRPO, {"degrees": {}}, reference="one_process_grpo"),
+    "grpo_fsdp2": Layout(
+        2, (*GRPO, *local_batch(2)), {"degrees": {"dp_shard": 2}, "fsdp": True}, reference="one_process_grpo"
+    ),
+    "grpo_tp2": Layout(
+        2, (*GRPO, TP, "2"), {"degrees": {"tp": 2}, "loss_parallel": True}, reference="one_process_grpo"
+    ),
+    "one_process_grpo_moe": Layout(
+        1, (*MOE, *GRPO), experts(1, 1, None, None, [8, 64, 64]), reference="one_process_grpo_moe"
+    ),
+    "grpo_ep2": Layout(
+        2,
+        (*MOE, *GRPO, EP, "2", *local_batch(2)),
+        experts(2, 1, ["efsdp", "ep"], ["_S(0, 2)", "S(0)"], [4, 64, 64]),
+        reference="one_process_grpo_moe",
+    ),
+    "one_process_grpo_lora": Layout(1, (*GRPO, *LORA), {"degrees": {}}, reference="one_process_grpo_lora"),
+    "grpo_lora": Layout(
+        2,
+        (*GRPO, *LORA, *local_batch(2)),
+        {"degrees": {"dp_shard": 2}, "fsdp": True},
+        reference="one_process_grpo_lora",
+    ),
+    "one_process_grpo_qlora": Layout(1, (*GRPO, *QLORA), {"degrees": {}}, reference="one_process_grpo_qlora"),
+    "grpo_qlora": Layout(
+        2,
+        (*GRPO, *QLORA, *local_batch(2)),
+        {"degrees": {"dp_shard": 2}, "fsdp": True, "wq_local_type": "NF4Tensor"},
+        reference="one_process_grpo_qlora",
+        weights_atol=QLORA_WEIGHTS_ATOL,
+    ),
+    "grpo_pp": Layout(
+        2,
+        (*GRPO, *pp("1F1B")),
+        refused="parallelism.pipeline_parallel_degree > 1 (the GRPO step takes every completion token's log-prob",
+    ),
+    "grpo_tp2_generating": Layout(
+        2,
+        (*GRPO[: GRPO.index("--grpo.replay_rollouts")], TP, "2"),
+        refused="tensor or expert parallelism and generated rollouts (the titan engine generates under data",
+    ),
 }
 
 
@@ -1038,11 +1113,15 @@ class Matrix:
         self.failed: dict[str, str] = {}  # launch -> the first row that saw it fail
 
     def _flags(self, layout: Layout) -> list[str]:
+        rollouts = self.folder / "grpo_rollouts.jsonl"
+        if ROLLOUTS in layout.flags and not rollouts.exists():
+            write_grpo_rollouts(rollouts)
+        flags = [str(rollouts) if flag == ROLLOUTS else flag for flag in layout.flags]
         if layout.resumed_at is None:
-            return [*BASE, *layout.flags]
+            return [*BASE, *flags]
         saved = self.folder / LAUNCH[layout.reference] / layout.reference / "checkpoint"
         resume = ["--checkpoint.folder", str(saved), "--checkpoint.load_step", str(layout.resumed_at)]
-        return [*BASE, *layout.flags, *resume, "--checkpoint.load_only"]
+        return [*BASE, *flags, *resume, "--checkpoint.load_only"]
 
     def _launch(self, launch: str) -> None:
         # A run resumed here from another launch's save needs that launch first.
@@ -1094,7 +1173,7 @@ class Matrix:
         # runs TRL's rewards and log-probs.
         return {
             key: [r[key] for r in records]
-            for key in ("loss", "grad_norm", "mtp_loss", "expert_counts", *PREFERENCE_METRICS)
+            for key in ("loss", "grad_norm", "mtp_loss", "expert_counts", *PREFERENCE_METRICS, *GRPO_METRICS)
             if key in records[0]
         }
 
@@ -1151,7 +1230,7 @@ def assert_trains_as_its_reference(matrix, name: str) -> None:
         want = reference[key][layout.resumed_at or 0 :]
         difference = largest_relative_difference(run[key], want)
         assert difference <= layout.rel, f"{key}: {run[key]} against {layout.reference} {want}"
-    for key in PREFERENCE_METRICS:
+    for key in (*PREFERENCE_METRICS, *GRPO_METRICS):
         if key not in reference:
             continue
         # Step 1's rewards are 0 (the policy is its reference): relative to the value, or to 1 below it.

@@ -228,8 +228,10 @@ def check_grpo(config) -> None:
         ),
         (
             par.pipeline_parallel_degree > 1,
-            "parallelism.pipeline_parallel_degree > 1 (the titan engine generates on whole models)",
-            "set it to 1",
+            "parallelism.pipeline_parallel_degree > 1 (the GRPO step takes every completion token's log-prob "
+            "from one whole model part, not through a pipeline schedule's last stage, and the titan engine "
+            "generates on whole models)",
+            "set it to 1; shard the model with data_parallel_shard_degree, tensor or expert parallelism",
         ),
         (
             par.context_parallel_degree > 1,
@@ -237,9 +239,10 @@ def check_grpo(config) -> None:
             "set it to 1",
         ),
         (
-            par.tensor_parallel_degree > 1 or par.expert_parallel_degree > 1,
-            "tensor or expert parallelism (the titan engine generates under data parallelism only for now)",
-            "use data_parallel_shard_degree or data_parallel_replicate_degree",
+            (par.tensor_parallel_degree > 1 or par.expert_parallel_degree > 1) and not g.replay_rollouts,
+            "tensor or expert parallelism and generated rollouts (the titan engine generates under data "
+            "parallelism only for now; training on them is layout-independent)",
+            "use data_parallel_shard_degree or data_parallel_replicate_degree, or train on grpo.replay_rollouts",
         ),
         (config.optimizer.early_step_in_backward, "optimizer.early_step_in_backward", "set it to false"),
         (config.validation.enable, "validation", "set validation.enable = false"),

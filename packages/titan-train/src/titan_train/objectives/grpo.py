@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
 
 from titan_ckpt import ModelState
 from titan_data.chat.prompt import end_of_turn_id
@@ -69,11 +70,23 @@ def loss_settings(g) -> GRPOLoss:
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
     """(B, T) log-probs of the labels and entropies, from logits scaled by the sampling temperature (0 where
-    a label is ignored)."""
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)
-    picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
+    a label is ignored). Under TP with loss parallelism (inside its context) the logits are a DTensor sharded
+    over the vocabulary: the pick is the sharded cross-entropy's, the entropy's sum over the vocabulary a
+    partial sum the ranks add; both come back replicated, as plain tensors."""
     valid = labels != IGNORE_INDEX
+    scaled = logits.float() / temperature
+    if not isinstance(scaled, DTensor):
+        logp = F.log_softmax(scaled, dim=-1)
+        picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        return torch.where(valid, picked, 0.0), torch.where(valid, entropy, 0.0)
+    flat = scaled.reshape(-1, scaled.shape[-1])
+    mesh = flat.device_mesh
+    target = DTensor.from_local(labels.clamp(min=0).reshape(-1), mesh, [Replicate()] * mesh.ndim)
+    picked = -F.cross_entropy(flat, target, reduction="none").full_tensor().view(labels.shape)
+    with torch.no_grad():
+        logp = F.log_softmax(flat, dim=-1)
+        entropy = (-(logp.exp() * logp)).sum(-1).full_tensor().view(labels.shape)
     return torch.where(valid, picked, 0.0), torch.where(valid, entropy, 0.0)
 
 
@@ -345,15 +358,16 @@ class GRPO:
 
     def _training_batches(self, prompts, completions: Completions, advantages) -> list[Batch]:
         """(inputs, labels, micro index) of each micro-batch: prompt then completion, padded on the right to
-        the micro-batch's longest, the labels the completion's tokens; the reference's log-probs now."""
+        the micro-batch's longest (and, under TP, to a multiple of its degree: sequence parallelism splits
+        each sequence evenly over the tp ranks), the labels the completion's tokens; the reference's log-probs now."""
         g, device, n = self.settings, self.ctx.device, self.settings.num_generations
         size = self.plan.config.training.local_batch_size
-        pad = self.tokenizer.eos_id
+        pad, tp = self.tokenizer.eos_id, self.plan.dims.tp
         self.micro, batches = [], []
         for m in range(0, len(completions.ids), size):
             rows = range(m, min(m + size, len(completions.ids)))
             sequences = [prompts[k // n] + completions.ids[k] for k in rows]
-            width = max(len(s) for s in sequences) - 1
+            width = -(-(max(len(s) for s in sequences) - 1) // tp) * tp
             inputs = torch.full((len(rows), width), pad, dtype=torch.long)
             labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
             for r, (k, seq) in enumerate(zip(rows, sequences, strict=True)):
@@ -394,7 +408,7 @@ class GRPO:
         micro, loss_fn = self.micro[int(index)], self.loss
         with whole_sequence_context(self.plan, self.ctx.forward_context):
             logits = model_forward(self.ctx.parts, inputs, None)
-        logps, entropy = token_logps(logits, labels, self.settings.temperature)
+            logps, entropy = token_logps(logits, labels, self.settings.temperature)
         # One optimizer step per generation: the policy is its own old policy.
         old = micro.old_logps if micro.old_logps is not None else logps.detach()
         mask = micro.mask
