@@ -358,16 +358,21 @@ class GRPO:
 
     def _training_batches(self, prompts, completions: Completions, advantages) -> list[Batch]:
         """(inputs, labels, micro index) of each micro-batch: prompt then completion, padded on the right to
-        the micro-batch's longest (and, under TP, to a multiple of its degree: sequence parallelism splits
-        each sequence evenly over the tp ranks), the labels the completion's tokens; the reference's log-probs now."""
+        the step's longest over every data-parallel rank (so a layout routes the padding as one process does:
+        an MoE router counts it) and, under TP, to a multiple of its degree (sequence parallelism splits each
+        sequence evenly over the tp ranks); the labels the completion's tokens; the reference's log-probs now."""
         g, device, n = self.settings, self.ctx.device, self.settings.num_generations
         size = self.plan.config.training.local_batch_size
         pad, tp = self.tokenizer.eos_id, self.plan.dims.tp
+        longest = max(len(prompts[k // n]) + len(c) for k, c in enumerate(completions.ids)) - 1
+        longest = torch.tensor(longest, device=device)
+        if self.dp_group is not None:
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.dp_group)
+        width = -(-int(longest) // tp) * tp
         self.micro, batches = [], []
         for m in range(0, len(completions.ids), size):
             rows = range(m, min(m + size, len(completions.ids)))
             sequences = [prompts[k // n] + completions.ids[k] for k in rows]
-            width = -(-(max(len(s) for s in sequences) - 1) // tp) * tp
             inputs = torch.full((len(rows), width), pad, dtype=torch.long)
             labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
             for r, (k, seq) in enumerate(zip(rows, sequences, strict=True)):
