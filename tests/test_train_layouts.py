@@ -85,7 +85,7 @@ batch's std) put grpo_fsdp2's step-1 loss 22% off (-0.141 against -0.182); dapo 
 completion tokens (no all-reduce) put grpo_fsdp2's and grpo_ep2's at -0.045. Pipeline parallelism is
 refused at start (`grpo_pp`: the step scores tokens on one whole model part), as is generating under TP
 (`grpo_tp2_generating`: the titan engine generates under data parallelism only). The GRPO rows cost about
-9 CPU-seconds on rank 0 (17 s of wall time in the launches they join, loaded machine; 2026-12-02).
+9.5 CPU-seconds on rank 0 (17 to 35 s of wall time in the launches they join, loaded machine; 2026-12-02).
 
 Muon (`optimizer.name = "Muon"`) under FSDP 2, TP 2, PP 2 (1F1B), HSDP (2 x 2), FSDP 2 x TP 2 and, on the qwen3 MoE cut,
 EP 2 and EP 2 x ETP 2 (= TP 2; each expert's matrix split, gathered whole), against Muon in one process, with
