@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,6 +148,34 @@ def test_an_image_text_folder_imports_its_text_weights_and_says_the_tower_is_ski
     with torch.no_grad():
         expected = full(input_ids=tokens).logits
         assert _relative(ours(tokens), expected) <= 1e-5
+
+
+PUBLISHED = Path(__file__).parent / "published_configs"
+PUBLISHED_FLAVORS = {
+    "0.8B": "Qwen3.5-0.8B",
+    "4B": "Qwen3.5-4B",
+    "9B": "Qwen3.5-9B",
+    "27B": "Qwen3.5-27B",
+    "35B-A3B": "Qwen3.5-35B-A3B",
+    "397B-A17B": "Qwen3.5-397B-A17B",
+}
+
+
+@pytest.mark.parametrize(("flavor", "published"), PUBLISHED_FLAVORS.items())
+def test_each_published_flavor_is_the_model_its_config_json_describes(flavor, published):
+    """The image-text folder's config.json (tests/published_configs; the sources of each copy are named in
+    its README) read by Titan gives the flavor's args, and no field that changes the function differs.
+    Planted: the 9B flavor with 48 linear value heads fails it."""
+    config = json.loads((PUBLISHED / f"{published}.json").read_text())
+    args = qwen3_5_args(flavor)
+    assert hf_config_differences(args, config) == []
+    assert args_from_hf_config(config, max_seq_len=args.max_seq_len) == args
+    text = config["text_config"]
+    assert list(args.block_types) == text["layer_types"]
+    assert (args.linear_num_key_heads, args.linear_num_value_heads) == (
+        text["linear_num_key_heads"],
+        text["linear_num_value_heads"],
+    )
 
 
 def test_published_flavors_match_their_configs():

@@ -1,9 +1,9 @@
 """Named Qwen3.5 shapes: debug flavors for the bundled test tokenizer, and published sizes.
 
-The published shapes are those of the Hugging Face configs (`text_config` of Qwen/Qwen3.5-27B and
-Qwen/Qwen3.5-35B-A3B, as restated by public training scripts and tools): 248,320 tokens, head_dim 256 with
-a quarter of it rotated (rope theta 10,000,000), RMSNorm epsilon 1e-6, a full-attention layer every 4th,
-linear layers of 16 query/key heads of 128; context 262,144.
+The published shapes are those of the Hugging Face configs (the `text_config` of each Qwen/Qwen3.5-* folder,
+as restated by public tools; copies in titan-models' tests/published_configs): 248,320 tokens, head_dim 256
+with a quarter of it rotated (rope theta 10,000,000), RMSNorm epsilon 1e-6, a full-attention layer every
+4th, linear layers of 16 query/key heads of 128; context 262,144. The small ones tie their embeddings.
 """
 
 from __future__ import annotations
@@ -39,6 +39,35 @@ QWEN3_5_FLAVORS: dict[str, Qwen3_5Args] = {
     "debugmodel_moe": Qwen3_5Args(
         **_DEBUG, moe_inter_dim=128, shared_hidden_dim=128, moe_args=qwen3_5_moe_args(8, 2)
     ),
+    "0.8B": Qwen3_5Args(
+        dim=1024,
+        n_layers=24,
+        n_heads=8,
+        n_kv_heads=2,
+        hidden_dim=3584,
+        linear_num_value_heads=16,
+        tie_word_embeddings=True,
+        **_PUBLISHED,
+    ),
+    "4B": Qwen3_5Args(
+        dim=2560,
+        n_layers=32,
+        n_heads=16,
+        n_kv_heads=4,
+        hidden_dim=9216,
+        linear_num_value_heads=32,
+        tie_word_embeddings=True,
+        **_PUBLISHED,
+    ),
+    "9B": Qwen3_5Args(
+        dim=4096,
+        n_layers=32,
+        n_heads=16,
+        n_kv_heads=4,
+        hidden_dim=12288,
+        linear_num_value_heads=32,
+        **_PUBLISHED,
+    ),
     "27B": Qwen3_5Args(
         dim=5120,
         n_layers=64,
@@ -58,6 +87,18 @@ QWEN3_5_FLAVORS: dict[str, Qwen3_5Args] = {
         moe_inter_dim=512,
         shared_hidden_dim=512,
         moe_args=qwen3_5_moe_args(256, 8),
+        **_PUBLISHED,
+    ),
+    "397B-A17B": Qwen3_5Args(
+        dim=4096,
+        n_layers=60,
+        n_heads=32,
+        n_kv_heads=2,
+        hidden_dim=0,
+        linear_num_value_heads=64,
+        moe_inter_dim=1024,
+        shared_hidden_dim=1024,
+        moe_args=qwen3_5_moe_args(512, 10),
         **_PUBLISHED,
     ),
 }
