@@ -13,7 +13,8 @@
 # Fault tolerance (torchft; docs/fault_tolerance.md): FT_REPLICA_GROUPS=N starts N replica groups of NGPU
 # ranks on this node, one torchrun each with its --fault_tolerance.replica_id (with GPUs, each group its
 # own NGPU devices), and a torchft lighthouse for them unless TORCHFT_LIGHTHOUSE names one
-# (FT_LIGHTHOUSE_PORT, default 29510); the status is the highest a group exits with. torchtitan's way,
+# (FT_LIGHTHOUSE_PORT, default 29510; FT_LIGHTHOUSE_MIN_REPLICAS, default 1: the groups a quorum waits for
+# before it forms, so that a group that starts first does not train steps alone); the status is the highest a group exits with. torchtitan's way,
 # one group per call with TORCHFT_LIGHTHOUSE set and the --fault_tolerance flags, works unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,7 +65,7 @@ if [ "${FT_REPLICA_GROUPS}" != "0" ]; then
     if [ -z "${TORCHFT_LIGHTHOUSE:-}" ]; then
         port=${FT_LIGHTHOUSE_PORT:-29510}
         if command -v torchft_lighthouse >/dev/null 2>&1; then LIGHTHOUSE=(torchft_lighthouse); else LIGHTHOUSE=(uv run torchft_lighthouse); fi
-        "${LIGHTHOUSE[@]}" --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000 --bind "[::]:${port}" &
+        "${LIGHTHOUSE[@]}" --min_replicas "${FT_LIGHTHOUSE_MIN_REPLICAS:-1}" --quorum_tick_ms 100 --join_timeout_ms 10000 --bind "[::]:${port}" &
         lighthouse=$!
         trap 'kill "${lighthouse}" 2>/dev/null || true' EXIT
         export TORCHFT_LIGHTHOUSE="http://localhost:${port}"

@@ -80,7 +80,11 @@ def _titan_launch(dump: Path, flags: list[str]) -> subprocess.CompletedProcess:
     """Titan's launch of every group and the lighthouse: FT_REPLICA_GROUPS=2 apps/run_train.sh."""
     port = str(_free_port())
     argv = [str(REPO / "apps" / "run_train.sh"), "--job.dump_folder", str(dump), *_cut(), *flags]
-    env = _env(FT_REPLICA_GROUPS=str(GROUPS), FT_LIGHTHOUSE_PORT=port, LOG_RANK="0")
+    # The lighthouse forms no quorum without both groups: a group that started first would otherwise train
+    # uncommitted steps alone (their batches lost, as torchft does), as many as the other's start took.
+    env = _env(
+        FT_REPLICA_GROUPS=str(GROUPS), FT_LIGHTHOUSE_PORT=port, FT_LIGHTHOUSE_MIN_REPLICAS="2", LOG_RANK="0"
+    )
     env.pop(LIGHTHOUSE_ENV, None)
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
@@ -129,6 +133,7 @@ def test_a_whole_job_resume_gives_each_group_its_own_data_and_the_uninterrupted_
     for group in range(GROUPS):
         before, after = _records(whole, group), _records(resumed, group)
         assert sorted(after) == [11, 12]
+        assert before[12]["ft_uncommitted_steps"] == after[12]["ft_uncommitted_steps"] == 0, (before, after)
         for step in (11, 12):
             got = (after[step]["loss"], after[step]["grad_norm"])
             want = (before[step]["loss"], before[step]["grad_norm"])
