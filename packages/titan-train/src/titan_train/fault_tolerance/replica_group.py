@@ -69,6 +69,7 @@ class ReplicaGroup:
         self._began = 0.0
         self._step_at_begin = 0
         self._healed_bytes = 0
+        self._asked = False  # whether this process has asked for a quorum (begin_step)
         # torchft meets the group's ranks in torchrun's store; a run started without torchrun (one rank)
         # gets a store of its own.
         self._store = None
@@ -126,6 +127,7 @@ class ReplicaGroup:
         self._began = time.perf_counter()
         self._step_at_begin = self.manager.current_step()
         self._healed_bytes = 0
+        self._asked = True
         if self.counts.quorum_size == 0:  # this process's first step: the group (re)joins the quorum here
             logger.info(
                 "fault tolerance: replica group %d asks the lighthouse for its first quorum",
@@ -191,11 +193,11 @@ class ReplicaGroup:
 
     def writes_checkpoints(self) -> bool:
         """Whether this group writes the shared full checkpoint now: the group that is rank 0 of the last
-        quorum (the same answer on every rank of a group; none while healing). Before a semi-synchronous
-        run's first sync there is no quorum yet: group 0 writes."""
+        quorum (the same answer on every rank of a group; none while healing). Before the first quorum
+        (a seed checkpoint, a semi-synchronous run's steps before its first sync) group 0 writes."""
         rank = self.manager.participating_rank()
         if rank is None:
-            return self.semi_sync and self.settings.replica_id == 0
+            return self.settings.replica_id == 0 and (self.semi_sync or not self._asked)
         return rank == 0
 
     def record_digest(self, step: int) -> str:
