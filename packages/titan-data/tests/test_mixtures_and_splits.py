@@ -27,7 +27,7 @@ from titan_data import (
     split_rows,
 )
 from titan_data.chat.dataset import Example
-from titan_data.chat.dataset_rows import read_rows
+from titan_data.chat.rows import read_chat_rows
 
 
 def _jsonl(path, texts):
@@ -177,9 +177,9 @@ def test_chat_rows_load_from_save_to_disk_and_a_named_split(tmp_path):
         }
     )
     splits.save_to_disk(tmp_path / "chat")
-    train = [row.messages for row in read_rows(tmp_path / "chat", RowFields())]
+    train = [row.messages for row in read_chat_rows(tmp_path / "chat", RowFields())]
     assert train == [conversation(i) for i in range(4)]
-    test = [row.messages for row in read_rows(tmp_path / "chat", RowFields(), "test")]
+    test = [row.messages for row in read_chat_rows(tmp_path / "chat", RowFields(), "test")]
     assert test == [[{"role": "user", "content": "p"}, {"role": "assistant", "content": "c"}]]
 
 

@@ -43,6 +43,7 @@ PREFERENCE = {"training.dataset": "preference", "training.dataset_path": str(CHA
 UNCONSTRAINED = {
     "job.description": "free text, only shown to people",
     "comm.save_traces_file_prefix": "any file-name prefix, the empty one included",
+    "grpo.system_prompt": "free text the policy is shown, the empty one (none) included",
 }
 
 # Values only a lookup elsewhere refuses (registries, importable modules, signal names): (value, other

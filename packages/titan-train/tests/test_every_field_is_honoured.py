@@ -581,9 +581,11 @@ def preference_files(root: Path) -> None:
 def prompt_files(root: Path) -> None:
     """Six conversational prompts (two longer than 40 tokens once rendered), two reward functions of
     continuous value, and rollouts recorded for steps 1 and 2 (three ids per completion)."""
-    rows = [{"prompt": [{"role": "user", "content": f"What is {a} plus {b}?" + " Think." * c}]} for a, b, c in
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a} plus {b}?" + " Think." * c}],
+             "question": f"Add {a} and {b}."} for a, b, c in
             ((1, 2, 0), (2, 2, 9), (3, 4, 0), (5, 1, 12), (6, 1, 1), (2, 7, 2))]  # fmt: skip
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _gsm8k_repository(root / "gsm8k")
     (root / "probe_rewards.py").write_text(
         "def length(completion_ids, **_):\n    return [len(c) / 8 for c in completion_ids]\n\n"
         "def vowels(completions, **_):\n"
@@ -594,6 +596,22 @@ def prompt_files(root: Path) -> None:
         for step in (1, 2) for i in range(len(rows)) for k in range(2)
     ]  # fmt: skip
     (root / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def _gsm8k_repository(root: Path) -> None:
+    """A dataset repository laid out as openai/gsm8k is on the Hub: configurations main (the default) and
+    socratic named in the README, each with a train parquet file of `question` and `answer` columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    readme = ["---", "configs:"]
+    for config in ("main", "socratic"):
+        readme += [f"- config_name: {config}", *["  default: true"] * (config == "main"), "  data_files:"]
+        readme += ["  - split: train", f"    path: {config}/train-*"]
+        (root / config).mkdir(parents=True)
+        rows = [{"question": f"{config}: what is {a} plus 1?", "answer": f"#### {a + 1}"} for a in range(6)]
+        pq.write_table(pa.Table.from_pylist(rows), root / config / "train-00000-of-00001.parquet")
+    (root / "README.md").write_text("\n".join([*readme, "---", ""]))
 
 
 def grpo_loss(s: Seen) -> Any:
@@ -757,6 +775,12 @@ PROBES: dict[str, Probe] = {
     ),
     "training.dataset_split": Probe(
         ("--training.dataset_split", "test"), first_batch, base=SPLITS, prepare=split_files
+    ),
+    "training.dataset_config": Probe(  # GSM8K's socratic rows instead of its default, main
+        ("--training.dataset_config", "socratic"),
+        first_batch,
+        base=(*PROMPTS, "--training.dataset_path", "gsm8k", "--grpo.prompt_field", "question"),
+        prepare=prompt_files,
     ),
     "training.dataset_mixture": Probe(  # from one file mixed with itself to two files
         ("--training.dataset_mixture", "docs.jsonl,docs2.jsonl"),
@@ -1348,6 +1372,18 @@ PROBES: dict[str, Probe] = {
     ),
     "grpo.num_generations": Probe(
         ("--grpo.num_generations", "4"), metrics, base=PROMPTS, train=True, prepare=prompt_files
+    ),
+    "grpo.prompt_field": Probe(
+        ("--grpo.prompt_field", "question"), first_batch, base=PROMPTS, prepare=prompt_files
+    ),
+    "grpo.text_prompts": Probe(
+        ("--grpo.text_prompts", "user_turn"),
+        first_batch,
+        base=(*PROMPTS, "--grpo.prompt_field", "question"),
+        prepare=prompt_files,
+    ),  # fmt: skip
+    "grpo.system_prompt": Probe(
+        ("--grpo.system_prompt", "Answer with a number."), first_batch, base=PROMPTS, prepare=prompt_files
     ),
     "grpo.max_prompt_length": Probe(
         ("--grpo.max_prompt_length", "30"), metrics, base=PROMPTS, train=True, prepare=prompt_files

@@ -29,6 +29,7 @@ _HOME = {
     "PackedTokenDataset": "titan_data.datasets.packed",
     "PROMPTS": "titan_data.datasets.registry",
     "Prompt": "titan_data.prompts.rows",
+    "PromptFields": "titan_data.prompts.rows",
     "PromptDataset": "titan_data.prompts.dataset",
     "RetryPolicy": "titan_data.datasets.http_files",
     "RowFields": "titan_data.chat.rows",
@@ -79,6 +80,7 @@ __all__ = [
     "PROMPTS",
     "Prompt",
     "PromptDataset",
+    "PromptFields",
     "RetryPolicy",
     "RowFields",
     "RowsSource",
@@ -146,7 +148,7 @@ if TYPE_CHECKING:
     from titan_data.preference.dataset import PreferenceDataset
     from titan_data.preference.pairs import load_pairs
     from titan_data.prompts.dataset import PromptDataset
-    from titan_data.prompts.rows import Prompt, load_prompts
+    from titan_data.prompts.rows import Prompt, PromptFields, load_prompts
     from titan_data.shards.index import ShardIndex
     from titan_data.tokenize_job import tokenize_to_shards
     from titan_data.tokenizers.base import Tokenizer

@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from titan_data.chat.dataset_rows import read_rows
 from titan_data.chat.masks import LOSS_ON, tokenize_conversation
-from titan_data.chat.rows import RowFields
+from titan_data.chat.rows import RowFields, read_chat_rows
 from titan_data.chat.template import ChatTemplate
 from titan_data.datasets.windows import ONE_RANK, StreamLayout, WindowDataset
 from titan_data.errors import DataError
@@ -69,14 +68,15 @@ def load_examples(
     options: ChatOptions,
     *,
     split: str = "",
+    config: str = "",
     keep_row: Callable[[int], bool] | None = None,
 ) -> list[Example]:
-    """Every conversation at `path` (its `split`, where it has splits), tokenised and masked, over-long ones
+    """Every conversation at `path` (its `split` and hub `config`, where it has them), tokenised and masked, over-long ones
     truncated or dropped; counts logged. `keep_row(i)` chooses rows by their number in the source, before
     any is dropped (a held-out share: see `datasets.holdout`)."""
     examples: list[Example] = []
     truncated = dropped = skipped = 0
-    for number, row in enumerate(read_rows(path, options.fields, split)):
+    for number, row in enumerate(read_chat_rows(path, options.fields, split, config)):
         if keep_row is not None and not keep_row(number):
             continue
         try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from titan_data.datasets.hf_datasets import is_dataset_repository, is_saved_dataset, load_rows
 from titan_data.errors import DataError
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
@@ -200,10 +201,26 @@ def raw_rows(path: str | Path) -> Iterator[tuple[Any, str]]:
         yield from rows
 
 
-def read_chat_rows(path: str | Path, fields: RowFields) -> Iterator[ChatRow | DataError]:
-    """Every row of the chat data at `path` (local files, else a hub dataset id), in order; a bad row
-    comes as the DataError that names it, so the caller decides whether it stops the run."""
-    for row, where in raw_rows(path):
+def rows_at(path: str | Path, split: str = "", config: str = "") -> Iterator[tuple[Any, str]]:
+    """Every row at `path` as (row, where), in order: plain local files and a hub id's train split as
+    `raw_rows` reads them; a `save_to_disk` folder, a copy of a Hub dataset repository, a named `split`
+    or a hub `config` through `datasets` (`hf_datasets.load_rows`). Chat rows, preference pairs and prompts
+    all read their sources here."""
+    if not (split or config or is_saved_dataset(path) or is_dataset_repository(path)):
+        yield from raw_rows(path)
+        return
+    named = [f"split {split}"] * bool(split) + [f"configuration {config}"] * bool(config)
+    where = f"{path} ({', '.join(named)})" if named else str(path)
+    for i, row in enumerate(load_rows(path, split, config)):
+        yield row, f"{where} row {i}"
+
+
+def read_chat_rows(
+    path: str | Path, fields: RowFields, split: str = "", config: str = ""
+) -> Iterator[ChatRow | DataError]:
+    """Every chat row at `path` (see `rows_at`), in order; a bad row comes as the DataError that names
+    it, so the caller decides whether it stops the run."""
+    for row, where in rows_at(path, split, config):
         if isinstance(row, DataError):
             yield row
             continue

@@ -30,12 +30,31 @@ def is_saved_dataset(path: str | Path | None) -> bool:
     return (folder / "state.json").is_file() and any(folder.glob("data-*.arrow"))
 
 
-def load_rows(path: str | Path, split: str = "") -> Any:
+def is_dataset_repository(path: str | Path | None) -> bool:
+    """Whether `path` is a local copy of a Hub dataset repository whose README names its configurations
+    (a YAML `configs:` list, as openai/gsm8k publishes main and socratic): `datasets` reads those, where
+    the folder's files read one by one would mix every configuration and split."""
+    readme = Path(path) / "README.md" if path is not None else None
+    if readme is None or not readme.is_file():
+        return False
+    text = readme.read_text(errors="replace")
+    if not text.startswith("---"):
+        return False
+    front = text[3:].split("\n---", 1)[0]
+    return any(line.startswith("configs:") for line in front.splitlines())
+
+
+def load_rows(path: str | Path, split: str = "", config: str = "") -> Any:
     """The rows of `path` as a `datasets.Dataset`: a `save_to_disk` folder (its `split` when it holds
-    several), else `datasets.load_dataset(path, split=split or "train")`."""
+    several), else `datasets.load_dataset(path, config, split=split or "train")`: `config` names one of a
+    hub dataset's configurations (GSM8K's "main" or "socratic"), as `load_dataset`'s `name` does."""
     import datasets  # imported here: plain files need none of it
 
     if is_saved_dataset(path):
+        if config:
+            raise DataError(
+                f"dataset: {path} is a saved dataset, which has no configurations; leave dataset_config empty"
+            )
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             return _pick_split(loaded, path, split)
@@ -46,11 +65,12 @@ def load_rows(path: str | Path, split: str = "") -> Any:
             )
         return loaded
     try:
-        return datasets.load_dataset(str(path), split=split or "train")
+        return datasets.load_dataset(str(path), config or None, split=split or "train")
     except Exception as err:  # the hub client and the builders raise many types; the message says what
+        which = f"split '{split or 'train'}'" + (f" of configuration '{config}'" if config else "")
         raise DataError(
-            f"dataset: cannot load split '{split or 'train'}' of {path} ({type(err).__name__}: {err}); "
-            "check dataset_split and dataset_path"
+            f"dataset: cannot load {which} of {path} ({type(err).__name__}: {err}); "
+            "check dataset_split, dataset_config and dataset_path"
         ) from None
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from titan_data.chat.rows import _check_message, raw_rows
+from titan_data.chat.rows import _check_message, rows_at
 from titan_data.errors import DataError
 
 COMPLETIONS = ("chosen", "rejected")
@@ -100,10 +100,10 @@ def row_to_pair(row: Any, where: str) -> PreferenceRow:
     return PreferenceRow(prompt_turns, chosen_turns, rejected_turns, where)
 
 
-def read_preference_rows(path: str | Path) -> Iterator[PreferenceRow | DataError]:
+def read_preference_rows(path: str | Path, config: str = "") -> Iterator[PreferenceRow | DataError]:
     """Every pair at `path` (the sources chat data reads: local files or a hub dataset id), in order; a
     bad row comes as the DataError that names it, so the caller decides whether it stops the run."""
-    for row, where in raw_rows(path):
+    for row, where in rows_at(path, config=config):
         if isinstance(row, DataError):
             yield row
             continue

@@ -1,9 +1,11 @@
 """Prompt rows in TRL's prompt-only layout, tokenised as the policy will continue them.
 
-A row's `prompt` is a conversation (a list of turns, rendered by the model's chat template with its
-generation prompt, and the row's `tools` if any) or plain text (tokenised as the tokenizer frames a
-document: BOS where it adds one, no template), as TRL's `GRPOTrainer` treats the two. Every other column
-is kept for the reward functions. A prompt longer than `max_length` tokens keeps its last `max_length`
+A row's `prompt` (or the column `PromptFields.prompt` names: GSM8K's `question`) is a conversation (a
+list of turns, rendered by the model's chat template with its generation prompt, and the row's `tools` if
+any) or plain text (tokenised as the tokenizer frames a document: BOS where it adds one, no template), as
+TRL's `GRPOTrainer` treats the two; plain text can instead be framed as a user turn, and a system turn put
+first, so that a chat model sees a text dataset the way it was tuned. Every other column is kept for the
+reward functions. A prompt longer than `max_length` tokens keeps its last `max_length`
 (overlong "truncate", so the generation prompt survives) or is dropped ("drop"); both are counted and said.
 """
 
@@ -16,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from titan_data.chat.rows import TOOLS_FIELD, _check_message, _row_tools, raw_rows
+from titan_data.chat.rows import TOOLS_FIELD, _check_message, _row_tools, rows_at
 from titan_data.chat.template import ChatTemplate
 from titan_data.errors import DataError
 from titan_data.tokenizers.base import Tokenizer
@@ -25,6 +27,16 @@ logger = logging.getLogger(__name__)
 
 PROMPT_FIELD = "prompt"
 OVERLONG = ("truncate", "drop")
+
+
+@dataclass(frozen=True)
+class PromptFields:
+    """Where a row holds its prompt, and how plain text is framed: as it is (TRL's way), or as a user turn
+    (`text_as_turn`); `system`, where given, is put first as a system turn in a conversation without one."""
+
+    prompt: str = PROMPT_FIELD
+    text_as_turn: bool = False
+    system: str = ""
 
 
 @dataclass(frozen=True)
@@ -41,19 +53,37 @@ class Prompt:
         return not isinstance(self.prompt, str)
 
 
-def _prompt_value(row: Any, where: str) -> str | list[dict[str, Any]]:
+def _prompt_value(row: Any, where: str, name: str) -> str | list[dict[str, Any]]:
     if not isinstance(row, dict):
         raise DataError(f"dataset: {where} is a {type(row).__name__}, not an object with fields")
-    prompt = row.get(PROMPT_FIELD)
+    prompt = row.get(name)
     if prompt is None:
-        raise DataError(f"dataset: {where}: no '{PROMPT_FIELD}' field (fields: {', '.join(map(str, row))})")
+        raise DataError(f"dataset: {where}: no '{name}' field (fields: {', '.join(map(str, row))})")
     if isinstance(prompt, str):
         if not prompt.strip():
-            raise DataError(f"dataset: {where}: '{PROMPT_FIELD}' is empty")
+            raise DataError(f"dataset: {where}: '{name}' is empty")
         return prompt
     if not isinstance(prompt, list) or not prompt:
-        raise DataError(f"dataset: {where}: '{PROMPT_FIELD}' must be text or a non-empty list of turns")
-    return [_check_message(turn, where, PROMPT_FIELD) for turn in prompt]
+        raise DataError(f"dataset: {where}: '{name}' must be text or a non-empty list of turns")
+    return [_check_message(turn, where, name) for turn in prompt]
+
+
+def framed(
+    prompt: str | list[dict[str, Any]], fields: PromptFields, where: str
+) -> str | list[dict[str, Any]]:
+    """The prompt as the policy is shown it: plain text as a user turn where asked, the system turn first."""
+    if isinstance(prompt, str) and fields.text_as_turn:
+        prompt = [{"role": "user", "content": prompt}]
+    if not fields.system:
+        return prompt
+    if isinstance(prompt, str):
+        raise DataError(
+            f"dataset: {where}: '{fields.prompt}' is plain text, which has no turns to put a system prompt "
+            "before; frame it as a user turn (grpo.text_prompts = 'user_turn') or leave the system prompt empty"
+        )
+    if prompt[0]["role"] == "system":
+        return prompt
+    return [{"role": "system", "content": fields.system}, *prompt]
 
 
 def prompt_ids(
@@ -74,19 +104,24 @@ def load_prompts(
     tokenizer: Tokenizer,
     max_length: int,
     *,
+    fields: PromptFields | None = None,
+    split: str = "",
+    config: str = "",
     overlong: str = "truncate",
     bad_rows: str = "stop",
 ) -> list[Prompt]:
-    """Every prompt at `path` (local .jsonl/.json/.parquet files or a hub dataset id), in order."""
+    """Every prompt at `path` (local .jsonl/.json/.parquet files, a saved dataset, or a hub dataset id with
+    its `split` and `config`), in order."""
     if overlong not in OVERLONG:
         raise DataError(f"dataset: overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
+    fields = fields or PromptFields()
     prompts: list[Prompt] = []
     truncated = dropped = skipped = 0
-    for row, where in raw_rows(path):
+    for row, where in rows_at(path, split, config):
         try:
             if isinstance(row, DataError):
                 raise row
-            prompt = _prompt_value(row, where)
+            prompt = framed(_prompt_value(row, where, fields.prompt), fields, where)
             tools = _row_tools(row, where) if not isinstance(prompt, str) else None
             ids = prompt_ids(prompt, template, tokenizer, tools)
         except DataError as err:
@@ -101,7 +136,7 @@ def load_prompts(
                 continue
             truncated += 1
             ids = ids[-max_length:]
-        columns = {k: v for k, v in row.items() if k not in (PROMPT_FIELD, TOOLS_FIELD)}
+        columns = {k: v for k, v in row.items() if k not in (fields.prompt, TOOLS_FIELD)}
         prompts.append(Prompt(np.asarray(ids, dtype=np.int64), prompt, columns, where))
     if truncated or dropped:
         logger.warning(
@@ -114,6 +149,6 @@ def load_prompts(
     if not prompts:
         raise DataError(
             f"dataset: {path} holds no usable prompt ({dropped} too long, {skipped} bad); check the rows' "
-            f"'{PROMPT_FIELD}' field or raise max_prompt_length"
+            f"'{fields.prompt}' field or raise max_prompt_length"
         )
     return prompts

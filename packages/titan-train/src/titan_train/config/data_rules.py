@@ -4,8 +4,10 @@ line where it cannot apply."""
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
+from titan_data import CHAT, PREFERENCE, PROMPTS
 from titan_train.config.sft_section import is_preference
 from titan_train.errors import ConfigError
 
@@ -35,6 +37,8 @@ def data_choices_fit(config: Any) -> None:
                 f"config: {', '.join(given)} not supported with training.dataset = 'preference' yet: give the pairs "
                 "as one training.dataset_path (a file or folder of the split you want) and set training.steps"
             )
+    if t.dataset_config:
+        hub_config_fits(t)
     if t.dataset_mixture:
         if t.dataset_path:
             raise ConfigError(
@@ -73,3 +77,24 @@ def data_choices_fit(config: Any) -> None:
                 "config: validation.holdout_share splits one text or chat source by row; it does not apply to "
                 "training.dataset = 'token_shards' or to a training.dataset_mixture"
             )
+
+
+def hub_config_fits(t: Any) -> None:
+    """training.dataset_config names a configuration of rows read by hub id: chat, preference or prompts
+    from one dataset_path, a hub id or a local copy of its repository (whose README names the
+    configurations), not a plain file."""
+    if t.dataset not in (CHAT, PREFERENCE, PROMPTS):
+        raise ConfigError(
+            f"config: training.dataset_config applies to chat, preference or prompts rows read by hub id, not "
+            f"training.dataset = {t.dataset!r}; remove it"
+        )
+    if t.dataset_mixture or not t.dataset_path:
+        raise ConfigError(
+            "config: training.dataset_config names a configuration of one hub dataset: give its id as "
+            "training.dataset_path (not a dataset_mixture)"
+        )
+    if Path(t.dataset_path).is_file():
+        raise ConfigError(
+            f"config: training.dataset_config set, but training.dataset_path {t.dataset_path} is a file, which has "
+            "no configurations; remove dataset_config, or give a hub dataset id or a local copy of its repository"
+        )

@@ -26,6 +26,7 @@ MAX_LAYERS = 10_000
 # Patterns: (regular expression the whole value matches, how it reads).
 MODULE_NAME = (r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "an importable module name")
 SPLIT_NAME = (r"[\w.-]+", "a split name (train, test, validation, ...)")
+CONFIG_NAME = (r"[\w.-]+", "a dataset configuration name (main, socratic, en, ...)")
 MODULE_PATH = (r"[\w*]+(\.[\w*]+)*", "a module name as named_modules() spells it")
 
 # Each bound: its `opt` keyword, how it reads, and whether a value falls outside it.

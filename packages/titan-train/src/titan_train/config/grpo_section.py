@@ -16,10 +16,12 @@ from typing import Any
 from titan_data import PROMPTS
 from titan_train.config.converters import LORA
 from titan_train.config.fields import opt
+from titan_train.config.sft_section import FIELD_NAME
 from titan_train.errors import ConfigError
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 ENGINES = ("titan", "vllm")
+TEXT_PROMPTS = ("raw", "user_turn")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 VLLM_INSTALL = "uv sync --project apps/vllm --locked"
 
@@ -35,6 +37,21 @@ class GRPO:
         8, "(Titan) Completions sampled per prompt: a group, whose rewards set each other's advantage",
         minimum=2, maximum=4096,
     )  # fmt: skip
+    prompt_field: str = opt(
+        "prompt", "(Titan) Column holding a row's prompt (TRL's layout: prompt; GSM8K: question)",
+        pattern=FIELD_NAME,
+    )  # fmt: skip
+    text_prompts: str = opt(
+        "raw",
+        "(Titan) A plain-text prompt is tokenised as it is (raw, TRL's way) or framed as a user turn and "
+        "rendered by the chat template with its generation prompt (user_turn: a chat model on a text dataset)",
+        choices=TEXT_PROMPTS,
+    )
+    system_prompt: str = opt(
+        "",
+        "(Titan) A system turn put first in every conversational prompt that has none (plain text needs "
+        "text_prompts = user_turn); empty: none",
+    )
     max_prompt_length: int = opt(
         512, "(Titan) Longest prompt in tokens (chat template and generation prompt included)", minimum=1,
         maximum=1 << 20,

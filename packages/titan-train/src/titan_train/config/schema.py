@@ -12,6 +12,7 @@ from titan_train.config.converters import CONVERTERS
 from titan_train.config.custom_module import import_user_module
 from titan_train.config.fault_tolerance_section import FaultTolerance
 from titan_train.config.fields import (
+    CONFIG_NAME,
     MAX_RANKS,
     MAX_SECONDS,
     MAX_SEQ_LEN,
@@ -218,6 +219,13 @@ class Training:
         "(Titan) Split to read: of a hub dataset, a save_to_disk DatasetDict, or a folder whose files are named "
         "by split (train-*.parquet, test/...); c4: train or validation; empty: train (or the only split)",
         pattern=SPLIT_NAME,
+        sentinels=("",),
+    )
+    dataset_config: str = opt(
+        "",
+        "(Titan) Configuration of a hub dataset's rows (chat, preference or prompts read by hub id), as "
+        "datasets.load_dataset's name and TRL's dataset_config: GSM8K's main or socratic; empty: its default",
+        pattern=CONFIG_NAME,
         sentinels=("",),
     )
     dataset_mixture: list[str] = opt(

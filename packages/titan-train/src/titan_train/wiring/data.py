@@ -12,6 +12,7 @@ from titan_data import (
     ChatOptions,
     PreferenceDataset,
     PromptDataset,
+    PromptFields,
     RowFields,
     StreamLayout,
     Tokenizer,
@@ -89,7 +90,14 @@ def _chat_examples(config: JobConfig, section, tokenizer: Tokenizer) -> tuple[li
     paths = section_paths(data)
     parts = [
         load_examples(
-            path, template, tokenizer, section.seq_len, options, split=data.dataset_split, keep_row=keep
+            path,
+            template,
+            tokenizer,
+            section.seq_len,
+            options,
+            split=data.dataset_split,
+            config=_hub_config(config, data),
+            keep_row=keep,
         )
         for path in paths
     ]
@@ -168,6 +176,7 @@ def _preference_pairs(config: JobConfig, section, tokenizer: Tokenizer) -> list:
         packing=s.packing,
         overlong=s.overlong,
         bad_rows=s.bad_rows,
+        config=_hub_config(config, section),
     )
 
 
@@ -187,9 +196,17 @@ def _prompts(config: JobConfig, section, tokenizer: Tokenizer) -> list:
         template,
         tokenizer,
         g.max_prompt_length,
+        fields=PromptFields(g.prompt_field, g.text_prompts == "user_turn", g.system_prompt),
+        split=section.dataset_split,
+        config=_hub_config(config, section),
         overlong=g.overlong_prompts,
         bad_rows=config.sft.bad_rows,
     )
+
+
+def _hub_config(config: JobConfig, section) -> str:
+    """A section's hub dataset configuration: training.dataset_config (validation data reads its default)."""
+    return config.training.dataset_config if section is config.training else ""
 
 
 def planned_steps(config: JobConfig, tokenizer: Tokenizer, dp_degree: int) -> int:
