@@ -204,3 +204,35 @@ def test_every_problem_of_a_bad_layout_is_listed_at_once():
 
 def test_a_world_size_the_degrees_do_not_divide_is_refused():
     assert run(["dry-run", "--ngpu", "12", "--parallelism.tensor_parallel_degree", "8"]) == 2
+
+
+def test_a_vllm_server_the_run_starts_is_counted_on_the_gpu_it_shares(caplog):
+    """GRPO with vLLM rollouts started by the run: the server claims grpo.vllm_gpu_memory_utilization of
+    rank 0's GPU, so the headroom there is the device less that share less rank 0's expected peak; a server
+    at a URL (GPUs of its own) is not counted. Planted: the share left out fails the first assertion."""
+    if not (Path("apps/vllm/.venv/bin/python").is_file()):
+        pytest.skip("the apps/vllm environment is not installed (uv sync --project apps/vllm --locked)")
+    base = [
+        "dry-run",
+        "--ngpu",
+        "2",
+        "--job.config_file",
+        "apps/configs/debug_grpo.toml",
+        "--grpo.engine",
+        "vllm",
+    ]
+    assert run([*base, "--grpo.vllm_gpu_memory_utilization", "0.3"]) == 0
+    text = _logged(caplog)
+    cap = float(re.search(r"headroom on H100 \(([\d.]+) GiB\)", text).group(1))
+    reserved = float(re.search(r"rank 0 \(pp stage 0\):.*expected peak reserved ([\d.]+) GiB", text).group(1))
+    share, left = map(
+        float,
+        re.search(
+            r"rank 0's GPU also holds the vLLM server .*\(([\d.]+) GiB.*: \+([\d.]+) GiB", text
+        ).groups(),
+    )
+    assert share == pytest.approx(0.3 * cap, abs=0.01)
+    assert left == pytest.approx(cap - share - reserved, abs=0.02)
+    caplog.clear()
+    assert run([*base, "--grpo.vllm_url", "http://127.0.0.1:8000"]) == 0
+    assert "vLLM server" not in _logged(caplog)

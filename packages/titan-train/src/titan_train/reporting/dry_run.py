@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from titan_parallel import ParallelDims
+from titan_train.config.grpo_section import is_prompts
 from titan_train.config.unsupported import UnsupportedConfigError, refuse_unsupported
 from titan_train.errors import ConfigError
 from titan_train.plan import ParamCounts, RunPlan, resolve
@@ -38,6 +39,7 @@ class DryRunReport:
     device_name: str = ""
     device_memory: int = 0
     levers: list[str] = field(default_factory=list)
+    rollout_share: int = 0  # bytes of rank 0's GPU a vLLM server the run starts holds (`rollout_share`)
 
     def lines(self, config: Any) -> list[str]:
         t = config.training
@@ -89,7 +91,28 @@ class DryRunReport:
         if need > cap:
             out.append("  over budget; levers that would make it fit:" if self.levers else "  over budget.")
             out += [f"    - {lever}" for lever in self.levers]
+        if self.rollout_share:
+            first = next((r for r in m.ranks if r.rank == 0), m.worst)
+            left = cap - self.rollout_share - m.expected_reserved(first)
+            out.append(
+                f"  rank 0's GPU also holds the vLLM server the run starts ({self.rollout_share / gib:.2f} GiB, "
+                f"grpo.vllm_gpu_memory_utilization of it): {left / gib:+.2f} GiB headroom there"
+                + (
+                    "; over budget: lower the share, or give grpo.vllm_url (a server on GPUs of its own)"
+                    if left < 0
+                    else ""
+                )
+            )
         return out
+
+
+def rollout_share(config: Any, capacity: int) -> int:
+    """What a vLLM server the run starts takes of the GPU it shares with rank 0 (vLLM claims its
+    gpu_memory_utilization of the whole device at start); 0 for the titan engine or a server at a URL."""
+    g = config.grpo
+    if not is_prompts(config.training) or g.engine != "vllm" or g.vllm_url is not None:
+        return 0
+    return int(g.vllm_gpu_memory_utilization * capacity)
 
 
 def _notes(config: Any) -> list[str]:
@@ -163,6 +186,7 @@ def dry_run(
         notes=_notes(config),
         device_name=device_name,
         device_memory=capacity,
+        rollout_share=rollout_share(config, capacity),
     )
     if memory.expected_reserved(memory.worst) > capacity:
         report.levers = memory_levers(plan, memory, capacity)
