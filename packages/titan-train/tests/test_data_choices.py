@@ -132,6 +132,26 @@ def test_validation_reads_the_held_out_rows_and_training_never_does(tmp_path, mo
             },
             "does not apply to training.dataset = 'token_shards' or to a training.dataset_mixture",
         ),
+        (
+            {"training.dataset_config": "main", "training.dataset": "json"},
+            "training.dataset_config applies to chat, preference or prompts rows read by hub id",
+        ),
+        (
+            {
+                "training.dataset_config": "main",
+                "training.dataset": "chat",
+                "training.dataset_mixture": ["a", "b"],
+            },
+            "names a configuration of one hub dataset",
+        ),
+        (
+            {
+                "training.dataset_config": "main",
+                "training.dataset": "chat",
+                "training.dataset_path": str(CHAT_ROWS),
+            },
+            "is a file, which has no configurations",
+        ),
     ],
 )
 def test_data_combinations_are_refused_in_one_line(settings, message):
