@@ -71,9 +71,9 @@ def load_examples(
     config: str = "",
     keep_row: Callable[[int], bool] | None = None,
 ) -> list[Example]:
-    """Every conversation at `path` (its `split` and hub `config`, where it has them), tokenised and masked, over-long ones
-    truncated or dropped; counts logged. `keep_row(i)` chooses rows by their number in the source, before
-    any is dropped (a held-out share: see `datasets.holdout`)."""
+    """Every conversation at `path` (its `split` and hub `config`, where it has them), tokenised and
+    masked, over-long ones truncated or dropped; counts logged. `keep_row(i)` chooses rows by their number
+    in the source, before any is dropped (a held-out share: see `datasets.holdout`)."""
     examples: list[Example] = []
     truncated = dropped = skipped = 0
     for number, row in enumerate(read_chat_rows(path, options.fields, split, config)):

@@ -76,9 +76,10 @@ def load_pairs(
     bad_rows: str = "stop",
     config: str = "",
 ) -> list[Pair]:
-    """Every pair at `path` (of hub configuration `config`, where it has them), tokenised and masked; counts logged. A pair is one unit: it must fit its
-    place, one row for both sequences when packed, a row for each when padded. `overlong = "truncate"`
-    cuts each sequence to seq_len inputs (padded); a pair that still does not fit is dropped and counted."""
+    """Every pair at `path` (of hub configuration `config`, where it has them), tokenised and masked;
+    counts logged. A pair is one unit: it must fit its place, one row for both sequences when packed, a
+    row for each when padded. `overlong = "truncate"` cuts each sequence to seq_len inputs (padded); a
+    pair that still does not fit is dropped and counted."""
     pairs: list[Pair] = []
     truncated = dropped = skipped = 0
     for row in read_preference_rows(path, config):

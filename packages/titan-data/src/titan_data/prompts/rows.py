@@ -41,7 +41,8 @@ class PromptFields:
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: its token ids, the prompt as the row gave it, the row's other columns, where it came from."""
+    """One prompt: its token ids, the prompt as the policy is shown it (the row's, framed by its
+    `PromptFields`), the row's other columns, where it came from."""
 
     ids: np.ndarray
     prompt: str | list[dict[str, Any]]
