@@ -31,7 +31,7 @@ class RotatesItsOwnAttention(Protocol):
 
 @runtime_checkable
 class KeepsPositionFunction(Protocol):
-    """A family whose rotary function depends on the table's length (DeepSeek's YaRN) resizes it itself."""
+    """A family whose rotary function depends on the table's length (YaRN) resizes it itself."""
 
     def with_positions(self, positions: int) -> Any: ...
 

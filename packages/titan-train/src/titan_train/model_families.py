@@ -1,10 +1,12 @@
-"""The mixture-of-experts families (DeepSeek-V3, Qwen3, Llama 4, gpt-oss, Qwen3.5), registered under torchtitan 0.2.2's
-model names (`--model.name deepseek_v3 --model.flavor debugmodel`).
+"""The families Titan ships (Llama 2 and 3, DeepSeek-V3, Qwen3, Llama 4, gpt-oss, Qwen3.5), registered under
+torchtitan 0.2.2's model names (`--model.name deepseek_v3 --model.flavor debugmodel`): the one titan-train
+module that names a family.
 
-`titan_train.registry` registers `MOE_FAMILIES` through `register_model_family`, as it does Llama's, so
-the names exist wherever the registry does. Parameter counts are the model's total
-(memory and checkpoints hold every expert); FLOPs per token count only the parameters a token goes
-through (`titan_models.moe.count_active_parameters`), so throughput and MFU are right for MoE.
+`titan_train.registry` registers `FAMILIES` through `register_model_family`, the function a user's own
+family goes through, so the names exist wherever the registry does. For the mixture-of-experts families,
+parameter counts are the model's total (memory and checkpoints hold every expert) and FLOPs per token count
+only the parameters a token goes through (`titan_models.moe.count_active_parameters`), so throughput and
+MFU are right for MoE.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import titan_models
 from titan_models import deepseek_v3, gpt_oss, llama4, qwen3, qwen3_5
 from titan_models.moe import count_active_parameters
 from titan_train.model_family import HFMapping, ModelFamily
@@ -67,7 +70,29 @@ def _hf(module: Any, adapter: Callable[..., Any]) -> HFMapping:
     )
 
 
-MOE_FAMILIES = (
+DEFAULT_FAMILY = "llama3"  # model.name's default, as torchtitan's
+
+_LLAMA_HF = HFMapping(
+    adapter=titan_models.LlamaStateDictAdapter,
+    args_from_config=titan_models.args_from_hf_config,
+    config_differences=titan_models.hf_config_differences,
+)
+
+FAMILIES = (
+    ModelFamily(
+        "llama3",
+        titan_models.LLAMA3_FLAVORS,
+        titan_models.Transformer,
+        titan_models.flops_per_token,
+        hf=_LLAMA_HF,
+    ),
+    ModelFamily(
+        "llama2",
+        titan_models.LLAMA2_FLAVORS,
+        titan_models.Transformer,
+        titan_models.flops_per_token,
+        hf=_LLAMA_HF,
+    ),
     ModelFamily(
         "deepseek_v3",
         deepseek_v3.DEEPSEEK_V3_FLAVORS,

@@ -61,7 +61,7 @@ class ModelFamily:
 
     def __post_init__(self) -> None:
         # A copy: the family's flavors change only through `register_flavor`, never through the dict
-        # it was given (a test or benchmark assigning into titan_models.LLAMA3_FLAVORS changes nothing).
+        # it was given (a test or benchmark assigning into a titan_models flavor dict changes nothing).
         object.__setattr__(self, "flavors", dict(self.flavors))
 
     def args_for(self, flavor: str, **overrides) -> Any:

@@ -71,7 +71,7 @@ def with_positions(args: Any, positions: int) -> Any:
 
 def run_model_args(config: JobConfig, family: ModelFamily, **overrides) -> Any:
     """The run's model args: the flavor (or Hugging Face config) as training.seq_len sets it, so a
-    function that depends on the sequence length (DeepSeek's YaRN) is training's, then a rotary table
+    function that depends on the sequence length (YaRN) is training's, then a rotary table
     long enough for validation too (`model_seq_len`). With the run's MoE settings."""
     args = model_args(config, family, max_seq_len=config.training.seq_len, **overrides)
     args = mtp_run_args(config, moe_run_args(config, args))
@@ -180,7 +180,7 @@ def _with_mtp(loss_fn: Any, config: JobConfig, args: Any) -> Any:
 
 def counting_args(args: Any) -> Any:
     """`args` buildable before the tokenizer is known: a model that packs documents (block_causal) may
-    refuse to be built without its eos_id (DeepSeek-V3 does), which the trainer sets from the
+    refuse to be built without its eos_id (an MLA family does), which the trainer sets from the
     tokenizer; parameter counts and pipeline units do not depend on its value."""
     return replace(args, eos_id=0) if args.eos_id is None else args
 

@@ -7,8 +7,8 @@ shape to one (tests, benchmarks and `experimental.custom_import` modules use the
 generate and eval, the dry run and the memory estimate.
 
 A family brings:
-- `flavors`: flavor name -> args, a dataclass of the family's own (Llama's `ModelArgs`; an MoE or MLA
-  family brings another). titan-train reads only this common surface of it:
+- `flavors`: flavor name -> args, a dataclass of the family's own (a dense transformer's `ModelArgs`; an MoE
+  or MLA family brings another). titan-train reads only this common surface of it:
   `dim`, `n_layers`, `n_heads`, `kv_heads`, `vocab_size`, `max_seq_len` (positions the model is built
   for), `context_len` (the longest sequence the flavor supports) and `eos_id`; and it sets
   `max_seq_len`, `eos_id` and `n_layers` with `dataclasses.replace`. Anything else (FLOPs, parameter
@@ -26,10 +26,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import titan_models
-from titan_models import LLAMA2_FLAVORS, LLAMA3_FLAVORS, LlamaStateDictAdapter, Transformer
 from titan_train.errors import ConfigError
-from titan_train.model_families import MOE_FAMILIES
+from titan_train.model_families import FAMILIES
 from titan_train.model_family import (  # re-exported: the registry is where users look for them
     FROM_HF,
     HFMapping,
@@ -82,15 +80,6 @@ def model_family_names() -> tuple[str, ...]:
     return tuple(_FAMILIES)
 
 
-_LLAMA_HF = HFMapping(
-    adapter=LlamaStateDictAdapter,
-    args_from_config=titan_models.args_from_hf_config,
-    config_differences=titan_models.hf_config_differences,
-)
-for _name, _flavors in (("llama3", LLAMA3_FLAVORS), ("llama2", LLAMA2_FLAVORS)):
-    register_model_family(
-        ModelFamily(_name, _flavors, Transformer, titan_models.flops_per_token, hf=_LLAMA_HF)
-    )
-# The mixture-of-experts families (titan_train.model_families), through the same public function.
-for _family in MOE_FAMILIES:
+# The families Titan ships (titan_train.model_families), through the same public function.
+for _family in FAMILIES:
     register_model_family(_family)

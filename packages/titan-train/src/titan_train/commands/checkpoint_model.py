@@ -100,7 +100,7 @@ def _model_args(plan: RunPlan, path: Path, fmt: str, eos_id: int):
     config_file = path / "config.json"
     hf_config = json.loads(config_file.read_text()) if fmt == "hf" and config_file.is_file() else None
     # The run's args, as training resolved them: a model whose function depends on the positions it was
-    # built for (DeepSeek's YaRN) computes here what it computed in training.
+    # built for (YaRN's rotary scaling) computes here what it computed in training.
     run_args = replace(plan.model_args, eos_id=eos_id)
     if hf_config is None:
         return run_args

@@ -2,7 +2,7 @@
 
 Needs the `eval` extra (`pip install 'titan-train[eval]'`). `TitanLM` follows the conventions of
 lm-eval's own `hf` backend, so a checkpoint scores the same through either: a context is encoded with
-BOS in front (as a Llama tokenizer does by default), a sequence longer than `max_length` loses tokens
+BOS in front (as a tokenizer with a BOS does by default), a sequence longer than `max_length` loses tokens
 on the left, continuations are scored with float32 log-softmax, generated text leaves out special
 tokens and ends before the first stop sequence. Registered with lm-eval as `titan`:
 `lm_eval --model titan --model_args config_file=run.toml,checkpoint=outputs/checkpoint/step-1000`.
@@ -70,7 +70,7 @@ class TitanLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
         self._special = tokenizer.special_ids
-        # No BOS (Qwen's tokenizers): no text stands for it, and contexts start without it.
+        # No BOS (a BOS-less tokenizer): no text stands for it, and contexts start without it.
         self._bos_text = None if tokenizer.bos_id is None else tokenizer.decode([tokenizer.bos_id])
 
     @staticmethod

@@ -55,7 +55,7 @@ MIGRATIONS: dict[str, _Rename | _Removed | _Converter] = {
     "metrics.rank_0_only": _Rename("metrics.save_for_all_ranks", _invert, "inverted"),
     # [model]
     "model.tokenizer_path": _Rename("model.hf_assets_path"),
-    "model.norm_type": _Removed("Llama always uses RMSNorm"),
+    "model.norm_type": _Removed("every shipped family uses RMSNorm"),
     # [optimizer]
     "optimizer.fused": _Rename("optimizer.implementation", _implementation, "true: fused, false: foreach"),
     # [lr_scheduler]

@@ -2,7 +2,7 @@
 
 Names follow `torch.optim.Muon`'s arguments; the parameters Muon does not train (embedding, output
 head, norms, biases, MoE routers) take AdamW's settings from [optimizer] (lr, beta1, beta2, eps,
-weight_decay). `qk_clip_tau` is Kimi K2's QK-clip threshold (MuonClip).
+weight_decay). `qk_clip_tau` is MuonClip's QK-clip threshold.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ class MuonSettings:
     )
     qk_clip_tau: float | None = opt(
         None,
-        "(Titan) QK-clip (Kimi K2): after each step, scale the query and key rows of every attention head whose "
-        "largest logit exceeded this so that its logits scale by tau / logit; None: off. Llama (MHA, GQA) and "
-        "DeepSeek-V3 (MLA) attention, no tensor or context parallelism",
+        "(Titan) MuonClip's QK-clip: after each step, scale the query and key rows of every attention head whose "
+        "largest logit exceeded this so that its logits scale by tau / logit; None: off. Attention of plain "
+        "query and key projections (MHA, GQA) or latent ones (MLA), no tensor or context parallelism",
         above=0,
         maximum=1e6,
     )

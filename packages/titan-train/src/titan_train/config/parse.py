@@ -16,6 +16,7 @@ from titan_train.config.migrate import migrate_argv, migrate_converter_names, mi
 from titan_train.config.schema import JobConfig
 from titan_train.config.validate import validate_config
 from titan_train.errors import ConfigError
+from titan_train.registry import model_family_names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -140,7 +141,7 @@ def build_parser(cls: type = JobConfig) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="titan-train",
         usage=f"titan-train [--job.config_file FILE] [--section.field VALUE ...]\n       titan-train {{{commands}}}",
-        description="Titan: PyTorch-native training of Llama 2/3/4, Qwen3 and DeepSeek-V3 models on torchtitan's "
+        description=f"Titan: PyTorch-native training of LLMs ({', '.join(model_family_names())}) on torchtitan's "
         "TOML configs, every parallelism, exact resume. Precedence: CLI flags over the TOML file over defaults. "
         "Subcommands (each with its own --help): "
         + "; ".join(f"'{name}' {what}" for name, _, what in SUBCOMMANDS)

@@ -29,6 +29,7 @@ from titan_train.config.muon_section import MuonSettings
 from titan_train.config.parallel_sections import ActivationCheckpoint, Compile, Parallelism, Quantize
 from titan_train.config.preference_section import Preference
 from titan_train.config.sft_section import Sft
+from titan_train.model_families import DEFAULT_FAMILY
 
 
 @dataclass
@@ -86,7 +87,7 @@ class Metrics:
 
 @dataclass
 class Model:
-    name: str = opt("llama3", "Model family, as registered in titan_train.registry", nonempty=True)
+    name: str = opt(DEFAULT_FAMILY, "Model family, as registered in titan_train.registry", nonempty=True)
     flavor: str = opt(
         "debugmodel",
         "Model shape within the family (debugmodel, 8B, 70B, 405B, ...); from_hf: as the Hugging Face config.json "
@@ -108,27 +109,28 @@ class Model:
     moe_load_balance_coeff: float | None = opt(
         None,
         "(Titan) Step of the MoE expert-bias balancing per optimizer step; 0: off (the bias stays as "
-        "loaded); None: the flavor's (qwen3: off, as torchtitan's Qwen3 trainer; deepseek_v3, llama4: 1e-3)",
+        "loaded); None: the flavor's (each family's in docs/migrating-from-torchtitan.md, MoE balancing knobs)",
         minimum=0,
         maximum=1.0,
     )
     moe_seq_aux_loss_coeff: float | None = opt(
         None,
-        "(Titan) Weight of DeepSeek-V3's sequence-wise MoE balance loss; 0: off; None: the flavor's",
+        "(Titan) Weight of the sequence-wise MoE balance loss, for a family whose router has one; 0: off; "
+        "None: the flavor's",
         minimum=0,
         maximum=1.0,
     )
     num_mtp_layers: int = opt(
         0,
-        "(Titan) Multi-token-prediction depths after the last block (deepseek_v3; Hugging Face's "
-        "num_nextn_predict_layers, 1 in DeepSeek-V3's checkpoint); 0: none. See docs/mtp.md",
+        "(Titan) Multi-token-prediction depths after the last block, for a family built with them (Hugging "
+        "Face's num_nextn_predict_layers); 0: none. See docs/mtp.md",
         minimum=0,
         maximum=16,
     )
     mtp_loss_weight: float = opt(
         0.1,
         "(Titan) lambda of the multi-token-prediction loss: loss = main + lambda / D * sum of the D depths' "
-        "losses (DeepSeek-V3: 0.3, then 0.1)",
+        "losses (docs/mtp.md gives the published schedule)",
         minimum=0,
         maximum=10.0,
     )
@@ -324,7 +326,7 @@ class Checkpoint:
     )
     initial_load_in_hf_quantized: bool = opt(
         False,
-        "Those safetensors are float8 with 128x128 block scales (DeepSeek-V3's format), dequantised on load; "
+        "Those safetensors are float8 with 128x128 block scales, dequantised on load; "
         "found from config.json's quantization_config without it",
     )
     last_save_model_only: bool = opt(
@@ -343,8 +345,9 @@ class Checkpoint:
     )
     hf_export_lossy: bool = opt(
         False,
-        "(Titan) Export to Hugging Face even a model whose trained state its format cannot hold (the expert "
-        "bias of llama4 and qwen3 MoE): it then routes some tokens to other experts; Titan keeps that state "
+        "(Titan) Export to Hugging Face even a model whose trained state its format cannot hold (an MoE "
+        "router's expert bias the family's config has no field for): it then routes some tokens to other "
+        "experts; Titan keeps that state "
         "under titan.* keys for its own re-import",
     )
     hf_max_shard_bytes: int = opt(

@@ -13,7 +13,7 @@ What a full collection costs is what it walks. `titan-train` freezes the process
 checked the config (`libraries_frozen`): torch and the libraries, about 350,000 objects, 0.23 s per
 full collection on this machine (2026-11-29). The collections of the run, the scheduled ones and the one
 that frees the model before the last barrier, then walk only what the run built and what its steps
-made: an 8B Llama with AdamW's states is 7,400 objects (1.7 ms); a 405B model added beside them makes
+made: an 8B dense model with AdamW's states is 7,400 objects (1.7 ms); a 405B model added beside them makes
 31,000 (10 ms). Garbage that was already old at the freeze stays frozen until the run ends, then goes back
 to the collector.
 """

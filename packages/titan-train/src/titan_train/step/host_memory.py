@@ -7,7 +7,7 @@ faults and about 6% of the step time for the debug model at batch 8 x 2048 (benc
 both off keeps the pages for the next step, as the CUDA caching allocator does on a GPU.
 
 It is off by default because what the kept heap holds grows with the order of allocations, not with the
-run's needs (issue 63, bench/RESULTS.md): a 4-rank FSDP run of a 1 GB Llama peaked at 2.4 GiB per rank
+run's needs (issue 63, bench/RESULTS.md): a 4-rank FSDP run of a 1 GB dense model peaked at 2.4 GiB per rank
 after its first step and 2.8 after the second and third with glibc's defaults, but 3.8 and 4.2-4.8 with the
 heap kept, one rank 0.4-0.65x the model above the median. When it is on, `KeptHostMemory` keeps the heap
 only from the second step (the first one allocates the gradients and optimizer states the run holds, and the

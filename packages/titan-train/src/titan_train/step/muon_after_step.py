@@ -1,11 +1,11 @@
-"""What follows a Muon step: Kimi K2's QK-clip (optimizer.muon.qk_clip_tau) and the log line of where the
+"""What follows a Muon step: MuonClip's QK-clip (optimizer.muon.qk_clip_tau) and the log line of where the
 optimizer step's time went (Newton-Schulz, gathering the split matrices whole for it, waiting for the gathers
 not hidden under Newton-Schulz, and scattering the results back).
 
 QK-clip reads the largest attention logit per head that the model kept during the step's forward
 passes, the largest over the data-parallel ranks, and scales the query and key rows of the heads above
-tau: `titan_parallel.clip_query_key` for a model answering `HasQueryKeyHeads` (Llama's MHA and GQA),
-`clip_latent_query_key` for one answering `HasLatentQueryKeyHeads` (DeepSeek-V3's MLA). It needs every
+tau: `titan_parallel.clip_query_key` for a model answering `HasQueryKeyHeads` (MHA and GQA),
+`clip_latent_query_key` for one answering `HasLatentQueryKeyHeads` (MLA). It needs every
 head whole on a rank and every key a query attends to in the rank's own forward: tensor and context
 parallelism split those, so they are refused at start, as are models answering neither (a norm after
 the projections undoes a row scale).
@@ -66,8 +66,8 @@ class MuonAfterStep:
         if None in self.clips:
             raise ConfigError(
                 f"{where}: {config.model.name}'s attention logits are not q.k of plain linear projections "
-                "(a norm after them), so scaling rows cannot clip them; QK-clip supports the Llama and "
-                "DeepSeek-V3 families; unset qk_clip_tau"
+                "(a norm after them), so scaling rows cannot clip them; QK-clip supports attention whose "
+                "model answers HasQueryKeyHeads or HasLatentQueryKeyHeads; unset qk_clip_tau"
             )
         for part in parts:
             part.record_max_logits(True)

@@ -38,10 +38,9 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "tokenizer.model",
     "added_tokens.json",
-    "vocab.json",  # BPE tokenizers' slow files (Qwen's folders ship them beside tokenizer.json)
+    "vocab.json",  # BPE tokenizers' slow files, which some folders ship beside tokenizer.json
     "merges.txt",
-    "tiktoken.model",  # Kimi K2's BPE ranks, and the tokenizer code its tokenizer_config.json's auto_map names
-    "tokenization_kimi.py",
+    "tiktoken.model",  # tiktoken BPE ranks read by the tokenizer code that tokenizer_config.json's auto_map names
 )
 CHAT_TEMPLATE = "chat_template.jinja"  # where transformers 5 writes a tokenizer's chat template
 GENERATION_CONFIG = "generation_config.json"
@@ -136,7 +135,7 @@ def check_hf_export(config: JobConfig, family: ModelFamily, args: Any) -> None:
         return
     adapter = hf_mapping(family, "checkpoint.last_save_in_hf writes Hugging Face files").adapter(args)
     unheld = unheld_state(adapter)
-    # The expert bias is the only such state today; the run trains it unless balancing is off (Qwen3-MoE's
+    # The expert bias is the only such state today; the run trains it unless balancing is off (a flavor's
     # default, or model.moe_load_balance_coeff = 0). A bias loaded nonzero and never trained is caught
     # by the export itself, which reads the values.
     moe = moe_args_of(args)
@@ -165,8 +164,8 @@ def check_hf_export(config: JobConfig, family: ModelFamily, args: Any) -> None:
 
 def _with_checkpoint_epsilons(args: Any, hf_map: Any, hf: dict) -> Any | None:
     """`args` with the checkpoint's norm epsilons (the fields the family's args name, `norm_epsilon_fields`)
-    where those are all it differs in, else None. Published configs state their own epsilon (DeepSeek-V3's 1e-6
-    against torchtitan's 671B flavor's 1e-5), which moves the function by rounding, not its shape: a run takes
+    where those are all it differs in, else None. Published configs state their own epsilon (1e-6 in a
+    published MLA checkpoint against torchtitan's flavor's 1e-5), which moves the function by rounding, not its shape: a run takes
     it instead of refusing."""
     try:
         checkpoint = hf_map.args_from_config(hf)
@@ -230,11 +229,21 @@ def hf_export_files(config: JobConfig, bos_id: int, eos_id: int) -> dict[str, by
 def tokenizer_files(config: JobConfig) -> dict[str, bytes | Path]:
     """The tokenizer files and the chat template of the run, by name in an export (or PEFT) folder."""
     assets = Path(config.model.hf_assets_path) if config.model.hf_assets_path else BUNDLED_TOKENIZER
-    files: dict[str, bytes | Path] = {
-        name: assets / name for name in TOKENIZER_FILES if (assets / name).is_file()
-    }
+    names = (*TOKENIZER_FILES, *_auto_map_code(assets))
+    files: dict[str, bytes | Path] = {name: assets / name for name in names if (assets / name).is_file()}
     if config.sft.chat_template:
         files[CHAT_TEMPLATE] = Path(config.sft.chat_template)
     elif (assets / CHAT_TEMPLATE).is_file():
         files[CHAT_TEMPLATE] = assets / CHAT_TEMPLATE
     return files
+
+
+def _auto_map_code(assets: Path) -> list[str]:
+    """The tokenizer code files `tokenizer_config.json`'s auto_map names ("module.Class" -> module.py), which
+    transformers imports with trust_remote_code: an export without them cannot load its tokenizer."""
+    config = assets / "tokenizer_config.json"
+    if not config.is_file():
+        return []
+    refs = json.loads(config.read_text()).get("auto_map") or {}
+    flat = [r for v in refs.values() for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)]
+    return sorted({ref.rsplit(".", 1)[0] + ".py" for ref in flat if "." in ref})

@@ -1,5 +1,5 @@
-"""The MoE state a Hugging Face format cannot hold (an adapter's `hf_unheld_state`: Llama 4's, Qwen3-MoE's
-and gpt-oss's expert bias): how much of the routing it changes, for the export's warning or refusal
+"""The MoE state a Hugging Face format cannot hold (an adapter's `hf_unheld_state`: an MoE router's
+expert bias where the family's config has no field for it): how much of the routing it changes, for the export's warning or refusal
 (`titan_ckpt.hf_export`). Which state names it is: `titan_ckpt.unheld_state`."""
 
 from __future__ import annotations

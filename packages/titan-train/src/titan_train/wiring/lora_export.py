@@ -2,7 +2,7 @@
 adapters alone as a PEFT folder.
 
 Both directions go through the family's own weight mapping, so every renaming and re-layout it does to
-a weight (Llama's per-head row permutation of the query and key projections) is done to the adapters
+a weight (a per-head row permutation of the query and key projections) is done to the adapters
 too: `lora_B` (out x rank) has the weight's rows, `lora_A` (rank x in) its columns, which no mapping
 re-orders. To learn where each `lora_B` goes, the mapping is run once on the state dict with each
 adapted weight replaced by `[code | B]`, where the code column names the layer and row; what comes out

@@ -1,4 +1,4 @@
-"""Multi-token prediction (DeepSeek-V3) in a run: the depths the model is built with, the loss that adds
+"""Multi-token prediction in a run: the depths the model is built with, the loss that adds
 theirs, the layouts it runs under, and the number the log line reports.
 
 `model.num_mtp_layers` D builds the family's MTP depths (a family whose args have `num_mtp_layers`); in training
@@ -13,7 +13,7 @@ mean over the step, as for the main loss; chat rows (a different share of each r
 The log line's `loss` is the objective (what is backpropagated); `mtp_loss` beside it is
 (1 / D) * sum_k L_k, averaged over the step's micro-batches and the data-parallel ranks, so the main
 loss is loss - mtp_loss_weight * mtp_loss. Under pipeline parallelism the depths sit on the last stage
-with the output head and the loss (`DeepSeekV3Model.pipeline_units`), and the other stages take the
+with the output head and the loss (the model's `pipeline_units`), and the other stages take the
 step's `mtp_loss` from it.
 """
 
@@ -34,11 +34,11 @@ from titan_train.config.sft_section import renders_chat_template
 from titan_train.errors import ConfigError
 from titan_train.registry import LossFn, get_model_family, model_family_names
 
-DEFAULT_WEIGHT = 0.1  # the DeepSeek-V3 report's lambda for its last 4.8T tokens (0.3 before)
+DEFAULT_WEIGHT = 0.1  # the published MTP schedule's lambda for its last 4.8T tokens (0.3 before); docs/mtp.md
 
 
 def takes_mtp(args: Any) -> bool:
-    """Whether a family's args have multi-token-prediction depths to set (DeepSeek-V3's do)."""
+    """Whether a family's args have multi-token-prediction depths to set."""
     return dataclasses.is_dataclass(args) and "num_mtp_layers" in {f.name for f in dataclasses.fields(args)}
 
 

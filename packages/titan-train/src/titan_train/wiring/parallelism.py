@@ -167,7 +167,7 @@ def split_and_wrap(
 def build_parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
     p = config.parallelism
     # Without expert parallelism the experts are split over tp whatever etp says, as in torchtitan 0.2.2,
-    # whose own llama4_17bx16e.toml sets etp = tp = 8 with ep = 1: that is the etp = 1 layout.
+    # whose own 17Bx16E MoE config sets etp = tp = 8 with ep = 1: that is the etp = 1 layout.
     etp = p.expert_tensor_parallel_degree
     if p.expert_parallel_degree == 1 and etp == p.tensor_parallel_degree:
         etp = 1
