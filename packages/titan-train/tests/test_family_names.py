@@ -3,7 +3,8 @@ ties a name to a family, so a family added or renamed touches it alone, and noth
 documents, one family's quirks (a capability on the family does that).
 
 The names looked for are every registered family's and every flavor's stem (llama, qwen, deepseek, gpt_oss,
-written with a dash too; kimi from the `kimi_k2` flavor), read from the registry, not typed here; planted
+written with a dash too; kimi from the `kimi_k2` flavor), read from the shipped families (`model_families.FAMILIES`, not the live registry, which other tests add
+to), not typed here; planted
 once: a comment naming "DeepSeek's YaRN" back in plan.py made the test fail.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from titan_train.registry import get_model_family, model_family_names
+from titan_train.model_families import FAMILIES
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "titan_train"
 THE_ONE_MODULE = SOURCE / "model_families.py"
@@ -21,9 +22,9 @@ THE_ONE_MODULE = SOURCE / "model_families.py"
 def _stems() -> set[str]:
     """The alphabetic stem of each family name and flavor name ("qwen3_5" -> "qwen", "kimi_k2" -> "kimi"),
     debug and size flavors left out; gpt_oss whole, with a dash as prose writes it."""
-    names = set(model_family_names())
-    for family in names.copy():
-        names |= set(get_model_family(family).flavors)
+    names = {family.name for family in FAMILIES}
+    for family in FAMILIES:
+        names |= set(family.flavors)
     stems = set()
     for name in names:
         if name in {"gpt_oss"}:

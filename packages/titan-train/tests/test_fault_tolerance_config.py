@@ -4,7 +4,9 @@ The replica-group drill itself (a lighthouse, 2 groups, a SIGKILL, a heal) is te
 """
 
 import importlib.util
+import re
 import socket
+from types import SimpleNamespace
 
 import pytest
 from torch import nn
@@ -13,7 +15,8 @@ from titan_train.config import load_job_config
 from titan_train.config.fault_tolerance_section import FaultTolerance
 from titan_train.errors import ConfigError
 from titan_train.fault_tolerance import LIGHTHOUSE_ENV, check_lighthouse, start_lighthouse
-from titan_train.fault_tolerance.semi_sync import model_fragments, semi_sync_training
+from titan_train.fault_tolerance.semi_sync import fragment_problems, model_fragments
+from titan_train.plan import resolve
 
 FT = ("--activation_checkpoint.mode", "none", "--fault_tolerance.enable")
 
@@ -141,18 +144,53 @@ def _diloco(**fields) -> FaultTolerance:
 
 
 def test_diloco_fragments_split_the_model_or_say_why_not():
+    """The split of the model, and the plan's one line for each split that cannot work (run on the built
+    model, as the plan runs it on the meta-device one); the builder itself refuses them as misuse."""
     model = _Three()
     split = model_fragments(model, _diloco(num_fragments=2, sync_steps=2))
     assert [[id(m) for m in f] for f in split] == [[id(model.a)], [id(model.b), id(model.c)]]
-    with pytest.raises(
-        ConfigError, match=r"num_fragments \(4\) is more than the model's 3 top-level modules"
-    ):
-        model_fragments(model, _diloco(num_fragments=4, sync_steps=4))
-    with pytest.raises(ConfigError, match="names 'd', which is not a module of the model"):
-        model_fragments(model, _diloco(module_fqns_per_model_fragment=[["a", "d"], ["b", "c"]]))
-    with pytest.raises(
-        ConfigError, match=r"leaves c.weight \(and 1 more\) in no fragment, so it would never sync"
-    ):
-        model_fragments(model, _diloco(module_fqns_per_model_fragment=[["a"], ["b"]]))
-    with pytest.raises(ConfigError, match=r"with 2 model parts \(pipeline parallelism\)"):
-        semi_sync_training(None, _diloco(), [_Three(), _Three()], [None, None])
+    refused = {
+        r"num_fragments \(4\) is more than the model's 3 top-level modules": _diloco(
+            num_fragments=4, sync_steps=4
+        ),
+        "names 'd', which is not a module of the model": _diloco(
+            module_fqns_per_model_fragment=[["a", "d"], ["b", "c"]]
+        ),
+        r"leaves c.weight \(and 1 more\) in no fragment, so it would never sync": _diloco(
+            module_fqns_per_model_fragment=[["a"], ["b"]]
+        ),
+    }
+    for message, settings in refused.items():
+        (problem,) = fragment_problems(SimpleNamespace(fault_tolerance=settings), model)
+        assert re.search(message, problem) and problem.startswith("config: fault_tolerance."), problem
+        with pytest.raises(ValueError, match=message):
+            model_fragments(model, settings)
+    assert (
+        fragment_problems(SimpleNamespace(fault_tolerance=_diloco(num_fragments=2, sync_steps=2)), model)
+        == []
+    )
+
+
+def test_semi_sync_under_pipeline_parallelism_is_refused_at_start():
+    with pytest.raises(ConfigError, match=r"with pipeline parallelism \(2 model parts\)"):
+        load_job_config(
+            [
+                *FT,
+                "--fault_tolerance.group_size",
+                "2",
+                "--fault_tolerance.semi_sync_method",
+                "local_sgd",
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+            ]
+        )
+
+
+def test_the_plan_refuses_a_split_the_model_cannot_take():
+    """The plan runs the split on its meta-device model, so a bad split stops the run at start."""
+    flags = ["--fault_tolerance.group_size", "2", "--fault_tolerance.semi_sync_method", "diloco"]
+    config = load_job_config(
+        [*FT, *flags, "--fault_tolerance.num_fragments", "50", "--fault_tolerance.sync_steps", "50"]
+    )
+    with pytest.raises(ConfigError, match=r"num_fragments \(50\) is more than the model's"):
+        resolve(config, 1, "cpu")

@@ -13,6 +13,7 @@ from titan_ckpt import Checkpointer, ModelState, SavePolicy
 from titan_models import llama2_args, llama3_args
 from titan_train.config import load_job_config
 from titan_train.config.health_section import Health, parse_signals
+from titan_train.config.run_checks import check_run
 from titan_train.errors import ConfigError
 from titan_train.faults.drills import FaultDrills
 from titan_train.faults.exit_status import NonFiniteError, Preempted
@@ -81,16 +82,22 @@ def test_a_finite_loss_with_an_overflowing_gradient_names_the_first_bad_paramete
 
 
 @pytest.mark.parametrize(
-    ("overrides", "message"),
+    ("flag", "message"),
     [
-        ({"max_skipped_steps": -1}, "health.max_skipped_steps must be >= 0"),
-        ({"loss_spike_ratio": 0.5}, "health.loss_spike_ratio must be above 1 (or 0: off)"),
-        ({"loss_spike_window": 0}, "health.loss_spike_window must be at least 1"),
+        (("--health.max_skipped_steps", "-1"), "config: health.max_skipped_steps must be at least 0, got -1"),
+        (("--health.loss_spike_ratio", "0.5"), "config: health.loss_spike_ratio must be above 1"),
+        (("--health.loss_spike_window", "0"), "config: health.loss_spike_window must be at least 1, got 0"),
     ],
 )
-def test_bad_numerics_settings_are_refused(overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        _guard(**overrides)
+def test_bad_numerics_settings_are_refused(flag, message):
+    """Refused by the config's own rules at start; the guard built by code refuses them too (a ValueError:
+    misuse by code, not a config a user wrote)."""
+    with pytest.raises(ConfigError) as refused:
+        load_job_config(list(flag))
+    assert str(refused.value).startswith(message), refused.value
+    field = flag[0].removeprefix("--health.")
+    with pytest.raises(ValueError, match=field):
+        _guard(**{field: float(flag[1]) if "ratio" in field else int(flag[1])})
 
 
 def test_signal_names_parse_with_or_without_sig_and_uncatchable_ones_are_refused():
@@ -170,18 +177,22 @@ def test_step_guard_skips_a_nan_drill_step_and_names_the_parameter_gradients_are
 
 
 @pytest.mark.parametrize(
-    ("health", "message"),
+    ("flags", "message"),
     [
-        (Health(drill="kill", drill_step=0), "health.drill = kill needs health.drill_step >= 1, got 0"),
         (
-            Health(drill="nan", drill_step=3, drill_rank=4),
+            ("--health.drill", "kill", "--health.drill_step", "0"),
+            "health.drill = kill needs health.drill_step >= 1, got 0",
+        ),
+        (
+            ("--health.drill", "nan", "--health.drill_step", "3", "--health.drill_rank", "4"),
             "health.drill_rank (4) is not a rank of this 2-rank job",
         ),
     ],
 )
-def test_drills_refuse_a_missing_step_or_a_rank_outside_the_job(health, message):
+def test_drills_refuse_a_missing_step_or_a_rank_outside_the_job(flags, message):
+    """At start: the step by the config's rules, the rank by the run's checks against the world size."""
     with pytest.raises(ConfigError) as refused:
-        FaultDrills(health, rank=0, world_size=2)
+        check_run(load_job_config(list(flags)), world_size=2, device_type="cpu")
     assert message in str(refused.value)
 
 

@@ -40,15 +40,18 @@ from titan_train.family_args import (
     context_parallel_refusal,
     context_parallel_rotate_methods,
 )
+from titan_train.fault_tolerance.semi_sync import fragment_problems
 from titan_train.objectives.registry import objective_name
 from titan_train.registry import ModelFamily, get_model_family
 from titan_train.run_plan import ParamCounts, RunPlan
-from titan_train.wiring.hf_interop import check_hf_export, model_args
+from titan_train.step.muon_after_step import qk_clip_problems
+from titan_train.step.optimizer_in_backward import step_in_backward_problems
+from titan_train.wiring.hf_interop import hf_export_problems, model_args
 from titan_train.wiring.lora import LORA_CONVERTER, lora_target_problems
 from titan_train.wiring.loss import build_loss_fn
-from titan_train.wiring.moe import moe_run_args
+from titan_train.wiring.moe import balance_problems, moe_run_args
 from titan_train.wiring.mtp import MTPLoss, mtp_problems, mtp_run_args
-from titan_train.wiring.parallelism import build_parallel_dims, gradient_accumulation_steps, parallel_options
+from titan_train.wiring.parallelism import build_parallel_dims, parallel_options
 from titan_train.wiring.precision import compute_dtype, dtype_of
 from titan_train.wiring.qlora import qlora_problems
 
@@ -84,16 +87,20 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     family = get_model_family(config.model.name)
     seq_len = model_seq_len(config)
     args = run_model_args(config, family)
-    check_hf_export(config, family, args)
+    export_problems = hf_export_problems(config, family, args)
     _check_context(config, args)
     dims = build_parallel_dims(config, world_size)
     param_dtype = compute_dtype(config, torch.device(device_type)) if dims.fsdp_enabled else torch.float32
     options = parallel_options(config, param_dtype, dtype_of(config.training.mixed_precision_reduce))
-    problems, grad_accum_steps, objective = [], 1, "next_token"
-    try:
-        grad_accum_steps = gradient_accumulation_steps(config, dims.dp_degree)
-    except ConfigError as err:
-        problems.append(str(err))
+    problems, grad_accum_steps, objective = export_problems, 1, "next_token"
+    t, per_step = config.training, config.training.local_batch_size * dims.dp_degree
+    if t.global_batch_size > 0 and t.global_batch_size % per_step:
+        problems.append(
+            f"config: training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"local_batch_size ({t.local_batch_size}) * data-parallel degree ({dims.dp_degree}) = {per_step}"
+        )
+    elif t.global_batch_size > 0:
+        grad_accum_steps = t.global_batch_size // per_step
     try:
         objective = objective_name(config)
     except ConfigError as err:
@@ -120,6 +127,10 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     problems.extend(moe_torch_problems(config, dims, bool(moe_layers_of(model)), torch.__version__))
     problems.extend(lora_target_problems(config, model))
     problems.extend(qlora_problems(config, dims, model))
+    problems.extend(balance_problems(config, args))
+    problems.extend(qk_clip_problems(config, model))
+    problems.extend(fragment_problems(config, model))
+    problems.extend(step_in_backward_problems(config, grad_accum_steps))
     if dims.tp > 1:  # a family without a tensor-parallel plan says so when asked for it
         try:
             model.tp_plan()

@@ -54,7 +54,7 @@ _FAMILIES: dict[str, ModelFamily] = {}
 def register_model_family(family: ModelFamily, *, replace_existing: bool = False) -> ModelFamily:
     """Make `family` trainable as `model.name = family.name`; refuses a second family of one name."""
     if family.name in _FAMILIES and not replace_existing:
-        raise ConfigError(
+        raise ValueError(
             f"registry: a model family '{family.name}' is already registered; pick another name, "
             "or pass replace_existing=True"
         )

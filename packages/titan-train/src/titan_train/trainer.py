@@ -32,7 +32,7 @@ from titan_train.reporting.trainable_params import count_trainable, log_trainabl
 from titan_train.step import host_memory
 from titan_train.step.gc_schedule import GarbageCollection
 from titan_train.step.muon_after_step import MuonAfterStep
-from titan_train.step.optimizer_in_backward import BackwardStepOptimizers, check_step_in_backward
+from titan_train.step.optimizer_in_backward import BackwardStepOptimizers
 from titan_train.train_state import TrainState
 from titan_train.wiring.checkpointing import (
     build_checkpointer,
@@ -173,8 +173,7 @@ class Trainer:
             ),
         )
         optimizers_class = PartOptimizers
-        if config.optimizer.early_step_in_backward:
-            check_step_in_backward(config, self.grad_accum_steps)
+        if config.optimizer.early_step_in_backward:  # its rules: the plan's (step_in_backward_problems)
             optimizers_class = BackwardStepOptimizers
         self.optimizers = optimizers_class(
             self.model_parts,

@@ -170,6 +170,12 @@ def check_fault_tolerance(config) -> None:
                 f"sync_steps / fragments ({ft.sync_steps // fragments}): a fragment's sync must land before "
                 "the next fragment's starts"
             )
+    if ft.semi_sync_method is not None and config.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            f"config: fault_tolerance.semi_sync_method = {ft.semi_sync_method!r} with pipeline parallelism "
+            f"({config.parallelism.pipeline_parallel_degree} model parts): torchft's LocalSGD and DiLoCo hook one "
+            "model and one optimizer; set parallelism.pipeline_parallel_degree = 1"
+        )
     if config.optimizer.early_step_in_backward:
         raise ConfigError(
             "config: fault_tolerance.enable with optimizer.early_step_in_backward: the optimizer steps inside "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
+from typing import Any
 
 from titan_train.config.fields import MAX_RANKS, MAX_STEPS, opt
 from titan_train.errors import ConfigError
@@ -76,3 +77,13 @@ class Health:
         maximum=MAX_STEPS,
     )
     drill_rank: int = opt(0, "(Titan) The rank a fault drill hits", minimum=0, maximum=MAX_RANKS)
+
+
+def check_health(config: Any) -> None:
+    """A fault drill names the step it hits; the rank it hits is checked against the world size at start
+    (`titan_train.config.run_checks`)."""
+    h = config.health
+    if h.drill != "none" and h.drill_step < 1:
+        raise ConfigError(
+            f"config: health.drill = {h.drill} needs health.drill_step >= 1, got {h.drill_step}"
+        )

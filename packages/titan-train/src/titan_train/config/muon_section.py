@@ -8,6 +8,7 @@ weight_decay). `qk_clip_tau` is MuonClip's QK-clip threshold.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from titan_train.config.fields import opt
 from titan_train.errors import ConfigError
@@ -64,3 +65,26 @@ class MuonSettings:
         above=0,
         maximum=1e6,
     )
+
+
+def check_muon(config: Any) -> None:
+    """Muon's rules across sections: QK-clip only with Muon and with every head and its keys whole on a rank,
+    and Muon's whole-matrix step not split into the per-parameter steps of a step in backward. What the
+    model's attention allows is the plan's to judge (`titan_train.step.muon_after_step.qk_clip_problems`)."""
+    o, p = config.optimizer, config.parallelism
+    where = "config: optimizer.muon.qk_clip_tau"
+    if o.name == "Muon" and o.early_step_in_backward:
+        raise ConfigError(
+            "config: optimizer.name = 'Muon' orthogonalises whole matrices after the whole backward; "
+            "optimizer.early_step_in_backward steps each parameter alone: unset one of them"
+        )
+    if o.muon.qk_clip_tau is None:
+        return
+    if o.name != "Muon":
+        raise ConfigError(f"{where} is Muon's QK-clip (MuonClip); set optimizer.name = 'Muon' or unset it")
+    for degree, name in ((p.tensor_parallel_degree, "tensor"), (p.context_parallel_degree, "context")):
+        if degree > 1:
+            raise ConfigError(
+                f"{where}: QK-clip needs each attention head and its keys whole on a rank, and {name} "
+                f"parallelism ({degree}) splits them; unset qk_clip_tau or train without {name} parallelism"
+            )

@@ -22,6 +22,12 @@ def check_run(config: JobConfig, *, world_size: int, device_type: str) -> None:
     """Raise the ConfigError that would stop a run of `config` on `world_size` ranks of `device_type`."""
     refuse_unsupported(config, device_type)
     check_checkpoint_config(config, world_size)
+    h = config.health
+    if h.drill != "none" and not h.drill_rank < world_size:
+        raise ConfigError(
+            f"config: health.drill_rank ({h.drill_rank}) is not a rank of this {world_size}-rank job; "
+            f"pick one in 0..{world_size - 1}"
+        )
 
 
 def check_checkpoint_config(config: JobConfig, world_size: int) -> None:
@@ -34,6 +40,11 @@ def check_checkpoint_config(config: JobConfig, world_size: int) -> None:
     checkpointing is on but no checkpoint or initial load is found).
     """
     c = config.checkpoint
+    if c.hf_export_lossy and not c.last_save_in_hf:
+        raise ConfigError(
+            "config: checkpoint.hf_export_lossy is set but checkpoint.last_save_in_hf is false, so it "
+            "would be ignored; set last_save_in_hf = true, or drop hf_export_lossy"
+        )
     if not c.enable:
         ignored = [
             name

@@ -23,6 +23,9 @@ from titan_train.config.data_rules import data_choices_fit
 from titan_train.config.fault_tolerance_section import check_fault_tolerance
 from titan_train.config.fields import BOUNDS, get_value, iter_fields, number, unwrap_optional
 from titan_train.config.grpo_section import check_grpo
+from titan_train.config.health_section import check_health
+from titan_train.config.model_rules import MODEL_RULES
+from titan_train.config.muon_section import check_muon
 from titan_train.config.preference_section import check_preference
 from titan_train.config.sft_section import renders_chat_template
 from titan_train.errors import ConfigError
@@ -258,4 +261,7 @@ COMBINATIONS: tuple[Callable[[Any], None], ...] = (
     _validation_fits_the_layout,
     _microbatches_divide_the_batch,
     _names_are_registered,
+    *MODEL_RULES,
+    check_muon,
+    check_health,
 )

@@ -17,7 +17,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from titan_train.config.fault_tolerance_section import fragment_count
-from titan_train.errors import ConfigError
 
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 
@@ -25,13 +24,28 @@ OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 def model_fragments(model: nn.Module, settings) -> list[nn.Module]:
     """The model split into the fragments DiLoCo syncs in turn: the named modules of each, or `num_fragments`
     even runs of `units` (the model's top-level modules in forward order). Every parameter lies in exactly
-    one fragment, or the split is refused in one line."""
+    one fragment; a split that breaks that was refused at start (`fragment_problems`)."""
+    fragments, problem = _split(model, settings)
+    if problem:
+        raise ValueError(problem)
+    return fragments
+
+
+def fragment_problems(config, model: nn.Module) -> list[str]:
+    """The DiLoCo split a run's config asks of `model` (its meta-device build will do), for the plan's check."""
+    ft = config.fault_tolerance
+    if not (ft.enable and ft.semi_sync_method == "diloco"):
+        return []
+    return [problem] if (problem := _split(model, ft)[1]) else []
+
+
+def _split(model: nn.Module, settings) -> tuple[list[nn.Module], str | None]:
     names = settings.module_fqns_per_model_fragment
     units = model.pipeline_units()
     if not names:
         n = fragment_count(settings)
         if n > len(units):
-            raise ConfigError(
+            return [], (
                 f"config: fault_tolerance.num_fragments ({n}) is more than the model's {len(units)} top-level "
                 f"modules ({', '.join(units)}); use at most {len(units)} or name the fragments' modules"
             )
@@ -42,7 +56,7 @@ def model_fragments(model: nn.Module, settings) -> list[nn.Module]:
     for group in names:
         missing = [name for name in group if name not in modules]
         if missing:
-            raise ConfigError(
+            return [], (
                 f"config: fault_tolerance.module_fqns_per_model_fragment names {missing[0]!r}, which is not a "
                 f"module of the model (its top-level modules: {', '.join(units)})"
             )
@@ -51,16 +65,17 @@ def model_fragments(model: nn.Module, settings) -> list[nn.Module]:
     for i, fragment in enumerate(fragments):
         for p in fragment.parameters():
             if owners.setdefault(id(p), i) != i:
-                raise ConfigError(
-                    "config: fault_tolerance.module_fqns_per_model_fragment puts a parameter in two fragments"
+                return (
+                    [],
+                    "config: fault_tolerance.module_fqns_per_model_fragment puts a parameter in two fragments",
                 )
     left = [name for name, p in model.named_parameters() if id(p) not in owners]
     if left:
-        raise ConfigError(
+        return [], (
             f"config: fault_tolerance.module_fqns_per_model_fragment leaves {left[0]} (and {len(left) - 1} more) "
             "in no fragment, so it would never sync; name every top-level module in one fragment"
         )
-    return fragments
+    return fragments, None
 
 
 def semi_sync_training(manager, settings, parts: list[nn.Module], optimizers: list[Optimizer]):
@@ -68,12 +83,7 @@ def semi_sync_training(manager, settings, parts: list[nn.Module], optimizers: li
     method = settings.semi_sync_method
     if method is None:
         return contextlib.nullcontext()
-    if len(parts) != 1:
-        raise ConfigError(
-            f"config: fault_tolerance.semi_sync_method = {method!r} with {len(parts)} model parts (pipeline "
-            "parallelism): torchft's LocalSGD and DiLoCo hook one model and one optimizer; set "
-            "parallelism.pipeline_parallel_degree = 1"
-        )
+    assert len(parts) == 1, "semi-synchronous training under pipeline parallelism is refused at start"
     from torchft import local_sgd
 
     model, optimizer = parts[0], optimizers[0]

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from titan_train.config.health_section import Health
-from titan_train.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +32,8 @@ class FaultDrills:
         if self.kind == "none":
             self.armed = False
             return
-        if self.step < 1:
-            raise ConfigError(
-                f"config: health.drill = {self.kind} needs health.drill_step >= 1, got {self.step}"
-            )
-        if not 0 <= health.drill_rank < world_size:
-            raise ConfigError(
-                f"config: health.drill_rank ({health.drill_rank}) is not a rank of this {world_size}-rank job; "
-                f"pick one in 0..{world_size - 1}"
-            )
+        # drill_step >= 1 (config/health_section.py) and drill_rank < world_size (config/run_checks.py)
+        # were checked at start.
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         self.armed = rank == health.drill_rank and (first_attempt or self.kind == "nan")
         self.current_step = 0

@@ -12,7 +12,6 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from titan_train.errors import ConfigError
 from titan_train.faults.exit_status import NonFiniteError
 
 logger = logging.getLogger(__name__)
@@ -45,13 +44,11 @@ class NumericsGuard:
         report: bool = True,
     ):
         if max_skipped_steps < 0:
-            raise ConfigError(f"config: health.max_skipped_steps must be >= 0, got {max_skipped_steps}")
+            raise ValueError(f"max_skipped_steps must be >= 0, got {max_skipped_steps}")
         if loss_spike_ratio != 0 and loss_spike_ratio <= 1:
-            raise ConfigError(
-                f"config: health.loss_spike_ratio must be above 1 (or 0: off), got {loss_spike_ratio}"
-            )
+            raise ValueError(f"loss_spike_ratio must be above 1 (or 0: off), got {loss_spike_ratio}")
         if loss_spike_window < 1:
-            raise ConfigError(f"config: health.loss_spike_window must be at least 1, got {loss_spike_window}")
+            raise ValueError(f"loss_spike_window must be at least 1, got {loss_spike_window}")
         self.on_nonfinite = on_nonfinite
         self.max_skipped_steps = max_skipped_steps
         self.spike_ratio = loss_spike_ratio

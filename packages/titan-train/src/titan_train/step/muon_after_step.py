@@ -27,7 +27,6 @@ from titan_parallel import (
     clip_query_key,
 )
 from titan_train.config import JobConfig
-from titan_train.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +40,18 @@ def _clip_for(part: nn.Module) -> Callable | None:
     return None
 
 
+def qk_clip_problems(config: JobConfig, model: nn.Module) -> list[str]:
+    """QK-clip asked of a model whose attention logits are not q.k of plain projections, for the plan's
+    check of the built (meta) model."""
+    if config.optimizer.muon.qk_clip_tau is None or _clip_for(model) is not None:
+        return []
+    return [
+        f"config: optimizer.muon.qk_clip_tau: {config.model.name}'s attention logits are not q.k of plain linear "
+        "projections (a norm after them), so scaling rows cannot clip them; QK-clip supports attention whose "
+        "model answers HasQueryKeyHeads or HasLatentQueryKeyHeads; unset qk_clip_tau"
+    ]
+
+
 class MuonAfterStep:
     """QK-clip after each applied step, where asked; Muon's time shares at each logged step."""
 
@@ -51,24 +62,9 @@ class MuonAfterStep:
         self.group = None
         if self.tau is None:
             return
-        where = "config: optimizer.muon.qk_clip_tau"
-        if config.optimizer.name != "Muon":
-            raise ConfigError(
-                f"{where} is Muon's QK-clip (MuonClip); set optimizer.name = 'Muon' or unset it"
-            )
-        for degree, name in ((dims.tp, "tensor"), (dims.cp, "context")):
-            if degree > 1:
-                raise ConfigError(
-                    f"{where}: QK-clip needs each attention head and its keys whole on a rank, and {name} "
-                    f"parallelism ({degree}) splits them; unset qk_clip_tau or train without {name} parallelism"
-                )
+        # Muon, no tensor or context parallelism (config/muon_section.py) and a model it can clip
+        # (`qk_clip_problems`, which the plan runs) were checked at start.
         self.clips = [_clip_for(part) for part in parts]
-        if None in self.clips:
-            raise ConfigError(
-                f"{where}: {config.model.name}'s attention logits are not q.k of plain linear projections "
-                "(a norm after them), so scaling rows cannot clip them; QK-clip supports attention whose "
-                "model answers HasQueryKeyHeads or HasLatentQueryKeyHeads; unset qk_clip_tau"
-            )
         for part in parts:
             part.record_max_logits(True)
         dp = dims.submesh("dp")

@@ -20,12 +20,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
-from titan_train.errors import ConfigError
 from titan_train.wiring.optimizers import SchedulesState
 
 
-def check_step_in_backward(config: Any, grad_accum_steps: int) -> None:
-    """Refuse the settings under which stepping in backward would not give the step of one process."""
+def step_in_backward_problems(config: Any, grad_accum_steps: int) -> list[str]:
+    """The settings under which stepping in backward would not give the step of one process, for the
+    plan's check (the first one, so the line names one fix)."""
+    if not config.optimizer.early_step_in_backward:
+        return []
     reasons = []
     if grad_accum_steps > 1:
         reasons.append(
@@ -40,8 +42,7 @@ def check_step_in_backward(config: Any, grad_accum_steps: int) -> None:
         reasons.append(
             "a non-finite step cannot be skipped after parameters moved; set health.on_nonfinite = 'stop'"
         )
-    if reasons:
-        raise ConfigError(f"config: optimizer.early_step_in_backward: {reasons[0]}")
+    return [f"config: optimizer.early_step_in_backward: {reasons[0]}"] if reasons else []
 
 
 class BackwardStepOptimizers:

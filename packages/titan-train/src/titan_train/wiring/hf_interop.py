@@ -121,18 +121,13 @@ def model_args(config: JobConfig, family: ModelFamily, **overrides) -> Any:
     return args
 
 
-def check_hf_export(config: JobConfig, family: ModelFamily, args: Any) -> None:
-    """Refuse, before any step, a `last_save_in_hf` export the Hugging Face class cannot compute, or
-    one that would drop trained state without `checkpoint.hf_export_lossy` (which is refused where it
-    changes nothing)."""
+def hf_export_problems(config: JobConfig, family: ModelFamily, args: Any) -> list[str]:
+    """For the plan's check: a `last_save_in_hf` export the Hugging Face class cannot compute, or one that
+    would drop trained state without `checkpoint.hf_export_lossy` (refused where it changes nothing; without
+    an export at all, by config/run_checks.py)."""
     c, m = config.checkpoint, config.model
     if not c.last_save_in_hf:
-        if c.hf_export_lossy:
-            raise ConfigError(
-                "config: checkpoint.hf_export_lossy is set but checkpoint.last_save_in_hf is false, so it "
-                "would be ignored; set last_save_in_hf = true, or drop hf_export_lossy"
-            )
-        return
+        return []
     adapter = hf_mapping(family, "checkpoint.last_save_in_hf writes Hugging Face files").adapter(args)
     unheld = unheld_state(adapter)
     # The expert bias is the only such state today; the run trains it unless balancing is off (a flavor's
@@ -141,32 +136,33 @@ def check_hf_export(config: JobConfig, family: ModelFamily, args: Any) -> None:
     moe = moe_args_of(args)
     trained = unheld and moe is not None and moe.update_bias
     if trained and not c.hf_export_lossy:
-        raise ConfigError(
+        return [
             f"config: checkpoint.last_save_in_hf: {m.name} {m.flavor} trains {', '.join(unheld)} (auxiliary-loss-free "
             "balancing), which its Hugging Face format cannot hold, so the exported model would route tokens to "
             "other experts; set checkpoint.hf_export_lossy = true to export anyway (Titan keeps it under titan.* "
             "keys for its own re-import), or model.moe_load_balance_coeff = 0 to train without it"
-        )
+        ]
     if c.hf_export_lossy and not unheld:
-        raise ConfigError(
+        return [
             f"config: checkpoint.hf_export_lossy is set but {m.name} {m.flavor} has no state its Hugging Face "
             "format cannot hold, so it would be ignored; drop it"
-        )
+        ]
     try:
         adapter.hf_config()
     except ModelError as err:
-        raise ConfigError(
+        return [
             f"config: checkpoint.last_save_in_hf cannot export {m.name} {m.flavor}: "
             f"{str(err).removeprefix('model: ')}; pick a flavor it can compute, or set "
             "checkpoint.last_save_in_hf = false (the DCP checkpoint is saved either way)"
-        ) from err
+        ]
+    return []
 
 
 def _with_checkpoint_epsilons(args: Any, hf_map: Any, hf: dict) -> Any | None:
     """`args` with the checkpoint's norm epsilons (the fields the family's args name, `norm_epsilon_fields`)
     where those are all it differs in, else None. Published configs state their own epsilon (1e-6 in a
-    published MLA checkpoint against torchtitan's flavor's 1e-5), which moves the function by rounding, not its shape: a run takes
-    it instead of refusing."""
+    published MLA checkpoint against torchtitan's flavor's 1e-5), which moves the function by rounding,
+    not its shape: a run takes it instead of refusing."""
     try:
         checkpoint = hf_map.args_from_config(hf)
     except (ModelError, ConfigError):

@@ -12,7 +12,6 @@ from torch import nn
 from titan_parallel import LoRA, linear_names
 from titan_train.config import JobConfig
 from titan_train.config.converters import LORA
-from titan_train.errors import ConfigError
 
 LORA_CONVERTER = LORA
 # The Hugging Face (PEFT) name of each linear layer of Titan's families, and Titan's name for it.
@@ -44,18 +43,7 @@ def lora_options(config: JobConfig, quantisers: tuple[str, ...]) -> LoRA | None:
     converters = config.model.converters
     if LORA_CONVERTER not in converters:
         return None
-    at = converters.index(LORA_CONVERTER)
-    late = [c for c in converters[at + 1 :] if c in quantisers]
-    if late:
-        raise ConfigError(
-            f"config: model.converters {converters} puts lora before {late}: the adapters must sit on the "
-            f"quantised layers; list lora last (model.converters = {[*[c for c in converters if c != 'lora'], 'lora']})"
-        )
-    c = config.lora
-    if not c.target_modules:
-        raise ConfigError(
-            "config: lora.target_modules is empty; name the layers to adapt (e.g. q_proj, v_proj)"
-        )
+    c = config.lora  # lora after `quantisers` and its targets named: checked at start (config/model_rules.py)
     return LoRA(
         rank=c.rank,
         alpha=c.alpha,

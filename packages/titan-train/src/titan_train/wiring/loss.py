@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from titan_train.config.schema import JobConfig
-from titan_train.errors import ConfigError
 from titan_train.registry import LossFn, ModelFamily, cross_entropy_loss
 from titan_train.wiring.chunked_loss import chunked_cross_entropy
 
@@ -29,24 +28,9 @@ def build_loss_fn(config: JobConfig, family: ModelFamily) -> LossFn:
     that never hold the float32 logits: at seq 8192 and a 128K vocabulary, 4 GiB less per sequence
     (measured on an H100 in bench/RESULTS.md).
     """
-    c = config.compile  # its components were checked against their choices by validate_config
-    if c.enable:
-        check_compile_backend(c.backend)
+    c = config.compile  # its components and backend were checked at start (validate_config)
     if c.enable and "loss" in c.components:
         return torch.compile(family.loss_fn, backend=c.backend)
     if config.training.chunked_loss and family.loss_fn is cross_entropy_loss:
         return chunked_cross_entropy
     return family.loss_fn
-
-
-def check_compile_backend(backend: str) -> None:
-    """Refuse a `compile.backend` torch does not know before the first step, not at the first compile.
-
-    Checked when the run is built, after `experimental.custom_import`, which may register a backend.
-    """
-    known = torch._dynamo.list_backends(exclude_tags=())
-    if backend not in known:
-        raise ConfigError(
-            f"config: compile.backend = {backend!r} is not a torch.compile backend; choose one of {', '.join(known)} "
-            "or register yours (torch._dynamo.register_backend) in an experimental.custom_import module"
-        )

@@ -26,7 +26,6 @@ from torch import nn
 from titan_models.moe import update_expert_bias
 from titan_parallel import ParallelDims, moe_layers_of
 from titan_train.config.schema import JobConfig
-from titan_train.errors import ConfigError
 from titan_train.family_args import moe_args_of
 
 
@@ -35,25 +34,34 @@ def has_experts(args: Any) -> bool:
     return moe_args_of(args) is not None
 
 
-def moe_run_args(config: JobConfig, args: Any) -> Any:
-    """`args` with the run's MoE settings: `debug.moe_force_load_balance` routes round-robin,
-    `model.moe_load_balance_coeff` sets the expert-bias step (0: the bias never moves) and
-    `model.moe_seq_aux_loss_coeff` the sequence-wise loss's weight. Any of them set for a model without
-    experts is refused in one line."""
+def _balance_settings(config: JobConfig) -> dict[str, bool]:
     m = config.model
-    asked = {
+    return {
         "debug.moe_force_load_balance = true": config.debug.moe_force_load_balance,
         f"model.moe_load_balance_coeff = {m.moe_load_balance_coeff}": m.moe_load_balance_coeff is not None,
         f"model.moe_seq_aux_loss_coeff = {m.moe_seq_aux_loss_coeff}": m.moe_seq_aux_loss_coeff is not None,
     }
-    if not any(asked.values()):
+
+
+def balance_problems(config: JobConfig, args: Any) -> list[str]:
+    """An MoE balancing setting given for a model without experts, for the plan's check."""
+    asked = [name for name, on in _balance_settings(config).items() if on]
+    if not asked or has_experts(args):
+        return []
+    m = config.model
+    return [
+        f"{asked[0]}: {m.name} {m.flavor} has no experts to balance; unset it or pick a mixture-of-experts flavor"
+    ]
+
+
+def moe_run_args(config: JobConfig, args: Any) -> Any:
+    """`args` with the run's MoE settings: `debug.moe_force_load_balance` routes round-robin,
+    `model.moe_load_balance_coeff` sets the expert-bias step (0: the bias never moves) and
+    `model.moe_seq_aux_loss_coeff` the sequence-wise loss's weight. Any of them set for a model without
+    experts is refused in one line (`balance_problems`, which the plan runs)."""
+    m = config.model
+    if not (any(_balance_settings(config).values()) and has_experts(args)):
         return args
-    if not has_experts(args):
-        setting = next(name for name, on in asked.items() if on)
-        raise ConfigError(
-            f"{setting}: {m.name} {m.flavor} has no experts to balance; unset it or pick a mixture-of-experts "
-            "flavor"
-        )
     moe = args.moe_args
     if config.debug.moe_force_load_balance:
         moe = replace(moe, debug_force_load_balance=True)

@@ -29,41 +29,18 @@ from torch.distributed.tensor import DTensor
 
 from titan_models.mtp_logits import split_mtp_logits
 from titan_parallel import ParallelDims
+from titan_train.config.model_rules import takes_mtp
 from titan_train.config.schema import JobConfig
 from titan_train.config.sft_section import renders_chat_template
-from titan_train.errors import ConfigError
-from titan_train.registry import LossFn, get_model_family, model_family_names
-
-DEFAULT_WEIGHT = 0.1  # the published MTP schedule's lambda for its last 4.8T tokens (0.3 before); docs/mtp.md
-
-
-def takes_mtp(args: Any) -> bool:
-    """Whether a family's args have multi-token-prediction depths to set."""
-    return dataclasses.is_dataclass(args) and "num_mtp_layers" in {f.name for f in dataclasses.fields(args)}
-
-
-def _mtp_families() -> str:
-    """The registered families whose args take MTP depths, for a refusal to name."""
-    names = [n for n in model_family_names() if any(map(takes_mtp, get_model_family(n).flavors.values()))]
-    return ", ".join(f"model.name = {n!r}" for n in names) or "none is registered"
+from titan_train.registry import LossFn
 
 
 def mtp_run_args(config: JobConfig, args: Any) -> Any:
-    """`args` with `model.num_mtp_layers` depths; refused in one line for a family without MTP, and a
-    `model.mtp_loss_weight` set for a run without depths."""
+    """`args` with `model.num_mtp_layers` depths (a family that takes them, checked at start in
+    config/model_rules.py)."""
     m = config.model
     if m.num_mtp_layers == 0:
-        if m.mtp_loss_weight != DEFAULT_WEIGHT:
-            raise ConfigError(
-                f"config: model.mtp_loss_weight = {m.mtp_loss_weight} weighs multi-token prediction, but "
-                f"model.num_mtp_layers is 0; set model.num_mtp_layers ({_mtp_families()}) or leave the weight unset"
-            )
         return args
-    if not takes_mtp(args):
-        raise ConfigError(
-            f"config: model.num_mtp_layers = {m.num_mtp_layers}: {m.name} has no multi-token-prediction "
-            f"layers; use a family that has them ({_mtp_families()}) or set it to 0"
-        )
     return dataclasses.replace(args, num_mtp_layers=m.num_mtp_layers)
 
 

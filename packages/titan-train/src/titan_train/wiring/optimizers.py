@@ -133,9 +133,8 @@ def build_muon(config: JobConfig, model: nn.Module | list[nn.Parameter]) -> Muon
     optimizer whose state DCP saves and reshards as it does AdamW's. The AdamW group runs torch's
     single-tensor AdamW (`optimizer.implementation` does not apply to it)."""
     if not isinstance(model, nn.Module):
-        raise ConfigError(
-            "config: optimizer.name = 'Muon' orthogonalises whole matrices after the whole backward; "
-            "optimizer.early_step_in_backward steps each parameter alone: unset one of them"
+        raise TypeError(
+            "build_muon takes a whole model part (Muon with a step in backward is refused at start)"
         )
     o, m = config.optimizer, config.optimizer.muon
     muon = {

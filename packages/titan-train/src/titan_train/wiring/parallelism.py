@@ -27,8 +27,7 @@ from titan_parallel import (
 )
 from titan_train.config import JobConfig
 from titan_train.config.converters import FLOAT8_CONVERTERS, MX_CONVERTERS
-from titan_train.errors import ConfigError
-from titan_train.wiring.lora import LORA_CONVERTER, lora_options
+from titan_train.wiring.lora import lora_options
 
 logger = logging.getLogger(__name__)
 
@@ -97,15 +96,9 @@ def parallel_options(
 
 
 def linear_conversions(config: JobConfig) -> tuple[Float8Training | None, MXTraining | None]:
-    """`[model] converters` with `[quantize.linear.float8]` or `[quantize.linear.mx]`: at most one is on."""
+    """`[model] converters` with `[quantize.linear.float8]` or `[quantize.linear.mx]` (at most one, checked at
+    start in config/model_rules.py)."""
     converters = config.model.converters
-    unknown = [c for c in converters if c not in (*FLOAT8_CONVERTERS, *MX_CONVERTERS, LORA_CONVERTER)]
-    if unknown:
-        raise ConfigError(
-            f"config: model.converters {unknown} cannot be applied: Titan converts linear layers to float8 "
-            f"({' or '.join(FLOAT8_CONVERTERS)}) or MXFP8 ({' or '.join(MX_CONVERTERS)}) and adds LoRA adapters "
-            f"({LORA_CONVERTER})"
-        )
     float8 = mx = None
     if any(c in FLOAT8_CONVERTERS for c in converters):
         f = config.quantize.linear.float8
@@ -116,11 +109,6 @@ def linear_conversions(config: JobConfig) -> tuple[Float8Training | None, MXTrai
             emulate=f.emulate,
         )
     if any(c in MX_CONVERTERS for c in converters):
-        if float8 is not None:
-            raise ConfigError(
-                "config: model.converters: quantize.linear.float8 and quantize.linear.mx both convert the linear "
-                "layers; keep one of them"
-            )
         m = config.quantize.linear.mx
         mx = MXTraining(
             recipe=m.recipe_name,
@@ -181,16 +169,3 @@ def build_parallel_dims(config: JobConfig, world_size: int) -> ParallelDims:
         etp=etp,
         world_size=world_size,
     )
-
-
-def gradient_accumulation_steps(config: JobConfig, dp_degree: int) -> int:
-    t = config.training
-    per_step = t.local_batch_size * dp_degree
-    if t.global_batch_size < 0:
-        return 1
-    if t.global_batch_size % per_step:
-        raise ConfigError(
-            f"config: training.global_batch_size ({t.global_batch_size}) must be a multiple of "
-            f"local_batch_size ({t.local_batch_size}) * data-parallel degree ({dp_degree}) = {per_step}"
-        )
-    return t.global_batch_size // per_step
