@@ -102,3 +102,47 @@ def test_number_format_is_the_share_of_digits_among_visible_characters():
     texts = ["42", " 4 2 ", "x42y", "", "answer: 7", [{"role": "assistant", "content": "12."}]]
     assert number_format(texts) == [1.0, 1.0, 0.5, 0.0, 1 / 8, 2 / 3]
     assert load_reward_function("number_format") is number_format
+
+
+def test_a_reward_function_that_fails_mid_run_stops_it_in_one_line_naming_the_step(
+    tmp_path, monkeypatch, caplog
+):
+    """A user's function raising at step 2 stops `titan-train` with exit status 2 and one error line naming
+    the step, the rows and the function's own error (not a traceback from the trainer). Planted once: the
+    run's one-line errors without `RewardFailed` let the traceback escape and the test failed."""
+    import logging
+
+    from titan_train.cli import run
+
+    (tmp_path / "flaky_rewards.py").write_text(
+        "calls = []\n"
+        "def flaky(completions, **kw):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 2:\n"
+        "        raise ValueError('planted at the second call')\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--job.config_file", "apps/configs/debug_grpo.toml", "--job.dump_folder", str(tmp_path / "run")]
+    argv += [
+        "--training.steps",
+        "3",
+        "--grpo.reward_funcs",
+        "flaky_rewards:flaky",
+        "--grpo.reward_weights",
+        "1.0",
+    ]
+    argv += [
+        "--training.local_batch_size",
+        "4",
+        "--grpo.num_generations",
+        "2",
+        "--grpo.max_completion_length",
+        "4",
+    ]
+    with caplog.at_level(logging.ERROR):
+        assert run(argv) == 2
+    sys.modules.pop("flaky_rewards", None)
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert line.startswith("grpo: a reward function failed at step 2 on the prompts of "), line
+    assert line.endswith("ValueError: planted at the second call") and "\n" not in line, line

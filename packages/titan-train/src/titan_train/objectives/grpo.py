@@ -30,12 +30,11 @@ from titan_data.chat.prompt import end_of_turn_id
 from titan_data.errors import DataError
 from titan_models.generation import SamplingParams
 from titan_parallel import adapters_off
-from titan_train.errors import ConfigError
 from titan_train.objectives.forward import model_forward, whole_sequence_context
 from titan_train.objectives.grpo_loss import GRPOLoss, group_advantages, nanstd
 from titan_train.objectives.preference_step import build_reference, copy_starting_weights, evaluating
 from titan_train.objectives.protocol import Batch, ObjectiveContext
-from titan_train.objectives.rewards import BadReward, load_reward_function, score
+from titan_train.objectives.rewards import BadReward, RewardFailed, load_reward_function, score
 from titan_train.objectives.rollouts import (
     Completions,
     RecordedRollouts,
@@ -219,12 +218,12 @@ class GRPO:
                 if index is not None
                 else f"the prompts of {rows[0].where}..{rows[-1].where}"
             )
-            raise ConfigError(
+            raise RewardFailed(
                 f"grpo: a reward function failed at step {self.step_number} on {where}: {type(err).__name__}: {err}"
             ) from err
         bad = torch.isinf(table).any(dim=1).nonzero().flatten().tolist()
         if bad:
-            raise ConfigError(
+            raise RewardFailed(
                 f"grpo: a reward function returned an infinite reward at step {self.step_number} for a "
                 f"completion of {per_completion[bad[0]].where}; return a finite float or None"
             )

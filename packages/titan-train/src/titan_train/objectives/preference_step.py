@@ -28,7 +28,6 @@ from titan_data.preference.dataset import NO_SEQUENCE
 from titan_parallel import adapters_off
 from titan_train.config.preference_section import PreferenceLoss
 from titan_train.config.schema import JobConfig
-from titan_train.errors import ConfigError
 from titan_train.objectives.preference_loss import (
     IGNORE_INDEX,
     SequenceLogps,
@@ -125,9 +124,7 @@ class PreferenceStep:
         self.deal, self.cp_group = deal, cp_group
         self.needs_reference, self.nll_weight = self.loss.needs_reference, self.loss.nll_weight
         if len(parts) != 1 and pp_group is None:
-            raise ConfigError(
-                "config: training.dataset = 'preference' needs the model in one part outside a pipeline"
-            )
+            raise ValueError("PreferenceStep: several model parts need the pipeline's group (pp_group)")
 
     def begin_step(self, step_batches: list[tuple[torch.Tensor, ...]]) -> None:
         pairs = sum(int(((seq.amax(dim=1) + 1) // 2).sum()) for _, _, _, seq, *_ in step_batches)

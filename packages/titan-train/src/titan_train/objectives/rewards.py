@@ -134,6 +134,11 @@ def load_reward_function(spec: str) -> RewardFunction:
     return fn
 
 
+class RewardFailed(RuntimeError):
+    """A reward function failed mid-run (raised, or gave an unusable answer): not a config to fix but the
+    user's function, named with the step and the row; `titan-train` prints it in one line and stops."""
+
+
 class BadReward(ValueError):
     """A reward function's answer that cannot be used: the wrong count, or NaN at completion `index`."""
 
