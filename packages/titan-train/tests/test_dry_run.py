@@ -10,6 +10,7 @@ import torch.distributed as dist
 from titan_train.cli import run
 from titan_train.config import load_job_config
 from titan_train.errors import ConfigError
+from titan_train.registry import get_model_family
 from titan_train.reporting.dry_run import dry_run
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -236,3 +237,29 @@ def test_a_vllm_server_the_run_starts_is_counted_on_the_gpu_it_shares(caplog):
     caplog.clear()
     assert run([*base, "--grpo.vllm_url", "http://127.0.0.1:8000"]) == 0
     assert "vLLM server" not in _logged(caplog)
+
+
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3"])
+def test_the_titan_engines_rollouts_are_counted_beside_what_training_keeps(caplog, family):
+    """GRPO with the titan engine on 2 FSDP ranks: generation adds the whole model in FSDP's bfloat16 and
+    the KV cache of local_batch_size completions of max_prompt_length + max_completion_length slots. The
+    cache is checked against the published cache layouts written here (keys and values per kv head for
+    Llama; MLA's latent and its rope key for DeepSeek-V3), with the cache's slot bookkeeping (validity,
+    position and document id per slot). Planted: the cache counted in float32 failed both cases."""
+    argv = ["--job.config_file", "apps/configs/debug_grpo.toml", "--model.name", family]
+    config = load_job_config(argv)
+    report = dry_run(config, 2)
+    g, batch = config.grpo, config.training.local_batch_size
+    slots = g.max_prompt_length + g.max_completion_length
+    args = get_model_family(family).flavors["debugmodel"]
+    if family == "llama3":
+        per_token = 2 * args.kv_heads * (args.dim // args.n_heads)
+    else:
+        per_token = args.kv_lora_rank + args.qk_rope_head_dim
+    bookkeeping = batch * slots * (1 + 8 + 8)  # bool valid, int64 position and document id
+    r = report.rollouts
+    assert r.kv_cache == args.n_layers * batch * slots * per_token * 2 + bookkeeping
+    assert r.whole_weights == report.params.total * 2
+    assert "rollouts (titan engine), per rank" in _logged(caplog)
+    vllm = load_job_config([*argv, "--grpo.engine", "vllm", "--grpo.vllm_url", "http://127.0.0.1:8000"])
+    assert dry_run(vllm, 2).rollouts is None

@@ -22,6 +22,12 @@ from titan_train.errors import ConfigError
 from titan_train.plan import ParamCounts, RunPlan, resolve
 from titan_train.reporting.device_peaks import DEVICE_MEMORY_GIB
 from titan_train.reporting.memory_estimate import GIB, MemoryEstimate, estimate_memory
+from titan_train.reporting.rollout_memory import (
+    RolloutMemory,
+    generates_with_titan,
+    rollout_lines,
+    rollout_memory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +46,7 @@ class DryRunReport:
     device_memory: int = 0
     levers: list[str] = field(default_factory=list)
     rollout_share: int = 0  # bytes of rank 0's GPU a vLLM server the run starts holds (`rollout_share`)
+    rollouts: RolloutMemory | None = None  # what the titan engine's generation adds (`rollout_memory`)
 
     def lines(self, config: Any) -> list[str]:
         t = config.training
@@ -78,6 +85,8 @@ class DryRunReport:
         out += [f"      {name:<46}{size / gib:>9.2f} GiB" for name, size in m.rows()]
         if self.device_memory:
             out += self.headroom_lines()
+        if self.rollouts is not None:
+            out += rollout_lines(self.rollouts, m.worst.breakdown, self.device_memory)
         return out
 
     def headroom_lines(self) -> list[str]:
@@ -187,6 +196,7 @@ def dry_run(
         device_name=device_name,
         device_memory=capacity,
         rollout_share=rollout_share(config, capacity),
+        rollouts=rollout_memory(plan) if generates_with_titan(config) else None,
     )
     if memory.expected_reserved(memory.worst) > capacity:
         report.levers = memory_levers(plan, memory, capacity)
