@@ -159,21 +159,6 @@ def _parquet_rows(path: Path) -> Iterator[tuple[Any, str]]:
         yield row, f"{path} row {i}"
 
 
-def _hub_rows(name: str) -> Iterator[tuple[Any, str]]:
-    """A Hugging Face dataset's train split by id (the hub, or its cache with HF_DATASETS_OFFLINE=1)."""
-    import datasets  # imported here: local files need none of it
-
-    try:
-        rows = datasets.load_dataset(name, split="train")
-    except Exception as err:  # the hub client raises many types; the message says what failed
-        raise DataError(
-            f"dataset: chat dataset '{name}' is neither a local file nor a loadable Hugging Face dataset "
-            f"({type(err).__name__}: {err}); set dataset_path to a .jsonl/.json/.parquet file or folder"
-        ) from None
-    for i, row in enumerate(rows):
-        yield row, f"{name} row {i}"
-
-
 def chat_files(path: str | Path) -> list[Path]:
     """The chat files at `path`: the file itself, or every .jsonl/.json/.parquet under the folder."""
     path = Path(path)
@@ -187,27 +172,21 @@ def chat_files(path: str | Path) -> list[Path]:
     raise DataError(f"dataset: chat data at {path} does not exist; set dataset_path to a file or folder")
 
 
-def raw_rows(path: str | Path) -> Iterator[tuple[Any, str]]:
-    """Every row at `path` (local .jsonl/.json/.parquet files or a folder of them, else a hub dataset id) as
-    (row, where), in order; a row that cannot be read comes as the DataError that names it. Chat rows and
-    preference pairs both read their sources here."""
-    local = Path(path).exists() or Path(path).suffix in FILE_SUFFIXES
-    sources = (
-        [(_parquet_rows if f.suffix == ".parquet" else _json_rows)(f) for f in chat_files(path)]
-        if local
-        else [_hub_rows(str(path))]
-    )
-    for rows in sources:
-        yield from rows
+def _local_rows(path: str | Path) -> Iterator[tuple[Any, str]]:
+    """Every row of the plain local files at `path` (a .jsonl/.json/.parquet file or a folder of them) as
+    (row, where), in order; a row that cannot be read comes as the DataError that names it."""
+    for f in chat_files(path):
+        yield from (_parquet_rows if f.suffix == ".parquet" else _json_rows)(f)
 
 
 def rows_at(path: str | Path, split: str = "", config: str = "") -> Iterator[tuple[Any, str]]:
-    """Every row at `path` as (row, where), in order: plain local files and a hub id's train split as
-    `raw_rows` reads them; a `save_to_disk` folder, a copy of a Hub dataset repository, a named `split`
-    or a hub `config` through `datasets` (`hf_datasets.load_rows`). Chat rows, preference pairs and prompts
-    all read their sources here."""
-    if not (split or config or is_saved_dataset(path) or is_dataset_repository(path)):
-        yield from raw_rows(path)
+    """Every row at `path` as (row, where), in order: plain local files read here; a hub id, a
+    `save_to_disk` folder or a copy of a Hub dataset repository through `datasets` (`hf_datasets.load_rows`:
+    its `split`, train by default, of its `config`). Chat rows, preference pairs and prompts all read their
+    sources here."""
+    local = Path(path).exists() or Path(path).suffix in FILE_SUFFIXES
+    if local and not (split or config or is_saved_dataset(path) or is_dataset_repository(path)):
+        yield from _local_rows(path)
         return
     named = [f"split {split}"] * bool(split) + [f"configuration {config}"] * bool(config)
     where = f"{path} ({', '.join(named)})" if named else str(path)
