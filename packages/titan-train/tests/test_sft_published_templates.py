@@ -29,7 +29,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from titan_data import build_tokenizer, load_chat_template
+from titan_data import PromptFields, build_tokenizer, load_chat_template, load_prompts
 from titan_data.chat.masks import tokenize_conversation
 from titan_data.chat.prompt import end_of_turn_id
 from titan_train.config import load_job_config
@@ -399,3 +399,38 @@ def test_qwen3_without_thinking_trains_the_answer_after_the_empty_think_block_it
     ours = tokenize_conversation(messages, template, tokenizer, "last", "test")
     trained = tokenizer.decode(ours.tokens[ours.trained].tolist())
     assert trained == ("<think>\n\n</think>\n\n" if thinking else "") + "Hi!<|im_end|>"
+
+
+def test_grpo_prompts_from_plain_text_render_as_transformers_renders_the_system_and_user_turns(
+    family_folder, tmp_path
+):
+    """GSM8K-style `question` text framed as a user turn after a system prompt (`grpo.text_prompts =
+    "user_turn"`) gives, under each published template (Qwen3's BOS-less ChatML with its think-block rules,
+    Llama 3.1's, gpt-oss's harmony), the ids transformers' apply_chat_template gives that conversation with
+    its generation prompt: no BOS where the tokenizer has none, none doubled where it has one. Planted once:
+    framing the text without the system turn failed every family."""
+    family, folder, theirs = family_folder
+    questions = ["What is 7 plus 5?", "Natalia sold 48 clips in April; how many in May?"]
+    data = tmp_path / "questions.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answer": "#### 12"}) + "\n" for q in questions))
+    system = "Reason step by step, then give the answer after ####."
+    tokenizer = build_tokenizer(folder)
+    template = load_chat_template(folder, variables=family.variables)
+    fields = PromptFields("question", text_as_turn=True, system=system)
+    prompts = load_prompts(data, template, tokenizer, 512, fields=fields)
+    expected = [
+        list(
+            theirs.apply_chat_template(
+                [{"role": "system", "content": system}, {"role": "user", "content": q}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                **family.variables,
+            )["input_ids"]
+        )
+        for q in questions
+    ]
+    assert [p.ids.tolist() for p in prompts] == expected
+    if tokenizer.bos_id is None:
+        assert all(theirs.bos_token_id not in ids for ids in expected)
+    assert [p.columns for p in prompts] == [{"answer": "#### 12"}] * 2
