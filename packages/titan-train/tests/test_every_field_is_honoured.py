@@ -1421,6 +1421,7 @@ PROBES: dict[str, Probe] = {
             ("vllm_importance_sampling_mode", "token_truncate"),
             ("vllm_importance_sampling_clip_max", "2.0"),
             ("vllm_importance_sampling_clip_min", "0.5"),
+            ("vllm_server_timeout", "5"),  # honoured with vllm: test_vllm_server_failures.py
         )
     },  # fmt: skip
     "grpo.replay_rollouts": Probe(

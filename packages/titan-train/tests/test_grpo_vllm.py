@@ -11,6 +11,9 @@ with top_k 1 (greedy), reaches the same server at `grpo.vllm_url` (whose pushes 
 - The log-probs vLLM reports for the tokens it sampled equal the trainer's forward log-probs of those
   tokens within LOGP_BOUND at every sampled step (`sampling/sampling_logp_difference/max`, TRL's metric),
   and, at step 1, transformers' own log-probs on the starting folder.
+- The server dies mid-run: once step 1's rollouts are logged the test kills it (its whole process group, as a
+  crash does); the run restarts it on the same port (so the second run's `grpo.vllm_url` still reaches it) on
+  the weights it held, and the checks above run on what the restarted server generated.
 
 Planted once each (2026-12-02): the weight push before step 2 skipped fails the log-prob test (step 2's
 difference 3.09 against 2e-6 at step 1); the push before step 3 skipped fails the greedy test (prompt 4's
@@ -21,6 +24,10 @@ Skipped when the apps/vllm environment is not installed (`uv sync --project apps
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -98,9 +105,13 @@ def dump(folder, one_rank, tmp_path_factory):
     first = Trainer(
         resolve(load_job_config([*starting, "--grpo.vllm_gpu_memory_utilization", "0.2"]), 1, "cpu"), one_rank
     )
+    killer = threading.Thread(target=_kill_after_step_one, args=(dump, first.objective.engine), daemon=True)
+    killer.start()
     try:
         started = time.perf_counter()
         first.train()
+        killer.join(timeout=1)
+        (dump / "restarts").write_text(str(first.objective.engine.restarts))
         print(f"first run (vLLM's start included): {time.perf_counter() - started:.0f} s")
         url = f"http://127.0.0.1:{(dump / 'vllm_weights' / 'server.port').read_text()}"
         resumed = [*flags, "--training.steps", str(STEPS + 1), "--grpo.top_k", "1", "--grpo.vllm_url", url]
@@ -108,6 +119,23 @@ def dump(folder, one_rank, tmp_path_factory):
     finally:
         first.objective.engine.close()
     return dump
+
+
+def _kill_after_step_one(dump: Path, engine) -> None:
+    """The server the run started killed with its workers once step 1's rollouts are logged."""
+    log = dump / "rollouts" / "rank0.jsonl"
+    while not (log.is_file() and '"step": 1,' in log.read_text()):
+        time.sleep(0.05)
+    os.killpg(engine.process.pid, signal.SIGKILL)
+
+
+def test_a_server_that_died_mid_run_was_restarted_on_its_port(dump):
+    """One restart; the server log shows two starts on one port (the second run reached it there)."""
+    assert (dump / "restarts").read_text() == "1"
+    ports = re.findall(
+        r"titan-vllm: up on 127\.0\.0\.1:(\d+)", (dump / "vllm_weights" / "server.log").read_text()
+    )
+    assert len(ports) == 2 and ports[0] == ports[1], ports
 
 
 def _rollouts(dump: Path, step: int) -> list[dict]:

@@ -37,6 +37,7 @@ from titan_train.faults.hang_diagnosis import describe_init_failure
 from titan_train.faults.peer_watch import watching_peers
 from titan_train.faults.status_file import leave_exit_status
 from titan_train.objectives.rewards import RewardFailed
+from titan_train.objectives.vllm_engine import EngineFailed
 from titan_train.plan import RunPlan, resolve
 from titan_train.reporting.device_peaks import DEVICE_MEMORY_GIB
 from titan_train.reporting.dry_run import dry_run
@@ -44,7 +45,15 @@ from titan_train.reporting.report import build_report
 from titan_train.step.gc_schedule import libraries_frozen
 from titan_train.trainer import Trainer
 
-USER_ERRORS = (ConfigError, DataError, ParallelConfigError, CheckpointError, ModelError, RewardFailed)
+USER_ERRORS = (
+    ConfigError,
+    DataError,
+    ParallelConfigError,
+    CheckpointError,
+    ModelError,
+    RewardFailed,
+    EngineFailed,
+)
 
 log = logging.getLogger("titan_train")
 

@@ -91,6 +91,14 @@ class GRPO:
         f"{VLLM_INSTALL})",
         nonempty=True,
     )
+    vllm_server_timeout: float = opt(
+        240.0,
+        "With engine vllm: seconds the run waits for a server that stopped answering to answer again (TRL's "
+        "name); a server the run started is restarted at once on the weights it held. Then the run stops in "
+        "one line, keeping its checkpoints",
+        above=0,
+        maximum=86_400.0,
+    )
     vllm_gpu_memory_utilization: float = opt(
         0.15,
         "(Titan) With engine vllm and no vllm_url: vLLM's gpu_memory_utilization, the share of the device's "

@@ -7,12 +7,18 @@ writes it) under `dump_folder/vllm_weights/`; rank 0 then starts the server on t
 time) or has it reload the folder in place (vLLM's `reload_weights`), and drops the previous one. Every
 rank then asks the server for its own prompts' completions. The server is `apps/vllm/serve.py`, started by
 the run (and stopped when it exits) or reached at `grpo.vllm_url`.
+
+A server that stops answering is waited for (`grpo.vllm_server_timeout`, retried with a growing pause); one
+the run started and finds dead is restarted at once, on the same port and the weights it held, so every
+rank's retry reaches it. If it does not answer again in time the run stops with `EngineFailed`: one line
+naming the server, its last error and the checkpoint a resume starts from.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import logging
 import shutil
 import signal
 import subprocess
@@ -34,8 +40,20 @@ from titan_train.run_plan import RunPlan
 from titan_train.wiring.checkpointing import hf_adapter_for
 from titan_train.wiring.hf_interop import export_dtype, export_token_ids, hf_export_files
 
+logger = logging.getLogger(__name__)
+
 START_TIMEOUT_S = 1800.0  # vLLM's start on 2 busy CPU cores takes minutes
 REQUEST_TIMEOUT_S = 1800.0
+MAX_RESTARTS = 3  # of a server the run started, before it stops trying
+MAX_PAUSE_S = 30.0
+
+
+class NotAnswering(RuntimeError):
+    """The server did not answer a request (refused, reset, timed out): worth retrying."""
+
+
+class EngineFailed(RuntimeError):
+    """The rollout server stopped answering and did not come back: the run stops, its checkpoints kept."""
 
 
 def _rank() -> int:
@@ -59,6 +77,7 @@ def start_server(
     seed: int,
     dtype: str,
     log: Path,
+    port: int = 0,
 ) -> tuple[subprocess.Popen, str]:
     """`project`'s serve.py on the Hugging Face folder `model`, in `project`'s own environment; its output
     goes to `log`. Returns the process and its URL once the engine is up (RuntimeError with the log's tail
@@ -71,6 +90,7 @@ def start_server(
         str(project / "serve.py"),
         "--model", str(model),
         "--port-file", str(port_file),
+        "--port", str(port),
         "--max-model-len", str(max_model_len),
         "--gpu-memory-utilization", str(gpu_memory_utilization),
         "--seed", str(seed),
@@ -115,7 +135,7 @@ def call(url: str, route: str, body: dict) -> dict:
     except urllib.error.HTTPError as err:
         raise RuntimeError(f"grpo: the vLLM server at {url} failed {route}: {err.read().decode()}") from None
     except (urllib.error.URLError, OSError) as err:
-        raise RuntimeError(f"grpo: the vLLM server at {url} is not answering {route}: {err}") from None
+        raise NotAnswering(f"grpo: the vLLM server at {url} is not answering {route}: {err}") from None
 
 
 class VLLMEngine:
@@ -136,6 +156,10 @@ class VLLMEngine:
         self.pushed: Path | None = None  # the folder the server holds
         self.pushed_step: int | None = None
         self.push_seconds = 0.0  # the last push's (the server's start included, the first time)
+        self.restarts = 0
+        self.checkpoints = (
+            Path(config.job.dump_folder) / config.checkpoint.folder if config.checkpoint.enable else None
+        )
 
     def push(self, parts, step: int) -> None:
         """The policy's weights after `step` optimizer steps written and loaded by the server (every rank)."""
@@ -156,7 +180,7 @@ class VLLMEngine:
             if self.url is None:
                 self._start(folder)
             else:
-                call(self.url, "/reload", {"path": str(folder.resolve())})
+                self.request("/reload", {"path": str(folder.resolve())})
             for old in self.folder.glob("step-*"):  # the previous push (an earlier run's too)
                 if old != folder:
                     shutil.rmtree(old, ignore_errors=True)
@@ -166,7 +190,52 @@ class VLLMEngine:
         self.url, self.pushed, self.pushed_step = url[0], folder, step
         self.push_seconds = time.perf_counter() - started
 
-    def _start(self, folder: Path) -> None:
+    def request(self, route: str, body: dict) -> dict:
+        """`call`, retried while the server does not answer (restarting one the run started that died),
+        for up to grpo.vllm_server_timeout; `EngineFailed` after."""
+        deadline, pause = time.monotonic() + self.settings.vllm_server_timeout, 1.0
+        while True:
+            try:
+                return call(self.url, route, body)
+            except NotAnswering as err:
+                last = err
+            if self.process is not None and self.process.poll() is not None and self.restarts < MAX_RESTARTS:
+                self._restart(last)
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineFailed(self._failure(route, last)) from None
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, MAX_PAUSE_S)
+
+    def _restart(self, why: Exception) -> None:
+        """The server the run started, found dead, started again on the same port and weights."""
+        self.restarts += 1
+        port = int(self.url.rsplit(":", 1)[1].rstrip("/"))
+        logger.warning("grpo: %s; the vLLM server exited (status %s): restarting it on port %d (%d of %d)",
+                       why, self.process.returncode, port, self.restarts, MAX_RESTARTS)  # fmt: skip
+        try:
+            self._start(self.pushed, port=port)
+        except RuntimeError as err:
+            raise EngineFailed(self._failure("a restart", err)) from None
+
+    def _failure(self, route: str, err: Exception) -> str:
+        latest = (
+            sorted(self.checkpoints.glob("step-*"), key=lambda p: int(p.name[5:])) if self.checkpoints else []
+        )
+        kept = (
+            f"its checkpoints are kept (the last: {latest[-1]}); resume with the same command"
+            if latest
+            else "no checkpoint was written yet"
+            + ("" if self.checkpoints else " (checkpoint.enable is false)")
+        )
+        return (
+            f"grpo: the vLLM server did not come back within grpo.vllm_server_timeout = "
+            f"{self.settings.vllm_server_timeout:g} s ({self.restarts} restarts) for {route}: {err}; the run stops "
+            f"here and {kept} once the server answers"
+        )
+
+    def _start(self, folder: Path, port: int = 0) -> None:
         g = self.settings
         self.process, self.url = start_server(
             g.vllm_project,
@@ -176,6 +245,7 @@ class VLLMEngine:
             seed=self.plan.seed,
             dtype=self.dtype_name,
             log=self.folder / "server.log",
+            port=port,
         )
         atexit.register(stop_server, self.process)
 
@@ -187,8 +257,7 @@ class VLLMEngine:
         self.push_seconds = 0.0
         if self.pushed_step != step:
             self.push(parts, step)
-        reply = call(
-            self.url,
+        reply = self.request(
             "/generate",
             {
                 "prompts": prompts,
