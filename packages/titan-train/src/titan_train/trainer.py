@@ -21,7 +21,7 @@ from titan_train.fault_tolerance import HealState, ReplicaGroup
 from titan_train.faults.data_outage import StepBatches, stop_on_data_outage
 from titan_train.faults.drills import FaultDrills
 from titan_train.faults.step_guard import AgreedNumbers, StepGuard, StepNumbers
-from titan_train.objectives.protocol import ObjectiveContext
+from titan_train.objectives.protocol import ObjectiveContext, TakesBatchesAhead
 from titan_train.objectives.registry import build_objective
 from titan_train.plan import RunPlan
 from titan_train.reporting.device_peaks import peak_flops
@@ -307,7 +307,9 @@ class Trainer:
             self.replicas.begin_step()
         loss_sum = torch.zeros((), device=self.device)
         start = time.perf_counter()
-        step_batches = [next(batches) for _ in range(self.grad_accum_steps)]
+        ahead = self.objective  # an objective that trains what it made from earlier batches takes them ahead
+        steps = ahead.steps_of_batches(self.state.step + 1) if isinstance(ahead, TakesBatchesAhead) else 1
+        step_batches = [next(batches) for _ in range(self.grad_accum_steps * steps)]
         step_batches = self.objective.begin_step(step_batches) or step_batches
         data_seconds = time.perf_counter() - start
         tokens = 0

@@ -29,6 +29,7 @@ from titan_ckpt import EXPORT_DTYPES, ModelState
 from titan_ckpt.hf_export import write_hf_export
 from titan_ckpt.hf_safetensors import DEFAULT_MAX_SHARD_BYTES
 from titan_models.generation import SamplingParams
+from titan_train.objectives.off_policy import Background
 from titan_train.objectives.rollouts import Completions
 from titan_train.run_plan import RunPlan
 from titan_train.wiring.checkpointing import hf_adapter_for
@@ -184,9 +185,21 @@ class VLLMEngine:
     ) -> Completions:
         """`num_generations` completions of each prompt on the weights after `step` optimizer steps, with
         the log-prob vLLM sampled each token at."""
+        return self.request(parts, step, prompts, num_generations, params).result()
+
+    def request(
+        self, parts, step: int, prompts: list[list[int]], num_generations: int, params: SamplingParams
+    ) -> Background:
+        """`completions`, with the weights pushed here (every rank: collectives) and the server's answer
+        awaited in a background thread (`result()` joins it), so training can go on meanwhile."""
         self.push_seconds = 0.0
         if self.pushed_step != step:
             self.push(parts, step)
+        return Background(lambda: self._generate(prompts, num_generations, params))
+
+    def _generate(
+        self, prompts: list[list[int]], num_generations: int, params: SamplingParams
+    ) -> Completions:
         reply = call(
             self.url,
             "/generate",
