@@ -23,6 +23,8 @@ from tiny_llama import from_hf_flags
 from transformers import LlamaForCausalLM
 
 from titan_train.config import load_job_config
+from titan_train.config.validate import validate_config
+from titan_train.errors import ConfigError
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 
@@ -109,3 +111,37 @@ def test_a_stale_step_uses_the_generating_policys_logprobs(runs):
     assert step2["loss"] == pytest.approx(total / tokens, rel=1e-4, abs=1e-6)
     assert step2["off_policy/old_logp_gap"] == pytest.approx(gap / tokens, rel=1e-4)
     assert gap / tokens > 0.01 and step2["clip_ratio/region_mean"] > 0  # the ratio left 1 and clipped
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (("--grpo.max_staleness", "2"), r"grpo.max_staleness must be at most 1, got 2"),
+        (("--grpo.max_staleness", "-1"), r"grpo.max_staleness must be at least 0, got -1"),
+        (
+            ("--grpo.max_staleness", "1", "--grpo.num_iterations", "2"),
+            r"grpo.max_staleness = 1 and grpo.num_iterations > 1 .*: set one of them back to its default",
+        ),
+        (
+            ("--grpo.max_staleness", "1", "--grpo.replay_rollouts", "PROMPTS"),
+            r"grpo.max_staleness = 1 and grpo.replay_rollouts .*: set grpo.max_staleness = 0",
+        ),
+    ],
+)
+def test_what_one_step_off_policy_cannot_do_is_refused_in_one_line(tmp_path, extra, says):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    flags = [
+        *(
+            "--training.dataset",
+            "prompts",
+            "--training.dataset_path",
+            str(data),
+            "--training.seq_len",
+            "1024",
+        ),
+        *("--grpo.reward_funcs", "answer_match", *(str(data) if f == "PROMPTS" else f for f in extra)),
+    ]
+    with pytest.raises(ConfigError, match=says) as refused:
+        validate_config(load_job_config(flags))
+    assert "\n" not in str(refused.value)
