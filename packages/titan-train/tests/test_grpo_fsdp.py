@@ -13,6 +13,8 @@ Planted once each (2026-12-02): dapo dividing by the rank's own completion token
 replay's step-1 grad_norm (1.79 against 3.57); generating on the rank's shards without `whole_weights` fails
 at the first rollout (DTensor weights beside plain activations). Advantages from each rank's rewards alone
 still pass here: a rank holds whole groups, and only scale_rewards = "batch" reads across them.
+Planted 2026-12-03: the batch generated ahead kept without its old log-probs fails the off-policy case
+(old_logp_gap 0 in both runs: they agree, the gap says the old policy was the current one).
 """
 
 from __future__ import annotations
