@@ -10,8 +10,8 @@ One step off-policy (`--grpo.max_staleness 1`, the config otherwise as it is) th
 slowly: measured 2026-12-03 over STALE_STEPS = 14 steps, from 0.006 (steps 1-3) to 0.29 (steps 12-14), where
 on-policy it reaches 1.0 by step 10; at lr 3e-3 the policy moves up to 2 nats a token per step
 (`off_policy/old_logp_gap`), most ratios clip, and its completions settle on one well-formatted wrong answer
-(number_format's 0.3). The on-policy run would pass the same test: the lag is checked by the
-`off_policy/lag_steps` it logs.
+(number_format's 0.3). Planted once (2026-12-03): step 1's batch held again for every later step instead of
+the one generated ahead fails it (the logged lag grows, 2 at step 3).
 """
 
 import json
