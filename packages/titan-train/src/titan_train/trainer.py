@@ -293,6 +293,12 @@ class Trainer:
                 batch = tuple(t.pin_memory() for t in batch)
             yield tuple(t.to(self.device, non_blocking=pinned) for t in batch)
 
+    def _steps_of_batches(self) -> int:
+        """How many steps' micro-batches the next step takes: its own, or what an objective that trains on
+        what it made from earlier batches asks for (`TakesBatchesAhead`)."""
+        ahead = self.objective
+        return ahead.steps_of_batches(self.state.step + 1) if isinstance(ahead, TakesBatchesAhead) else 1
+
     def train_step(self, batches: Iterator[tuple[torch.Tensor, ...]]) -> StepResult:
         """One optimizer step over `grad_accum_steps` micro-batches, each handed to the objective.
 
@@ -307,9 +313,7 @@ class Trainer:
             self.replicas.begin_step()
         loss_sum = torch.zeros((), device=self.device)
         start = time.perf_counter()
-        ahead = self.objective  # an objective that trains what it made from earlier batches takes them ahead
-        steps = ahead.steps_of_batches(self.state.step + 1) if isinstance(ahead, TakesBatchesAhead) else 1
-        step_batches = [next(batches) for _ in range(self.grad_accum_steps * steps)]
+        step_batches = [next(batches) for _ in range(self.grad_accum_steps * self._steps_of_batches())]
         step_batches = self.objective.begin_step(step_batches) or step_batches
         data_seconds = time.perf_counter() - start
         tokens = 0
@@ -429,7 +433,7 @@ class Trainer:
             while self.state.step < self.plan.steps:
                 self.guard.begin_step(self.state.step + 1)
                 with stop_on_data_outage(self.state.step, self.checkpointer, self.loader):
-                    fetch_seconds = batches.fetch()
+                    fetch_seconds = batches.fetch(self._steps_of_batches())
                     self.state.apply_saved_rng()  # a resumed run's generators, just before its first step
                     step = self.train_step(batches)
                 if not step.committed:
