@@ -66,11 +66,11 @@ LONGEST_FIRST = (
     "tests/test_hf_start_memory.py",  # 92 (new 2026-12-02, quiet machine): two 4-rank runs of a 285 MB model
     # new on 2026-12-02 (GRPO), single runs beside the full suite
     "packages/titan-train/tests/test_grpo_fsdp.py",  # ~150: two one-process runs, two 2-rank runs
-    "packages/titan-train/tests/test_grpo_resume.py",  # ~100: five runs of four steps
+    "packages/titan-train/tests/test_grpo_resume.py",  # ~250: nine runs of four or five steps (2026-12-03)
     "packages/titan-train/tests/test_grpo_trl.py",  # ~45: six TRL runs beside Titan's replays
     "tests/test_grpo_debug_config.py",  # ~30: the debug GRPO config, 13 steps
     # landed 2026-12-02 from wip/ (single runs, two workers)
-    "packages/titan-train/tests/test_grpo_vllm.py",  # ~120: vLLM's engine starts twice (skips without apps/vllm)
+    "packages/titan-train/tests/test_grpo_vllm.py",  # ~130: vLLM starts once, three runs (skips without apps/vllm)
     "tests/test_fault_tolerance.py",  # the torchft kill drill: two replica groups, one killed and healed
     "tests/test_fault_tolerance_semi_sync.py",
     "tests/test_fault_tolerance_checkpoints.py",  # ~120: three launches of 2 groups through run_train.sh

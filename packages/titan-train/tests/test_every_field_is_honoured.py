@@ -1459,6 +1459,9 @@ PROBES: dict[str, Probe] = {
     "grpo.num_iterations": Probe(
         ("--grpo.num_iterations", "2"), metrics, base=PROMPTS, train=True, prepare=prompt_files
     ),
+    "grpo.max_staleness": Probe(
+        ("--grpo.max_staleness", "1"), metrics, base=PROMPTS, train=True, prepare=prompt_files
+    ),
     "grpo.sapo_temperature_pos": Probe(
         ("--grpo.sapo_temperature_pos", "2.0"), grpo_loss, base=PROMPTS, prepare=prompt_files
     ),

@@ -8,9 +8,15 @@ draws the completions the interrupted one drew; the rollout log holds each step 
 With grpo.num_iterations = 2, a run killed after step 4 (which trained again on step 3's rollouts) resumes
 from its step-3 save: the rollouts and their old log-probs come back from the checkpoint.
 
+With grpo.max_staleness = 1 (one step off-policy), the step-2 save holds the batch generated during step 2
+for step 3, with its old log-probs, and the data's position after step 3's prompts: a run killed after step
+3, or during step 3's generation of step 4's batch (the 4th reward call), resumes bit for bit.
+
 Planted once each (2026-12-02): a resumed log that keeps the interrupted run's lines (no
 `RolloutLog.resume_from`) fails it (step 3 logged twice); rollouts left out of the checkpoint (no
-`grpo_rollouts` state) fail the between-reuses case at the resumed step 4 ("not held"). Sampling from the global generator instead of
+`grpo_rollouts` state) fail the between-reuses case at the resumed step 4 ("not held"). Planted 2026-12-03: the held batch left out
+of the checkpoint (no `grpo_pending` state) fails both stale cases (the resumed step 3 generates its own
+batch from the next prompts: other rewards and losses). Sampling from the global generator instead of
 the seeded one still passes: the checkpoint restores the global generator too (train_state), so the seed
 is what keeps rollouts independent of everything else that draws from it, not what makes resume exact.
 """
@@ -93,23 +99,32 @@ REUSED = (
 )
 
 
+STALE = ("--grpo.max_staleness", "1")
+
+
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo_resume")
     _prompts(tmp / "prompts.jsonl")
-    for dump, extra in (("whole", ()), ("whole_reused", REUSED)):
+    for dump, extra in (("whole", ()), ("whole_reused", REUSED), ("whole_stale", STALE)):
         run = _train(tmp, dump, *extra)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return tmp
 
 
-@pytest.mark.parametrize("kill", ["mid_step", "after_step", "between_reuses"])
+@pytest.mark.parametrize(
+    "kill", ["mid_step", "after_step", "between_reuses", "stale_mid_generation", "stale_after_step"]
+)
 def test_a_killed_grpo_run_resumes_bit_for_bit(whole, kill):
     dump, reference, extra, saved, last = f"resumed_{kill}", "whole", (), "step-2", 4
+    if kill.startswith("stale"):
+        reference, extra = "whole_stale", STALE
     if kill == "mid_step":  # step 3's reward call: after generation, before training
         killed = _train(whole, dump, env={"TITAN_TEST_DIE_AT": "3"})
-    elif kill == "after_step":
-        killed = _train(whole, dump, "--health.drill", "kill", "--health.drill_step", "3")
+    elif kill == "stale_mid_generation":  # reward calls: 2 at step 1 (its batch and step 2's), then 1 a step
+        killed = _train(whole, dump, *extra, env={"TITAN_TEST_DIE_AT": "4"})
+    elif kill in ("after_step", "stale_after_step"):
+        killed = _train(whole, dump, *extra, "--health.drill", "kill", "--health.drill_step", "3")
     else:  # after step 4, which reused step 3's rollouts (unsaved: the saves are at 3 and 5)
         reference, extra, saved, last = "whole_reused", REUSED, "step-3", 5
         killed = _train(whole, dump, *extra, "--health.drill", "kill", "--health.drill_step", "4")

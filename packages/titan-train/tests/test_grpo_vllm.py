@@ -15,9 +15,15 @@ with top_k 1 (greedy), reaches the same server at `grpo.vllm_url` (whose pushes 
   crash does); the run restarts it on the same port (so the second run's `grpo.vllm_url` still reaches it) on
   the weights it held, and the checks above run on what the restarted server generated.
 
+- One step off-policy (`grpo.max_staleness = 1`, a third run at the URL): the request for step t + 1's batch
+  goes out before step t trains and is answered while it trains (the logged generation and training times
+  overlap), and steps 2 and 3 train one step behind their weights (`off_policy/lag_steps`).
+
 Planted once each (2026-12-02): the weight push before step 2 skipped fails the log-prob test (step 2's
 difference 3.09 against 2e-6 at step 1); the push before step 3 skipped fails the greedy test (prompt 4's
-first token 1546 against transformers' 1482).
+first token 1546 against transformers' 1482). Planted 2026-12-03: the off-policy request joined as soon as
+it is sent fails the overlap test (step 1's generation ending 3 ms before its training starts; measured
+without it: generations of 0.05 s overlapping 0.02-0.03 s of training steps that short).
 Skipped when the apps/vllm environment is not installed (`uv sync --project apps/vllm --locked`).
 """
 
@@ -86,21 +92,7 @@ def dump(folder, one_rank, tmp_path_factory):
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in prompt_rows()))
     dump = root / "titan"
-    flags = [
-        *from_hf_flags(folder, dump),
-        "--training.dataset", "prompts",
-        "--training.dataset_path", str(data),
-        "--training.seq_len", "96",
-        "--training.local_batch_size", str(B),
-        "--grpo.num_generations", str(G),
-        "--grpo.max_prompt_length", "48",
-        "--grpo.max_completion_length", str(COMPLETION),
-        "--grpo.reward_funcs", "grpo_rewards:vowel_share,grpo_rewards:hint_length",
-        "--grpo.engine", "vllm",
-        "--optimizer.lr", str(LR),
-        "--lr_scheduler.decay_ratio", "0",
-        "--checkpoint.last_save_in_hf",
-    ]  # fmt: skip
+    flags = _flags(folder, data, dump)
     starting = [*flags, "--training.steps", str(STEPS), "--grpo.vllm_project", str(PROJECT)]
     first = Trainer(
         resolve(load_job_config([*starting, "--grpo.vllm_gpu_memory_utilization", "0.2"]), 1, "cpu"), one_rank
@@ -116,9 +108,30 @@ def dump(folder, one_rank, tmp_path_factory):
         url = f"http://127.0.0.1:{(dump / 'vllm_weights' / 'server.port').read_text()}"
         resumed = [*flags, "--training.steps", str(STEPS + 1), "--grpo.top_k", "1", "--grpo.vllm_url", url]
         Trainer(resolve(load_job_config(resumed), 1, "cpu"), one_rank).train()
+        stale = [*_flags(folder, data, root / "stale"), "--training.steps", str(STEPS + 1)]
+        stale += ["--grpo.vllm_url", url, "--grpo.max_staleness", "1"]
+        Trainer(resolve(load_job_config(stale), 1, "cpu"), one_rank).train()
     finally:
         first.objective.engine.close()
     return dump
+
+
+def _flags(folder: Path, data: Path, dump: Path) -> list[str]:
+    return [
+        *from_hf_flags(folder, dump),
+        "--training.dataset", "prompts",
+        "--training.dataset_path", str(data),
+        "--training.seq_len", "96",
+        "--training.local_batch_size", str(B),
+        "--grpo.num_generations", str(G),
+        "--grpo.max_prompt_length", "48",
+        "--grpo.max_completion_length", str(COMPLETION),
+        "--grpo.reward_funcs", "grpo_rewards:vowel_share,grpo_rewards:hint_length",
+        "--grpo.engine", "vllm",
+        "--optimizer.lr", str(LR),
+        "--lr_scheduler.decay_ratio", "0",
+        "--checkpoint.last_save_in_hf",
+    ]  # fmt: skip
 
 
 def _kill_after_step_one(dump: Path, engine) -> None:
@@ -185,3 +198,16 @@ def test_vllm_logprobs_equal_the_trainers_forward_logprobs(dump, folder):
         worst = max(worst, (mine - torch.tensor(row["logprobs"])).abs().max().item())
     print(f"max |transformers - vLLM| log-prob at step 1: {worst:.2e}")
     assert worst <= LOGP_BOUND
+
+
+def test_vllm_generates_the_next_batch_while_the_step_trains(dump):
+    lines = (dump.parent / "stale" / "metrics.jsonl").read_text().splitlines()
+    records = {r["step"]: r for r in map(json.loads, lines)}
+    assert [records[s]["off_policy/lag_steps"] for s in sorted(records)] == [0, 1, 1]
+    for step in range(1, STEPS + 1):  # the last step generates nothing ahead
+        r = {k.split("/")[1]: v for k, v in records[step].items() if k.startswith("off_policy/")}
+        overlap = min(r["generation_end_s"], r["training_end_s"]) - r["training_start_s"]
+        print(f"step {step}: generation {r['generation_start_s']:.2f}-{r['generation_end_s']:.2f} s, training "
+              f"{r['training_start_s']:.2f}-{r['training_end_s']:.2f} s, overlap {overlap:.2f} s")  # fmt: skip
+        assert r["generation_start_s"] < r["training_start_s"] and overlap > 0, (step, r)
+    assert "off_policy/generation_start_s" not in records[STEPS + 1]

@@ -37,7 +37,9 @@ def test_a_server_that_is_gone_stops_the_run_in_one_line_keeping_its_checkpoint(
         assert run([*DEBUG, *dump, *vllm, "--training.steps", "3"]) == 2
     waited = time.monotonic() - started
     (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert line.startswith("grpo: the vLLM server did not come back within grpo.vllm_server_timeout = 3 s"), line
+    assert line.startswith("grpo: the vLLM server did not come back within grpo.vllm_server_timeout = 3 s"), (
+        line
+    )
     assert f"{url} is not answering /reload" in line and "\n" not in line
     assert f"the last: {tmp_path / 'checkpoint' / 'step-1'}); resume with the same command" in line
     assert (tmp_path / "checkpoint" / "step-1").is_dir() and not (tmp_path / "checkpoint" / "step-2").exists()

@@ -21,7 +21,7 @@ from titan_train.fault_tolerance import HealState, ReplicaGroup
 from titan_train.faults.data_outage import StepBatches, stop_on_data_outage
 from titan_train.faults.drills import FaultDrills
 from titan_train.faults.step_guard import AgreedNumbers, StepGuard, StepNumbers
-from titan_train.objectives.protocol import ObjectiveContext
+from titan_train.objectives.protocol import ObjectiveContext, TakesBatchesAhead
 from titan_train.objectives.registry import build_objective
 from titan_train.plan import RunPlan
 from titan_train.reporting.device_peaks import peak_flops
@@ -292,6 +292,12 @@ class Trainer:
                 batch = tuple(t.pin_memory() for t in batch)
             yield tuple(t.to(self.device, non_blocking=pinned) for t in batch)
 
+    def _steps_of_batches(self) -> int:
+        """How many steps' micro-batches the next step takes: its own, or what an objective that trains on
+        what it made from earlier batches asks for (`TakesBatchesAhead`)."""
+        ahead = self.objective
+        return ahead.steps_of_batches(self.state.step + 1) if isinstance(ahead, TakesBatchesAhead) else 1
+
     def train_step(self, batches: Iterator[tuple[torch.Tensor, ...]]) -> StepResult:
         """One optimizer step over `grad_accum_steps` micro-batches, each handed to the objective.
 
@@ -306,7 +312,7 @@ class Trainer:
             self.replicas.begin_step()
         loss_sum = torch.zeros((), device=self.device)
         start = time.perf_counter()
-        step_batches = [next(batches) for _ in range(self.grad_accum_steps)]
+        step_batches = [next(batches) for _ in range(self.grad_accum_steps * self._steps_of_batches())]
         step_batches = self.objective.begin_step(step_batches) or step_batches
         data_seconds = time.perf_counter() - start
         tokens = 0
@@ -426,7 +432,7 @@ class Trainer:
             while self.state.step < self.plan.steps:
                 self.guard.begin_step(self.state.step + 1)
                 with stop_on_data_outage(self.state.step, self.checkpointer, self.loader):
-                    fetch_seconds = batches.fetch()
+                    fetch_seconds = batches.fetch(self._steps_of_batches())
                     self.state.apply_saved_rng()  # a resumed run's generators, just before its first step
                     step = self.train_step(batches)
                 if not step.committed:

@@ -89,15 +89,15 @@ class StepBatches(Iterator[Batch]):
         self.ready: deque[Batch] = deque()
         self.group = dist.new_group(backend="gloo", timeout=_outage_timeout()) if agree else None
 
-    def fetch(self) -> float:
-        """Take the next step's batches and agree that every rank has them; the seconds it took (data
-        wait, the slowest rank's included). Raises `AgreedOutage` on every rank if any rank's source
-        is down."""
+    def fetch(self, steps: int = 1) -> float:
+        """Take the next step's batches (`steps` steps' worth: an objective may take them ahead) and agree
+        that every rank has them; the seconds it took (data wait, the slowest rank's included). Raises
+        `AgreedOutage` on every rank if any rank's source is down."""
         if not self.agree:
             return 0.0
         start, failure = time.perf_counter(), None
         try:
-            while len(self.ready) < self.micro_batches:
+            while len(self.ready) < self.micro_batches * steps:
                 self.ready.append(next(self.batches))
         except StopIteration:
             pass  # a finite loader: the step reads the end itself, as without agreement

@@ -32,6 +32,7 @@ from titan_models.generation import SamplingParams
 from titan_parallel import adapters_off
 from titan_train.objectives.forward import model_forward, whole_sequence_context
 from titan_train.objectives.grpo_loss import GRPOLoss, group_advantages, nanstd
+from titan_train.objectives.off_policy import Background, steps_of_batches
 from titan_train.objectives.preference_step import build_reference, copy_starting_weights, evaluating
 from titan_train.objectives.protocol import Batch, ObjectiveContext
 from titan_train.objectives.rewards import BadReward, RewardFailed, load_reward_function, score
@@ -89,6 +90,11 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor, temperature: float):
     return torch.where(valid, picked, 0.0), torch.where(valid, entropy, 0.0)
 
 
+def _indices(step_batches: list[Batch]) -> list[int]:
+    """The prompts' indices of a step's prompt batches (the data's third row)."""
+    return [int(i) for batch in step_batches for i in batch[2][:, 0].tolist()]
+
+
 @dataclass
 class _Micro:
     """What one training micro-batch needs beside its tokens."""
@@ -101,11 +107,12 @@ class _Micro:
 
 
 class RolloutCache:
-    """A generation batch kept for the steps that reuse it (num_iterations > 1): the prompts' indices, the
-    training micro-batches and what each needs, and the batch's completion-token count; saved per rank."""
+    """A generation batch kept for later steps (the steps that reuse it with num_iterations > 1, or the
+    next step one step off-policy): the prompts' indices, the training micro-batches and what each needs,
+    and the batch's completion-token count; saved per rank."""
 
-    def __init__(self, rank: int, device: torch.device):
-        self.key, self.device = f"rollouts_rank{rank}", device
+    def __init__(self, rank: int, device: torch.device, name: str = "rollouts"):
+        self.key, self.device = f"{name}_rank{rank}", device
         self.held: dict | None = None
 
     def state_dict(self) -> dict:
@@ -150,6 +157,10 @@ class GRPO:
             self.engine = VLLMEngine(ctx.plan, ctx.tokenizer, Path(config.job.dump_folder))
         self.step_number, self.loader = 0, ctx.loader
         self.cache = RolloutCache(rank, ctx.device) if g.num_iterations > 1 else None
+        # One step off-policy: the batch generated for the next step, and vllm's request for it in flight.
+        self.pending = RolloutCache(rank, ctx.device, "pending") if g.max_staleness else None
+        self.requested: tuple[list[int], Background] | None = None
+        self.wanted, self.lag = 1, 0
         self.micro: list[_Micro] = []
         self.metrics: dict[str, float] = {}
 
@@ -165,7 +176,8 @@ class GRPO:
 
     def states(self) -> dict:
         states = {"reference": ModelState(self.reference_parts)} if self.reference_parts else {}
-        return {**states, **({"grpo_rollouts": self.cache} if self.cache is not None else {})}
+        states.update({"grpo_rollouts": self.cache} if self.cache is not None else {})
+        return {**states, **({"grpo_pending": self.pending} if self.pending is not None else {})}
 
     def start(self, step: int, loader) -> None:
         self.step_number, self.loader = step, loader
@@ -175,26 +187,30 @@ class GRPO:
 
     # -- a step's rollouts --------------------------------------------------------------------------------
 
-    def _complete(self, indices: list[int], prompts: list[list[int]]) -> Completions:
+    def _params(self, step: int, indices: list[int]) -> SamplingParams:
         g = self.settings
-        if self.replay is not None:
-            return self.replay.completions(self.step_number, indices, prompts, g.num_generations, self.ends)
-        params = SamplingParams(
+        return SamplingParams(
             max_new_tokens=g.max_completion_length,
             temperature=g.temperature,
             top_k=g.top_k,
             top_p=g.top_p,
-            seed=rollout_seed(self.plan.seed, self.step_number, indices),
+            seed=rollout_seed(self.plan.seed, step, indices),
             eos_ids=tuple(sorted(self.ends)),
         )
-        parts = self.ctx.parts
+
+    def _complete(self, indices: list[int], prompts: list[list[int]], step: int) -> Completions:
+        """Step `step`'s completions of its prompts, on the current weights (after step_number - 1 steps)."""
+        g = self.settings
+        if self.replay is not None:
+            return self.replay.completions(step, indices, prompts, g.num_generations, self.ends)
+        params, parts = self._params(step, indices), self.ctx.parts
         if self.engine is not None:
             return self.engine.completions(parts, self.step_number - 1, prompts, g.num_generations, params)
         with torch.no_grad(), evaluating(parts), whole_weights(parts):
             return titan_completions(parts[0], prompts, g.num_generations, params, self.tokenizer.eos_id)
 
-    def _rewards(self, rows: list, completions: Completions) -> torch.Tensor:
-        """(B, F) rewards of this rank's completions; ConfigError naming the function and row on a failure."""
+    def _rewards(self, rows: list, completions: Completions, step: int) -> torch.Tensor:
+        """(B, F) rewards of this rank's completions; RewardFailed naming the function and row on a failure."""
         n = self.settings.num_generations
         special = self.tokenizer.special_ids
         texts = [self.tokenizer.decode([i for i in ids if i not in special]) for ids in completions.ids]
@@ -219,12 +235,12 @@ class GRPO:
                 else f"the prompts of {rows[0].where}..{rows[-1].where}"
             )
             raise RewardFailed(
-                f"grpo: a reward function failed at step {self.step_number} on {where}: {type(err).__name__}: {err}"
+                f"grpo: a reward function failed at step {step} on {where}: {type(err).__name__}: {err}"
             ) from err
         bad = torch.isinf(table).any(dim=1).nonzero().flatten().tolist()
         if bad:
             raise RewardFailed(
-                f"grpo: a reward function returned an infinite reward at step {self.step_number} for a "
+                f"grpo: a reward function returned an infinite reward at step {step} for a "
                 f"completion of {per_completion[bad[0]].where}; return a finite float or None"
             )
         return table
@@ -268,30 +284,93 @@ class GRPO:
         )
         return metrics
 
+    def steps_of_batches(self, step: int) -> int:
+        """How many steps' prompts step `step` takes (`TakesBatchesAhead`): one on-policy; one step
+        off-policy, its own unless a batch is held for it, and the next step's unless it is the last."""
+        held = (
+            self.pending is not None and self.pending.held is not None and self.pending.held["step"] == step
+        )
+        self.wanted = steps_of_batches(self.settings.max_staleness, held, step, self.plan.steps)
+        return self.wanted
+
     def begin_step(self, step_batches: list[Batch]) -> list[Batch]:
         """The step's rollouts from its prompts, scored, as the micro-batches it trains on."""
         self.step_number += 1
+        self.step_started, self.training_started, self.ahead_times = time.perf_counter(), None, None
         g, device = self.settings, self.ctx.device
-        indices = [int(i) for batch in step_batches for i in batch[2][:, 0].tolist()]
-        self.sums = torch.zeros(7, dtype=torch.float64, device=device)
+        # kl, tokens, entropy, low, high and region clips, their count, |logp - old logp| sum
+        self.sums = torch.zeros(8, dtype=torch.float64, device=device)
         # |gap| sum, count, max; ratio sum, count, max of -ratio (its min), max
         self.sampling_sums = torch.tensor([0, 0, 0, 0, 0, -math.inf, 0], dtype=torch.float64, device=device)
+        if self.pending is not None:
+            return self._off_policy_step(step_batches)
+        indices = _indices(step_batches)
         if (self.step_number - 1) % g.num_iterations:
             return self._reuse(indices)
+        held = self._generation(indices, self.step_number)
+        if self.cache is not None:
+            self._keep_old_logps(held)
+            self.cache.held = held
+        return self._use(held)
+
+    def _off_policy_step(self, step_batches: list[Batch]) -> list[Batch]:
+        """One step off-policy (see titan_train.objectives.off_policy): train the batch held for this step
+        (or, holding none, this step's own, on-policy) and generate the next step's on these weights."""
+        step, held = self.step_number, self.pending.held
+        per_step = len(step_batches) // max(self.wanted, 1)
+        if held is None or held["step"] != step:
+            held, step_batches = (
+                self._generation(_indices(step_batches[:per_step]), step),
+                step_batches[per_step:],
+            )
+        self.pending.held = None
+        if step_batches:
+            indices, started = _indices(step_batches), time.perf_counter()
+            if self.engine is None:
+                self.pending.held = self._generation(indices, step + 1)
+                self._keep_old_logps(self.pending.held)
+                self.ahead_times = (started, time.perf_counter())
+            else:
+                prompts = [self.loader.packed.prompts[i].ids.tolist() for i in indices]
+                params, n = self._params(step + 1, indices), self.settings.num_generations
+                self.requested = indices, self.engine.request(self.ctx.parts, step - 1, prompts, n, params)
+        return self._use(held)
+
+    def _join_request(self) -> None:
+        """vllm one step off-policy: the next step's completions, awaited after this step trained, scored
+        and held with the log-probs vLLM sampled them at as the old ones."""
+        indices, request = self.requested
+        self.requested = None
+        completions = request.result()
+        self.ahead_times = (request.started, request.ended)
+        held = self._process(indices, completions, self.step_number + 1, request.ended - request.started)
+        for micro in held["micro"]:
+            micro.old_logps, micro.sampling_logps = micro.sampling_logps, None
+        self.pending.held = held
+
+    def _generation(self, indices: list[int], step: int) -> dict:
+        """Step `step`'s prompts continued on the current weights, scored, as what training on them needs."""
+        prompts = [self.loader.packed.prompts[i].ids.tolist() for i in indices]
+        started = time.perf_counter()
+        completions = self._complete(indices, prompts, step)
+        return self._process(indices, completions, step, time.perf_counter() - started)
+
+    def _process(self, indices: list[int], completions: Completions, step: int, generated: float) -> dict:
+        """Completions scored (rewards over every data-parallel rank, advantages) and laid out as training
+        micro-batches; nothing of the objective's state changes (a batch may be held for the next step)."""
+        g, device = self.settings, self.ctx.device
         rows = [self.loader.packed.prompts[i] for i in indices]
         prompts = [row.ids.tolist() for row in rows]
         started = time.perf_counter()
-        completions = self._complete(indices, prompts)
-        generated = time.perf_counter() - started
-        table = self._rewards(rows, completions)
-        rewards_seconds = time.perf_counter() - started - generated
+        table = self._rewards(rows, completions, step)
+        rewards_seconds = time.perf_counter() - started
         everyone = self._gather(table.to(device)).cpu()
         advantages, _ = group_advantages(everyone, self.weights, g.num_generations, g.scale_rewards)
         mine = len(completions.ids)
         advantages = advantages[self.dp_rank * mine : (self.dp_rank + 1) * mine].float()
-        self.metrics = self._reward_metrics(everyone, completions)
+        metrics = self._reward_metrics(everyone, completions)
         new_tokens = sum(len(c) for c in completions.ids)
-        self.metrics.update(
+        metrics.update(
             {
                 "rollout_tps": new_tokens / generated if generated > 0 and self.replay is None else 0.0,
                 "time/generation_s": generated,
@@ -299,28 +378,40 @@ class GRPO:
             }
         )
         if self.engine is not None:
-            self.metrics["time/weight_sync_s"] = self.engine.push_seconds
-        self._write_log(indices, prompts, completions, table)
-        batches = self._training_batches(prompts, completions, advantages)
-        tokens = torch.tensor(float(sum(m.mask.sum().item() for m in self.micro)), device=device)
+            metrics["time/weight_sync_s"] = self.engine.push_seconds
+        micro, batches = self._training_batches(prompts, completions, advantages)
+        tokens = torch.tensor(float(sum(m.mask.sum().item() for m in micro)), device=device)
         if self.dp_group is not None:
             dist.all_reduce(tokens, group=self.dp_group)
-        self.tokens_in_batch = tokens.item()
-        if self.cache is not None:
-            self._keep_old_logps(batches)
-            self.cache.held = {
-                "indices": indices,
-                "micro": self.micro,
-                "batches": batches,
-                "tokens_in_batch": self.tokens_in_batch,
-            }
-        return batches
+        return {
+            "step": step,
+            "version": self.step_number - 1,  # the optimizer steps behind the generating weights
+            "indices": indices,
+            "prompts": prompts,
+            "completions": completions,
+            "table": table,
+            "micro": micro,
+            "batches": batches,
+            "tokens_in_batch": tokens.item(),
+            "metrics": metrics,
+        }
 
-    def _keep_old_logps(self, batches: list[Batch]) -> None:
+    def _use(self, held: dict) -> list[Batch]:
+        """Train this step on `held`: its micro-batches, its metrics, its lines in the rollout log."""
+        self.micro, self.tokens_in_batch, self.metrics = (
+            held["micro"],
+            held["tokens_in_batch"],
+            held["metrics"],
+        )
+        self.lag = self.step_number - 1 - held["version"]
+        self._write_log(held["indices"], held["prompts"], held["completions"], held["table"])
+        return held["batches"]
+
+    def _keep_old_logps(self, held: dict) -> None:
         """The generating policy's log-probs of its completions, before any step moves it."""
         parts = self.ctx.parts
         with torch.no_grad(), evaluating(parts), whole_sequence_context(self.plan, self.ctx.forward_context):
-            for (inputs, labels, _), micro in zip(batches, self.micro, strict=True):
+            for (inputs, labels, _), micro in zip(held["batches"], held["micro"], strict=True):
                 logits = model_forward(self.ctx.parts, inputs, None)
                 micro.old_logps = token_logps(logits, labels, self.settings.temperature)[0]
 
@@ -355,7 +446,9 @@ class GRPO:
             )
         self.log.write(self.step_number, lines)
 
-    def _training_batches(self, prompts, completions: Completions, advantages) -> list[Batch]:
+    def _training_batches(
+        self, prompts, completions: Completions, advantages
+    ) -> tuple[list[_Micro], list[Batch]]:
         """(inputs, labels, micro index) of each micro-batch: prompt then completion, padded on the right to
         the step's longest over every data-parallel rank (so a layout routes the padding as one process does:
         an MoE router counts it) and, under TP, to a multiple of its degree (sequence parallelism splits each
@@ -368,7 +461,7 @@ class GRPO:
         if self.dp_group is not None:
             dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.dp_group)
         width = -(-int(longest) // tp) * tp
-        self.micro, batches = [], []
+        micro, batches = [], []
         for m in range(0, len(completions.ids), size):
             rows = range(m, min(m + size, len(completions.ids)))
             sequences = [prompts[k // n] + completions.ids[k] for k in rows]
@@ -386,13 +479,13 @@ class GRPO:
             sampling = None
             if completions.logprobs is not None:
                 sampling = sampling_tensor(completions.logprobs, labels, rows)
-            self.micro.append(
+            micro.append(
                 _Micro(
                     advantages[m : m + size].to(device), mask, self._reference(inputs, labels), None, sampling
                 )
             )
             batches.append((inputs, labels, torch.tensor(len(batches))))
-        return batches
+        return micro, batches
 
     def _reference(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         if self.source is None:
@@ -410,6 +503,8 @@ class GRPO:
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         inputs, labels, index = batch
         micro, loss_fn = self.micro[int(index)], self.loss
+        if self.training_started is None:
+            self.training_started = time.perf_counter()
         with whole_sequence_context(self.plan, self.ctx.forward_context):
             logits = model_forward(self.ctx.parts, inputs, None)
             logps, entropy = token_logps(logits, labels, self.settings.temperature)
@@ -484,6 +579,7 @@ class GRPO:
         weight, count = (torch.ones_like(rho), float(rho.shape[0])) if per_sequence else (mask, mask.sum())
         low = ((rho < 1 - loss_fn.epsilon) & (a < 0)).float()
         high = ((rho > 1 + loss_fn.high) & (a > 0)).float()
+        gap = ((logps - old).abs() * mask).sum()
         kl = (
             loss_fn.kl(logps, micro.ref_logps, log_ratio)
             if micro.ref_logps is not None
@@ -498,10 +594,14 @@ class GRPO:
                 (high * weight).sum(),
                 ((low + high).clamp(max=1) * weight).sum(),
                 torch.as_tensor(count, dtype=mask.dtype, device=mask.device),
+                gap,
             ]
         ).double()
 
     def end_step(self) -> dict[str, float]:
+        trained = time.perf_counter()
+        if self.requested is not None:
+            self._join_request()
         sums = self.sums.clone()
         if self.dp_group is not None:
             dist.all_reduce(sums, group=self.dp_group)
@@ -516,6 +616,20 @@ class GRPO:
             metrics["clip_ratio/low_mean"] = sums[3].item() / count
             metrics["clip_ratio/high_mean"] = sums[4].item() / count
             metrics["clip_ratio/region_mean"] = sums[5].item() / count
+        if self.pending is not None:
+            metrics.update(self._off_policy_metrics(sums[7].item() / tokens, trained))
+        return metrics
+
+    def _off_policy_metrics(self, gap: float, trained: float) -> dict[str, float]:
+        """The lag, the mean |current - old| log-prob over the completion tokens, and when this step trained
+        and generated the next step's batch, in seconds from the step's start (overlap shows there)."""
+        zero = self.step_started
+        metrics = {"off_policy/lag_steps": float(self.lag), "off_policy/old_logp_gap": gap}
+        metrics["off_policy/training_start_s"] = (self.training_started or trained) - zero
+        metrics["off_policy/training_end_s"] = trained - zero
+        if self.ahead_times is not None:
+            metrics["off_policy/generation_start_s"] = self.ahead_times[0] - zero
+            metrics["off_policy/generation_end_s"] = self.ahead_times[1] - zero
         return metrics
 
     def log_metrics(self) -> dict[str, float]:

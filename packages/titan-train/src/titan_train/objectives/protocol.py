@@ -68,6 +68,17 @@ class TrainingObjective(Protocol):
         ...
 
 
+@runtime_checkable
+class TakesBatchesAhead(Protocol):
+    """An objective that trains a step on what it made from an earlier step's batches (learning from rewards
+    one step off-policy: the next step's rollouts are generated during this one). Before each step the
+    trainer asks it how many steps' micro-batches `begin_step` takes: 1 for an objective in step with its
+    data, 2 when it must also start the pipeline, 0 when it only trains what it holds (the last step), so
+    the data's saved position is always where the objective's saved state continues from."""
+
+    def steps_of_batches(self, step: int) -> int: ...
+
+
 @dataclass(frozen=True)
 class ObjectiveContext:
     """What an objective is built from: the run's plan, this rank's model as built, its loader, and how

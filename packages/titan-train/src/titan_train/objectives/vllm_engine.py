@@ -35,6 +35,7 @@ from titan_ckpt import EXPORT_DTYPES, ModelState
 from titan_ckpt.hf_export import write_hf_export
 from titan_ckpt.hf_safetensors import DEFAULT_MAX_SHARD_BYTES
 from titan_models.generation import SamplingParams
+from titan_train.objectives.off_policy import Background
 from titan_train.objectives.rollouts import Completions
 from titan_train.run_plan import RunPlan
 from titan_train.wiring.checkpointing import hf_adapter_for
@@ -180,7 +181,7 @@ class VLLMEngine:
             if self.url is None:
                 self._start(folder)
             else:
-                self.request("/reload", {"path": str(folder.resolve())})
+                self._ask("/reload", {"path": str(folder.resolve())})
             for old in self.folder.glob("step-*"):  # the previous push (an earlier run's too)
                 if old != folder:
                     shutil.rmtree(old, ignore_errors=True)
@@ -190,7 +191,7 @@ class VLLMEngine:
         self.url, self.pushed, self.pushed_step = url[0], folder, step
         self.push_seconds = time.perf_counter() - started
 
-    def request(self, route: str, body: dict) -> dict:
+    def _ask(self, route: str, body: dict) -> dict:
         """`call`, retried while the server does not answer (restarting one the run started that died),
         for up to grpo.vllm_server_timeout; `EngineFailed` after."""
         deadline, pause = time.monotonic() + self.settings.vllm_server_timeout, 1.0
@@ -254,10 +255,22 @@ class VLLMEngine:
     ) -> Completions:
         """`num_generations` completions of each prompt on the weights after `step` optimizer steps, with
         the log-prob vLLM sampled each token at."""
+        return self.request(parts, step, prompts, num_generations, params).result()
+
+    def request(
+        self, parts, step: int, prompts: list[list[int]], num_generations: int, params: SamplingParams
+    ) -> Background:
+        """`completions`, with the weights pushed here (every rank: collectives) and the server's answer
+        awaited in a background thread (`result()` joins it), so training can go on meanwhile."""
         self.push_seconds = 0.0
         if self.pushed_step != step:
             self.push(parts, step)
-        reply = self.request(
+        return Background(lambda: self._generate(prompts, num_generations, params))
+
+    def _generate(
+        self, prompts: list[list[int]], num_generations: int, params: SamplingParams
+    ) -> Completions:
+        reply = self._ask(
             "/generate",
             {
                 "prompts": prompts,
