@@ -255,12 +255,6 @@ def check_grpo(config) -> None:
             "parallelism.context_parallel_degree > 1 (generation does not split sequences)",
             "set it to 1",
         ),
-        (
-            (par.tensor_parallel_degree > 1 or par.expert_parallel_degree > 1) and not g.replay_rollouts,
-            "tensor or expert parallelism and generated rollouts (the titan engine generates under data "
-            "parallelism only for now; training on them is layout-independent)",
-            "use data_parallel_shard_degree or data_parallel_replicate_degree, or train on grpo.replay_rollouts",
-        ),
         (config.optimizer.early_step_in_backward, "optimizer.early_step_in_backward", "set it to false"),
         (config.validation.enable, "validation", "set validation.enable = false"),
         (bool(t.epochs), "training.epochs", "set training.steps"),
