@@ -42,6 +42,7 @@ from titan_train.objectives.rollouts import (
     RolloutLog,
     WholeCopy,
     check_same_over,
+    completion_seeds,
     generating_model,
     generation_eos_ids,
     rollout_seed,
@@ -198,6 +199,7 @@ class GRPO:
             top_k=g.top_k,
             top_p=g.top_p,
             seed=rollout_seed(self.plan.seed, self.step_number, indices),
+            row_seeds=completion_seeds(self.plan.seed, self.step_number, indices, g.num_generations),
             eos_ids=tuple(sorted(self.ends)),
         )
         parts = self.ctx.parts

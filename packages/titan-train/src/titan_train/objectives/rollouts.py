@@ -7,9 +7,10 @@ The titan engine runs on the policy's current weights: under FSDP each rank gath
 (`whole_weights`), generates its own prompts, and frees the gathered weights before training. Under tensor
 or expert parallelism (`WholeCopy`) each rank gathers every weight whole into an unparallelised copy of the
 model and decodes on it with no collective, as one process does (a rank whose prompts end early never waits
-for another's decode loop); the copy is dropped before training. Sampling is seeded by the run's seed, the
-step and the step's prompts, so a resumed run draws the same completions; the tensor-parallel ranks, which
-share their prompts, must draw the same ones (`check_same_over`).
+for another's decode loop); the copy is dropped before training. Each completion samples from its own
+generator, seeded by the run's seed, the step, its prompt and its place in the prompt's group
+(`completion_seeds`), so a resumed run, or one on other ranks, draws the same completions; the
+tensor-parallel ranks, which share their prompts, must draw the same ones (`check_same_over`).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def check_same_over(completions: Completions, group: dist.ProcessGroup | None, d
     if len({int(d) for d in every}) > 1:
         raise RuntimeError(
             "grpo: the tensor-parallel ranks generated different completions of the same prompts; their "
-            "sampling seeds or gathered weights differ (each must seed with rollout_seed of the same prompts)"
+            "sampling seeds or gathered weights differ (each must seed with completion_seeds of the same prompts)"
         )
 
 
@@ -111,8 +112,17 @@ def generation_eos_ids(folder: str | Path | None) -> list[int]:
 
 
 def rollout_seed(seed: int, step: int, indices: Sequence[int]) -> int:
-    """A sampling seed of the run's seed, the step and its prompts: the same after a resume, at any rank count."""
+    """A sampling seed of the run's seed, the step and its prompts (vLLM's request seed): the same after a resume."""
     return zlib.crc32(f"{seed}:{step}:{','.join(map(str, indices))}".encode())
+
+
+def completion_seeds(seed: int, step: int, indices: Sequence[int], num_generations: int) -> tuple[int, ...]:
+    """The titan engine's seed of each completion (`SamplingParams.row_seeds`), of the run's seed, the step, its
+    prompt and its place among the prompt's completions: the same after a resume and at any rank count, so
+    ranks that split the step's prompts draw what one process draws."""
+    return tuple(
+        zlib.crc32(f"{seed}:{step}:{i}:{k}".encode()) for i in indices for k in range(num_generations)
+    )
 
 
 def titan_completions(
