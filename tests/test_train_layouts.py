@@ -74,18 +74,24 @@ and log-prob metrics at every step, relative to the value or to 1 below it: with
 windows dealt per row, per-sequence sums added over the group): loss and grad_norm equal to 1e-6 (2026-12-02); the
 sums carrying no gradient back across the group halved dpo_cp2's grad_norm.
 
-GRPO (issue 59; dapo, beta 0.05, rewards scaled over the batch) on rollouts the test draws and every row replays
-(`write_grpo_rollouts`; no layout generates), each against the same run in one process: FSDP 2 (`grpo_fsdp2`),
+GRPO (issue 59; dapo, beta 0.05, rewards scaled over the batch) on rollouts the test draws and the rows replay
+(`write_grpo_rollouts`; the `*_generating` rows generate), each against the same run in one process: FSDP 2 (`grpo_fsdp2`),
 TP 2 with the log-probs and entropies taken from the vocabulary-sharded logits (`grpo_tp2`), EP 2 on the qwen3 MoE
 cut (`grpo_ep2`, its own one process; expert counts equal), LoRA and QLoRA under FSDP 2 (`grpo_lora`,
 `grpo_qlora`, the KL reference the base with adapters off): loss within 1.5e-7 relative, grad_norm 8e-8, reward,
 reward_std, kl and entropy 1.2e-7 (of the value, or of 1 below it), weights 5.9e-6 (TP; 1e-6 for the rest)
 (2026-12-02). Advantages from each rank's own rewards (not gathered over the data-parallel ranks before the
 batch's std) put grpo_fsdp2's step-1 loss 22% off (-0.141 against -0.182); dapo dividing by the rank's own
-completion tokens (no all-reduce) put grpo_fsdp2's and grpo_ep2's at -0.045. Pipeline parallelism is
-refused at start (`grpo_pp`: the step scores tokens on one whole model part), as is generating under TP
-(`grpo_tp2_generating`: the titan engine generates under data parallelism only). The GRPO rows cost about
-9.5 CPU-seconds on rank 0 (17 to 35 s of wall time in the launches they join, loaded machine; 2026-12-02).
+completion tokens (no all-reduce) put grpo_fsdp2's and grpo_ep2's at -0.045. The titan engine generating
+(sampled at temperature 1; every rank decodes on an unparallelised copy of the gathered weights, each completion
+seeded by its prompt's index) under TP 2 (`grpo_tp2_generating`, against `one_process_grpo_generating`) and EP 2
+on the qwen3 MoE cut (`grpo_ep2_generating`, each rank its own prompts, against `one_process_grpo_moe_generating`):
+rewards equal, loss within 1.1e-8 absolute (a cancellation near 0: GENERATING), grad_norm and entropy 1.4e-7
+relative, weights 3.3e-6, expert counts equal (2026-12-03); the tp ranks seeding apart failed grpo_tp2_generating
+(their completions checked equal), seeds of a rank's own prompt positions failed grpo_ep2_generating. Pipeline
+parallelism is refused at start (`grpo_pp`: the step scores tokens on one whole model part), as is context
+parallelism (`grpo_cp2`). The GRPO rows cost about 9.5 CPU-seconds on rank 0 (17 to 35 s of wall time in the
+launches they join, loaded machine; 2026-12-02), the four generating ones about 7.4 more (2026-12-03).
 
 Muon (`optimizer.name = "Muon"`) under FSDP 2, TP 2, PP 2 (1F1B), HSDP (2 x 2), FSDP 2 x TP 2 and, on the qwen3 MoE cut,
 EP 2 and EP 2 x ETP 2 (= TP 2; each expert's matrix split, gathered whole), against Muon in one process, with
@@ -1060,7 +1066,7 @@ LAYOUTS = {
     ),
     # GRPO on replayed rollouts (GRPO above): FSDP 2, TP 2 (log-probs and entropies from the vocabulary-sharded
     # logits), EP 2 on the qwen3 MoE cut, LoRA and QLoRA under FSDP 2 (the reference: the base with adapters
-    # off), each against the same run in one process; pipeline parallelism and generating under TP are refused.
+    # off), each against the same run in one process; pipeline and context parallelism are refused.
     "one_process_grpo": Layout(1, GRPO, {"degrees": {}}, reference="one_process_grpo"),
     # Planted (2026-12-02): advantages from the rank's own rewards, or dapo over its own tokens, fail this row.
     "grpo_fsdp2": Layout(
@@ -1105,6 +1111,11 @@ LAYOUTS = {
     # prompt positions (not their indices in the data) failed grpo_ep2_generating.
     "one_process_grpo_generating": Layout(
         1, GENERATING, {"degrees": {}}, reference="one_process_grpo_generating"
+    ),
+    "grpo_cp2": Layout(
+        2,
+        (*GRPO, CP, "2"),
+        refused="parallelism.context_parallel_degree > 1 (generation does not split sequences)",
     ),
     "grpo_tp2_generating": Layout(
         2,
