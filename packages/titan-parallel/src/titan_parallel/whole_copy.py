@@ -48,12 +48,11 @@ def fill_whole(target: nn.Module, source: nn.Module) -> nn.Module:
             )
         tensor = held[name]
         if id(tensor) not in gathered:
-            gathered[id(tensor)] = _whole(tensor)
-        whole = gathered[id(tensor)]
+            whole = _whole(tensor)
+            gathered[id(tensor)] = nn.Parameter(whole, requires_grad=False) if is_parameter else whole
         owner, _, attr = name.rpartition(".")
-        module = target.get_submodule(owner)
-        if is_parameter:
-            module._parameters[attr] = nn.Parameter(whole, requires_grad=False)
-        else:
-            module._buffers[attr] = whole
+        slot = (
+            target.get_submodule(owner)._parameters if is_parameter else target.get_submodule(owner)._buffers
+        )
+        slot[attr] = gathered[id(tensor)]
     return target.eval()
