@@ -1,8 +1,10 @@
 """The debug GRPO config as a user runs it (`titan-train --job.config_file apps/configs/debug_grpo.toml`: the
 bundled arithmetic prompts, the titan engine sampling 8 answers per prompt, answer_match and number_format):
-the mean reward rises clearly within 12 steps. Then the engine is the policy: the run, resumed from its
-step-12 save with greedy sampling (top_k 1) for one more step, generates for step 13 exactly the tokens
-transformers' greedy `generate` gives on the step-12 Hugging Face export from the same prompt ids, stopped
+the mean reward rises clearly within 16 steps (0.01 over steps 1-3, 0.94 at step 14 with each completion seeded
+on its own, 2026-12-03; one generator for the whole batch had it past 0.4 by steps 10-12). Then the engine is the
+policy: the run, resumed from its step-16 save with greedy sampling (top_k 1) for one more step, generates for
+step 17 exactly the tokens transformers' greedy `generate` gives on the step-16 Hugging Face export from the
+same prompt ids, stopped
 at the same end ids (the tokenizer's EOS and the template's <|eot_id|>). `titan-train report` draws the
 reward curve.
 
@@ -29,8 +31,8 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "apps" / "configs" / "debug_grpo.toml"
-STEPS = 12
-STALE_STEPS = 14
+STEPS = 16
+STALE_STEPS = 16
 
 
 def _run(dump: Path, *flags: str) -> None:
@@ -54,7 +56,10 @@ def test_debug_grpo_config_raises_the_mean_reward(grpo_run):
     records = [json.loads(line) for line in (grpo_run / "metrics.jsonl").read_text().splitlines()]
     rewards = {r["step"]: r["reward"] for r in records}
     assert sorted(rewards) == list(range(1, STEPS + 2))
-    first, last = sum(rewards[s] for s in (1, 2, 3)) / 3, sum(rewards[s] for s in (10, 11, 12)) / 3
+    first, last = (
+        sum(rewards[s] for s in (1, 2, 3)) / 3,
+        sum(rewards[s] for s in range(STEPS - 2, STEPS + 1)) / 3,
+    )
     assert first < 0.3 and last > first + 0.4, rewards
 
 

@@ -162,6 +162,27 @@ def test_seeded_sampling_repeats_and_top_k_top_p_limit_the_choice():
     assert set(sample_next(logits, SamplingParams(temperature=1.0, top_p=0.95), gen).tolist()) == {1, 2, 3}
 
 
+def test_row_seeds_draw_each_row_as_it_draws_alone_or_in_another_batch():
+    """One seed per row: a row samples the same tokens in any batch, alone, reordered or recomputed (what lets
+    ranks that split a batch draw what one process draws). Planted (2026-12-03): one generator seeded with the
+    first row's seed for the whole batch failed it."""
+    args = SHAPES["tiny-gqa-rope-scaled"]
+    _, model = _hf_and_ours(args)
+    prompts, seeds = _prompts(args.vocab_size, (4, 6, 5)), (7, 8, 9)
+    params = SamplingParams(max_new_tokens=12, temperature=1.5)
+    together = generate(model, prompts, replace(params, row_seeds=seeds)).tokens
+    alone = [
+        generate(model, [p], replace(params, row_seeds=(s,))).tokens[0]
+        for p, s in zip(prompts, seeds, strict=True)
+    ]
+    reordered = generate(model, prompts[::-1], replace(params, row_seeds=seeds[::-1])).tokens[::-1]
+    recomputed = generate(model, prompts, replace(params, row_seeds=seeds), kv_cache=False).tokens
+    assert together == alone == reordered == recomputed
+    assert together != generate(model, prompts, replace(params, row_seeds=(1, 2, 3))).tokens
+    with pytest.raises(ModelError, match="1 row_seeds for 3 prompts"):
+        generate(model, prompts, replace(params, row_seeds=(1,)))
+
+
 def test_rows_stop_at_eos_or_a_stop_string_and_the_others_go_on():
     args = SHAPES["tiny-gqa-rope-scaled"]
     _, model = _hf_and_ours(args)

@@ -400,3 +400,43 @@ def test_help_shows_what_each_field_accepts(monkeypatch):
     assert "the weights stay as they are) (at least 0 and at most 1) (default: 0.0008)" in text
     assert "(at least 1 and at most 16777216, or -1) (default: -1)" in text  # training.global_batch_size
     assert "(a folder with tokenizer.model or tokenizer.json, which must exist)" in text
+
+
+PROMPTS = {
+    "training.dataset": "prompts",
+    "training.dataset_path": str(
+        Path(__file__).parents[2] / "titan-data/src/titan_data/assets/prompts_test/prompts_test.jsonl"
+    ),
+    "training.seq_len": 64,
+    "grpo.num_generations": 2,
+    "grpo.max_prompt_length": 48,
+    "grpo.max_completion_length": 8,
+    "grpo.reward_funcs": ["answer_match"],
+}
+
+
+@pytest.mark.parametrize(
+    "degrees,refusal",
+    [
+        ({"parallelism.tensor_parallel_degree": 2}, None),
+        ({"model.name": "qwen3", "parallelism.expert_parallel_degree": 2}, None),
+        (
+            {"parallelism.context_parallel_degree": 2},
+            "context_parallel_degree > 1 (generation does not split",
+        ),
+        ({"parallelism.pipeline_parallel_degree": 2}, "pipeline_parallel_degree > 1 (the GRPO step takes"),
+    ],
+)
+def test_grpo_generates_under_tp_and_ep_and_refuses_pp_and_cp(degrees, refusal):
+    """The titan engine generates under TP and EP (tests/test_train_layouts.py's grpo_*_generating rows), not
+    under PP or CP: those are refused in one line. With the refusal of TP and EP before issue 59's generation
+    under them put back (2026-12-03), the TP and EP cases failed."""
+    config = JobConfig()
+    for name, value in {**PROMPTS, **degrees}.items():
+        _set(config, name, value)
+    if refusal is None:
+        validate_config(config)
+        return
+    with pytest.raises(ConfigError, match=re.escape(refusal)) as err:
+        validate_config(config)
+    assert "\n" not in str(err.value)

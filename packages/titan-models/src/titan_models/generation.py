@@ -1,7 +1,7 @@
 """Text generation from token ids: prefill, then one token a step from the KV cache.
 
 Greedy decoding (temperature 0) or sampling with temperature, top-k and top-p from a seeded
-generator. A row stops at an end-of-sequence id, at a stop string (needs `decode`, since titan-models
+generator, or one generator per row (`row_seeds`: a row then draws the same tokens in any batch). A row stops at an end-of-sequence id, at a stop string (needs `decode`, since titan-models
 holds no tokenizer), or after `max_new_tokens`; the others go on. Prompts of different lengths run
 as one left-padded batch.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -29,13 +29,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen. `temperature=0` is greedy; `top_k=0` and `top_p=1` are off."""
+    """How the next token is chosen. `temperature=0` is greedy; `top_k=0` and `top_p=1` are off.
+    `row_seeds`, one per prompt, replace `seed`: each row samples from its own generator, so its tokens
+    do not depend on which rows share its batch (a batch split over ranks draws what one batch draws)."""
 
     max_new_tokens: int = 32
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    row_seeds: tuple[int, ...] = ()
     eos_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
 
@@ -83,9 +86,12 @@ class Generation:
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> torch.Tensor:
-    """Next token ids (batch,) from last-position logits (batch, vocab)."""
+    """Next token ids (batch,) from last-position logits (batch, vocab); `generator` one for the batch or
+    one per row."""
     if params.temperature == 0:
         return logits.argmax(dim=-1)
     scores = logits.float() / params.temperature
@@ -100,6 +106,9 @@ def sample_next(
         ordered = ordered.masked_fill(before >= params.top_p, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, ordered)
     probs = scores.softmax(dim=-1)
+    if isinstance(generator, Sequence):
+        rows = [torch.multinomial(probs[r : r + 1], 1, generator=g) for r, g in enumerate(generator)]
+        return torch.cat(rows).squeeze(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -186,6 +195,10 @@ def generate(
         raise ModelError("generation: every prompt needs at least one token (e.g. the BOS id)")
     if params.stop_strings and decode is None:
         raise ModelError("generation: stop_strings need a decode function (token ids -> text)")
+    if params.row_seeds and len(params.row_seeds) != len(prompts):
+        raise ModelError(
+            f"generation: {len(params.row_seeds)} row_seeds for {len(prompts)} prompts; give one per prompt, or none"
+        )
     _check_whole_model(model)
     if kv_cache and has_kv_cache(model):
         return _generate(model, prompts, params, decode, pad_id, _Cached)
@@ -195,7 +208,11 @@ def generate(
             "prompt's whole sequence, one prompt at a time",
             type(model).__name__,
         )
-    rows = [_generate(model, [prompt], params, decode, pad_id, _Recomputed) for prompt in prompts]
+    one_each = [replace(params, row_seeds=(s,)) for s in params.row_seeds] or [params] * len(prompts)
+    rows = [
+        _generate(model, [p], one, decode, pad_id, _Recomputed)
+        for p, one in zip(prompts, one_each, strict=True)
+    ]
     return Generation(
         [t for r in rows for t in r.tokens],
         [f for r in rows for f in r.finish_reasons],
@@ -214,7 +231,9 @@ def _generate(model, prompts, params, decode, pad_id, forwards) -> Generation:
     batch = tokens.shape[0]
     stepper = forwards(model, tokens, valid, params.max_new_tokens)
     generator = None
-    if params.seed is not None and params.temperature > 0:
+    if params.row_seeds and params.temperature > 0:
+        generator = [torch.Generator(device=device).manual_seed(seed) for seed in params.row_seeds]
+    elif params.seed is not None and params.temperature > 0:
         generator = torch.Generator(device=device).manual_seed(params.seed)
     eos = torch.tensor(params.eos_ids, dtype=torch.long, device=device)
     must_check = bool(params.eos_ids or params.stop_strings)

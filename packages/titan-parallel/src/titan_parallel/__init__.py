@@ -73,6 +73,7 @@ from titan_parallel.qlora import (
 )
 from titan_parallel.sequence_shard import SequenceShard
 from titan_parallel.tensor_parallel import TensorParallelOptions, apply_tp, loss_parallel_ctx
+from titan_parallel.whole_copy import fill_whole
 
 __all__ = [
     "expert_sizes",
@@ -140,6 +141,7 @@ __all__ = [
     "initial_lora_weight",
     "is_adapter_parameter",
     "plain_name",
+    "fill_whole",
     "linear_names",
     "loss_parallel_ctx",
     "moe_layers_of",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -23,7 +24,7 @@ from titan_train.faults.drills import FaultDrills
 from titan_train.faults.step_guard import AgreedNumbers, StepGuard, StepNumbers
 from titan_train.objectives.protocol import ObjectiveContext, TakesBatchesAhead
 from titan_train.objectives.registry import build_objective
-from titan_train.plan import RunPlan
+from titan_train.plan import RunPlan, one_process_plan
 from titan_train.reporting.device_peaks import peak_flops
 from titan_train.reporting.memory_estimate import log_estimate_in_child
 from titan_train.reporting.metrics import MetricsLogger, StepMetrics, device_memory, wants_colour
@@ -156,6 +157,7 @@ class Trainer:
         if config.model.print_after_conversion:
             logger.info("model:\n%s", "\n".join(map(str, self.model_parts)))
         self.forward_context = forward_context(config, self.dims, self.device)
+        whole_plan = functools.cache(lambda: one_process_plan(config, self.device.type))
         self.objective = build_objective(
             plan.objective,
             ObjectiveContext(
@@ -170,6 +172,9 @@ class Trainer:
                 loader=self.loader,
                 forward_context=self.forward_context,
                 build_copy=lambda: build_model(plan, self.device, eos_id=self.tokenizer.eos_id, seed=seed),
+                build_whole=lambda: build_model(
+                    whole_plan(), self.device, eos_id=self.tokenizer.eos_id, seed=seed, materialize=False
+                ).parts[0],
             ),
         )
         optimizers_class = PartOptimizers

@@ -272,12 +272,6 @@ def check_grpo(config) -> None:
             "set it to 1",
         ),
         (
-            (par.tensor_parallel_degree > 1 or par.expert_parallel_degree > 1) and not g.replay_rollouts,
-            "tensor or expert parallelism and generated rollouts (the titan engine generates under data "
-            "parallelism only for now; training on them is layout-independent)",
-            "use data_parallel_shard_degree or data_parallel_replicate_degree, or train on grpo.replay_rollouts",
-        ),
-        (
             g.max_staleness > 0 and g.num_iterations > 1,
             "grpo.max_staleness = 1 and grpo.num_iterations > 1 (a reused batch's old log-probs are its own "
             "generation's, whose lag the reuse already sets)",

@@ -40,10 +40,13 @@ from titan_train.objectives.rollouts import (
     Completions,
     RecordedRollouts,
     RolloutLog,
+    WholeCopy,
+    check_same_over,
+    completion_seeds,
+    generating_model,
     generation_eos_ids,
     rollout_seed,
     titan_completions,
-    whole_weights,
 )
 from titan_train.objectives.sampling_correction import importance_weights, logp_gap
 from titan_train.objectives.vllm_engine import VLLMEngine, sampling_tensor
@@ -155,6 +158,9 @@ class GRPO:
         self.engine = None
         if g.engine == "vllm" and self.replay is None:
             self.engine = VLLMEngine(ctx.plan, ctx.tokenizer, Path(config.job.dump_folder))
+        tp = ctx.plan.dims.submesh("tp")
+        self.tp_group = tp.get_group() if tp is not None else None
+        self.copy = self._whole_copy() if g.engine == "titan" and self.replay is None else None
         self.step_number, self.loader = 0, ctx.loader
         self.cache = RolloutCache(rank, ctx.device) if g.num_iterations > 1 else None
         # One step off-policy: the batch generated for the next step, and vllm's request for it in flight.
@@ -163,6 +169,13 @@ class GRPO:
         self.wanted, self.lag = 1, 0
         self.micro: list[_Micro] = []
         self.metrics: dict[str, float] = {}
+
+    def _whole_copy(self) -> WholeCopy | None:
+        """Under tensor or expert parallelism, the unparallelised model the titan engine fills and decodes on."""
+        dims = self.plan.dims
+        if dims.tp == 1 and dims.ep == 1:
+            return None  # FSDP and DDP: the policy's own modules, its shards gathered (whole_weights)
+        return WholeCopy(self.ctx.build_whole)
 
     def _end_ids(self, config) -> set[int]:
         """Where a completion ends: the model's generation config's EOS ids, the tokenizer's EOS and the chat
@@ -195,6 +208,7 @@ class GRPO:
             top_k=g.top_k,
             top_p=g.top_p,
             seed=rollout_seed(self.plan.seed, step, indices),
+            row_seeds=completion_seeds(self.plan.seed, step, indices, g.num_generations),
             eos_ids=tuple(sorted(self.ends)),
         )
 
@@ -206,8 +220,10 @@ class GRPO:
         params, parts = self._params(step, indices), self.ctx.parts
         if self.engine is not None:
             return self.engine.completions(parts, self.step_number - 1, prompts, g.num_generations, params)
-        with torch.no_grad(), evaluating(parts), whole_weights(parts):
-            return titan_completions(parts[0], prompts, g.num_generations, params, self.tokenizer.eos_id)
+        with torch.no_grad(), evaluating(parts), generating_model(parts, self.copy) as model:
+            completions = titan_completions(model, prompts, g.num_generations, params, self.tokenizer.eos_id)
+        check_same_over(completions, self.tp_group, self.ctx.device)
+        return completions
 
     def _rewards(self, rows: list, completions: Completions, step: int) -> torch.Tensor:
         """(B, F) rewards of this rank's completions; RewardFailed naming the function and row on a failure."""

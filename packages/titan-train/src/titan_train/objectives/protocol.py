@@ -82,7 +82,8 @@ class TakesBatchesAhead(Protocol):
 @dataclass(frozen=True)
 class ObjectiveContext:
     """What an objective is built from: the run's plan, this rank's model as built, its loader, and how
-    to build another model laid out like it (a frozen reference)."""
+    to build another model laid out like it (a frozen reference) or unparallelised on the meta device
+    (generation's whole copy, `titan_train.objectives.rollouts.WholeCopy`)."""
 
     plan: RunPlan
     device: torch.device
@@ -95,3 +96,4 @@ class ObjectiveContext:
     loader: Any  # as first built: a resume may deal the data into other streams, and `start` gets the run's
     forward_context: Callable  # autocast and the like around a forward (titan_train.wiring.precision)
     build_copy: Callable[[], Any]  # another BuiltModel of the same plan (parts and pipeline)
+    build_whole: Callable[[], nn.Module]  # the model of one_process_plan, on the meta device

@@ -4,8 +4,13 @@ writes of them (`dump_folder/rollouts/rank<R>.jsonl`, one line per completion, w
 reads back).
 
 The titan engine runs on the policy's current weights: under FSDP each rank gathers the whole model once
-(`whole_weights`), generates its own prompts, and frees the gathered weights before training. Sampling is
-seeded by the run's seed, the step and the step's prompts, so a resumed run draws the same completions.
+(`whole_weights`), generates its own prompts, and frees the gathered weights before training. Under tensor
+or expert parallelism (`WholeCopy`) each rank gathers every weight whole into an unparallelised copy of the
+model and decodes on it with no collective, as one process does (a rank whose prompts end early never waits
+for another's decode loop); the copy is dropped before training. Each completion samples from its own
+generator, seeded by the run's seed, the step, its prompt and its place in the prompt's group
+(`completion_seeds`), so a resumed run, or one on other ranks, draws the same completions; the
+tensor-parallel ranks, which share their prompts, must draw the same ones (`check_same_over`).
 """
 
 from __future__ import annotations
@@ -13,14 +18,17 @@ from __future__ import annotations
 import contextlib
 import json
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from titan_models.generation import SamplingParams, generate
+from titan_parallel import fill_whole
 from titan_train.errors import ConfigError
 
 
@@ -48,6 +56,50 @@ def whole_weights(parts: list[nn.Module]) -> Iterator[None]:
             module.reshard()
 
 
+class WholeCopy:
+    """Generation's model under tensor or expert parallelism: `build()` makes the model unparallelised on the
+    meta device (`titan_train.plan.one_process_plan`), and each generation fills it with the policy's weights
+    gathered whole (`titan_parallel.fill_whole`, collectives over every rank), then lets it go."""
+
+    def __init__(self, build: Callable[[], nn.Module]):
+        self.build = build
+
+    @contextlib.contextmanager
+    def of(self, parts: list[nn.Module]) -> Iterator[nn.Module]:
+        copy = fill_whole(self.build(), parts[0])
+        try:
+            yield copy
+        finally:
+            del copy
+
+
+@contextlib.contextmanager
+def generating_model(parts: list[nn.Module], copy: WholeCopy | None) -> Iterator[nn.Module]:
+    """The whole model to generate with: the policy itself, its FSDP shards gathered, or `copy` filled."""
+    if copy is not None:
+        with copy.of(parts) as model:
+            yield model
+        return
+    with whole_weights(parts):
+        yield parts[0]
+
+
+def check_same_over(completions: Completions, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Refuse completions that differ between the ranks of `group` (the tensor-parallel ranks: the same
+    prompts, the same seed, the same weights), before they train on sequences that do not match."""
+    if group is None:
+        return
+    digest = zlib.crc32(json.dumps(completions.ids).encode())
+    local = torch.tensor([digest], dtype=torch.long, device=device)
+    every = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, local, group=group)
+    if len({int(d) for d in every}) > 1:
+        raise RuntimeError(
+            "grpo: the tensor-parallel ranks generated different completions of the same prompts; their "
+            "sampling seeds or gathered weights differ (each must seed with completion_seeds of the same prompts)"
+        )
+
+
 def generation_eos_ids(folder: str | Path | None) -> list[int]:
     """The EOS ids a Hugging Face folder's `generation_config.json` (else `config.json`) names, where it has one."""
     for name in ("generation_config.json", "config.json"):
@@ -60,8 +112,17 @@ def generation_eos_ids(folder: str | Path | None) -> list[int]:
 
 
 def rollout_seed(seed: int, step: int, indices: Sequence[int]) -> int:
-    """A sampling seed of the run's seed, the step and its prompts: the same after a resume, at any rank count."""
+    """A sampling seed of the run's seed, the step and its prompts (vLLM's request seed): the same after a resume."""
     return zlib.crc32(f"{seed}:{step}:{','.join(map(str, indices))}".encode())
+
+
+def completion_seeds(seed: int, step: int, indices: Sequence[int], num_generations: int) -> tuple[int, ...]:
+    """The titan engine's seed of each completion (`SamplingParams.row_seeds`), of the run's seed, the step, its
+    prompt and its place among the prompt's completions: the same after a resume and at any rank count, so
+    ranks that split the step's prompts draw what one process draws."""
+    return tuple(
+        zlib.crc32(f"{seed}:{step}:{i}:{k}".encode()) for i in indices for k in range(num_generations)
+    )
 
 
 def titan_completions(
