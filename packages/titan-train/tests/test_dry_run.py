@@ -239,14 +239,19 @@ def test_a_vllm_server_the_run_starts_is_counted_on_the_gpu_it_shares(caplog):
     assert "vLLM server" not in _logged(caplog)
 
 
-@pytest.mark.parametrize("family", ["llama3", "deepseek_v3"])
-def test_the_titan_engines_rollouts_are_counted_beside_what_training_keeps(caplog, family):
-    """GRPO with the titan engine on 2 FSDP ranks: generation adds the whole model in FSDP's bfloat16 and
-    the KV cache of local_batch_size completions of max_prompt_length + max_completion_length slots. The
+@pytest.mark.parametrize(
+    ("family", "layout", "nbytes"),
+    [("llama3", (), 2), ("deepseek_v3", (), 2), ("llama3", ("--parallelism.tensor_parallel_degree", "2"), 4)],
+    ids=["llama3-fsdp", "deepseek_v3-fsdp", "llama3-tp"],
+)
+def test_the_titan_engines_rollouts_are_counted_beside_what_training_keeps(caplog, family, layout, nbytes):
+    """GRPO with the titan engine on 2 ranks: generation adds the whole model (FSDP's shards gathered in its
+    bfloat16; under TP an unparallelised float32 copy) and the KV cache of local_batch_size completions of
+    max_prompt_length + max_completion_length slots, in the same dtype. The
     cache is checked against the published cache layouts written here (keys and values per kv head for
     Llama; MLA's latent and its rope key for DeepSeek-V3), with the cache's slot bookkeeping (validity,
     position and document id per slot). Planted: the cache counted in float32 failed both cases."""
-    argv = ["--job.config_file", "apps/configs/debug_grpo.toml", "--model.name", family]
+    argv = ["--job.config_file", "apps/configs/debug_grpo.toml", "--model.name", family, *layout]
     config = load_job_config(argv)
     report = dry_run(config, 2)
     g, batch = config.grpo, config.training.local_batch_size
@@ -258,8 +263,8 @@ def test_the_titan_engines_rollouts_are_counted_beside_what_training_keeps(caplo
         per_token = args.kv_lora_rank + args.qk_rope_head_dim
     bookkeeping = batch * slots * (1 + 8 + 8)  # bool valid, int64 position and document id
     r = report.rollouts
-    assert r.kv_cache == args.n_layers * batch * slots * per_token * 2 + bookkeeping
-    assert r.whole_weights == report.params.total * 2
+    assert r.kv_cache == args.n_layers * batch * slots * per_token * nbytes + bookkeeping
+    assert r.whole_weights == report.params.total * nbytes
     assert "rollouts (titan engine), per rank" in _logged(caplog)
     vllm = load_job_config([*argv, "--grpo.engine", "vllm", "--grpo.vllm_url", "http://127.0.0.1:8000"])
     assert dry_run(vllm, 2).rollouts is None

@@ -2,8 +2,9 @@
 does not cover.
 
 Between steps, each rank keeps its parameter shards and optimizer states (the trace's `parameters` and
-`optimizer state` rows); the titan engine then gathers the whole model (`rollouts.whole_weights`: every
-FSDP unshard at once, in FSDP's parameter dtype; tensor-parallel shards stay split) and allocates the KV
+`optimizer state` rows); the titan engine then gathers the whole model (under FSDP alone its shards,
+`rollouts.whole_weights`: every unshard at once, in FSDP's parameter dtype; under tensor or expert parallelism
+an unparallelised copy, `rollouts.WholeCopy`, in the training parameters' own float32) and allocates the KV
 cache of its batch (`training.local_batch_size` completions of `grpo.max_prompt_length +
 max_completion_length` slots, shaped by each attention's own cache hook, so MLA's latent and a recurrent
 layer's state are what they are) and the float32 logits of one decode step. The KV cache is measured on
@@ -42,13 +43,14 @@ def rollout_memory(plan: RunPlan) -> RolloutMemory:
     config = plan.config
     g, batch = config.grpo, config.training.local_batch_size
     slots = g.max_prompt_length + g.max_completion_length
-    dtype = plan.options.data_parallel.param_dtype if plan.dims.fsdp_enabled else torch.float32
+    unsharded = plan.dims.fsdp_enabled and plan.dims.tp == 1 and plan.dims.ep == 1
+    dtype = plan.options.data_parallel.param_dtype if unsharded else torch.float32
     with torch.device("meta"):
         model = plan.family.build(counting_args(plan.model_args)).to(dtype)
     cache = KVCache.for_model(model, batch, slots)
     held = [t for layer in cache.layers for t in layer] + [cache.valid, cache.positions, cache.doc_ids]
     kv = sum(t.numel() * t.element_size() for t in held)
-    whole = plan.params.total * dtype.itemsize // max(plan.dims.tp, 1)
+    whole = plan.params.total * dtype.itemsize
     logits = batch * plan.model_args.vocab_size * 4 * 2  # float32 logits and the sampling's probabilities
     return RolloutMemory(whole, kv, logits, batch, slots)
 
