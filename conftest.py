@@ -68,7 +68,7 @@ LONGEST_FIRST = (
     "packages/titan-train/tests/test_grpo_fsdp.py",  # ~150: two one-process runs, two 2-rank runs
     "packages/titan-train/tests/test_grpo_resume.py",  # ~250: nine runs of four or five steps (2026-12-03)
     "packages/titan-train/tests/test_grpo_trl.py",  # ~45: six TRL runs beside Titan's replays
-    "tests/test_grpo_debug_config.py",  # ~30: the debug GRPO config, 13 steps
+    "tests/test_grpo_debug_config.py",  # ~100: the debug GRPO config, 13 steps, then 14 one step off-policy
     # landed 2026-12-02 from wip/ (single runs, two workers)
     "packages/titan-train/tests/test_grpo_vllm.py",  # ~130: vLLM starts once, three runs (skips without apps/vllm)
     "tests/test_fault_tolerance.py",  # the torchft kill drill: two replica groups, one killed and healed
