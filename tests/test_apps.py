@@ -234,3 +234,33 @@ def test_the_dpo_configs_start_from_a_hugging_face_folder_and_pass_the_start_che
     if not lora:
         other = "auto" if c.preference.reference == "precompute" else "precompute"
         assert run(["check", "--ngpu", "8", *flags, "--preference.reference", other]) == 0
+
+
+@pytest.mark.parametrize(
+    ("config", "published", "ep"),
+    [("qwen3_8b_grpo", "Qwen3-8B", 1), ("qwen3_30b_a3b_grpo", "Qwen3-30B-A3B", 8)],
+)
+def test_the_grpo_configs_pass_the_start_checks_on_8_gpus_from_a_hugging_face_folder(
+    tmp_path, config, published, ep
+):
+    """The 8-GPU GRPO configs as a user launches them (GSM8K by its hub id and configuration, the weights
+    imported from a Hugging Face folder): `titan-train check --ngpu 8` passes every start-up check on a folder
+    holding the published config.json, the flavor checked against it; the 30B-A3B one generates with the
+    titan engine under expert parallelism 8, the 8B one with vLLM."""
+    assets = tmp_path / published
+    assets.mkdir()
+    (assets / "config.json").write_text((PUBLISHED / f"{published}.json").read_text())
+    flags = ["--job.config_file", str(REPO / "apps/configs" / f"{config}.toml"), "--model.hf_assets_path"]
+    flags += [str(assets), "--checkpoint.initial_load_path", str(assets)]
+    vllm = REPO / "apps/vllm/.venv/bin/python"
+    if config == "qwen3_8b_grpo" and not vllm.is_file():
+        pytest.skip("the apps/vllm environment is not installed (uv sync --project apps/vllm --locked)")
+    assert run(["check", "--ngpu", "8", *flags]) == 0
+    c = load_job_config(flags)
+    assert (c.training.dataset, c.training.dataset_path, c.training.dataset_config) == (
+        "prompts",
+        "openai/gsm8k",
+        "main",
+    )
+    assert c.parallelism.expert_parallel_degree == ep
+    assert c.grpo.engine == ("titan" if ep > 1 else "vllm")

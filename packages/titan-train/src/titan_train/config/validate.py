@@ -22,7 +22,7 @@ from titan_data import DATASETS
 from titan_train.config.data_rules import data_choices_fit
 from titan_train.config.fault_tolerance_section import check_fault_tolerance
 from titan_train.config.fields import BOUNDS, get_value, iter_fields, number, unwrap_optional
-from titan_train.config.grpo_section import check_grpo
+from titan_train.config.grpo_section import check_grpo, is_prompts
 from titan_train.config.health_section import check_health
 from titan_train.config.model_rules import MODEL_RULES
 from titan_train.config.muon_section import check_muon
@@ -70,10 +70,11 @@ CHAT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 def _names_a_hub_chat_dataset(config: Any, dotted: str, value: Any) -> bool:
-    """Whether a chat section's dataset_path is a Hugging Face dataset id (`owner/name`, fetched by the
-    datasets library at start) rather than a local path, which must exist."""
+    """Whether a chat, preference or prompts section's dataset_path is a Hugging Face dataset id (`owner/name`,
+    fetched by the datasets library at start) rather than a local path, which must exist."""
     section, _, name = dotted.partition(".")
-    if name != "dataset_path" or not renders_chat_template(getattr(config, section)):
+    rows = getattr(config, section) if name == "dataset_path" else None
+    if rows is None or not (renders_chat_template(rows) or is_prompts(rows)):
         return False
     text = str(value)
     return bool(HUB_ID.fullmatch(text)) and not text.endswith(CHAT_FILE_SUFFIXES) and not Path(text).exists()
