@@ -245,8 +245,9 @@ def test_the_grpo_configs_pass_the_start_checks_on_8_gpus_from_a_hugging_face_fo
 ):
     """The 8-GPU GRPO configs as a user launches them (GSM8K by its hub id and configuration, the weights
     imported from a Hugging Face folder): `titan-train check --ngpu 8` passes every start-up check on a folder
-    holding the published config.json, the flavor checked against it; the 30B-A3B one generates with the
-    titan engine under expert parallelism 8, the 8B one with vLLM."""
+    holding the published config.json, the flavor checked against it; the 30B-A3B one trains under expert
+    parallelism 8 against a vLLM server at a URL, the 8B one starts its own (and needs its environment).
+    Before prompts rows could be named by a hub id at start, both failed here."""
     assets = tmp_path / published
     assets.mkdir()
     (assets / "config.json").write_text((PUBLISHED / f"{published}.json").read_text())
@@ -263,4 +264,4 @@ def test_the_grpo_configs_pass_the_start_checks_on_8_gpus_from_a_hugging_face_fo
         "main",
     )
     assert c.parallelism.expert_parallel_degree == ep
-    assert c.grpo.engine == ("titan" if ep > 1 else "vllm")
+    assert c.grpo.engine == "vllm" and (c.grpo.vllm_url is None) == (ep == 1)
