@@ -43,7 +43,8 @@ from titan_train.family_args import (
 from titan_train.objectives.registry import objective_name
 from titan_train.registry import ModelFamily, get_model_family
 from titan_train.run_plan import ParamCounts, RunPlan
-from titan_train.wiring.hf_interop import check_hf_export, model_args
+from titan_train.vllm_serving import vllm_problems
+from titan_train.wiring.hf_interop import check_hf_export, export_dtype, model_args
 from titan_train.wiring.lora import LORA_CONVERTER, lora_target_problems
 from titan_train.wiring.loss import build_loss_fn
 from titan_train.wiring.moe import moe_run_args
@@ -120,6 +121,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     problems.extend(moe_torch_problems(config, dims, bool(moe_layers_of(model)), torch.__version__))
     problems.extend(lora_target_problems(config, model))
     problems.extend(qlora_problems(config, dims, model))
+    problems.extend(vllm_problems(config, family, args, device_type, export_dtype(config)))
     if dims.tp > 1:  # a family without a tensor-parallel plan says so when asked for it
         try:
             model.tp_plan()

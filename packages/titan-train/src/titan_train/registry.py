@@ -19,6 +19,7 @@ A family brings:
 - `loss_fn(logits, labels)`: the mean loss over every position.
 - `count_parameters(model) -> (total, embedding)` and `flops_per_token(args, total, embedding, seq_len)`.
 - `hf`: its Hugging Face mapping (`HFMapping`), or None for a family without one.
+- `vllm_gap(args, device_type, dtype)`: what vLLM lacks to serve its export (`titan_train.vllm_serving`), or None.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from titan_train.model_family import (  # re-exported: the registry is where use
     ModelFamily,
     cross_entropy_loss,
 )
+from titan_train.vllm_serving import attention_gap
 
 __all__ = [
     "FROM_HF",
@@ -87,9 +89,17 @@ _LLAMA_HF = HFMapping(
     args_from_config=titan_models.args_from_hf_config,
     config_differences=titan_models.hf_config_differences,
 )
+
+
+def _llama_vllm_gap(args: Any, device_type: str, dtype: str) -> str | None:
+    return attention_gap(args.head_dim, device_type)
+
+
 for _name, _flavors in (("llama3", LLAMA3_FLAVORS), ("llama2", LLAMA2_FLAVORS)):
     register_model_family(
-        ModelFamily(_name, _flavors, Transformer, titan_models.flops_per_token, hf=_LLAMA_HF)
+        ModelFamily(
+            _name, _flavors, Transformer, titan_models.flops_per_token, hf=_LLAMA_HF, vllm_gap=_llama_vllm_gap
+        )
     )
 # The mixture-of-experts families (titan_train.model_families), through the same public function.
 for _family in MOE_FAMILIES:
