@@ -10,10 +10,11 @@ NEW tokens of each prompt in every folder; transformers decodes the same folders
 - Refused (REFUSED): vLLM fails with the message named there (a probe: the test fails once vLLM runs the model,
   so that the refusal is lifted), and the family's `vllm_gap` names the gap; `resolve` turns it into one line.
 
-Planted once each (2026-12-03): the export's `titan.*` tensors back in the shards' weight_map fails qwen3_moe,
-llama4 and gpt_oss (vLLM: "There is no module or parameter named 'titan'"); DeepSeek's config.json without
-`scoring_func`/`topk_method` fails deepseek_v3 (vLLM routes by softmax with no e_score_correction_bias:
-KeyError); a chunk of 128 tokens in the long prompt's probe cut to 8 was refused by vLLM, as REFUSED says.
+The code before this test was the planted bug (seen 2026-12-03): with the export's `titan.*` tensors in the
+shards the weight_map names, qwen3_moe, llama4 and gpt_oss failed ("There is no module or parameter named
+'titan'"); with DeepSeek's config.json lacking `scoring_func`/`topk_method`, kimi_k2 failed (vLLM built no
+e_score_correction_bias: KeyError). A probe that vLLM passes fails its `vllm is None` assertion. About 6 minutes
+on 2 busy cores: each refused engine costs a fresh worker (vLLM's import, ~40 s).
 Skipped when the apps/vllm environment is not installed (`uv sync --project apps/vllm --locked`).
 """
 
