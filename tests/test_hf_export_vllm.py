@@ -13,7 +13,7 @@ NEW tokens of each prompt in every folder; transformers decodes the same folders
 The code before this test was the planted bug (seen 2026-12-03): with the export's `titan.*` tensors in the
 shards the weight_map names, qwen3_moe, llama4 and gpt_oss failed ("There is no module or parameter named
 'titan'"); with DeepSeek's config.json lacking `scoring_func`/`topk_method`, kimi_k2 failed (vLLM built no
-e_score_correction_bias: KeyError). A probe that vLLM passes fails its `vllm is None` assertion. About 6 minutes
+e_score_correction_bias: KeyError). A probe that vLLM passes fails its `vllm is None` assertion. About 5 minutes
 on 2 busy cores: each refused engine costs a fresh worker (vLLM's import, ~40 s).
 Skipped when the apps/vllm environment is not installed (`uv sync --project apps/vllm --locked`).
 """
@@ -89,8 +89,15 @@ REFUSED = {
         "float32", "attn_chunk_size 64 is not divisible by block_size 128",
     ),
     "qwen3_5": ("qwen3_5", "debugmodel", {"n_layers": 4}, "float32", "CPU GDN attention requires BF16"),
-    "qwen3_5_moe": ("qwen3_5", "debugmodel_moe", {"n_layers": 4}, "float32", "CPU GDN attention requires BF16"),
+    "qwen3_5_linear_32": ("qwen3_5", "debugmodel", {"n_layers": 4}, "bfloat16", "Unexpected head dim size, 32"),
 }  # fmt: skip
+_LINEAR_128 = {"n_layers": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
+# name: (family, flavor, overrides, export dtype): served in bfloat16 only, where vLLM's and transformers' roundings
+# differ: the first token of every prompt is equal (measured on the dense flavor: 3 to 8 of the 8 tokens).
+SERVED_BF16 = {
+    "qwen3_5_bf16": ("qwen3_5", "debugmodel", _LINEAR_128, "bfloat16"),
+    "qwen3_5_moe_bf16": ("qwen3_5", "debugmodel_moe", _LINEAR_128, "bfloat16"),
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -141,7 +148,7 @@ def _transformers_greedy(folder: Path, dtype: str) -> list[list[int]]:
 def served(tmp_path_factory) -> dict[str, dict]:
     """name -> {"transformers": tokens, "vllm": tokens or "error": vLLM's message} for every variant."""
     root = tmp_path_factory.mktemp("vllm_exports")
-    variants = {**{k: v[:4] for k, v in SERVED.items()}, **{k: v[:4] for k, v in REFUSED.items()}}
+    variants = {**SERVED, **SERVED_BF16, **{k: v[:4] for k, v in REFUSED.items()}}
     results: dict[str, dict] = {}
     for name, (family, flavor, overrides, dtype) in variants.items():
         _export(root / name, family, flavor, overrides, dtype)
@@ -175,6 +182,21 @@ def test_vllm_greedy_tokens_on_the_export_equal_transformers(served, name):
     assert fam.vllm_gap(fam.args_for(flavor, **overrides), "cpu", dtype) is None
     assert served[name]["error"] is None, served[name]["error"]
     assert served[name]["vllm"] == served[name]["transformers"]
+
+
+@pytest.mark.parametrize("name", SERVED_BF16)
+def test_vllm_serves_the_bfloat16_export_and_its_first_tokens_equal_transformers(served, name):
+    family, flavor, overrides, dtype = SERVED_BF16[name]
+    fam = get_model_family(family)
+    assert fam.vllm_gap(fam.args_for(flavor, **overrides), "cpu", dtype) is None
+    assert served[name]["error"] is None, served[name]["error"]
+    vllm, ours = served[name]["vllm"], served[name]["transformers"]
+    agree = [
+        next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), NEW)
+        for x, y in zip(vllm, ours, strict=True)
+    ]
+    print(f"{name}: leading tokens equal per prompt: {agree}")
+    assert [t[0] for t in vllm] == [t[0] for t in ours]
 
 
 @pytest.mark.parametrize("name", REFUSED)

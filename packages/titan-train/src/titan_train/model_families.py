@@ -20,7 +20,7 @@ from torch import nn
 from titan_models import deepseek_v3, gpt_oss, llama4, qwen3, qwen3_5
 from titan_models.moe import count_active_parameters
 from titan_train.model_family import HFMapping, ModelFamily
-from titan_train.vllm_serving import attention_gap, chunk_gap, mla_gap
+from titan_train.vllm_serving import attention_gap, chunk_gap, linear_attention_gap, mla_gap
 
 
 def _on_meta(build: Callable[[Any], nn.Module], args: Any) -> nn.Module:
@@ -78,7 +78,9 @@ def _qwen3_5_vllm_gap(args: Any, device_type: str, dtype: str) -> str | None:
             f"a {dtype} Gated DeltaNet on CPU (its CPU kernel runs bfloat16 only); set checkpoint.export_dtype = "
             "'bfloat16'"
         )
-    return attention_gap(args.head_dim, device_type)
+    return linear_attention_gap(
+        args.linear_key_head_dim, args.linear_value_head_dim, device_type
+    ) or attention_gap(args.head_dim, device_type)
 
 
 def _hf(module: Any, adapter: Callable[..., Any]) -> HFMapping:

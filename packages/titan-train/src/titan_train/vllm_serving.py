@@ -18,6 +18,7 @@ from titan_train.config.grpo_section import is_prompts
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 CPU_MLA_HEAD_SIZES = (576,)
 CPU_BLOCK_SIZE = 128
+CPU_LINEAR_HEAD_DIM = 128  # the Gated DeltaNet head dims seen to run (in bfloat16 only)
 
 
 def no_gap(args: Any, device_type: str, dtype: str) -> str | None:
@@ -52,6 +53,17 @@ def chunk_gap(chunk: int | None, device_type: str) -> str | None:
         return (
             f"chunked attention over chunks of {chunk} tokens on CPU (the chunk must be a multiple of its KV "
             f"block of {CPU_BLOCK_SIZE}); pick such an attn_chunk_size"
+        )
+    return None
+
+
+def linear_attention_gap(key_dim: int, value_dim: int, device_type: str) -> str | None:
+    """What vLLM's CPU Gated DeltaNet lacks for linear-attention heads of `key_dim`/`value_dim` (128 runs, as
+    Qwen3.5 publishes it; 32 does not: "Unexpected head dim size")."""
+    if device_type == "cpu" and (key_dim, value_dim) != (CPU_LINEAR_HEAD_DIM, CPU_LINEAR_HEAD_DIM):
+        return (
+            f"a CPU Gated DeltaNet kernel for linear key/value head dims {key_dim}/{value_dim} (it ran "
+            f"{CPU_LINEAR_HEAD_DIM}/{CPU_LINEAR_HEAD_DIM}, as published); pick those"
         )
     return None
 
