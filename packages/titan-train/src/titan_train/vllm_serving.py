@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_train.config.grpo_section import is_prompts
-
 # vllm/v1/attention/backends/cpu_attn.py's head sizes; its MLA backend compiles for DeepSeek's latent 576 only
 # (kv_lora_rank 512 + qk_rope_head_dim 64); its KV cache comes in blocks of 128 tokens.
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -69,9 +67,10 @@ def linear_attention_gap(key_dim: int, value_dim: int, device_type: str) -> str 
 
 
 def vllm_problems(config: Any, family: Any, args: Any, device_type: str, dtype: str) -> list[str]:
-    """One line where the run would start a vLLM server on `device_type` for a model vLLM cannot serve."""
+    """One line where the run would start a vLLM server on `device_type` for a model vLLM cannot serve (the
+    engine set without prompts is refused by the [grpo] checks)."""
     g = config.grpo
-    if not is_prompts(config.training) or g.engine != "vllm" or g.vllm_url is not None:
+    if g.engine != "vllm" or g.vllm_url is not None:
         return []
     gap = family.vllm_gap(args, device_type, dtype)
     if gap is None:
