@@ -7,13 +7,16 @@ DeepSeek's routing bias, exported the Titan way (`write_hf_export` through the f
 engine pushes it). One worker process in the vLLM environment (tests/workers/vllm_greedy.py) greedy-decodes
 NEW tokens of each prompt in every folder; transformers decodes the same folders here, in the same dtype.
 - Served (SERVED): the tokens are equal, and the family's `vllm_gap` is None on CPU.
+- Served in bfloat16 only (SERVED_BF16, Qwen3.5's Gated DeltaNet on CPU): the first greedy token of every prompt
+  is equal; vLLM's bfloat16 roundings differ from transformers' after it.
 - Refused (REFUSED): vLLM fails with the message named there (a probe: the test fails once vLLM runs the model,
   so that the refusal is lifted), and the family's `vllm_gap` names the gap; `resolve` turns it into one line.
 
 The code before this test was the planted bug (seen 2026-12-03): with the export's `titan.*` tensors in the
 shards the weight_map names, qwen3_moe, llama4 and gpt_oss failed ("There is no module or parameter named
 'titan'"); with DeepSeek's config.json lacking `scoring_func`/`topk_method`, kimi_k2 failed (vLLM built no
-e_score_correction_bias: KeyError). A probe that vLLM passes fails its `vllm is None` assertion. About 5 minutes
+e_score_correction_bias: KeyError). A probe that vLLM passes fails its `vllm is None` assertion. Planted
+(2026-12-03): resolve without `vllm_problems` fails the start-refusal test (DID NOT RAISE ConfigError). About 5 minutes
 on 2 busy cores: each refused engine costs a fresh worker (vLLM's import, ~40 s).
 Skipped when the apps/vllm environment is not installed (`uv sync --project apps/vllm --locked`).
 """
