@@ -33,7 +33,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from titan_ckpt import ModelState
+from titan_ckpt import ModelState, unheld_state
 from titan_ckpt.hf_export import write_hf_export
 from titan_train.config import load_job_config
 from titan_train.errors import ConfigError
@@ -111,9 +111,7 @@ def _export(folder: Path, family: str, flavor: str, overrides: dict, dtype: str)
     model = fam.build(args)
     model.init_weights(seed=0)
     adapter = hf_adapter_for(fam, args, bos_id=BOS, eos_id=EOS)
-    unheld = tuple(
-        getattr(adapter, "hf_unheld_state", ())
-    )  # the HF class has no place for them: left at zero
+    unheld = unheld_state(adapter)  # the HF class has no place for them: left at zero
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, t in model.state_dict().items():
