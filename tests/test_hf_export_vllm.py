@@ -16,7 +16,7 @@ The code before this test was the planted bug (seen 2026-12-03): with the export
 shards the weight_map names, qwen3_moe, llama4 and gpt_oss failed ("There is no module or parameter named
 'titan'"); with DeepSeek's config.json lacking `scoring_func`/`topk_method`, kimi_k2 failed (vLLM built no
 e_score_correction_bias: KeyError). A probe that vLLM passes fails its `vllm is None` assertion. Planted
-(2026-12-03): resolve without `vllm_problems` fails the start-refusal test (DID NOT RAISE ConfigError). About 5 minutes
+(2026-12-03): resolve without `vllm_problems` fails the start-refusal test (DID NOT RAISE ConfigError). About 3-6 minutes
 on 2 busy cores: each refused engine costs a fresh worker (vLLM's import, ~40 s).
 Skipped when the apps/vllm environment is not installed (`uv sync --project apps/vllm --locked`).
 """
