@@ -38,6 +38,7 @@ LONGEST_FIRST = (
     "tests/test_train_end_to_end.py",  # 246
     "packages/titan-train/tests/test_traced_memory.py",  # 234
     "tests/test_docs_commands.py",  # 206
+    "tests/test_hf_export_vllm.py",  # new, 197-376 under load 4-5 (vLLM in 5 worker starts)
     "packages/titan-train/tests/test_dry_run.py",  # 195
     "tests/test_torchtitan_features.py",  # 167
     "tests/test_generate_eval.py",  # 158

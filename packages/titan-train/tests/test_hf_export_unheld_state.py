@@ -10,11 +10,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from titan_ckpt import CheckpointError, ModelState
+from titan_ckpt import TITAN_WEIGHT_MAP, CheckpointError, ModelState
 from titan_ckpt.hf_export import write_hf_export
+from titan_ckpt.hf_safetensors import TITAN_STATE_FILE
 from titan_models import qwen3
 from titan_train.cli import run
 from titan_train.commands.checkpoint_model import load_checkpoint_model
@@ -156,15 +156,17 @@ def test_generate_on_an_export_without_titan_s_copy_of_the_bias_warns_in_one_lin
     config = small_config(tmp_path / "run", *_model(name), *EXPORT, "--checkpoint.hf_export_lossy")
     Trainer(resolve(config, 1, "cpu"), one_rank).train()
     export = tmp_path / "run" / "checkpoint" / "step-4"
-    # The same folder as a Hugging Face tool writes it back: without the titan.* tensors.
+    # The same folder as a Hugging Face tool writes it back: the files its weight_map names, not Titan's own.
     stripped = tmp_path / "stripped"
-    shutil.copytree(export, stripped, ignore=shutil.ignore_patterns("*.distcp", ".metadata"))
+    shutil.copytree(
+        export, stripped, ignore=shutil.ignore_patterns("*.distcp", ".metadata", TITAN_STATE_FILE)
+    )
     index = json.loads((stripped / "model.safetensors.index.json").read_text())
-    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if not k.startswith("titan.")}
+    assert not any(
+        k.startswith("titan.") for k in index["weight_map"]
+    )  # transformers and vLLM never see them
+    del index[TITAN_WEIGHT_MAP]
     (stripped / "model.safetensors.index.json").write_text(json.dumps(index))
-    for file in stripped.glob("*.safetensors"):
-        tensors = {k: v for k, v in load_file(str(file)).items() if not k.startswith("titan.")}
-        save_file(tensors, str(file), metadata={"format": "pt"})
 
     for folder, warned in ((export, False), (stripped, True)):
         caplog.clear()

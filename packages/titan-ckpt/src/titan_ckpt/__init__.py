@@ -6,6 +6,7 @@ from titan_ckpt.errors import CheckpointError
 from titan_ckpt.frozen_base import FrozenBase
 from titan_ckpt.hf_safetensors import (
     TITAN_ONLY_PREFIX,
+    TITAN_WEIGHT_MAP,
     HasKeptDtypes,
     HasUnheldState,
     HFStateDictAdapter,
@@ -33,6 +34,7 @@ __all__ = [
     "SavePolicy",
     "SaveTiming",
     "TITAN_ONLY_PREFIX",
+    "TITAN_WEIGHT_MAP",
     "complete_steps",
     "unheld_state",
 ]

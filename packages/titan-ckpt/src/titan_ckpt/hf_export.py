@@ -5,8 +5,13 @@ it (balanced by bytes; under pipeline parallelism only the stage's ranks hold a 
 are unsharded one at a time among the ranks of their mesh; only the owner keeps the result. Each rank
 then maps its own units through the caller's adapter (the tensors it does not own stand in as meta
 tensors, which cost nothing: the mappings are per block) and writes its own safetensors shards of at
-most `max_shard_bytes`. Rank 0 writes `config.json`, the extra files and, last, the index that names
-every shard. So a rank's host memory grows by its share of the model, not by the model.
+most `max_shard_bytes`. Rank 0 writes `config.json`, the extra files, Titan's own tensors (`titan.*`, state
+the format cannot hold) in `TITAN_STATE_FILE` and, last, the index that names every shard. So a rank's host
+memory grows by its share of the model, not by the model.
+
+Titan's own tensors stay out of the index's `weight_map` (listed under `TITAN_WEIGHT_MAP` instead): vLLM
+loads every tensor of the files that map names and refuses one its model class lacks, where transformers
+only reports it (tests/test_hf_export_vllm.py).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from titan_ckpt.collectives import barrier, group_rank, raise_on_every_rank
 from titan_ckpt.errors import CheckpointError
 from titan_ckpt.hf_safetensors import (
     TITAN_ONLY_PREFIX,
+    TITAN_STATE_FILE,
+    TITAN_WEIGHT_MAP,
     HFStateDictAdapter,
     kept_dtypes,
     unheld_state,
@@ -170,9 +177,11 @@ def write_hf_export(
     try:
         mine = _mapped_own_share(adapter, owned, specs)
         mine = {k: v if k.endswith(keep) else v.to(dtype) for k, v in mine.items()}
-        mine |= {TITAN_ONLY_PREFIX + k: v for k, v in unheld.items()}
     except Exception as err:
         problem = f"checkpoint: the Hugging Face weight mapping failed on rank {rank}: {err}"
+    # Small (a vector per MoE layer): gathered to rank 0, which writes them in a file of their own.
+    titan_only = {TITAN_ONLY_PREFIX + k: v.detach().cpu() for k, v in unheld.items()}
+    titan_only = {k: v for ranks in _all_gather(titan_only, group) for k, v in ranks.items()}
     del unheld
     del owned
     raise_on_every_rank(problem, group)
@@ -201,7 +210,7 @@ def write_hf_export(
     if rank == 0:
         try:
             _write_index_and_config(
-                folder, weight_map, sum(n for f in files for _, n in f), config, extra_files
+                folder, weight_map, sum(n for f in files for _, n in f), config, extra_files, titan_only
             )
         except Exception as err:
             problem = f"checkpoint: writing the Hugging Face index to {folder} failed: {err}"
@@ -256,13 +265,21 @@ def _write_index_and_config(
     total: int,
     config: dict,
     extra_files: Mapping[str, bytes | Path] | None,
+    titan_only: dict[str, torch.Tensor],
 ) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if titan_only:
+        save_file(unshare(titan_only), str(folder / TITAN_STATE_FILE), metadata={"format": "pt"})
     for name, content in (extra_files or {}).items():
         if isinstance(content, Path):
             shutil.copyfile(content, folder / name)
         else:
             (folder / name).write_bytes(content)
     # The index is written last: it is what marks the folder as a complete Hugging Face checkpoint.
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    index: dict[str, Any] = {
+        "metadata": {"total_size": total},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    if titan_only:
+        index[TITAN_WEIGHT_MAP] = dict.fromkeys(sorted(titan_only), TITAN_STATE_FILE)
     (folder / HF_INDEX).write_text(json.dumps(index, indent=2))

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from titan_ckpt.errors import CheckpointError
+from titan_ckpt.hf_safetensors import TITAN_WEIGHT_MAP
 from titan_ckpt.step_folders import HF_INDEX
 
 _DTYPES = {
@@ -78,7 +79,9 @@ def index_hf_folder(folder: Path) -> dict[str, StoredTensor]:
     index_file = folder / HF_INDEX
     if index_file.is_file():
         try:
-            weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+            index = json.loads(index_file.read_text())
+            # Titan's own tensors (titan_ckpt.hf_export) sit in a file the HF weight_map never names.
+            weight_map: dict[str, str] = {**index["weight_map"], **index.get(TITAN_WEIGHT_MAP, {})}
         except (ValueError, KeyError) as err:
             raise CheckpointError(
                 f"checkpoint: {index_file} is not a valid safetensors index ({err})"

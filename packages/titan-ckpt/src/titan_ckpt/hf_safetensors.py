@@ -18,8 +18,11 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's own default shard size ("5
 
 
 # Titan's own tensors in a Hugging Face folder: state the format has no place for, kept under this
-# prefix so that Titan's re-import is exact (transformers names them as unused and ignores them).
+# prefix so that Titan's re-import is exact. They live in a file the index's weight_map never names
+# (listed under TITAN_WEIGHT_MAP), so transformers and vLLM, which read the files weight_map names, never see them.
 TITAN_ONLY_PREFIX = "titan."
+TITAN_STATE_FILE = "titan-state.safetensors"
+TITAN_WEIGHT_MAP = "titan_weight_map"
 
 
 @runtime_checkable

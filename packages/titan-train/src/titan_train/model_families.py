@@ -23,6 +23,7 @@ import titan_models
 from titan_models import deepseek_v3, gpt_oss, llama4, qwen3, qwen3_5
 from titan_models.moe import count_active_parameters
 from titan_train.model_family import HFMapping, ModelFamily
+from titan_train.vllm_serving import attention_gap, chunk_gap, linear_attention_gap, mla_gap
 
 
 def _on_meta(build: Callable[[Any], nn.Module], args: Any) -> nn.Module:
@@ -62,6 +63,29 @@ def _qwen3_5_flops(args: Any, total: int, embedding: int, seq_len: int) -> float
     return qwen3_5.qwen3_5_flops_per_token(args, _on_meta(qwen3_5.Qwen3_5Model, args), seq_len)
 
 
+def _attention_vllm_gap(args: Any, device_type: str, dtype: str) -> str | None:
+    return attention_gap(args.head_dim, device_type)
+
+
+def _mla_vllm_gap(args: Any, device_type: str, dtype: str) -> str | None:
+    return mla_gap(args.kv_lora_rank + args.qk_rope_head_dim, device_type)
+
+
+def _llama4_vllm_gap(args: Any, device_type: str, dtype: str) -> str | None:
+    return attention_gap(args.head_dim, device_type) or chunk_gap(args.attn_chunk_size, device_type)
+
+
+def _qwen3_5_vllm_gap(args: Any, device_type: str, dtype: str) -> str | None:
+    if device_type == "cpu" and dtype != "bfloat16":
+        return (
+            f"a {dtype} Gated DeltaNet on CPU (its CPU kernel runs bfloat16 only); set checkpoint.export_dtype = "
+            "'bfloat16'"
+        )
+    return linear_attention_gap(
+        args.linear_key_head_dim, args.linear_value_head_dim, device_type
+    ) or attention_gap(args.head_dim, device_type)
+
+
 def _hf(module: Any, adapter: Callable[..., Any]) -> HFMapping:
     return HFMapping(
         adapter=adapter,
@@ -85,6 +109,7 @@ FAMILIES = (
         titan_models.Transformer,
         titan_models.flops_per_token,
         hf=_LLAMA_HF,
+        vllm_gap=_attention_vllm_gap,
     ),
     ModelFamily(
         "llama2",
@@ -92,6 +117,7 @@ FAMILIES = (
         titan_models.Transformer,
         titan_models.flops_per_token,
         hf=_LLAMA_HF,
+        vllm_gap=_attention_vllm_gap,
     ),
     ModelFamily(
         "deepseek_v3",
@@ -99,6 +125,7 @@ FAMILIES = (
         deepseek_v3.DeepSeekV3Model,
         _deepseek_flops,
         hf=_hf(deepseek_v3, deepseek_v3.DeepSeekV3StateDictAdapter),
+        vllm_gap=_mla_vllm_gap,
     ),
     ModelFamily(
         "qwen3",
@@ -106,6 +133,7 @@ FAMILIES = (
         qwen3.Qwen3Model,
         _active_flops(qwen3.Qwen3Model),
         hf=_hf(qwen3, qwen3.Qwen3StateDictAdapter),
+        vllm_gap=_attention_vllm_gap,
     ),
     ModelFamily(
         "llama4",
@@ -113,6 +141,7 @@ FAMILIES = (
         llama4.Llama4Model,
         _active_flops(llama4.Llama4Model),
         hf=_hf(llama4, llama4.Llama4StateDictAdapter),
+        vllm_gap=_llama4_vllm_gap,
     ),
     # Hugging Face import/export arrives with the gpt-oss weight mapping (hf=None until then).
     ModelFamily(
@@ -121,6 +150,7 @@ FAMILIES = (
         gpt_oss.GptOssModel,
         _gpt_oss_flops,
         hf=_hf(gpt_oss, gpt_oss.GptOssStateDictAdapter),
+        vllm_gap=_attention_vllm_gap,
     ),
     # Dense and MoE flavors alike: Gated DeltaNet hybrids (titan_models.qwen3_5).
     ModelFamily(
@@ -129,5 +159,6 @@ FAMILIES = (
         qwen3_5.Qwen3_5Model,
         _qwen3_5_flops,
         hf=_hf(qwen3_5, qwen3_5.Qwen3_5StateDictAdapter),
+        vllm_gap=_qwen3_5_vllm_gap,
     ),
 )

@@ -16,6 +16,7 @@ from torch import nn
 
 import titan_models
 from titan_train.errors import ConfigError
+from titan_train.vllm_serving import no_gap
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # The flavor that takes a family's shape from a Hugging Face config.json (through the family's `hf`).
@@ -58,6 +59,8 @@ class ModelFamily:
     count_parameters: Callable[[nn.Module], tuple[int, int]] = _count_embedded
     loss_fn: LossFn = cross_entropy_loss
     hf: HFMapping | None = None
+    # (args, device_type, export dtype) -> what vLLM lacks to serve the export, or None (titan_train.vllm_serving)
+    vllm_gap: Callable[[Any, str, str], str | None] = no_gap
 
     def __post_init__(self) -> None:
         # A copy: the family's flavors change only through `register_flavor`, never through the dict

@@ -46,7 +46,8 @@ from titan_train.registry import ModelFamily, get_model_family
 from titan_train.run_plan import ParamCounts, RunPlan
 from titan_train.step.muon_after_step import qk_clip_problems
 from titan_train.step.optimizer_in_backward import step_in_backward_problems
-from titan_train.wiring.hf_interop import hf_export_problems, model_args
+from titan_train.vllm_serving import vllm_problems
+from titan_train.wiring.hf_interop import export_dtype, hf_export_problems, model_args
 from titan_train.wiring.lora import LORA_CONVERTER, lora_target_problems
 from titan_train.wiring.loss import build_loss_fn
 from titan_train.wiring.moe import balance_problems, moe_run_args
@@ -131,6 +132,7 @@ def resolve(config: JobConfig, world_size: int, device_type: str = "cuda") -> Ru
     problems.extend(qk_clip_problems(config, model))
     problems.extend(fragment_problems(config, model))
     problems.extend(step_in_backward_problems(config, grad_accum_steps))
+    problems.extend(vllm_problems(config, family, args, device_type, export_dtype(config)))
     if dims.tp > 1:  # a family without a tensor-parallel plan says so when asked for it
         try:
             model.tp_plan()

@@ -19,6 +19,7 @@ A family brings:
 - `loss_fn(logits, labels)`: the mean loss over every position.
 - `count_parameters(model) -> (total, embedding)` and `flops_per_token(args, total, embedding, seq_len)`.
 - `hf`: its Hugging Face mapping (`HFMapping`), or None for a family without one.
+- `vllm_gap(args, device_type, dtype)`: what vLLM lacks to serve its export (`titan_train.vllm_serving`), or None.
 """
 
 from __future__ import annotations

@@ -99,6 +99,10 @@ def _describe(args: DeepSeekV3Args) -> dict[str, Any]:
         "topk_group": m.num_limited_groups or 1,
         "norm_topk_prob": m.route_norm,
         "routed_scaling_factor": m.route_scale,
+        # As DeepSeek-V3's published config.json says them: transformers assumes both, vLLM reads them
+        # (without them it routes by softmax and holds no e_score_correction_bias).
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
         "rms_norm_eps": args.norm_eps,
         "max_position_embeddings": args.context_len,
         "rope_theta": float(args.rope_theta),

@@ -20,7 +20,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from titan_ckpt import TITAN_ONLY_PREFIX, Checkpointer, LoadPolicy, ModelState, SavePolicy, unheld_state
+from titan_ckpt import (
+    TITAN_ONLY_PREFIX,
+    TITAN_WEIGHT_MAP,
+    Checkpointer,
+    LoadPolicy,
+    ModelState,
+    SavePolicy,
+    unheld_state,
+)
 from titan_ckpt.frozen_base import FROZEN_BASE_FILE
 from titan_data import Tokenizer
 from titan_parallel import adapter_names, dequantized, quantize_base_to_nf4
@@ -130,7 +138,7 @@ def _warn_if_trained_state_is_missing(path: Path, adapter: Any, model: torch.nn.
         return
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        saved = set(json.loads(index.read_text())["weight_map"])
+        saved = set(json.loads(index.read_text()).get(TITAN_WEIGHT_MAP, {}))
     else:
         saved = set()
         for file in path.glob("*.safetensors"):
