@@ -50,6 +50,7 @@ LONGEST_FIRST = (
     "tests/test_sft_debug_config.py",  # 86
     "packages/titan-parallel/tests/test_expert_parallel_layouts.py",  # 76
     "tests/test_fault_restarts.py",  # 73
+    "tests/test_titan_engine_families.py",  # 62-77 under load (12 families: export, transformers and Titan greedy)
     "packages/titan-parallel/tests/test_compile.py",  # 70
     "tests/test_soak.py",  # 66
     "packages/titan-train/tests/test_lora_checkpoints.py",  # 61

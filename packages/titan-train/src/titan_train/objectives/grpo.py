@@ -31,11 +31,11 @@ from titan_data.errors import DataError
 from titan_models.generation import SamplingParams
 from titan_parallel import adapters_off
 from titan_train.objectives.forward import model_forward, whole_sequence_context
-from titan_train.objectives.grpo_loss import GRPOLoss, group_advantages, nanstd
+from titan_train.objectives.grpo_loss import GRPOLoss, group_advantages
 from titan_train.objectives.off_policy import Background, steps_of_batches
 from titan_train.objectives.preference_step import build_reference, copy_starting_weights, evaluating
 from titan_train.objectives.protocol import Batch, ObjectiveContext
-from titan_train.objectives.rewards import BadReward, RewardFailed, load_reward_function, score
+from titan_train.objectives.reward_table import RewardScorer
 from titan_train.objectives.rollouts import (
     Completions,
     RecordedRollouts,
@@ -48,7 +48,7 @@ from titan_train.objectives.rollouts import (
     rollout_seed,
     titan_completions,
 )
-from titan_train.objectives.sampling_correction import importance_weights, logp_gap
+from titan_train.objectives.sampling_correction import SamplingCorrection
 from titan_train.objectives.vllm_engine import VLLMEngine, sampling_tensor
 from titan_train.wiring.data import chat_template
 from titan_train.wiring.lora import lora_enabled
@@ -139,9 +139,7 @@ class GRPO:
         config = ctx.plan.config
         g = self.settings = config.grpo
         self.loss = loss_settings(g)
-        self.functions = [(spec, load_reward_function(spec)) for spec in g.reward_funcs]
-        self.names = [getattr(fn, "__name__", spec) for spec, fn in self.functions]
-        self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.functions), dtype=torch.float64)
+        self.scorer = RewardScorer(g, ctx.tokenizer)
         source = None
         if self.loss.needs_reference:
             source = "adapters_off" if lora_enabled(config) and g.reference == "auto" else "copy"
@@ -225,42 +223,6 @@ class GRPO:
         check_same_over(completions, self.tp_group, self.ctx.device)
         return completions
 
-    def _rewards(self, rows: list, completions: Completions, step: int) -> torch.Tensor:
-        """(B, F) rewards of this rank's completions; RewardFailed naming the function and row on a failure."""
-        n = self.settings.num_generations
-        special = self.tokenizer.special_ids
-        texts = [self.tokenizer.decode([i for i in ids if i not in special]) for ids in completions.ids]
-        per_completion = [row for row in rows for _ in range(n)]
-        keys = sorted({k for row in rows for k in row.columns})
-        try:
-            table = score(
-                self.functions,
-                prompts=[row.prompt for row in per_completion],
-                completions=[
-                    [{"role": "assistant", "content": t}] if row.conversational else t
-                    for row, t in zip(per_completion, texts, strict=True)
-                ],
-                completion_ids=completions.ids,
-                columns={k: [row.columns.get(k) for row in per_completion] for k in keys},
-            )
-        except Exception as err:  # a user's function: say which step and rows, then stop
-            index = err.index if isinstance(err, BadReward) else None
-            where = (
-                f"a completion of {per_completion[index].where}"
-                if index is not None
-                else f"the prompts of {rows[0].where}..{rows[-1].where}"
-            )
-            raise RewardFailed(
-                f"grpo: a reward function failed at step {step} on {where}: {type(err).__name__}: {err}"
-            ) from err
-        bad = torch.isinf(table).any(dim=1).nonzero().flatten().tolist()
-        if bad:
-            raise RewardFailed(
-                f"grpo: a reward function returned an infinite reward at step {step} for a "
-                f"completion of {per_completion[bad[0]].where}; return a finite float or None"
-            )
-        return table
-
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         """Every data-parallel rank's rows, in rank order (each rank holds the same number)."""
         if self.dp_group is None:
@@ -269,36 +231,14 @@ class GRPO:
         dist.all_gather(out, local.contiguous(), group=self.dp_group)
         return torch.cat(out)
 
-    def _reward_metrics(self, table: torch.Tensor, completions: Completions) -> dict[str, float]:
-        n, g = self.settings.num_generations, self.settings
-        rewards = (table * self.weights).nansum(dim=1)
-        rewards[torch.isnan(table).all(dim=1)] = math.nan
-        if g.scale_rewards == "batch":
-            std = nanstd(rewards).expand_as(rewards)
-        else:
-            std = nanstd(rewards.view(-1, n), dim=1).repeat_interleave(n)
-        metrics = {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item()}
-        for j, name in enumerate(self.names):
-            metrics[f"rewards/{name}/mean"] = torch.nanmean(table[:, j]).item()
-            metrics[f"rewards/{name}/std"] = nanstd(table[:, j]).item()
-        metrics["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).double().mean().item()
+    def _lengths(self, completions: Completions) -> torch.Tensor:
+        """(B_all, 2) every data-parallel rank's completion lengths and truncated flags, in rank order."""
         local = torch.tensor(
             [[len(c), float(t)] for c, t in zip(completions.ids, completions.truncated, strict=True)],
             dtype=torch.float64,
             device=self.ctx.device,
         )
-        lengths, truncated = self._gather(local).cpu().unbind(1)
-        ended = lengths[truncated == 0]
-        metrics.update(
-            {
-                "completions/mean_length": lengths.mean().item(),
-                "completions/min_length": lengths.min().item(),
-                "completions/max_length": lengths.max().item(),
-                "completions/clipped_ratio": truncated.mean().item(),
-                "completions/mean_terminated_length": ended.mean().item() if len(ended) else 0.0,
-            }
-        )
-        return metrics
+        return self._gather(local).cpu()
 
     def steps_of_batches(self, step: int) -> int:
         """How many steps' prompts step `step` takes (`TakesBatchesAhead`): one on-policy; one step
@@ -316,8 +256,7 @@ class GRPO:
         g, device = self.settings, self.ctx.device
         # kl, tokens, entropy, low, high and region clips, their count, |logp - old logp| sum
         self.sums = torch.zeros(8, dtype=torch.float64, device=device)
-        # |gap| sum, count, max; ratio sum, count, max of -ratio (its min), max
-        self.sampling_sums = torch.tensor([0, 0, 0, 0, 0, -math.inf, 0], dtype=torch.float64, device=device)
+        self.correction = SamplingCorrection(g, self.dp_group, device)
         if self.pending is not None:
             return self._off_policy_step(step_batches)
         indices = _indices(step_batches)
@@ -378,13 +317,13 @@ class GRPO:
         rows = [self.loader.packed.prompts[i] for i in indices]
         prompts = [row.ids.tolist() for row in rows]
         started = time.perf_counter()
-        table = self._rewards(rows, completions, step)
+        table = self.scorer.score(rows, completions, step)
         rewards_seconds = time.perf_counter() - started
         everyone = self._gather(table.to(device)).cpu()
-        advantages, _ = group_advantages(everyone, self.weights, g.num_generations, g.scale_rewards)
+        advantages, _ = group_advantages(everyone, self.scorer.weights, g.num_generations, g.scale_rewards)
         mine = len(completions.ids)
         advantages = advantages[self.dp_rank * mine : (self.dp_rank + 1) * mine].float()
-        metrics = self._reward_metrics(everyone, completions)
+        metrics = self.scorer.metrics(everyone, self._lengths(completions))
         new_tokens = sum(len(c) for c in completions.ids)
         metrics.update(
             {
@@ -445,7 +384,7 @@ class GRPO:
 
     def _write_log(self, indices, prompts, completions: Completions, table: torch.Tensor) -> None:
         n = self.settings.num_generations
-        weighted = (table * self.weights).nansum(dim=1)
+        weighted = (table * self.scorer.weights).nansum(dim=1)
         lines = []
         for k, ids in enumerate(completions.ids):
             values = [None if math.isnan(v) else v for v in table[k].tolist()]
@@ -455,7 +394,7 @@ class GRPO:
                     "prompt_ids": prompts[k // n],
                     "completion_ids": ids,
                     "truncated": completions.truncated[k],
-                    "rewards": dict(zip(self.names, values, strict=True)),
+                    "rewards": dict(zip(self.scorer.names, values, strict=True)),
                     "reward": None if all(v is None for v in values) else weighted[k].item(),
                     **({"logprobs": completions.logprobs[k]} if completions.logprobs is not None else {}),
                 }
@@ -527,7 +466,9 @@ class GRPO:
         # One optimizer step per generation: the policy is its own old policy.
         old = micro.old_logps if micro.old_logps is not None else logps.detach()
         mask = micro.mask
-        weights = self._sampling_weights(old, micro)
+        weights = self.correction.weights(
+            old.detach(), micro.sampling_logps, mask, counted=bool(self.metrics)
+        )
         per_token = loss_fn.per_token(logps, old, micro.advantages, mask, micro.ref_logps, weights)
         if loss_fn.loss_type in ("dapo", "cispo"):
             loss = loss_fn.reduce(per_token, mask, self.tokens_in_batch / self.dp_degree)
@@ -536,55 +477,6 @@ class GRPO:
         loss.backward()
         self._accumulate(logps.detach(), old, micro, entropy.detach())
         return loss.detach()
-
-    def _sampling_weights(self, old: torch.Tensor, micro: _Micro) -> torch.Tensor | None:
-        """vllm's importance-sampling weights of the generating policy (`old`) to the engine's sampling, with
-        the gap between them counted for TRL's sampling metrics (on the steps that generated)."""
-        g, sampling = self.settings, micro.sampling_logps
-        if sampling is None:
-            return None
-        mask = micro.mask
-        weights = importance_weights(
-            old.detach(),
-            sampling,
-            mask,
-            g.vllm_importance_sampling_mode,
-            g.vllm_importance_sampling_clip_min,
-            g.vllm_importance_sampling_clip_max,
-        )
-        if self.metrics:
-            total, count, largest = logp_gap(old.detach(), sampling, mask)
-            flat = weights.flatten() if weights.shape[1] == 1 else weights[mask.bool()]
-            s = self.sampling_sums
-            s[0] += total
-            s[1] += count
-            s[2] = max(s[2].item(), largest)
-            s[3] += flat.sum().item()
-            s[4] += flat.numel()
-            if flat.numel():
-                s[5] = max(s[5].item(), -flat.min().item())
-                s[6] = max(s[6].item(), flat.max().item())
-        return weights if g.vllm_importance_sampling_correction else None
-
-    def _sampling_metrics(self) -> dict[str, float]:
-        """TRL's sampling/* metrics of the step's generation, over every data-parallel rank."""
-        s = self.sampling_sums.clone()
-        if self.dp_group is not None:
-            sums, tops = s[[0, 1, 3, 4]], s[[2, 5, 6]]
-            dist.all_reduce(sums, group=self.dp_group)
-            dist.all_reduce(tops, op=dist.ReduceOp.MAX, group=self.dp_group)
-            s[[0, 1, 3, 4]], s[[2, 5, 6]] = sums, tops
-        if s[1] == 0:
-            return {}
-        metrics = {
-            "sampling/sampling_logp_difference/mean": s[0].item() / s[1].item(),
-            "sampling/sampling_logp_difference/max": s[2].item(),
-        }
-        if self.settings.vllm_importance_sampling_correction and s[4] > 0:
-            metrics["sampling/importance_sampling_ratio/min"] = -s[5].item()
-            metrics["sampling/importance_sampling_ratio/mean"] = s[3].item() / s[4].item()
-            metrics["sampling/importance_sampling_ratio/max"] = s[6].item()
-        return metrics
 
     def _accumulate(self, logps, old, micro: _Micro, entropy) -> None:
         """Masked sums for TRL's global means: kl, entropy, and the low, high and region clip ratios."""
@@ -624,7 +516,7 @@ class GRPO:
         tokens, count = sums[1].clamp(min=1).item(), sums[6].clamp(min=1).item()
         metrics = dict(self.metrics)
         if self.engine is not None and self.metrics:
-            metrics.update(self._sampling_metrics())
+            metrics.update(self.correction.metrics())
         if self.loss.needs_reference:
             metrics["kl"] = sums[0].item() / tokens
         metrics["entropy"] = sums[2].item() / tokens
