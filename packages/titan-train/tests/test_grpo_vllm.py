@@ -22,8 +22,10 @@ with top_k 1 (greedy), reaches the same server at `grpo.vllm_url` (whose pushes 
 Planted once each (2026-12-02): the weight push before step 2 skipped fails the log-prob test (step 2's
 difference 3.09 against 2e-6 at step 1); the push before step 3 skipped fails the greedy test (prompt 4's
 first token 1546 against transformers' 1482). Planted 2026-12-03: the off-policy request joined as soon as
-it is sent fails the overlap test (step 1's generation ending 3 ms before its training starts; measured
-without it: generations of 0.05 s overlapping 0.02-0.03 s of training steps that short).
+it is sent failed the overlap test as first written (step 1's generation ending 3 ms before its training
+started). That test then failed once in CI without a bug (a 0.04 s generation ended before training started), so
+it now checks the order: the request sent before the step trains and joined (`off_policy/joined_s`) only after
+it trained. A request joined at once is joined before training starts, which this refuses; not re-planted.
 Skipped when the apps/vllm environment is not installed (`uv sync --project apps/vllm --locked`).
 """
 
@@ -209,5 +211,11 @@ def test_vllm_generates_the_next_batch_while_the_step_trains(dump):
         overlap = min(r["generation_end_s"], r["training_end_s"]) - r["training_start_s"]
         print(f"step {step}: generation {r['generation_start_s']:.2f}-{r['generation_end_s']:.2f} s, training "
               f"{r['training_start_s']:.2f}-{r['training_end_s']:.2f} s, overlap {overlap:.2f} s")  # fmt: skip
-        assert r["generation_start_s"] < r["training_start_s"] and overlap > 0, (step, r)
+        # Sent before the step trains and waited for only after it trained: the two run side by side however
+        # fast the server answers (a 0.04 s generation can end before training starts, so the overlap itself
+        # is printed, not asserted).
+        assert r["generation_start_s"] < r["training_start_s"] <= r["training_end_s"] <= r["joined_s"], (
+            step,
+            r,
+        )
     assert "off_policy/generation_start_s" not in records[STEPS + 1]

@@ -284,7 +284,7 @@ class GRPO:
             if self.engine is None:
                 self.pending.held = self._generation(indices, step + 1)
                 self._keep_old_logps(self.pending.held)
-                self.ahead_times = (started, time.perf_counter())
+                self.ahead_times = (started, time.perf_counter(), None)
             else:
                 prompts = [self.loader.packed.prompts[i].ids.tolist() for i in indices]
                 params, n = self._params(step + 1, indices), self.settings.num_generations
@@ -296,8 +296,9 @@ class GRPO:
         and held with the log-probs vLLM sampled them at as the old ones."""
         indices, request = self.requested
         self.requested = None
+        joined = time.perf_counter()
         completions = request.result()
-        self.ahead_times = (request.started, request.ended)
+        self.ahead_times = (request.started, request.ended, joined)
         held = self._process(indices, completions, self.step_number + 1, request.ended - request.started)
         for micro in held["micro"]:
             micro.old_logps, micro.sampling_logps = micro.sampling_logps, None
@@ -536,8 +537,11 @@ class GRPO:
         metrics["off_policy/training_start_s"] = (self.training_started or trained) - zero
         metrics["off_policy/training_end_s"] = trained - zero
         if self.ahead_times is not None:
-            metrics["off_policy/generation_start_s"] = self.ahead_times[0] - zero
-            metrics["off_policy/generation_end_s"] = self.ahead_times[1] - zero
+            started, ended, joined = self.ahead_times
+            metrics["off_policy/generation_start_s"] = started - zero
+            metrics["off_policy/generation_end_s"] = ended - zero
+            if joined is not None:  # when the step waited for the request (vllm): after its training
+                metrics["off_policy/joined_s"] = joined - zero
         return metrics
 
     def log_metrics(self) -> dict[str, float]:
