@@ -37,13 +37,12 @@ def lora_enabled(config: JobConfig) -> bool:
     return LORA_CONVERTER in config.model.converters
 
 
-def lora_options(config: JobConfig, quantisers: tuple[str, ...]) -> LoRA | None:
-    """`[lora]` as titan-parallel's `LoRA` when `model.converters` has `lora` (after every converter in
-    `quantisers`), else None."""
-    converters = config.model.converters
-    if LORA_CONVERTER not in converters:
+def lora_options(config: JobConfig) -> LoRA | None:
+    """`[lora]` as titan-parallel's `LoRA` when `model.converters` has `lora` (after every quantiser, with
+    its targets named: checked at start in config/model_rules.py), else None."""
+    if LORA_CONVERTER not in config.model.converters:
         return None
-    c = config.lora  # lora after `quantisers` and its targets named: checked at start (config/model_rules.py)
+    c = config.lora
     return LoRA(
         rank=c.rank,
         alpha=c.alpha,

@@ -78,7 +78,7 @@ def parallel_options(
         ),
         float8=float8,
         mx=mx,
-        lora=lora_options(config, (*FLOAT8_CONVERTERS, *MX_CONVERTERS)),
+        lora=lora_options(config),
         pipeline=PipelineOptions(
             schedule=p.pipeline_parallel_schedule,
             microbatch_size=p.pipeline_parallel_microbatch_size,
