@@ -60,7 +60,7 @@ def _check_field(config: Any, dotted: str, tp: Any, rule: Any, check_paths: bool
     if rule.get("check"):
         rule["check"](value)
     needed = rule.get("needed_if") is None or get_value(config, rule["needed_if"])
-    local = not _names_a_hub_chat_dataset(config, dotted, value)
+    local = not _names_a_hub_dataset(config, dotted, value)
     if rule.get("path") and value != "" and check_paths and needed and local and not Path(value).exists():
         raise ConfigError(f"config: {dotted} = {value} does not exist; point the config at {rule['path']}")
 
@@ -69,7 +69,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 CHAT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-def _names_a_hub_chat_dataset(config: Any, dotted: str, value: Any) -> bool:
+def _names_a_hub_dataset(config: Any, dotted: str, value: Any) -> bool:
     """Whether a chat, preference or prompts section's dataset_path is a Hugging Face dataset id (`owner/name`,
     fetched by the datasets library at start) rather than a local path, which must exist."""
     section, _, name = dotted.partition(".")

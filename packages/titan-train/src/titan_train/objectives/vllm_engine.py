@@ -34,6 +34,7 @@ import torch.distributed as dist
 from titan_ckpt import EXPORT_DTYPES, ModelState
 from titan_ckpt.hf_export import write_hf_export
 from titan_ckpt.hf_safetensors import DEFAULT_MAX_SHARD_BYTES
+from titan_ckpt.step_folders import complete_steps, step_folder
 from titan_models.generation import SamplingParams
 from titan_train.objectives.off_policy import Background
 from titan_train.objectives.rollouts import Completions
@@ -221,11 +222,10 @@ class VLLMEngine:
             raise EngineFailed(self._failure("a restart", err)) from None
 
     def _failure(self, route: str, err: Exception) -> str:
-        latest = (
-            sorted(self.checkpoints.glob("step-*"), key=lambda p: int(p.name[5:])) if self.checkpoints else []
-        )
+        latest = complete_steps(self.checkpoints) if self.checkpoints else []
         kept = (
-            f"its checkpoints are kept (the last: {latest[-1]}); resume with the same command"
+            f"its checkpoints are kept (the last: {step_folder(self.checkpoints, latest[-1])}); resume with the "
+            "same command"
             if latest
             else "no checkpoint was written yet"
             + ("" if self.checkpoints else " (checkpoint.enable is false)")
