@@ -148,6 +148,11 @@ def tree_hashes(folder: Path) -> dict[str, str]:
 # Importing titan-train costs several seconds of CPU per process. The bad-input table runs many short
 # processes, so they are forked from one server process that imported it once (multiprocessing's
 # forkserver); each is still its own process, with its own exit status, output and process group.
+# Under load the forkserver can lose a child's status and report 255 for it (CPython issue 140867,
+# seen once in CI on a rank that had logged its one line and returned 2), so each child also writes
+# the status `main` returned beside its log, and `ForkedRun.exitcode` reads it when 255 comes back.
+
+FORKSERVER_LOST_STATUS = 255
 
 
 def _cli_process(argv: list[str], env: dict[str, str], log: str) -> None:
@@ -160,21 +165,44 @@ def _cli_process(argv: list[str], env: dict[str, str], log: str) -> None:
     torch.set_num_threads(1)  # as torchrun's ranks (OMP_NUM_THREADS=1): a thread count changes float sums
     from titan_train.cli import main
 
-    sys.exit(main(argv))
+    code = main(argv)
+    Path(f"{log}.exit").write_text(f"{code}\n")
+    sys.exit(code)
 
 
-def start_forked(argv: list[str], env: dict[str, str], log: Path) -> multiprocessing.process.BaseProcess:
+class ForkedRun:
+    """A forked titan-train process: join, kill and its exit status (see the note above)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, log: Path):
+        self.process, self.log = process, log
+
+    def join(self, timeout: float | None = None) -> None:
+        self.process.join(timeout)
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    @property
+    def exitcode(self) -> int | None:
+        code = self.process.exitcode
+        left = Path(f"{self.log}.exit")
+        if code == FORKSERVER_LOST_STATUS and left.exists():
+            return int(left.read_text())
+        return code
+
+
+def start_forked(argv: list[str], env: dict[str, str], log: Path) -> ForkedRun:
     """`titan-train ARGV` in a process forked from the server, with `env` added; its output goes to `log`."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["titan_train.cli"])
     process = context.Process(target=_cli_process, args=(argv, env, str(log)))
     process.start()
-    return process
+    return ForkedRun(process, log)
 
 
 def start_forked_ranks(
     argv: list[str], nproc: int, logs: Path, rank_env: Callable[[int], dict[str, str]] | None = None
-) -> list[multiprocessing.process.BaseProcess]:
+) -> list[ForkedRun]:
     """`nproc` forked titan-train ranks forming one process group (env:// on a free port); `rank_env(rank)`
     adds variables to one rank's environment (each rank its own data endpoint, say)."""
     port = str(free_port())
