@@ -1104,9 +1104,10 @@ LAYOUTS = {
         (*GRPO, *pp("1F1B")),
         refused="parallelism.pipeline_parallel_degree > 1 (the GRPO step takes every completion token's log-prob",
     ),
-    # The titan engine generating (sampled at temperature 1) under TP 2 (the tp ranks share their prompts) and
-    # EP 2 (each rank its own 2 prompts), on an unparallelised copy of the gathered weights, each completion
-    # seeded by its prompt's index: the same rollouts as one process. Planted (2026-12-03): the tp ranks'
+    # The titan engine generating (sampled at temperature 1) under TP 2 (the tp ranks share their prompts; on an
+    # unparallelised copy of the gathered weights) and EP 2 (each rank its own 2 prompts, decoded on the policy
+    # with its experts split, the ranks stepping together: rollouts.lockstep), each completion seeded by its
+    # prompt's index: the same rollouts as one process. EP's decoding on the split experts passed 2026-12-03. Planted (2026-12-03): the tp ranks'
     # seeds differing failed grpo_tp2_generating (the tp ranks' completions check); seeds of a rank's own
     # prompt positions (not their indices in the data) failed grpo_ep2_generating.
     "one_process_grpo_generating": Layout(

@@ -2,8 +2,9 @@
 environment (`apps/vllm/.venv/bin/python apps/vllm/serve.py --model FOLDER`), so vLLM's pinned torch never
 meets the trainer's. titan-train starts it for `grpo.engine = "vllm"` (or reaches one at `grpo.vllm_url`).
 
-- `POST /generate` {prompts: [[ids]], n, temperature, top_p, top_k, max_tokens, stop_token_ids, seed}:
-  `n` completions per prompt, prompt after prompt, each with its token ids, the log-prob of every sampled
+- `POST /generate` {prompts: [[ids]], n, temperature, top_p, top_k, max_tokens, stop_token_ids, seeds}:
+  `n` completions per prompt, prompt after prompt, each sampled with its own seed of `seeds` (one per
+  completion, in that order; unseeded without them), each with its token ids, the log-prob of every sampled
   token (vLLM's processed log-probs: after temperature, as the trainer scores them) and whether it ended
   at `max_tokens` (`truncated`).
 - `POST /reload` {path}: the model's weights reloaded in place from the safetensors of `path` (the same
@@ -58,21 +59,33 @@ def _generate(llm, request: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    # One request per completion, each with its own seed: a completion then draws the same tokens whichever
+    # other prompts share its batch (the ranks that split a step's prompts draw what one process draws).
+    n = int(request["n"])
+    seeds = (
+        [int(s) for s in request["seeds"]]
+        if request.get("seeds") is not None
+        else [None] * (n * len(request["prompts"]))
+    )
+    if len(seeds) != n * len(request["prompts"]):
+        raise ValueError(f"{len(seeds)} seeds for {len(request['prompts'])} prompts of {n} completions each")
     params = [
         SamplingParams(
-            n=int(request["n"]),
+            n=1,
             temperature=float(request["temperature"]),
             top_p=float(request["top_p"]),
             top_k=int(request["top_k"]),
             max_tokens=int(request["max_tokens"]),
             stop_token_ids=[int(i) for i in request["stop_token_ids"]],
-            seed=None if request.get("seed") is None else int(request["seed"]) + k,
+            seed=seed,
             logprobs=0,  # the sampled token's own log-prob
             detokenize=False,
         )
-        for k in range(len(request["prompts"]))
+        for seed in seeds
     ]
-    prompts = [TokensPrompt(prompt_token_ids=[int(i) for i in p]) for p in request["prompts"]]
+    prompts = [
+        TokensPrompt(prompt_token_ids=[int(i) for i in p]) for p in request["prompts"] for _ in range(n)
+    ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     ids, logprobs, truncated = [], [], []
     for output in outputs:

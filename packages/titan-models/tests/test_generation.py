@@ -273,3 +273,28 @@ def test_moe_families_cached_batch_generates_what_their_own_forward_chooses(fami
         generate(model, [[1] * 40], SamplingParams(max_new_tokens=10))
     with pytest.raises(ModelError, match="max_seq_len"):
         generate(model, [[1] * 40], SamplingParams(max_new_tokens=10), kv_cache=False)
+
+
+def test_ranks_stepping_together_step_until_every_rank_is_done_and_keep_their_own_tokens():
+    """`all_done`: a batch whose rows all ended steps on while another rank's have not (its forwards would
+    otherwise leave that rank's all-to-alls waiting), and still returns the tokens it returns alone. The other
+    rank is played by an `all_done` that holds out for 9 steps. Planted: the loop breaking on this batch's own
+    rows (all_done ignored) failed the step count."""
+    args = SHAPES["tiny-gqa-rope-scaled"]
+    _, model = _hf_and_ours(args)
+    prompts = _prompts(args.vocab_size, (4, 6))
+    params = SamplingParams(max_new_tokens=12, temperature=1.5, row_seeds=(7, 8))
+    first = generate(model, prompts, params)
+    ends = tuple(sorted({tokens[1] for tokens in first.tokens}))  # every row ends at its second token
+    alone = generate(model, prompts, replace(params, eos_ids=ends))
+    asked: list[bool] = []
+
+    def other_rank_done_at_step_9(mine: bool) -> bool:
+        asked.append(mine)
+        return mine and len(asked) >= 9
+
+    together = generate(model, prompts, replace(params, eos_ids=ends), all_done=other_rank_done_at_step_9)
+    assert alone.steps <= 2 and together.steps == 9 and asked[-1]
+    assert together.tokens == alone.tokens and together.end_ids == alone.end_ids
+    with pytest.raises(ModelError, match="need the KV cache"):
+        generate(model, prompts, params, kv_cache=False, all_done=other_rank_done_at_step_9)

@@ -268,3 +268,17 @@ def test_the_titan_engines_rollouts_are_counted_beside_what_training_keeps(caplo
     assert "rollouts (titan engine), per rank" in _logged(caplog)
     vllm = load_job_config([*argv, "--grpo.engine", "vllm", "--grpo.vllm_url", "http://127.0.0.1:8000"])
     assert dry_run(vllm, 2).rollouts is None
+
+
+def test_under_expert_parallelism_the_titan_engine_gathers_only_this_ranks_experts(caplog):
+    """GRPO with the titan engine under EP 2: generation decodes on the policy itself, its experts left split
+    over the ep ranks (rollouts.lockstep), so each rank gathers the dense weights whole and half the experts,
+    in FSDP's bfloat16: Qwen3's MoE (every layer: num_experts SwiGLU experts of 3 dim x moe_inter_dim
+    weights) counted here from its published shape. Planted: the experts counted whole failed it."""
+    argv = ["--job.config_file", "apps/configs/debug_grpo.toml", "--model.name", "qwen3"]
+    argv += ["--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"]
+    report = dry_run(load_job_config(argv), 2)
+    args = get_model_family("qwen3").flavors["debugmodel_moe"]
+    experts = args.n_layers * args.moe_args.num_experts * 3 * args.dim * args.moe_inter_dim
+    assert report.rollouts.whole_weights == (report.params.total - experts // 2) * 2
+    assert "rollouts (titan engine), per rank: the model gathered" in _logged(caplog)

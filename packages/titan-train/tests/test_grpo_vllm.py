@@ -18,6 +18,9 @@ with top_k 1 (greedy), reaches the same server at `grpo.vllm_url` (whose pushes 
 - One step off-policy (`grpo.max_staleness = 1`, a third run at the URL): the request for step t + 1's batch
   goes out before step t trains and is answered while it trains (the logged generation and training times
   overlap), and steps 2 and 3 train one step behind their weights (`off_policy/lag_steps`).
+- Each completion is its own vLLM request with its own seed (the titan engine's `completion_seeds`): the
+  prompts asked together draw what each draws alone, so ranks that split a step's prompts draw what one
+  process draws. Planted (2026-12-03): the server ignoring the seeds failed it.
 
 Planted once each (2026-12-02): the weight push before step 2 skipped fails the log-prob test (step 2's
 difference 3.09 against 2e-6 at step 1); the push before step 3 skipped fails the greedy test (prompt 4's
@@ -37,6 +40,7 @@ import re
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -46,7 +50,9 @@ from test_preference_trl import chatml_model
 from tiny_llama import from_hf_flags
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from titan_models.generation import SamplingParams
 from titan_train.config import load_job_config
+from titan_train.objectives.rollouts import completion_seeds
 from titan_train.plan import resolve
 from titan_train.trainer import Trainer
 
@@ -113,9 +119,28 @@ def dump(folder, one_rank, tmp_path_factory):
         stale = [*_flags(folder, data, root / "stale"), "--training.steps", str(STEPS + 1)]
         stale += ["--grpo.vllm_url", url, "--grpo.max_staleness", "1"]
         Trainer(resolve(load_job_config(stale), 1, "cpu"), one_rank).train()
+        _draw_split_and_together(first.objective.engine, _rollouts(dump, 1), dump / "split_draws.json")
     finally:
         first.objective.engine.close()
     return dump
+
+
+def _draw_split_and_together(engine, rows: list[dict], out: Path) -> None:
+    """Step 1's prompts' completions sampled at temperature 1 with their per-completion seeds, asked of the
+    server in one request and one prompt per request (as ranks that split them would ask)."""
+    firsts = {r["prompt_index"]: r["prompt_ids"] for r in rows}
+    indices = sorted(firsts)
+    params = SamplingParams(max_new_tokens=COMPLETION, temperature=1.0, eos_ids=tuple(ENDS))
+    step = engine.pushed_step  # the weights it holds: no push
+
+    def ask(some: list[int]) -> list[list[int]]:
+        seeds = completion_seeds(0, 7, some, G)
+        picked = [firsts[i] for i in some]
+        return engine.completions(None, step, picked, G, replace(params, row_seeds=seeds)).ids
+
+    out.write_text(
+        json.dumps({"together": ask(indices), "apart": [ids for i in indices for ids in ask([i])]})
+    )
 
 
 def _flags(folder: Path, data: Path, dump: Path) -> list[str]:
@@ -219,3 +244,13 @@ def test_vllm_generates_the_next_batch_while_the_step_trains(dump):
             r,
         )
     assert "off_policy/generation_start_s" not in records[STEPS + 1]
+
+
+def test_vllm_draws_each_completion_from_its_own_seed_whatever_shares_its_request(dump):
+    """One request per completion with its seed (`grpo.engine = "titan"`'s completion_seeds): prompts asked
+    together draw what each asked alone draws, and a prompt's completions differ from each other."""
+    draws = json.loads((dump / "split_draws.json").read_text())
+    assert len(draws["together"]) == B and draws["together"] == draws["apart"]
+    for k in range(B // G):
+        group = draws["together"][k * G : (k + 1) * G]
+        assert len({tuple(c) for c in group}) > 1, group

@@ -9,6 +9,11 @@ Every family (Llama, Qwen3, Llama 4, DeepSeek-V3, gpt-oss) generates through the
 (`titan_models.kv_cache`). `generate(..., kv_cache=False)` instead runs the model's own forward over
 the whole sequence at every step, one prompt at a time (that forward has no mask for left padding):
 much slower, kept as the reference the cache is measured against (bench/generate_throughput.py).
+
+A model whose forward holds collectives (an expert-parallel MoE, its experts split over ranks, trading
+tokens by all-to-all) must run every forward on every rank: `generate(..., all_done=agree)` then steps
+until `agree(this rank's rows are done)` says every rank's are, a rank whose rows ended stepping on with
+padding (which its outputs never keep).
 """
 
 from __future__ import annotations
@@ -184,12 +189,14 @@ def generate(
     decode: Callable[[list[int]], str] | None = None,
     pad_id: int = 0,
     kv_cache: bool = True,
+    all_done: Callable[[bool], bool] | None = None,
 ) -> Generation:
     """Continue each prompt (a list of token ids) with `model`, a whole decoder in eval mode.
 
     `decode` turns ids into text: needed for `stop_strings`, and gives `Generation.texts`. `pad_id`
     fills the left padding (any id: padding is masked out). `kv_cache=False` recomputes every position
-    at every step, one prompt at a time (a reference for measuring the cache).
+    at every step, one prompt at a time (a reference for measuring the cache). `all_done` makes ranks
+    whose forwards hold collectives step together (see the module docstring).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ModelError("generation: every prompt needs at least one token (e.g. the BOS id)")
@@ -201,7 +208,12 @@ def generate(
         )
     _check_whole_model(model)
     if kv_cache and has_kv_cache(model):
-        return _generate(model, prompts, params, decode, pad_id, _Cached)
+        return _generate(model, prompts, params, decode, pad_id, _Cached, all_done)
+    if all_done is not None:
+        raise ModelError(
+            "generation: ranks stepping together (all_done) need the KV cache, which runs their rows as one "
+            f"batch; {type(model).__name__} has an attention without a KV-cache hook"
+        )
     if kv_cache:
         log.warning(
             "generation: %s has an attention without a KV-cache hook (`kv_cache`); every token recomputes its "
@@ -225,7 +237,7 @@ def generate(
     )
 
 
-def _generate(model, prompts, params, decode, pad_id, forwards) -> Generation:
+def _generate(model, prompts, params, decode, pad_id, forwards, all_done=None) -> Generation:
     device = model.tok_embeddings.weight.device
     tokens, valid = _left_padded(prompts, pad_id, device)
     batch = tokens.shape[0]
@@ -262,8 +274,11 @@ def _generate(model, prompts, params, decode, pad_id, forwards) -> Generation:
                     if _first_stop(decode(out[row, :steps].tolist()), params.stop_strings) >= 0:
                         kept[row], reasons[row] = steps, "stop"
                         finished[row] = True
-            if bool(finished.all()):
-                break
+        done = bool(finished.all())
+        if all_done is not None:
+            done = all_done(done)
+        if done:
+            break
         if step + 1 < params.max_new_tokens:
             logits = stepper.extend(nxt)
     _sync(device)

@@ -43,9 +43,10 @@ from titan_train.objectives.rollouts import (
     WholeCopy,
     check_same_over,
     completion_seeds,
+    decodes_on_copy,
     generating_model,
     generation_eos_ids,
-    rollout_seed,
+    lockstep,
     titan_completions,
 )
 from titan_train.objectives.sampling_correction import SamplingCorrection
@@ -159,6 +160,9 @@ class GRPO:
         tp = ctx.plan.dims.submesh("tp")
         self.tp_group = tp.get_group() if tp is not None else None
         self.copy = self._whole_copy() if g.engine == "titan" and self.replay is None else None
+        # Under EP the experts' all-to-alls and FSDP gathers run in every decode step: the ranks step together.
+        together = g.engine == "titan" and self.copy is None and ctx.plan.dims.ep > 1
+        self.all_done = lockstep(dist.group.WORLD, ctx.device) if together else None
         self.step_number, self.loader = 0, ctx.loader
         self.cache = RolloutCache(rank, ctx.device) if g.num_iterations > 1 else None
         # One step off-policy: the batch generated for the next step, and vllm's request for it in flight.
@@ -169,10 +173,9 @@ class GRPO:
         self.metrics: dict[str, float] = {}
 
     def _whole_copy(self) -> WholeCopy | None:
-        """Under tensor or expert parallelism, the unparallelised model the titan engine fills and decodes on."""
-        dims = self.plan.dims
-        if dims.tp == 1 and dims.ep == 1:
-            return None  # FSDP and DDP: the policy's own modules, its shards gathered (whole_weights)
+        """Under tensor parallelism, the unparallelised model the titan engine fills and decodes on."""
+        if not decodes_on_copy(self.plan.dims.tp):
+            return None  # FSDP, DDP and EP: the policy's own modules, its shards gathered (whole_weights)
         return WholeCopy(self.ctx.build_whole)
 
     def _end_ids(self, config) -> set[int]:
@@ -205,7 +208,6 @@ class GRPO:
             temperature=g.temperature,
             top_k=g.top_k,
             top_p=g.top_p,
-            seed=rollout_seed(self.plan.seed, step, indices),
             row_seeds=completion_seeds(self.plan.seed, step, indices, g.num_generations),
             eos_ids=tuple(sorted(self.ends)),
         )
@@ -219,7 +221,9 @@ class GRPO:
         if self.engine is not None:
             return self.engine.completions(parts, self.step_number - 1, prompts, g.num_generations, params)
         with torch.no_grad(), evaluating(parts), generating_model(parts, self.copy) as model:
-            completions = titan_completions(model, prompts, g.num_generations, params, self.tokenizer.eos_id)
+            completions = titan_completions(
+                model, prompts, g.num_generations, params, self.tokenizer.eos_id, self.all_done
+            )
         check_same_over(completions, self.tp_group, self.ctx.device)
         return completions
 

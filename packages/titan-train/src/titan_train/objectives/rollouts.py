@@ -4,10 +4,12 @@ writes of them (`dump_folder/rollouts/rank<R>.jsonl`, one line per completion, w
 reads back).
 
 The titan engine runs on the policy's current weights: under FSDP each rank gathers the whole model once
-(`whole_weights`), generates its own prompts, and frees the gathered weights before training. Under tensor
-or expert parallelism (`WholeCopy`) each rank gathers every weight whole into an unparallelised copy of the
-model and decodes on it with no collective, as one process does (a rank whose prompts end early never waits
-for another's decode loop); the copy is dropped before training. Each completion samples from its own
+(`whole_weights`), generates its own prompts, and frees the gathered weights before training. Under expert
+parallelism (without tensor parallelism) it decodes the same way on the policy itself, its experts left split
+over the ep ranks: their forwards trade tokens by all-to-all, so the ep ranks step together until all their
+completions end (`lockstep`, over every rank: the experts' FSDP gathers span other ranks than their ep group). Under tensor parallelism (`WholeCopy`) each rank gathers every weight whole into
+an unparallelised copy of the model and decodes on it with no collective, as one process does; the copy is
+dropped before training. Each completion samples from its own
 generator, seeded by the run's seed, the step, its prompt and its place in the prompt's group
 (`completion_seeds`), so a resumed run, or one on other ranks, draws the same completions; the
 tensor-parallel ranks, which share their prompts, must draw the same ones (`check_same_over`).
@@ -46,6 +48,11 @@ class Completions:
 @contextlib.contextmanager
 def whole_weights(parts: list[nn.Module]) -> Iterator[None]:
     """Every FSDP-sharded module of `parts` gathered whole on this rank, resharded on exit."""
+    # FSDP picks its root at the first forward; generation calls blocks' submodules, some FSDP modules of their
+    # own under EP (the experts), which would otherwise each become a root before the policy ever ran one.
+    for part in parts:
+        if isinstance(part, FSDPModule):
+            part._get_fsdp_state()._lazy_init()
     sharded = [m for part in parts for m in part.modules() if isinstance(m, FSDPModule)]
     for module in sharded:
         module.unshard()
@@ -71,6 +78,24 @@ class WholeCopy:
             yield copy
         finally:
             del copy
+
+
+def decodes_on_copy(tp: int) -> bool:
+    """Whether the titan engine decodes on an unparallelised copy: under tensor parallelism, whose split heads
+    and rows the KV cache does not hold; FSDP and expert parallelism decode on the policy's own modules."""
+    return tp > 1
+
+
+def lockstep(group: dist.ProcessGroup, device: torch.device) -> Callable[[bool], bool]:
+    """`generate`'s `all_done` over `group`: whether every rank's completions have ended (one all-reduce a
+    decode step), so ranks whose forwards hold all-to-alls run every forward together."""
+
+    def all_done(mine: bool) -> bool:
+        flag = torch.tensor([int(mine)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    return all_done
 
 
 @contextlib.contextmanager
@@ -111,13 +136,8 @@ def generation_eos_ids(folder: str | Path | None) -> list[int]:
     return []
 
 
-def rollout_seed(seed: int, step: int, indices: Sequence[int]) -> int:
-    """A sampling seed of the run's seed, the step and its prompts (vLLM's request seed): the same after a resume."""
-    return zlib.crc32(f"{seed}:{step}:{','.join(map(str, indices))}".encode())
-
-
 def completion_seeds(seed: int, step: int, indices: Sequence[int], num_generations: int) -> tuple[int, ...]:
-    """The titan engine's seed of each completion (`SamplingParams.row_seeds`), of the run's seed, the step, its
+    """The seed of each completion (`SamplingParams.row_seeds`; vLLM's per-completion request seeds), of the run's seed, the step, its
     prompt and its place among the prompt's completions: the same after a resume and at any rank count, so
     ranks that split the step's prompts draw what one process draws."""
     return tuple(
@@ -131,10 +151,12 @@ def titan_completions(
     num_generations: int,
     params: SamplingParams,
     pad_id: int,
+    all_done: Callable[[bool], bool] | None = None,
 ) -> Completions:
-    """Each prompt continued `num_generations` times by `model` (whole, in eval mode), as one batch."""
+    """Each prompt continued `num_generations` times by `model` (whole, in eval mode), as one batch; with
+    `all_done` (`lockstep`) until every rank stepping with this one is done too."""
     batch = [p for p in prompts for _ in range(num_generations)]
-    out = generate(model, batch, params, pad_id=pad_id)
+    out = generate(model, batch, params, pad_id=pad_id, all_done=all_done)
     ids = [
         tokens + ([end] if end is not None else [])
         for tokens, end in zip(out.tokens, out.end_ids, strict=True)

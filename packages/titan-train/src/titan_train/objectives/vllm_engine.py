@@ -280,7 +280,7 @@ class VLLMEngine:
                 "top_k": params.top_k,
                 "max_tokens": params.max_new_tokens,
                 "stop_token_ids": list(params.eos_ids),
-                "seed": params.seed,
+                "seeds": list(params.row_seeds),  # one per completion (completion_seeds), as the titan engine
             },
         )
         return Completions(reply["ids"], reply["truncated"], reply["logprobs"])
