@@ -7,11 +7,11 @@ The titan engine runs on the policy's current weights: under FSDP each rank gath
 (`whole_weights`), generates its own prompts, and frees the gathered weights before training. Under expert
 parallelism (without tensor parallelism) it decodes the same way on the policy itself, its experts left split
 over the ep ranks: their forwards trade tokens by all-to-all, so the ep ranks step together until all their
-completions end (`lockstep`, over every rank: the experts' FSDP gathers span other ranks than their ep group). Under tensor parallelism (`WholeCopy`) each rank gathers every weight whole into
-an unparallelised copy of the model and decodes on it with no collective, as one process does; the copy is
-dropped before training. Each completion samples from its own
-generator, seeded by the run's seed, the step, its prompt and its place in the prompt's group
-(`completion_seeds`), so a resumed run, or one on other ranks, draws the same completions; the
+completions end (`lockstep`, over every rank: the experts' FSDP gathers span other ranks than their ep group).
+Under tensor parallelism (`WholeCopy`) each rank gathers every weight whole into an unparallelised copy of the
+model and decodes on it with no collective, as one process does; the copy is dropped before training. Each
+completion samples from its own generator, seeded by the run's seed, the step, its prompt and its place in the
+prompt's group (`completion_seeds`), so a resumed run, or one on other ranks, draws the same completions; the
 tensor-parallel ranks, which share their prompts, must draw the same ones (`check_same_over`).
 """
 
@@ -137,9 +137,9 @@ def generation_eos_ids(folder: str | Path | None) -> list[int]:
 
 
 def completion_seeds(seed: int, step: int, indices: Sequence[int], num_generations: int) -> tuple[int, ...]:
-    """The seed of each completion (`SamplingParams.row_seeds`; vLLM's per-completion request seeds), of the run's seed, the step, its
-    prompt and its place among the prompt's completions: the same after a resume and at any rank count, so
-    ranks that split the step's prompts draw what one process draws."""
+    """The seed of each completion (the titan engine's `SamplingParams.row_seeds`, vLLM's request seeds), of the
+    run's seed, the step, its prompt and its place among the prompt's completions: the same after a resume and
+    at any rank count, so ranks that split the step's prompts draw what one process draws."""
     return tuple(
         zlib.crc32(f"{seed}:{step}:{i}:{k}".encode()) for i in indices for k in range(num_generations)
     )

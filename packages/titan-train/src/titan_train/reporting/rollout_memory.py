@@ -2,14 +2,14 @@
 does not cover.
 
 Between steps, each rank keeps its parameter shards and optimizer states (the trace's `parameters` and
-`optimizer state` rows); the titan engine then gathers the model (under FSDP its shards, `rollouts.whole_weights`:
-every unshard at once, in FSDP's parameter dtype, and under expert parallelism only this rank's experts, the
-others left on their ep ranks; under tensor parallelism an unparallelised copy, `rollouts.WholeCopy`, in the
-training parameters' own float32) and allocates the KV
-cache of its batch (`training.local_batch_size` completions of `grpo.max_prompt_length +
-max_completion_length` slots, shaped by each attention's own cache hook, so MLA's latent and a recurrent
-layer's state are what they are) and the float32 logits of one decode step. The KV cache is measured on
-a meta-device model, never estimated from a formula of one family.
+`optimizer state` rows); the titan engine then gathers the model (under FSDP its shards,
+`rollouts.whole_weights`: every unshard at once, in FSDP's parameter dtype, and under expert parallelism only
+this rank's experts, the others left on their ep ranks; under tensor parallelism an unparallelised copy,
+`rollouts.WholeCopy`, in the training parameters' own float32) and allocates the KV cache of its batch
+(`training.local_batch_size` completions of `grpo.max_prompt_length + max_completion_length` slots, shaped by
+each attention's own cache hook, so MLA's latent and a recurrent layer's state are what they are) and the
+float32 logits of one decode step. The KV cache is measured on a meta-device model, never estimated from a
+formula of one family.
 """
 
 from __future__ import annotations
