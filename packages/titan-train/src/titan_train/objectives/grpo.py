@@ -159,9 +159,10 @@ class GRPO:
             self.engine = VLLMEngine(ctx.plan, ctx.tokenizer, Path(config.job.dump_folder))
         tp = ctx.plan.dims.submesh("tp")
         self.tp_group = tp.get_group() if tp is not None else None
-        self.copy = self._whole_copy() if g.engine == "titan" and self.replay is None else None
+        generates = g.engine == "titan" and self.replay is None
+        self.copy = self._whole_copy() if generates else None
         # Under EP the experts' all-to-alls and FSDP gathers run in every decode step: the ranks step together.
-        together = g.engine == "titan" and self.copy is None and ctx.plan.dims.ep > 1
+        together = generates and self.copy is None and ctx.plan.dims.ep > 1
         self.all_done = lockstep(dist.group.WORLD, ctx.device) if together else None
         self.step_number, self.loader = 0, ctx.loader
         self.cache = RolloutCache(rank, ctx.device) if g.num_iterations > 1 else None
