@@ -24,12 +24,11 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from train_throughput import _torchrun  # bench/ is the script's folder
+from peak_memory_run import launch  # bench/ is the script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
@@ -176,30 +175,15 @@ def estimate(c: Config, args, row: Row) -> None:
 def measure(c: Config, args, row: Row, keep: Path | None) -> None:
     """A real `titan-train` run of the same flags on the GPU; the allocator's peaks over the run."""
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        peaks = Path(tmp) / "peaks.json"
-        flags = [*c.flags(args.seq_len, args.steps), "--job.dump_folder", str(Path(tmp) / "dump")]
-        proc = subprocess.run(
-            [*_torchrun(1), str(BENCH / "peak_memory_run.py"), *flags],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            env={**c.env(), "TITAN_PEAK_OUT": str(peaks)},
-        )
-        text = proc.stdout + proc.stderr
-        if keep:
-            keep.mkdir(parents=True, exist_ok=True)
-            (keep / f"{str(c).replace(':', '_').replace('=', '_b')}.log").write_text(text)
-        if proc.returncode != 0:
-            row.error = "OOM" if "out of memory" in text.lower() else _last_line(text)
-        if peaks.exists():
-            measured = json.loads(peaks.read_text())
-            row.measured_allocated, row.measured_reserved = measured["allocated"], measured["reserved"]
-            row.measured_active = measured["active"]
-        metrics = Path(tmp) / "dump" / "metrics.jsonl"
-        if metrics.exists():
-            tps = [r["tps"] for r in map(json.loads, metrics.read_text().splitlines()) if r["step"] > 1]
-            row.measured_tps = statistics.median(tps) if tps else None
+    name = f"{str(c).replace(':', '_').replace('=', '_b')}.log"
+    run = launch(c.flags(args.seq_len, args.steps), c.env(), keep / name if keep else None)
+    if run.returncode != 0:
+        row.error = "OOM" if "out of memory" in run.text.lower() else _last_line(run.text)
+    if run.peaks:
+        row.measured_allocated, row.measured_reserved = run.peaks["allocated"], run.peaks["reserved"]
+        row.measured_active = run.peaks["active"]
+    tps = [r["tps"] for r in run.records if r["step"] > 1]
+    row.measured_tps = statistics.median(tps) if tps else None
     row.run_seconds = time.perf_counter() - started
 
 
