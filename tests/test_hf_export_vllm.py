@@ -7,8 +7,14 @@ DeepSeek's routing bias, exported the Titan way (`write_hf_export` through the f
 engine pushes it). One worker process in the vLLM environment (tests/workers/vllm_greedy.py) greedy-decodes
 NEW tokens of each prompt in every folder; transformers decodes the same folders here, in the same dtype.
 - Served (SERVED): the tokens are equal, and the family's `vllm_gap` is None on CPU.
-- Served in bfloat16 only (SERVED_BF16, Qwen3.5's Gated DeltaNet on CPU): the first greedy token of every prompt
-  is equal; vLLM's bfloat16 roundings differ from transformers' after it.
+- Served in bfloat16 only (SERVED_BF16, Qwen3.5's Gated DeltaNet on CPU): vLLM's first greedy token of every
+  prompt is one that the float32 forward of the same bfloat16 weights (transformers) puts within transformers'
+  own bfloat16 error of its top logit (that error: the largest |bfloat16 - float32| logit of the prompt). A
+  misread weight fails: 1 to 38 of the 2,048 tokens pass per prompt (planted, 2026-12-03: vLLM's tokens shifted
+  by 7 fail both variants, 6.6 to 12.4 below the top against 0.24 to 4.34 allowed). The check before was
+  equality with transformers' bfloat16 token; it failed in a full `.ci/run` here on 2026-12-03, where
+  transformers' bfloat16 MoE picked 314 and both vLLM and the float32 forward 1951 (top two 0.18 apart,
+  transformers' bfloat16 error 2.1 on that prompt).
 - Refused (REFUSED): vLLM fails with the message named there (a probe: the test fails once vLLM runs the model,
   so that the refusal is lifted), and the family's `vllm_gap` names the gap; `resolve` turns it into one line.
 
@@ -30,9 +36,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from family_exports import (
+    DTYPES,
     MAX_MODEL_LEN,
     NEW,
     PROMPTS,
@@ -40,6 +48,7 @@ from family_exports import (
     SERVED,
     SERVED_BF16,
     _export,
+    _first_logits,
     _transformers_greedy,
 )
 
@@ -69,6 +78,8 @@ def served(tmp_path_factory) -> dict[str, dict]:
     for name, (family, flavor, overrides, dtype) in variants.items():
         _export(root / name, family, flavor, overrides, dtype)
         results[name] = {"transformers": _transformers_greedy(root / name, dtype)}
+        if name in SERVED_BF16:
+            results[name] |= {dt: _first_logits(root / name, DTYPES[dt]) for dt in ("float32", "bfloat16")}
     jobs = root / "jobs.json"
     jobs.write_text(
         json.dumps({
@@ -111,8 +122,14 @@ def test_vllm_serves_the_bfloat16_export_and_its_first_tokens_equal_transformers
         next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), NEW)
         for x, y in zip(vllm, ours, strict=True)
     ]
-    print(f"{name}: leading tokens equal per prompt: {agree}")
-    assert [t[0] for t in vllm] == [t[0] for t in ours]
+    print(f"{name}: leading tokens equal to transformers' bfloat16 per prompt: {agree}")
+    exact, rounded = served[name]["float32"], served[name]["bfloat16"]
+    band = (rounded - exact).abs().amax(dim=-1)  # how far transformers' own bfloat16 forward strays
+    firsts = torch.tensor([t[0] for t in vllm])
+    short = exact.amax(dim=-1) - exact.gather(1, firsts[:, None])[:, 0]  # vLLM's pick below the top
+    passing = (exact >= exact.amax(dim=-1, keepdim=True) - band[:, None]).sum(dim=-1)
+    print(f"{name}: tokens within the band per prompt: {passing.tolist()} of {exact.shape[1]}")
+    assert (short <= band).all(), f"below the float32 top by {short.tolist()}; allowed {band.tolist()}"
 
 
 @pytest.mark.parametrize("name", REFUSED)
