@@ -30,18 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from memory_vs_gpu import ESTIMATE, _last_line  # bench/ is the script's folder
+from memory_vs_gpu import _last_line, dry_run_estimate, run_env  # bench/ is the script's folder
 from peak_memory_run import launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,25 +186,11 @@ def write_data(folder: Path, shape: Shape, rows: int, seed: int = 0) -> None:
             pairs.write(json.dumps({"prompt": prompt, "chosen": [chosen], "rejected": [rejected]}) + "\n")
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1"}
-    env.pop("PYTORCH_ALLOC_CONF", None)
-    return {**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-
-
 def estimate(run: Run, row: Row) -> None:
     """The dry run's traced peak allocated for one GPU, or the refusal it printed."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "titan_train.cli", "dry-run", "--ngpu", "1", *run.flags],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=_env(),
-    )
-    match = ESTIMATE.search(proc.stdout + proc.stderr)
-    if match is None:
-        row.error = f"dry run: {_last_line(proc.stdout + proc.stderr)}"
+    match = dry_run_estimate(list(run.flags), run_env())
+    if isinstance(match, str):
+        row.error = match
     else:
         row.estimated_allocated = round(float(match.group(1)) * GIB)
 
@@ -215,7 +198,7 @@ def estimate(run: Run, row: Row) -> None:
 def measure(run: Run, row: Row, keep: Path | None) -> None:
     """One real run on one rank; the medians of its records after the first step."""
     name = f"{row.case}_{re.sub(r'[^a-z0-9]+', '_', row.run.lower())}.log"
-    launched = launch(list(run.flags), _env(), keep / name if keep else None)
+    launched = launch(list(run.flags), run_env(), keep / name if keep else None)
     text, records = launched.text, launched.records
     if launched.returncode != 0:
         row.error = "OOM" if "out of memory" in text.lower() else _last_line(text)

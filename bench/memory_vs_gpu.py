@@ -112,11 +112,7 @@ class Config:
         return flags
 
     def env(self) -> dict[str, str]:
-        path = os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))
-        segments = "False" if "fixed" in self.options else "True"
-        env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1"}
-        env.pop("PYTORCH_ALLOC_CONF", None)
-        return {**env, "PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:{segments}"}
+        return run_env(expandable="fixed" not in self.options)
 
 
 @dataclass
@@ -142,28 +138,36 @@ ESTIMATE = re.compile(
 )
 
 
-def estimate(c: Config, args, row: Row) -> None:
-    """The dry run's traced estimate for one GPU (its worst rank, the only one here)."""
-    started = time.perf_counter()
+def run_env(expandable: bool = True) -> dict[str, str]:
+    """The environment of a dry run and of a real run: bench/ on the path (`cut_flavors`), datasets offline,
+    the allocator's segments expandable or fixed."""
+    path = os.pathsep.join(filter(None, [str(BENCH), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1"}
+    env.pop("PYTORCH_ALLOC_CONF", None)
+    return {**env, "PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:{expandable}"}
+
+
+def dry_run_estimate(flags: list[str], env: dict[str, str]) -> re.Match | str:
+    """`titan-train dry-run --ngpu 1` of `flags`: the match of its estimate line (`ESTIMATE`), or the
+    refusal it printed instead."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titan_train.cli",
-            "dry-run",
-            "--ngpu",
-            "1",
-            *c.flags(args.seq_len, args.steps),
-        ],
+        [sys.executable, "-m", "titan_train.cli", "dry-run", "--ngpu", "1", *flags],
         capture_output=True,
         text=True,
         cwd=REPO,
-        env=c.env(),
+        env=env,
     )
+    text = proc.stdout + proc.stderr
+    return ESTIMATE.search(text) or f"dry run: {_last_line(text)}"
+
+
+def estimate(c: Config, args, row: Row) -> None:
+    """The dry run's traced estimate for one GPU (its worst rank, the only one here)."""
+    started = time.perf_counter()
+    match = dry_run_estimate(c.flags(args.seq_len, args.steps), c.env())
     row.estimate_seconds = time.perf_counter() - started
-    match = ESTIMATE.search(proc.stdout + proc.stderr)
-    if match is None:
-        row.error = f"dry run: {_last_line(proc.stdout + proc.stderr)}"
+    if isinstance(match, str):
+        row.error = match
         return
     allocated, where, expandable, fixed = match.groups()
     # The dry run prints GiB to two decimals: 5 MiB at most, far inside the bounds compared.
