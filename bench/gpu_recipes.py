@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from memory_vs_gpu import _last_line, dry_run_estimate, run_env  # bench/ is the script's folder
+from memory_vs_gpu import _gib, _last_line, _ratio, dry_run_estimate, run_env  # bench/ is the script's folder
 from peak_memory_run import launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -229,10 +229,6 @@ def _fmt(value: float | None, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.3f}" if a and b else ""
-
-
 def print_table(rows: list[Row], header: str) -> None:
     print(f"\n{header}\n")
     print(
@@ -247,9 +243,8 @@ def print_table(rows: list[Row], header: str) -> None:
         print(
             f"| {r.case} | {r.run} | {_fmt(r.tps, ',.0f')} | {_fmt(r.trained_tps, ',.0f')} "
             f"| {_ratio(r.trained_tps, f.trained_tps)} | {_fmt(r.step_s, '.3f')} | {_ratio(r.step_s, f.step_s)} "
-            f"| {_fmt(r.allocated and r.allocated / GIB, '.2f')} "
-            f"| {_fmt(r.estimated_allocated and r.estimated_allocated / GIB, '.2f')} "
-            f"| {_ratio(r.estimated_allocated, r.allocated)} | {_fmt(r.reserved and r.reserved / GIB, '.2f')} "
+            f"| {_gib(r.allocated)} | {_gib(r.estimated_allocated)} "
+            f"| {_ratio(r.estimated_allocated, r.allocated)} | {_gib(r.reserved)} "
             f"| {_fmt(r.rollout_tps, ',.0f')} | {_fmt(r.generation_share, '.0%')} "
             f"| {_fmt(r.newton_schulz_share, '.0%')} | {r.error or ''} |"
         )
